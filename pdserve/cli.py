@@ -1,0 +1,92 @@
+"""The `pdserve` command line. Bad input ends in a one-line `error: ...` and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from pdserve.engine.config import EngineConfig, field_help
+from pdserve.errors import PdserveError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, help text taken from the field's docstring."""
+    helps = field_help(EngineConfig)
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name])
+            continue
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument(flag, type=base if base in (int, float) else str, default=f.default,
+                            help=helps[f.name], metavar=f.name.upper())
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pdserve.core.sampling_params import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, stop=tuple(args.stop))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # validate before paying for a model load
+    from pdserve.engine.llm import LLM
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    print(llm.generate(args.prompt, params)[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.message}]
+    from pdserve.engine.llm import LLM
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    print(llm.chat(messages, params)[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt and print the completion")
+    gen.add_argument("--prompt", required=True)
+    chat = sub.add_parser("chat", help="answer one chat message using the model's chat template")
+    chat.add_argument("--message", required=True)
+    chat.add_argument("--system", default=None, help="optional system message")
+    for p, fn in ((gen, cmd_generate), (chat, cmd_chat)):
+        _add_sampling_args(p)
+        add_engine_args(p)
+        p.set_defaults(func=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PdserveError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

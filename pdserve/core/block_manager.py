@@ -1,0 +1,182 @@
+"""KV block bookkeeping: which block ids each request holds, ref counts, and the prefix cache.
+
+Pure bookkeeping: no tensors, no request objects. The scheduler asks, this module answers with block ids;
+it never writes into a request. Tensors indexed by these ids live in the worker's KV pool.
+
+Free blocks sit in an LRU queue (`OrderedDict`, O(1) removal from the middle when a cached block is hit
+again). A freed block keeps its hash and stays findable by prefix lookups until it is popped for reuse:
+that is the whole prefix cache, with least-recently-freed eviction. A request's blocks are freed tail
+first, because the tail of a sequence is the part least likely to be shared by another request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+from pdserve.core.block_hash import BlockHash, hash_block, hash_blocks
+
+BlockId = NewType("BlockId", int)
+
+
+@dataclass(slots=True)
+class _Block:
+    block_id: BlockId
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set once the block is full and registered in the cache
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks that cover a prefix of some tokens; the answer of `find_prefix`.
+
+    `block_hashes` holds the hashes of every full block considered (hit or not), so allocation and later
+    caching need not hash the prompt again.
+    """
+
+    block_ids: tuple[BlockId, ...]
+    block_hashes: tuple[BlockHash, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+
+class KVBlockManager:
+    """Allocates fixed-size KV blocks to requests, with a chained-hash prefix cache.
+
+    Invariant: every block is either in the free queue (ref_cnt 0) or held by >= 1 request (ref_cnt > 0).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_salt: bytes = b"") -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._salt = cache_salt
+        self._blocks = [_Block(BlockId(i)) for i in range(num_blocks)]
+        self._free: OrderedDict[BlockId, None] = OrderedDict((b.block_id, None) for b in self._blocks)
+        self._cached: dict[BlockHash, BlockId] = {}
+        self._tables: dict[str, list[BlockId]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
+
+    # ---- queries -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by live requests; cached-but-free blocks count as free."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def block_ids(self, request_id: str) -> tuple[BlockId, ...]:
+        return tuple(self._tables.get(request_id, ()))
+
+    def ref_count(self, block_id: BlockId) -> int:
+        return self._blocks[block_id].ref_cnt
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Longest run of cached full blocks at the start of `token_ids`. Changes nothing.
+
+        At least one token is always left out of the hit so the caller has something to compute (the
+        last prompt token's logits give the first output token).
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit((), (), self.block_size)
+        usable = token_ids[:max(len(token_ids) - 1, 0)]
+        hashes = hash_blocks(usable, self.block_size, extra_key=self._salt)
+        hit: list[BlockId] = []
+        for h in hashes:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return PrefixHit(tuple(hit), tuple(hashes), self.block_size)
+
+    # ---- mutations -----------------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None
+                 ) -> list[BlockId] | None:
+        """Grow `request_id`'s table to cover `num_tokens` tokens; return the ids appended, or None.
+
+        `prefix` may only be given for a request holding no blocks: its blocks are shared (ref count +1)
+        instead of allocated. On None nothing changed (not enough free blocks). The caller owns the
+        returned ids until it calls `free(request_id)`.
+        """
+        table = self._tables.get(request_id, [])
+        hit = prefix.block_ids if prefix else ()
+        if hit and table:
+            raise ValueError(f"prefix hit given for {request_id!r}, which already holds blocks")
+        num_new = self.blocks_needed(num_tokens) - len(table) - len(hit)
+        revived = sum(1 for b in hit if self._blocks[b].ref_cnt == 0)
+        if max(num_new, 0) + revived > len(self._free):
+            return None
+        appended: list[BlockId] = []
+        for block_id in hit:
+            block = self._blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+            appended.append(block_id)
+        for _ in range(num_new):
+            appended.append(self._pop_free())
+        self._tables[request_id] = table + appended
+        if hit:
+            self._hashes[request_id] = list(prefix.block_hashes[:len(hit)])
+        return appended
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that became full and computed, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[request_id]
+        hashes = self._hashes.setdefault(request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], self._salt)
+            hashes.append(parent)
+            block = self._blocks[table[i]]
+            if parent not in self._cached and block.block_hash is None:
+                block.block_hash = parent
+                self._cached[parent] = block.block_id
+
+    def free(self, request_id: str) -> None:
+        """Release every block of `request_id` (finish, abort or preemption). Unknown ids are ignored."""
+        table = self._tables.pop(request_id, [])
+        self._hashes.pop(request_id, None)
+        for block_id in reversed(table):
+            block = self._blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise AssertionError(f"block {block_id} ref count went negative")
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after weights change). Blocks in use are untouched."""
+        for block in self._blocks:
+            block.block_hash = None
+        self._cached.clear()
+
+    def _pop_free(self) -> BlockId:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:  # evict from the prefix cache as the block is reused
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block_id

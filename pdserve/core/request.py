@@ -1,0 +1,98 @@
+"""The unit that flows through the engine: a request and its lifecycle.
+
+Lifecycle (single engine; the PD states join in the disaggregation work):
+
+    1. WAITING      in the waiting queue; holds no KV blocks.
+    2. PREFILLING   scheduled; computed tokens < prompt tokens (chunked prefill may take several steps).
+    3. DECODING     the prompt is computed; one new token per step.
+    4. PREEMPTED    its blocks were taken back; it waits again and recomputes (prefix cache may help).
+    5. FINISHED_*   STOPPED (EOS / stop token / stop string), LENGTH (max_tokens or context), ABORTED
+                    (caller gave up), REJECTED (could never be served).
+
+Ownership: the scheduler moves `status` and `num_computed_tokens`; the block manager never writes here.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pdserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_REJECTED = "finished_rejected"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED_")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason, or None while the request lives."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "rejected",
+}
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never 'equal'
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_s: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit at first scheduling, for metrics
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    # Tie-breaker for equal arrival times, so queue order is total and deterministic.
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    # Prompt followed by outputs; appended to in place so the hot path never concatenates.
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

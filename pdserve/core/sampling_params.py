@@ -1,0 +1,55 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 means greedy. top_k 0 or -1 means no top-k cut. `seed` makes sampling reproducible per
+    request regardless of what else is in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers (JSON, CLI) but store tuples so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+                                      param="max_tokens")
+        if not 0.0 <= float(self.temperature) <= 2.0:
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}",
+                                      param="temperature")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}",
+                                      param="top_k")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings", param="stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative", param="stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

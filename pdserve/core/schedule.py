@@ -1,0 +1,58 @@
+"""The seams around one engine step: what the scheduler asks for and what the executor answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core.block_manager import BlockId
+from pdserve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests in the running batch at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decode tokens plus prefill chunks (chunked prefill splits longer prompts)."""
+    max_model_len: int = 8192
+    """Longest sequence (prompt + output) a request may reach."""
+    queue_policy: str = "fcfs"
+    """Order of the waiting queue and of preemption: fcfs | priority."""
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: compute `token_ids` at positions `start_pos`, `start_pos + 1`, ..."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int  # == the request's computed tokens before this step
+    block_ids: tuple[BlockId, ...]  # the whole block table, covering start_pos + len(token_ids) tokens
+    sample: bool  # True when the chunk reaches the last known token, so a new token is sampled
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    finished_request_ids: tuple[str, ...] = ()  # ended since the last step; executors drop their state
+    preempted_request_ids: tuple[str, ...] = ()  # preempted during this schedule() call
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class ExecutorOutput:
+    """What one step produced: the sampled token of every chunk that had `sample=True`."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,200 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix reuse, preemption by recompute.
+
+Each step assigns tokens to requests so that computed tokens catch up with known tokens. Running requests
+go first (a decode token each, or the next prefill chunk), in policy order; then waiting requests are
+admitted while the token budget, the batch size and the block pool allow. When a running request cannot
+grow, the lowest-priority running request is preempted: its blocks are freed (they stay in the prefix cache
+until reused) and it waits to recompute prompt + outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from dataclasses import dataclass
+
+from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.policy import QueuePolicy, make_queue_policy
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
+from pdserve.errors import ContextLengthExceededError, InvalidRequestError
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    num_prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
+                 policy: QueuePolicy | None = None) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.policy = policy or make_queue_policy(config.queue_policy)
+        # A request alone must always fit in the pool, or preemption could never make progress.
+        self.max_model_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []  # kept sorted by policy key: the last one is preempted first
+        self._waiting: list[tuple[tuple, Request]] = []  # heap; finished entries are skipped lazily
+        self._num_waiting = 0
+        self._finished_ids: list[str] = []
+        self.stats = SchedulerStats()
+
+    # ---- intake ----------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{request.num_prompt_tokens} tokens, which leaves no room for output.", param="prompt")
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow_or_preempt(req, n, preempted):
+                break  # `req` itself was the lowest priority and got preempted
+            chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+        if not preempted:  # admitting new work in a step that had to preempt would only thrash
+            budget = self._admit_waiting(budget, chunks)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(chunks), finished, tuple(preempted))
+
+    def update(self, scheduled: SchedulerOutput, result: ExecutorOutput) -> list[Request]:
+        """Advance requests by what the step computed and sampled; return the requests that finished."""
+        now = time.monotonic()
+        finished: list[Request] = []
+        for chunk in scheduled.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.is_finished or req.status is RequestStatus.PREEMPTED:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                req.status = RequestStatus.DECODING
+            if not chunk.sample:
+                continue
+            req.append_output_token(result.sampled_token_ids[req.request_id])
+            if req.first_token_s is None:
+                req.first_token_s = now
+            status = self._stop_status(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string found by the detokenizer)."""
+        ended = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is not None and not req.is_finished:
+                self._finish(req, status)
+                ended.append(req)
+        return ended
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+    def _grow_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
+        while self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            prefix = self.blocks.find_prefix(req.all_token_ids)
+            n = min(req.num_tokens - prefix.num_tokens, budget)
+            if self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix) is None:
+                break  # head of line waits for blocks; later requests do not overtake it
+            self._pop_waiting()
+            if req.num_preemptions == 0:
+                self.stats.num_prompt_tokens += req.num_prompt_tokens
+                self.stats.num_prefix_hit_tokens += prefix.num_tokens
+                req.num_cached_prompt_tokens = prefix.num_tokens
+            req.num_computed_tokens = prefix.num_tokens
+            req.status = RequestStatus.PREFILLING
+            bisect.insort(self.running, req, key=self.policy.sort_key)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id, token_ids=tuple(req.all_token_ids[start:start + n]), start_pos=start,
+            block_ids=self.blocks.block_ids(req.request_id), sample=start + n == req.num_tokens,
+            sampling_params=req.sampling_params)
+
+    def _stop_status(self, req: Request) -> RequestStatus | None:
+        token = req.all_token_ids[-1]
+        params = req.sampling_params
+        if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.stats.num_preemptions += 1
+        self._push_waiting(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif not req.is_finished:
+            self._num_waiting -= 1  # its heap entry is skipped when reached
+        req.status = status
+        req.finished_s = time.monotonic()
+        self.blocks.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self._waiting, (self.policy.sort_key(req), req))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting and self._waiting[0][1].is_finished:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][1] if self._waiting else None
+
+    def _pop_waiting(self) -> Request:
+        _, req = heapq.heappop(self._waiting)
+        self._num_waiting -= 1
+        return req

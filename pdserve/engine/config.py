@@ -1,0 +1,49 @@
+"""Engine configuration: one frozen dataclass, its field help reused by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """Hugging Face model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct."""
+    dtype: str = "auto"
+    """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_gb: float = 2.0
+    """Memory for the KV block pool, in GiB."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks (overrides --kv-cache-gb)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; default: the model's context length."""
+    max_num_seqs: int = 128
+    """Most requests decoding at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget per step; longer prompts are prefilled in chunks of this size."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    queue_policy: str = "fcfs"
+    """Waiting-queue and preemption order: fcfs or priority."""
+    seed: int | None = None
+    """Seed of the sampler for requests without their own seed."""
+    num_threads: int | None = None
+    """CPU threads for torch; default: all cores."""
+
+
+def field_help(cls) -> dict[str, str]:
+    """Attribute docstrings of a config dataclass, for generated CLI help."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return {f.name: docs.get(f.name, "") for f in fields(cls)}

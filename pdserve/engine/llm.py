@@ -1,0 +1,87 @@
+"""The offline Python API: `LLM(model=None).generate(prompts, params)` and `LLM.chat(messages, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.schedule import SchedulerConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.model_executor import ModelExecutor
+from pdserve.errors import InvalidRequestError
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import resolve_model_dir
+from pdserve.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    model_dir = resolve_model_dir(config.model)
+    model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
+    executor = ModelExecutor(model_dir, model_config, config)
+    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=executor.info.max_model_len, queue_policy=config.queue_policy)
+    return LLMEngine(executor, sched, executor.info.num_kv_blocks, tokenizer, config.enable_prefix_caching,
+                     tokenizer.eos_token_ids)
+
+
+class LLM:
+    """Batch generation on one process. Keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = build_engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompt_list))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
+        return self.generate(prompts, params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            self.engine.abort([r for r in request_ids if r not in done])
+            raise
+        return [done[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequestError("prompts must be a string, token ids, or a non-empty list of them",
+                                  param="prompt")
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts", param="params")
+    return list(params)
+
+

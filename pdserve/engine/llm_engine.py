@@ -1,0 +1,108 @@
+"""The engine loop: scheduler -> executor -> scheduler, plus detokenization and stop strings.
+
+    step():
+        scheduled = scheduler.schedule()
+        result    = executor.execute(scheduled)
+        finished  = scheduler.update(scheduled, result)
+        -> detokenize new tokens, end requests that hit a stop string, report outputs
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.scheduler import Scheduler
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.executor import Executor
+from pdserve.errors import InvalidRequestError
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, executor: Executor, scheduler_config: SchedulerConfig, num_kv_blocks: int,
+                 tokenizer: Tokenizer | None = None, enable_prefix_caching: bool = True,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.block_manager = KVBlockManager(num_kv_blocks, executor.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.eos_token_ids = eos_token_ids
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        token_ids = self._prompt_ids(prompt)
+        vocab = getattr(self.executor, "vocab_size", None) or (self.tokenizer.vocab_size if self.tokenizer else None)
+        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+                      arrival_s=time.monotonic(), priority=priority)
+        self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                             params.include_stop_str_in_output)
+        return request_id
+
+    def abort(self, request_ids: list[str]) -> None:
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._detok.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got a new token or finished."""
+        scheduled = self.scheduler.schedule()
+        result = self.executor.execute(scheduled)
+        finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
+        outputs = []
+        for chunk in scheduled.chunks:
+            if not chunk.sample:
+                continue
+            req = finished.get(chunk.request_id) or self.scheduler.requests.get(chunk.request_id)
+            if req is not None:
+                outputs.append(self._output(req, result.sampled_token_ids[req.request_id]))
+        return outputs
+
+    def _output(self, req: Request, new_token: int) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        if detok is not None and detok.push([new_token]) and not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        text = detok.text if detok else ""
+        if req.is_finished:
+            self._detok.pop(req.request_id, None)
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, req.output_token_ids, text, req.is_finished,
+            req.status.finish_reason, req.num_cached_prompt_tokens, req.arrival_s, req.first_token_s,
+            req.finished_s)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass prompt token ids", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        return list(prompt)

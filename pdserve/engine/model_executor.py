@@ -1,0 +1,69 @@
+"""The real executor: a Llama-family model, its KV block pool and the sampler, on one device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.engine.config import EngineConfig
+from pdserve.errors import InvalidRequestError
+from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
+from pdserve.model.config import ModelConfig
+from pdserve.model.input_batch import build_input_batch, order_chunks
+from pdserve.model.llama import LlamaModel
+from pdserve.model.loader import load_safetensors_dir, resolve_dtype
+from pdserve.model.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise InvalidRequestError(f"unknown device {name!r}; choose auto, cpu or cuda", param="device")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda was asked for but torch sees no CUDA device", param="device")
+    return torch.device(name)
+
+
+class ModelExecutor:
+    def __init__(self, model_dir: Path, model_config: ModelConfig, config: EngineConfig) -> None:
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        self.block_size = config.block_size
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        self.model = LlamaModel(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
+                                max_positions=max_len)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(
+            model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.dtype)
+        self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler(config.seed)
+        self.info = ExecutorInfo(num_blocks, config.block_size, max_len, str(self.dtype).removeprefix("torch."),
+                                 str(self.device))
+
+    def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
+        for request_id in scheduled.finished_request_ids:
+            self.sampler.release(request_id)
+        if scheduled.is_empty:
+            return ExecutorOutput()
+        batch = build_input_batch(order_chunks(scheduled.chunks), self.block_size, self.device, self.dtype)
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta)
+        if not batch.sample_chunks:
+            return ExecutorOutput()
+        logits = self.model.logits(hidden[batch.sample_rows])
+        ids = [c.request_id for c in batch.sample_chunks]
+        tokens = self.sampler.sample(logits, ids, [c.sampling_params for c in batch.sample_chunks])
+        return ExecutorOutput(dict(zip(ids, tokens)))

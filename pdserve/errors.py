@@ -1,0 +1,38 @@
+"""Errors a user can act on. Each carries an OpenAI-style type/param/code so the HTTP layer maps it 1:1."""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Base of every error pdserve raises on purpose (never a bare traceback for bad input)."""
+
+    error_type = "invalid_request_error"
+    status_code = 400
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequestError(PdserveError):
+    """A request parameter is out of range or malformed."""
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFoundError(PdserveError):
+    error_type = "not_found_error"
+    status_code = 404
+    code = "model_not_found"
+
+
+class UnsupportedModelError(PdserveError):
+    """The weights exist but describe an architecture, tokenizer or format pdserve does not run."""
+
+    code = "unsupported_model"

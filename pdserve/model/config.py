@@ -1,0 +1,97 @@
+"""Model shape read from a Hugging Face `config.json` (pure Python: the simulator uses it too)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import ModelNotFoundError, UnsupportedModelError
+
+# HF architecture name -> family. All share the Llama decoder; they differ in biases and defaults.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope_scaling: tuple[tuple[str, object], ...] | None = None  # frozen form of the HF dict
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def num_params(self) -> int:
+        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; pdserve runs "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("Llama models with mlp_bias=true are not supported")
+        heads = cfg["num_attention_heads"]
+        rope_scaling = cfg.get("rope_scaling")
+        _check_rope_scaling(rope_scaling)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or attention_bias, o_bias=family == "llama" and attention_bias,
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ModelNotFoundError(f"no config.json in model directory {str(path)!r}")
+        return cls.from_hf_dict(json.loads(config_path.read_text()))
+
+
+def _check_rope_scaling(rope_scaling: dict | None) -> None:
+    if not rope_scaling:
+        return
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind not in ("default", "llama3", "linear"):
+        raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
