@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-# Same settings as /work/shared/peers/env.sh, applied before vllm is imported; values already in the
+# The settings of /work/shared/peers/env.sh, applied before vllm is imported; values already in the
 # environment win, so e.g. `VLLM_CPU_OMP_THREADS_BIND= python ...` can override the core binding.
 PEER_ENV = {
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -25,6 +25,7 @@ PEER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB of KV cache
     "VLLM_HOST_IP": "127.0.0.1",  # keep vLLM's internal queues on loopback
     "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores to the worker
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # not in env.sh: vLLM logs to stdout by default
 }
 for _k, _v in PEER_ENV.items():
     os.environ.setdefault(_k, _v)

@@ -63,8 +63,7 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("Llama models with mlp_bias=true are not supported")
         heads = cfg["num_attention_heads"]
-        rope_scaling = cfg.get("rope_scaling")
-        _check_rope_scaling(rope_scaling)
+        rope_scaling, rope_theta = _rope_settings(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -73,7 +72,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or attention_bias, o_bias=family == "llama" and attention_bias,
@@ -89,9 +88,15 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(config_path.read_text()))
 
 
-def _check_rope_scaling(rope_scaling: dict | None) -> None:
-    if not rope_scaling:
-        return
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if kind not in ("default", "llama3", "linear"):
-        raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+def _rope_settings(cfg: dict) -> tuple[dict | None, float]:
+    """(scaling, theta) from either `rope_scaling` + `rope_theta` (transformers 4 and most checkpoints)
+    or `rope_parameters` (transformers 5, which folds theta into it)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return None, theta
+    if kind not in ("llama3", "linear"):
+        raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
+    return scaling, theta

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-weight HF models written with transformers, and the default model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pdserve.model.loader import resolve_model_dir
+    return resolve_model_dir(None)
+
+
+def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random-weight model of the given family, with the default model's tokenizer files."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                  initializer_range=0.2)
+    common.update(overrides)
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**common)).to(torch.float32).eval()
+    if arch == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
