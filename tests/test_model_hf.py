@@ -16,14 +16,18 @@ NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, gguf_file=None):
+def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, gguf_file=None,
+              stop_at_eos: bool = False):
+    """transformers' greedy tokens. Without `stop_at_eos` EOS is an ordinary token, as with our
+    `ignore_eos=True` (transformers' `min_new_tokens` would instead forbid EOS, changing the argmax)."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None
     outs = []
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
+        ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         outs.append(ids[0, len(p):].tolist())
     return outs
 
@@ -126,5 +130,7 @@ def test_default_model_matches_transformers_gguf(default_model_dir):
              "Water boils at a temperature of 100 degrees Celsius, which is", "Hi"]
     prompts = [llm.tokenizer.encode(t) for t in texts]
     prompts.append(llm.tokenizer.encode_chat([{"role": "user", "content": "Name three fruits."}]))
-    refs = hf_greedy(str(gguf.parent), prompts, gguf_file=gguf.name)
-    assert_same(llm.generate(prompts, GREEDY), refs)
+    refs = hf_greedy(str(gguf.parent), prompts, gguf_file=gguf.name, stop_at_eos=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    assert_same(outs, refs)
+    assert outs[-1].finish_reason == "stop"  # the chat answer ends with <|im_end|> within the budget

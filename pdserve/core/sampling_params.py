@@ -27,14 +27,22 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, CLI) but store tuples so the object stays hashable and frozen.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else self.stop)
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidRequestError("stop must be a string or a list of non-empty strings", param="stop")
+        if not isinstance(stop_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers",
+                                      param="stop_token_ids")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+        for name in ("temperature", "top_p"):
+            if not _is_number(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a number, got {getattr(self, name)!r}", param=name)
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
                                       param="max_tokens")
         if not 0.0 <= float(self.temperature) <= 2.0:
@@ -42,14 +50,18 @@ class SamplingParams:
                                       param="temperature")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}",
                                       param="top_k")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be a list of non-empty strings", param="stop")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative", param="stop_token_ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

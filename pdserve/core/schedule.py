@@ -19,6 +19,12 @@ class SchedulerConfig:
     queue_policy: str = "fcfs"
     """Order of the waiting queue and of preemption: fcfs | priority."""
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:

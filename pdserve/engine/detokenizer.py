@@ -40,6 +40,11 @@ class IncrementalDetokenizer:
         new, self._emitted = self.text[self._emitted:end], end
         return new
 
+    @property
+    def emitted_text(self) -> str:
+        """The text handed out so far by `take_new_text`."""
+        return self.text[:self._emitted]
+
     def _decode_step(self) -> str:
         # Decode from one step back so the new token's text is seen in context, then slide the window.
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)

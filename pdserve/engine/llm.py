@@ -41,7 +41,13 @@ class LLM:
         """Generate for each prompt (text or token ids); outputs come back in input order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompt_list, params_list):
+                ids.append(self.engine.add_request(p, sp))
+        except BaseException:
+            self.engine.abort(ids)  # all or nothing: earlier prompts must not linger in the engine
+            raise
         return self._run(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -29,7 +29,8 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # stable text so far: never shows a possible start of a stop string until final
+    text_delta: str = ""  # what `text` gained since this request's previous output (for streaming)
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0
@@ -90,11 +91,12 @@ class LLMEngine:
         detok = self._detok.get(req.request_id)
         if detok is not None and detok.push([new_token]) and not req.is_finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        text = detok.text if detok else ""
+        delta = detok.take_new_text(final=req.is_finished) if detok else ""
+        text = detok.emitted_text if detok else ""
         if req.is_finished:
             self._detok.pop(req.request_id, None)
         return RequestOutput(
-            req.request_id, req.prompt_token_ids, req.output_token_ids, text, req.is_finished,
+            req.request_id, req.prompt_token_ids, req.output_token_ids, text, delta, req.is_finished,
             req.status.finish_reason, req.num_cached_prompt_tokens, req.arrival_s, req.first_token_s,
             req.finished_s)
 

@@ -13,7 +13,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
 from pdserve.model.config import ModelConfig
-from pdserve.model.input_batch import build_input_batch, order_chunks
+from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_safetensors_dir, resolve_dtype
 from pdserve.model.sampler import Sampler
@@ -50,6 +50,7 @@ class ModelExecutor:
         num_blocks = config.num_kv_blocks or blocks_for_budget(
             model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.dtype)
         self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.layout = CacheLayout(config.block_size, num_blocks * config.block_size, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
         self.info = ExecutorInfo(num_blocks, config.block_size, max_len, str(self.dtype).removeprefix("torch."),
                                  str(self.device))
@@ -59,7 +60,7 @@ class ModelExecutor:
             self.sampler.release(request_id)
         if scheduled.is_empty:
             return ExecutorOutput()
-        batch = build_input_batch(order_chunks(scheduled.chunks), self.block_size, self.device, self.dtype)
+        batch = build_input_batch(order_chunks(scheduled.chunks), self.layout, self.device, self.dtype)
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta)
         if not batch.sample_chunks:
             return ExecutorOutput()

@@ -1,8 +1,7 @@
 """The Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2) over a paged KV cache.
 
-Weights are kept pre-transposed as `[in, out]` and fused (q|k|v, gate|up): on CPU, `x @ W` with a
-contiguous `[in, out]` weight runs the skinny decode matmuls markedly faster than `F.linear` does
-(see benchmarks/bench_engine.py), and fusing halves the number of matmul calls.
+Projections are fused (q|k|v, gate|up) so a layer makes four matmul calls, each through `Linear`, which
+picks the fastest kernel for the row count (packed MKL sgemm for decode-sized batches on CPU).
 """
 
 from __future__ import annotations
@@ -15,19 +14,18 @@ import torch
 from pdserve.errors import UnsupportedModelError
 from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
+from pdserve.model.linear import Linear, mkl_packing_available
 from pdserve.model.rope import RotaryEmbedding
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [H, (Hq + 2 Hkv) * D]
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor  # [Hq * D, H]
-    bo: torch.Tensor | None
+    qkv: Linear  # H -> (Hq + 2 Hkv) * D
+    o: Linear  # Hq * D -> H
     mlp_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [H, 2 I]
-    w_down: torch.Tensor  # [I, H]
+    gate_up: Linear  # H -> 2 I
+    down: Linear  # I -> H
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,60 +41,53 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.scale = config.head_dim ** -0.5
+        self.pack = mkl_packing_available(device, dtype)
         get = _WeightGetter(weights, dtype, device)
         self.embed = get("model.embed_tokens.weight")  # [V, H]
         self.layers = [self._load_layer(get, i) for i in range(config.num_layers)]
         self.norm = get("model.norm.weight")
-        # Tied embeddings: reuse the [V, H] table through F.linear rather than storing a transposed copy.
-        self.lm_head = self.embed if config.tie_word_embeddings else get("lm_head.weight")
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else get("lm_head.weight"), pack=self.pack)
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling_dict, dtype, device)
         get.check_all_used()
 
     def _load_layer(self, get: _WeightGetter, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = [get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        qkv = torch.cat([get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
         bqkv = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]) if self.config.qkv_bias else None
+        gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        bo = get(p + "self_attn.o_proj.bias") if self.config.o_bias else None
         return LayerWeights(
-            attn_norm=get(p + "input_layernorm.weight"),
-            wqkv=torch.cat(qkv, dim=0).t().contiguous(), bqkv=bqkv,
-            wo=get(p + "self_attn.o_proj.weight").t().contiguous(),
-            bo=get(p + "self_attn.o_proj.bias") if self.config.o_bias else None,
-            mlp_norm=get(p + "post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).t().contiguous(),
-            w_down=get(p + "mlp.down_proj.weight").t().contiguous())
+            attn_norm=get(p + "input_layernorm.weight"), qkv=Linear(qkv, bqkv, self.pack),
+            o=Linear(get(p + "self_attn.o_proj.weight"), bo, self.pack),
+            mlp_norm=get(p + "post_attention_layernorm.weight"), gate_up=Linear(gate_up, pack=self.pack),
+            down=Linear(get(p + "mlp.down_proj.weight"), pack=self.pack))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches[layer]: [2, num_slots, Hkv, D] -> hidden states [T, H]."""
+        """input_ids, positions: [T]; kv_caches[layer]: [2, Hkv, num_slots, D] -> hidden states [T, H]."""
         cfg = self.config
         x = self.embed[input_ids]
         cos, sin = self.rope.lookup(positions)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for layer, cache in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = h @ layer.wqkv
-            if layer.bqkv is not None:
-                qkv += layer.bqkv
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
             q = RotaryEmbedding.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = RotaryEmbedding.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
-            attn = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale) @ layer.wo
-            if layer.bo is not None:
-                attn += layer.bo
-            x = x + attn
+            x = x + layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ layer.w_down
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(torch.nn.functional.silu(gate) * up)
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] (only the rows that sample) -> fp32 logits [S, V]."""
-        return torch.nn.functional.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 class _WeightGetter:

@@ -1,0 +1,68 @@
+"""The pure-Python layers (core scheduling, tokenizer, detokenizer, engine loop, model config) never load torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pdserve
+
+PKG = Path(pdserve.__file__).resolve().parent
+MODULES = ["pdserve", "pdserve.core", "pdserve.core.scheduler", "pdserve.tokenizer", "pdserve.engine.detokenizer",
+           "pdserve.engine.llm_engine", "pdserve.model.config"]
+
+
+def _loaded_after_import(modules: list[str]) -> set[str]:
+    code = (f"import sys\nimport {', '.join(modules)}\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=PKG.parent)
+    assert res.returncode == 0, res.stderr
+    return set(res.stdout.split())
+
+
+def test_pure_modules_do_not_import_torch():
+    assert _loaded_after_import(MODULES) == set()
+
+
+def test_the_subprocess_check_can_see_torch():
+    # Guard for the test above: importing a module that does need torch is detected.
+    assert "torch" in _loaded_after_import(["pdserve.model.loader"])
+
+
+def _torch_imports(path: Path) -> list[int]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else []
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            fn = node.func
+            fn_name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            names = [str(node.args[0].value)] if fn_name in ("__import__", "import_module") else []
+        else:
+            continue
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_core_sources_never_import_torch():
+    files = sorted((PKG / "core").rglob("*.py"))
+    assert len(files) >= 8
+    offenders = {str(f.relative_to(PKG)): lines for f in files if (lines := _torch_imports(f))}
+    assert offenders == {}
+
+
+def test_static_check_detects_torch_imports(tmp_path):
+    for src in ["import torch", "import os, torch.nn as nn", "from torch import nn", "from torch.nn import functional",
+                "def f():\n    import torch", "import importlib\nimportlib.import_module('torch')", "__import__('torch')"]:
+        f = tmp_path / "m.py"
+        f.write_text(src + "\n")
+        assert _torch_imports(f), src
+    (tmp_path / "ok.py").write_text('"""Never imports torch."""\nimport torchvision_like_name as t\nx = "torch"\n')
+    assert _torch_imports(tmp_path / "ok.py") == []
