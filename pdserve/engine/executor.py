@@ -11,6 +11,7 @@ from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
 
 class Executor(Protocol):
     block_size: int
+    vocab_size: int
 
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         """Compute every chunk's KV into its blocks and sample a token for each chunk with `sample`."""

@@ -55,8 +55,8 @@ class LLMEngine:
                     priority: int = 0) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids = self._prompt_ids(prompt)
-        vocab = getattr(self.executor, "vocab_size", None) or (self.tokenizer.vocab_size if self.tokenizer else None)
-        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
+        vocab = self.executor.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_s=time.monotonic(), priority=priority)

@@ -44,13 +44,14 @@ class ModelExecutor:
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.block_size = config.block_size
+        self.vocab_size = model_config.vocab_size
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = LlamaModel(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
                                 max_positions=max_len)
         num_blocks = config.num_kv_blocks or blocks_for_budget(
             model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.dtype)
         self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device)
-        self.layout = CacheLayout(config.block_size, num_blocks * config.block_size, model_config.num_kv_heads)
+        self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
         self.info = ExecutorInfo(num_blocks, config.block_size, max_len, str(self.dtype).removeprefix("torch."),
                                  str(self.device))

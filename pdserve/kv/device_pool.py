@@ -14,9 +14,9 @@ def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, d
 
 
 class DeviceKVPool:
-    """One tensor per layer, `[2 (k|v), num_kv_heads, num_blocks * block_size, head_dim]`.
+    """One tensor per layer, `[2 (k|v), num_kv_heads, num_blocks, block_size, head_dim]`.
 
-    Slot s of a layer belongs to block s // block_size. Memory is allocated with `torch.zeros` so on CPU
+    Slot s = block_id * block_size + offset. Memory is allocated with `torch.zeros` so on CPU
     untouched pages cost nothing until used.
     """
 
@@ -24,7 +24,7 @@ class DeviceKVPool:
                  device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (2, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        shape = (2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     @property

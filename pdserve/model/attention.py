@@ -1,12 +1,11 @@
 """Attention over a paged KV cache for a mixed batch (decode tokens and prefill chunks in one step).
 
 Token layout of a step: the decode tokens first (one per request, `num_decodes` of them), then each prefill
-chunk contiguously. KV cache of one layer: `[num_kv_heads, num_slots, head_dim]` where slot =
-block_id * block_size + offset; the block tables of the step are turned into slot indices once, in
-`AttentionMetadata`, and reused by every layer. Heads lead so that gathering a context gives
-`[Hkv, B*L, D]`, already the layout the batched matmuls need (no copy after the gather); the gather
-itself is one dim-0 `index_select` on the `[Hkv * num_slots, D]` view, with per-head row indices
-(`head * num_slots + slot`) computed once per step.
+chunk contiguously. KV cache of one layer: `[Hkv, num_blocks, block_size, D]`; slot = block_id *
+block_size + offset. The block tables of the step become row indices once, in `AttentionMetadata`, and
+every layer reuses them. Heads lead so that a gathered context is `[Hkv, B, L, D]`, already the layout
+the batched matmuls need; contexts are gathered a whole block at a time (one `index_select` over the
+`[Hkv * num_blocks, block_size * D]` view), which copies kilobyte runs instead of single rows.
 """
 
 from __future__ import annotations
@@ -22,24 +21,31 @@ class PrefillChunk:
     q_start: int  # first row of this chunk in the step's token layout
     q_len: int
     start_pos: int  # tokens already in the cache before this chunk (prefix hit or earlier chunks)
-    kv_rows: torch.Tensor | None  # [Hkv * (start_pos + q_len)] rows to read, None when start_pos == 0
+    kv_rows: torch.Tensor | None  # [Hkv * num_ctx_blocks] block rows to read, None when start_pos == 0
     causal_mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool, None when start_pos == 0
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    slot_rows: torch.Tensor  # [Hkv * T] rows of the [Hkv * num_slots, D] view where new K/V are written
     num_decodes: int
-    decode_rows: torch.Tensor | None  # [Hkv * B * L] rows of each decode request's context, padded
+    decode_rows: torch.Tensor | None  # [Hkv * B * max_blocks] block rows of each decode context, padded
     decode_bias: torch.Tensor | None  # [B, 1, L] 0 for real slots, -inf for padding
     prefills: tuple[PrefillChunk, ...]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    # k_cache: [Hkv, S, D]; k: [T, Hkv, D]
-    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+             slot_rows: torch.Tensor) -> None:
+    # k_cache: [Hkv, num_blocks, block_size, D]; k: [T, Hkv, D]
+    d = k.shape[-1]
+    k_cache.view(-1, d).index_copy_(0, slot_rows, k.transpose(0, 1).reshape(-1, d))
+    v_cache.view(-1, d).index_copy_(0, slot_rows, v.transpose(0, 1).reshape(-1, d))
+
+
+def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] cache, block rows [Hkv * N] -> [Hkv, N * bs, D] (N blocks per head)."""
+    num_kv, _, block_size, d = cache.shape
+    return cache.view(-1, block_size * d).index_select(0, rows).view(num_kv, -1, d)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -60,9 +66,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[0]
-    length = meta.decode_bias.shape[-1]
-    keys = k_cache.view(-1, head_dim).index_select(0, meta.decode_rows).view(num_kv, b, length, head_dim)
-    values = v_cache.view(-1, head_dim).index_select(0, meta.decode_rows).view(num_kv, b, length, head_dim)
+    keys = _gather_blocks(k_cache, meta.decode_rows).view(num_kv, b, -1, head_dim)  # [Hkv, B, L, D]
+    values = _gather_blocks(v_cache, meta.decode_rows).view(num_kv, b, -1, head_dim)
     # Group query heads by their KV head so GQA needs no repeat: q [Hkv, B, G, D] @ k^T [Hkv, B, D, L]
     qg = q.view(b, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale + meta.decode_bias  # [Hkv, B, G, L]
@@ -75,9 +80,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     # SDPA wants [1, H, S, D]
     qh = q.transpose(0, 1).unsqueeze(0)
     if chunk.kv_rows is not None:  # earlier context lives in the cache: read it all back
-        shape = (1, k_cache.shape[0], -1, k_cache.shape[-1])
-        kh = k_cache.view(-1, k_cache.shape[-1]).index_select(0, chunk.kv_rows).view(shape)
-        vh = v_cache.view(-1, v_cache.shape[-1]).index_select(0, chunk.kv_rows).view(shape)
+        ctx = chunk.start_pos + chunk.q_len
+        kh = _gather_blocks(k_cache, chunk.kv_rows)[:, :ctx].unsqueeze(0)
+        vh = _gather_blocks(v_cache, chunk.kv_rows)[:, :ctx].unsqueeze(0)
     else:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(

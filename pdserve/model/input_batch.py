@@ -26,14 +26,23 @@ def order_chunks(chunks: tuple[ScheduledChunk, ...]) -> list[ScheduledChunk]:
 
 @dataclass(frozen=True)
 class CacheLayout:
+    """Shape of one layer's K (or V) cache: `[Hkv, num_blocks, block_size, D]`."""
+
     block_size: int
-    num_slots: int  # per layer and head
+    num_blocks: int
     num_kv_heads: int
 
-    def rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of the `[Hkv * num_slots, D]` view holding `slots` ([N]) for every head: [Hkv * N]."""
-        heads = torch.arange(self.num_kv_heads).unsqueeze(1) * self.num_slots
-        return (heads + slots.reshape(1, -1)).reshape(-1)
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of the `[Hkv * num_blocks * block_size, D]` view for `slots` [N], every head: [Hkv * N]."""
+        return self._per_head(slots, self.num_blocks * self.block_size)
+
+    def block_rows(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the `[Hkv * num_blocks, block_size * D]` view for `block_ids` [N], every head: [Hkv * N]."""
+        return self._per_head(block_ids, self.num_blocks)
+
+    def _per_head(self, index: torch.Tensor, per_head: int) -> torch.Tensor:
+        heads = torch.arange(self.num_kv_heads).unsqueeze(1) * per_head
+        return (heads + index.reshape(1, -1)).reshape(-1)
 
 
 def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device: torch.device,
@@ -56,39 +65,34 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
     for c in chunks[len(decodes):]:
         prefills.append(_prefill_chunk(c, row, layout, device))
         row += c.num_tokens
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    meta = AttentionMetadata(as_long(slots), len(decodes), decode_rows, decode_bias, tuple(prefills))
-    return InputBatch(as_long(ids), as_long(positions), meta, as_long(sample_rows),
-                      tuple(c for c in chunks if c.sample))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
+                             decode_bias, tuple(prefills))
+    return InputBatch(as_long(ids).to(device), as_long(positions).to(device), meta,
+                      as_long(sample_rows).to(device), tuple(c for c in chunks if c.sample))
 
 
 def _decode_tensors(decodes: list[ScheduledChunk], layout: CacheLayout, device: torch.device,
                     dtype: torch.dtype):
-    block_size = layout.block_size
     if not decodes:
         return None, None
-    lengths = torch.tensor([c.start_pos + 1 for c in decodes])
     max_blocks = max(len(c.block_ids) for c in decodes)
-    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # padding reads block 0, masked
     for i, c in enumerate(decodes):
         tables[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
-    length = int(lengths.max())
-    offsets = torch.arange(length)
-    slots = tables[:, offsets // block_size] * block_size + offsets % block_size  # [B, L]
-    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
-    slots = torch.where(valid, slots, 0)  # padding reads slot 0 and is masked out below
+    lengths = torch.tensor([c.start_pos + 1 for c in decodes])
+    offsets = torch.arange(max_blocks * layout.block_size)
+    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
     bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
-    return layout.rows(slots).to(device), bias.view(len(decodes), 1, length).to(device)
+    return layout.block_rows(tables).to(device), bias.unsqueeze(1).to(device)
 
 
 def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: torch.device) -> PrefillChunk:
-    block_size = layout.block_size
     if c.start_pos == 0:
         return PrefillChunk(row, c.num_tokens, 0, None, None)
     ctx = c.start_pos + c.num_tokens
-    pos = torch.arange(ctx)
-    table = torch.tensor(c.block_ids, dtype=torch.long)
-    kv_slots = table[pos // block_size] * block_size + pos % block_size
+    num_blocks = -(-ctx // layout.block_size)
+    rows = layout.block_rows(torch.tensor(c.block_ids[:num_blocks], dtype=torch.long))
     q_pos = torch.arange(c.start_pos, ctx)
-    mask = pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, ctx]: a query sees keys at or before it
-    return PrefillChunk(row, c.num_tokens, c.start_pos, layout.rows(kv_slots).to(device), mask.to(device))
+    mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, ctx]: keys at or before the query
+    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device))

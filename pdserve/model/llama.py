@@ -29,7 +29,9 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the reference formula below in fp32
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()  # Hugging Face order: normalize in fp32, cast back, then scale
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
@@ -66,18 +68,19 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches[layer]: [2, Hkv, num_slots, D] -> hidden states [T, H]."""
+        """input_ids, positions: [T]; kv_caches[layer]: [2, Hkv, num_blocks, block_size, D] -> hidden states [T, H]."""
         cfg = self.config
         x = self.embed[input_ids]
         cos, sin = self.rope.lookup(positions)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for layer, cache in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
-            q = RotaryEmbedding.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = RotaryEmbedding.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk, v = layer.qkv(h).split([q_size + kv_size, kv_size], dim=-1)
+            # q and k heads side by side: one rotary application for both
+            qk = RotaryEmbedding.apply(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+            write_kv(cache[0], cache[1], k, v, meta.slot_rows)
             x = x + layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
