@@ -82,3 +82,10 @@ def test_python_api_errors(tmp_path, tiny_llama_dir):
     out = llm.generate([list(range(100, 120))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_unwritable_conversion_cache(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should go")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(blocker))
+    assert_one_line_error(run_cli("generate", "--prompt", "hi"), "PDSERVE_CACHE_DIR")

@@ -19,7 +19,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
-from pdserve.errors import UnsupportedModelError
+from pdserve.errors import PdserveError, UnsupportedModelError
 from pdserve.model.gguf_tokenizer import build_tokenizer
 
 CONVERTER_VERSION = "1"
@@ -44,18 +44,29 @@ def convert_gguf_cached(path: Path) -> Path:
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    except OSError as e:
+        raise _unwritable(out, e) from None
     try:
         convert_gguf(path, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; peers running as other users read this directory too
+        # mkdtemp and safetensors make private files; peers running as other users read them too
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         os.replace(tmp, out)  # atomic: a concurrent start sees either nothing or a whole directory
-    except OSError:
-        if not (out / "config.json").is_file():
-            raise
+    except OSError as e:
+        if not (out / "config.json").is_file():  # else a concurrent start won the race: use its result
+            raise _unwritable(out, e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _unwritable(out: Path, e: OSError) -> PdserveError:
+    return PdserveError(f"cannot write the converted model to {str(out)!r} ({e.strerror or e}); "
+                        "set PDSERVE_CACHE_DIR to a writable directory")
 
 
 def convert_gguf(path: Path, out_dir: Path) -> None:
