@@ -46,8 +46,9 @@ def _sampling_params(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # validate before paying for a model load
+    config = engine_config_from_args(args)
     from pdserve.engine.llm import LLM
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    llm = LLM(**dataclasses.asdict(config))
     print(llm.generate(args.prompt, params)[0].text)
     return 0
 
@@ -56,8 +57,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.message}]
+    config = engine_config_from_args(args)
     from pdserve.engine.llm import LLM
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    llm = LLM(**dataclasses.asdict(config))
     print(llm.chat(messages, params)[0].text)
     return 0
 

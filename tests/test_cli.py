@@ -52,6 +52,9 @@ def test_generate_and_chat_on_default_model():
     (["--temperature", "-1"], "temperature"),
     (["--model", "/no/such/model"], "does not exist"),
     (["--max-model-len", "8"], "maximum context length"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--block-size", "0"], "block_size"),
+    (["--kv-cache-gb", "-1"], "kv_cache_gb"),
 ])
 def test_bad_input_gives_one_line_error(args, needle):
     prompt = "one two three four five six seven eight nine ten eleven twelve"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import BlockId
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ class EngineConfig:
     num_threads: int | None = None
     """CPU threads for torch; default: all cores."""
 
+    def __post_init__(self) -> None:
+        # Checked here so a bad flag is a one-line error before any model is loaded.
+        from pdserve.errors import InvalidRequestError
+        positive = {"block_size": self.block_size, "kv_cache_gb": self.kv_cache_gb,
+                    "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "num_kv_blocks": self.num_kv_blocks, "max_model_len": self.max_model_len,
+                    "num_threads": self.num_threads}
+        for name, value in positive.items():
+            if value is not None and not value > 0:
+                raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
+
 
 def field_help(cls) -> dict[str, str]:
     """Attribute docstrings of a config dataclass, for generated CLI help."""
