@@ -6,7 +6,7 @@ picks the fastest kernel for the row count (packed MKL sgemm for decode-sized ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +67,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches[layer]: [2, Hkv, num_blocks, block_size, D] -> hidden states [T, H]."""
+                meta: AttentionMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches[layer]: [2, Hkv, num_blocks, block_size, D] -> hidden states [T, H].
+
+        `layer_done(i)` runs as soon as layer i's KV is in the cache (prefill workers deliver it from there
+        while the next layers compute)."""
         cfg = self.config
         x = self.embed[input_ids]
         cos, sin = self.rope.lookup(positions)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qk, v = layer.qkv(h).split([q_size + kv_size, kv_size], dim=-1)
             # q and k heads side by side: one rotary application for both
@@ -81,6 +84,8 @@ class LlamaModel:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             write_kv(cache[0], cache[1], k, v, meta.slot_rows)
+            if layer_done is not None:
+                layer_done(i)
             x = x + layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
