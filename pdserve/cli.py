@@ -12,10 +12,16 @@ from pdserve.errors import PdserveError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, help text taken from the field's docstring."""
-    helps = field_help(EngineConfig)
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+    add_config_args(parser, EngineConfig)
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per field of a config dataclass, help text taken from the field's docstring."""
+    helps = field_help(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         if hint is bool:
@@ -27,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return EngineConfig(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)})
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +70,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.server.launch import ServeConfig, serve
+    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+    engine = dataclasses.asdict(engine_config_from_args(args))
+    engine.pop("model")
+    return serve(cfg, engine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_args(p)
         add_engine_args(p)
         p.set_defaults(func=fn)
+    from pdserve.server.launch import ServeConfig
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API with prefill/decode workers")
+    add_config_args(srv, ServeConfig)
+    add_config_args(srv, EngineConfig, skip=frozenset({"model"}))
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

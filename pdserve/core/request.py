@@ -1,13 +1,18 @@
 """The unit that flows through the engine: a request and its lifecycle.
 
-Lifecycle (single engine; the PD states join in the disaggregation work):
+Lifecycle:
 
-    1. WAITING      in the waiting queue; holds no KV blocks.
-    2. PREFILLING   scheduled; computed tokens < prompt tokens (chunked prefill may take several steps).
-    3. DECODING     the prompt is computed; one new token per step.
-    4. PREEMPTED    its blocks were taken back; it waits again and recomputes (prefix cache may help).
-    5. FINISHED_*   STOPPED (EOS / stop token / stop string), LENGTH (max_tokens or context), ABORTED
-                    (caller gave up), REJECTED (could never be served).
+    1. WAITING         in the waiting queue; holds no KV blocks.
+    2. PREFILLING      scheduled; computed tokens < prompt tokens (chunked prefill may take several steps).
+    3. WAITING_FOR_KV  decode worker only: blocks reserved, the prompt's KV is being delivered by a prefill
+                       worker; not scheduled until the delivery completes (then PREFILLING for the last
+                       prompt token, whose logits give the first output token) or fails (then WAITING, to
+                       recompute here).
+    4. DECODING        the prompt is computed; one new token per step.
+    5. PREEMPTED       its blocks were taken back; it waits again and recomputes (prefix cache may help).
+    6. FINISHED_*      STOPPED (EOS / stop token / stop string), LENGTH (max_tokens or context), ABORTED
+                       (caller gave up), REJECTED (could never be served), PREFILLED (prefill worker only:
+                       the KV of the prompt is computed and delivered; no token is sampled there).
 
 Ownership: the scheduler moves `status` and `num_computed_tokens`; the block manager never writes here.
 """
@@ -25,12 +30,14 @@ from pdserve.core.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
+    WAITING_FOR_KV = "waiting_for_kv"
     DECODING = "decoding"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_REJECTED = "finished_rejected"
+    FINISHED_PREFILLED = "finished_prefilled"
 
     @property
     def finished(self) -> bool:
@@ -47,6 +54,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_REJECTED: "rejected",
+    RequestStatus.FINISHED_PREFILLED: "prefilled",
 }
 
 _arrival_counter = itertools.count()
@@ -60,10 +68,13 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_s: float = field(default_factory=time.monotonic)
     priority: int = 0
+    prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample nothing
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first scheduling, for metrics
     num_preemptions: int = 0
+    scheduled_s: float | None = None  # first admission to the running batch
+    prefilled_s: float | None = None  # when every prompt token had been computed (first time)
     first_token_s: float | None = None
     finished_s: float | None = None
     # Tie-breaker for equal arrival times, so queue order is total and deterministic.

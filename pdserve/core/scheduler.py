@@ -5,6 +5,12 @@ go first (a decode token each, or the next prefill chunk), in policy order; then
 admitted while the token budget, the batch size and the block pool allow. When a running request cannot
 grow, the lowest-priority running request is preempted: its blocks are freed (they stay in the prefix cache
 until reused) and it waits to recompute prompt + outputs.
+
+Prefill/decode disaggregation uses the same class on both sides. A prefill worker's requests are
+`prefill_only`: they end as FINISHED_PREFILLED once their KV is computed, sampling nothing. A decode worker
+`reserve_kv`s blocks for a request whose KV another worker delivers (WAITING_FOR_KV, never scheduled), then
+`kv_delivered` makes it runnable with every prompt token but the last already computed; or
+`kv_failed` sends it to the waiting queue to recompute here.
 """
 
 from __future__ import annotations
@@ -41,20 +47,70 @@ class Scheduler:
         self._waiting: list[tuple[tuple, Request]] = []  # heap; finished entries are skipped lazily
         self._num_waiting = 0
         self._finished_ids: list[str] = []
+        self._num_reserved = 0  # requests in WAITING_FOR_KV
         self.stats = SchedulerStats()
 
     # ---- intake ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._check_new(request)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt must contain at least one token", param="prompt")
-        if request.num_prompt_tokens >= self.max_model_len:
+        # A prefill-only request samples nothing, so its prompt may fill the context.
+        if request.num_prompt_tokens >= self.max_model_len + request.prefill_only:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{request.num_prompt_tokens} tokens, which leaves no room for output.", param="prompt")
+
+    # ---- KV delivered by another worker (decode side of PD) ------------------------------------------------
+    def reserve_kv(self, request: Request) -> int | None:
+        """Hold blocks for the whole prompt of a request whose KV will be delivered; None when no room now.
+
+        Returns the number of prompt tokens already in this worker's prefix cache (whole blocks): the sender
+        need not deliver those. Raises like `add_request` for a request that could never be served.
+        """
+        self._check_new(request)
+        if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
+            return None
+        prefix = self.blocks.find_prefix(request.all_token_ids)
+        if self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix) is None:
+            return None
         self.requests[request.request_id] = request
-        self._push_waiting(request)
+        self._num_reserved += 1
+        request.scheduled_s = time.monotonic()
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_prompt_tokens = prefix.num_tokens
+        self.stats.num_prompt_tokens += request.num_prompt_tokens
+        self.stats.num_prefix_hit_tokens += prefix.num_tokens
+        return prefix.num_tokens
+
+    def kv_delivered(self, request_id: str) -> None:
+        """The KV of every prompt token but the last is in the reserved blocks: schedule the rest."""
+        req = self._reserved(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
+        req.status = RequestStatus.PREFILLING
+        bisect.insort(self.running, req, key=self.policy.sort_key)
+
+    def kv_failed(self, request_id: str) -> None:
+        """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""
+        req = self._reserved(request_id)
+        self.blocks.free(request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self._push_waiting(req)
+
+    def _reserved(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
+            raise KeyError(f"{request_id!r} is not waiting for KV")
+        self._num_reserved -= 1
+        return req
 
     @property
     def num_waiting(self) -> int:
@@ -63,6 +119,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return self._num_reserved
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -98,6 +158,11 @@ class Scheduler:
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 req.status = RequestStatus.DECODING
+                req.prefilled_s = req.prefilled_s or now
+                if req.prefill_only:
+                    self._finish(req, RequestStatus.FINISHED_PREFILLED)
+                    finished.append(req)
+                    continue
             if not chunk.sample:
                 continue
             req.append_output_token(result.sampled_token_ids[req.request_id])
@@ -145,6 +210,7 @@ class Scheduler:
                 req.num_cached_prompt_tokens = prefix.num_tokens
             req.num_computed_tokens = prefix.num_tokens
             req.status = RequestStatus.PREFILLING
+            req.scheduled_s = req.scheduled_s or time.monotonic()
             bisect.insort(self.running, req, key=self.policy.sort_key)
             chunks.append(self._chunk(req, n))
             budget -= n
@@ -154,7 +220,8 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledChunk(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids[start:start + n]), start_pos=start,
-            block_ids=self.blocks.block_ids(req.request_id), sample=start + n == req.num_tokens,
+            block_ids=self.blocks.block_ids(req.request_id),
+            sample=start + n == req.num_tokens and not req.prefill_only,
             sampling_params=req.sampling_params)
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
@@ -177,6 +244,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_KV:
+            self._num_reserved -= 1
         elif not req.is_finished:
             self._num_waiting -= 1  # its heap entry is skipped when reached
         req.status = status

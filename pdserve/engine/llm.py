@@ -5,27 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import SchedulerConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.model_executor import ModelExecutor
+from pdserve.engine.worker_engine import build_engine_at
 from pdserve.errors import InvalidRequestError
-from pdserve.model.config import ModelConfig
 from pdserve.model.loader import resolve_model_dir
-from pdserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    model_dir = resolve_model_dir(config.model)
-    model_config = ModelConfig.from_dir(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
-    executor = ModelExecutor(model_dir, model_config, config)
-    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=executor.info.max_model_len, queue_policy=config.queue_policy)
-    return LLMEngine(executor, sched, executor.info.num_kv_blocks, tokenizer, config.enable_prefix_caching,
-                     tokenizer.eos_token_ids)
+    return build_engine_at(resolve_model_dir(config.model), config)
 
 
 class LLM:

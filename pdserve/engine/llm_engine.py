@@ -37,6 +37,8 @@ class RequestOutput:
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
+    scheduled_s: float | None = None
+    prefilled_s: float | None = None
 
 
 class LLMEngine:
@@ -52,19 +54,23 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, prefill_only: bool = False) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids = self._prompt_ids(prompt)
-        vocab = self.executor.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
-                      arrival_s=time.monotonic(), priority=priority)
+        req = self.make_request(request_id, token_ids, params, priority, prefill_only)
         self.scheduler.add_request(req)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              params.include_stop_str_in_output)
         return request_id
+
+    def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
+                     prefill_only: bool = False) -> Request:
+        vocab = self.executor.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+                       arrival_s=time.monotonic(), priority=priority, prefill_only=prefill_only)
 
     def abort(self, request_ids: list[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
@@ -80,16 +86,16 @@ class LLMEngine:
         finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
         outputs = []
         for chunk in scheduled.chunks:
-            if not chunk.sample:
-                continue
             req = finished.get(chunk.request_id) or self.scheduler.requests.get(chunk.request_id)
-            if req is not None:
+            if req is not None and chunk.sample:
                 outputs.append(self._output(req, result.sampled_token_ids[req.request_id]))
+            elif req is not None and req.is_finished:  # ended without sampling (a prefill-only request)
+                outputs.append(self._output(req, None))
         return outputs
 
-    def _output(self, req: Request, new_token: int) -> RequestOutput:
+    def _output(self, req: Request, new_token: int | None) -> RequestOutput:
         detok = self._detok.get(req.request_id)
-        if detok is not None and detok.push([new_token]) and not req.is_finished:
+        if detok is not None and new_token is not None and detok.push([new_token]) and not req.is_finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         delta = detok.take_new_text(final=req.is_finished) if detok else ""
         text = detok.emitted_text if detok else ""
@@ -98,7 +104,7 @@ class LLMEngine:
         return RequestOutput(
             req.request_id, req.prompt_token_ids, req.output_token_ids, text, delta, req.is_finished,
             req.status.finish_reason, req.num_cached_prompt_tokens, req.arrival_s, req.first_token_s,
-            req.finished_s)
+            req.finished_s, req.scheduled_s, req.prefilled_s)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,9 @@ class ModelExecutor:
         self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
+        # Called as `layer_observer(scheduled, layer_index)` once a layer's KV of the step is in the pool
+        # (a prefill worker delivers it from there while the next layers compute).
+        self.layer_observer: Callable[[SchedulerOutput, int], None] | None = None
         self.info = ExecutorInfo(num_blocks, config.block_size, max_len, str(self.dtype).removeprefix("torch."),
                                  str(self.device))
 
@@ -62,7 +66,9 @@ class ModelExecutor:
         if scheduled.is_empty:
             return ExecutorOutput()
         batch = build_input_batch(order_chunks(scheduled.chunks), self.layout, self.device, self.dtype)
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta)
+        observer = self.layer_observer
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta,
+                                    None if observer is None else lambda i: observer(scheduled, i))
         if not batch.sample_chunks:
             return ExecutorOutput()
         logits = self.model.logits(hidden[batch.sample_rows])

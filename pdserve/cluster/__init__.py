@@ -1,0 +1,1 @@
+"""Workers, the conductor (routing, admission) and the launcher of a pdserve deployment."""

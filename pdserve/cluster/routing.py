@@ -1,0 +1,70 @@
+"""Routing policies: which worker of a role gets a request. Small injected objects, no torch, no sockets.
+
+The conductor keeps, per worker, the chained block hashes of the prompts it sent there (bounded LRU): a
+worker that saw a prefix recently probably still has its KV blocks cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class WorkerLoad:
+    name: str
+    role: str
+    outstanding: int = 0  # requests routed here and not finished (the gateway's own count: no lag)
+    alive: bool = True
+    recent_blocks: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU
+    max_recent_blocks: int = 65536
+
+    def prefix_blocks(self, hashes: Sequence) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.recent_blocks:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: Sequence) -> None:
+        for h in hashes:
+            self.recent_blocks[h] = None
+            self.recent_blocks.move_to_end(h)
+        while len(self.recent_blocks) > self.max_recent_blocks:
+            self.recent_blocks.popitem(last=False)
+
+
+class RoutingPolicy(Protocol):
+    def pick(self, workers: Sequence[WorkerLoad], block_hashes: Sequence) -> WorkerLoad | None: ...
+
+
+class LeastLoaded:
+    def pick(self, workers: Sequence[WorkerLoad], block_hashes: Sequence) -> WorkerLoad | None:
+        live = [w for w in workers if w.alive]
+        return min(live, key=lambda w: w.outstanding) if live else None
+
+
+class PrefixAffinity:
+    """Least loaded, except that a prefix match is worth `weight` outstanding requests (per whole prompt)."""
+
+    def __init__(self, weight: float = 2.0) -> None:
+        self.weight = weight
+
+    def pick(self, workers: Sequence[WorkerLoad], block_hashes: Sequence) -> WorkerLoad | None:
+        live = [w for w in workers if w.alive]
+        if not live:
+            return None
+        total = max(len(block_hashes), 1)
+        return min(live, key=lambda w: w.outstanding - self.weight * w.prefix_blocks(block_hashes) / total)
+
+
+POLICIES = {"least-loaded": LeastLoaded, "prefix-affinity": PrefixAffinity}
+
+
+def make_routing_policy(name: str) -> RoutingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]()

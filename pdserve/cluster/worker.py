@@ -1,0 +1,213 @@
+"""A worker process: one engine loop in a prefill, decode or colocated role, driven over ZeroMQ.
+
+    python -m pdserve.cluster.worker '<WorkerSpec JSON>'
+
+Commands (gateway -> worker, msgpack dicts with "type"): generate, prefill, reserve, abort, kv_failed,
+shutdown. Events (worker -> gateway): ready, reserved, prefilled, tokens, error, transfer, stats. The loop
+never blocks while it has work: it drains commands and KV messages, grants reservations, settles transfers,
+runs one engine step and reports; idle, it waits on its sockets for at most 20 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+import msgpack
+import zmq
+
+from pdserve.cluster.spec import WorkerSpec
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.errors import PdserveError
+
+STATS_INTERVAL_S = 0.25
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the gateway process dies, so no worker outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        from pdserve.engine.pd import DecodeSide, PrefillSide
+        from pdserve.engine.worker_engine import build_worker_engine
+
+        self.spec = spec
+        self.ctx = zmq.Context.instance()
+        self.cmds = self.ctx.socket(zmq.PULL)
+        self.cmds.bind(spec.cmd_addr)
+        self.events = self.ctx.socket(zmq.PUSH)
+        self.events.setsockopt(zmq.LINGER, 1000)
+        self.events.connect(spec.event_addr)
+        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine)
+        layers = self.executor.kv_pool.layers
+        self.prefill = self.decode = None
+        if spec.role == "prefill":
+            from pdserve.transfer import make_sender
+            self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s), layers)
+            self.executor.layer_observer = self.prefill.on_layer
+        else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
+            from pdserve.transfer import make_receiver
+            receiver = make_receiver(spec.transport, spec.kv_addr, spec.kv_host)
+            self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s)
+        self.poller = zmq.Poller()
+        self.poller.register(self.cmds, zmq.POLLIN)
+        if self.decode is not None:
+            self.poller.register(self.decode.receiver.socket, zmq.POLLIN)
+        self.running = True
+        self._last_stats = 0.0
+
+    def emit(self, event: dict) -> None:
+        self.events.send(msgpack.packb(event))
+
+    def serve(self) -> None:
+        info = self.executor.info
+        self.emit({"type": "ready", "worker": self.spec.name, "role": self.spec.role, "pid": os.getpid(),
+                   "kv_addr": self.decode.receiver.address if self.decode else "",
+                   "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
+                   "max_model_len": self.engine.scheduler.max_model_len})
+        while self.running:
+            sched = self.engine.scheduler
+            busy = sched.num_running + sched.num_waiting > 0
+            self.poller.poll(0 if busy else 20)
+            self._drain_commands()
+            if self.decode is not None:
+                self._decode_bookkeeping()
+            if sched.num_running + sched.num_waiting > 0:
+                self._report(self.engine.step())
+            if self.prefill is not None:
+                self._cancel_failed_deliveries()
+            self._maybe_stats()
+            if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
+                break
+
+    # ---- commands ---------------------------------------------------------------------------------------
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = msgpack.unpackb(self.cmds.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            try:
+                self._handle(cmd)
+            except PdserveError as e:
+                self.emit({"type": "error", "rid": cmd.get("rid"), "status": e.status_code, "message": str(e),
+                           "etype": e.error_type, "code": e.code, "param": e.param})
+
+    def _handle(self, cmd: dict) -> None:
+        kind = cmd["type"]
+        if kind == "shutdown":
+            self.running = False
+        elif kind == "abort":
+            self.engine.abort([cmd["rid"]])
+            if self.decode is not None:
+                self.decode.abort(cmd["rid"])
+            if self.prefill is not None:
+                self.prefill.finish(cmd["rid"], prefilled=False)
+        elif kind == "generate":
+            req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
+                                           cmd.get("priority", 0))
+            self.engine.scheduler.add_request(req)
+        elif kind == "prefill":
+            self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
+                             cmd["xfer"], cmd["first_block"])
+        elif kind == "reserve":
+            self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"])
+        elif kind == "kv_failed":
+            self.decode.peer_failed(cmd["xfer"])
+
+    # ---- decode side ------------------------------------------------------------------------------------
+    def _decode_bookkeeping(self) -> None:
+        self.decode.receive(0)
+        for res, first in self.decode.try_reserve():
+            self.emit({"type": "reserved", "rid": res.request.request_id, "xfer": res.xfer,
+                       "first_block": first, "kv_addr": self.decode.receiver.address,
+                       "needs_prefill": self.decode.inbound.get(res.xfer) is not None})
+        for inbound, outcome in self.decode.settle():
+            self.emit({"type": "transfer", "rid": inbound.request_id, "xfer": inbound.xfer, "outcome": outcome,
+                       "state": inbound.state.value, "bytes": inbound.num_bytes,
+                       "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name})
+
+    # ---- outputs ----------------------------------------------------------------------------------------
+    def _report(self, outputs) -> None:
+        items = []
+        for out in outputs:
+            if out.finish_reason == "prefilled" or self.prefill is not None:
+                failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled")
+                self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed,
+                           "queue_s": _diff(out.scheduled_s, out.arrival_s),
+                           "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
+                continue
+            item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
+                    "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens}
+            if len(out.token_ids) == 1:
+                item.update(queue_s=_diff(out.scheduled_s, out.arrival_s),
+                            prefill_s=_diff(out.prefilled_s, out.scheduled_s))
+            items.append(item)
+        if items:
+            self.emit({"type": "tokens", "items": items})
+
+    def _cancel_failed_deliveries(self) -> None:
+        for rid in self.prefill.failed_requests():
+            self.engine.abort([rid])
+            failed = self.prefill.finish(rid, prefilled=False)
+            self.emit({"type": "prefilled", "rid": rid, "failed": failed, "queue_s": None, "prefill_s": None})
+
+    def _maybe_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_INTERVAL_S:
+            return
+        self._last_stats = now
+        self.emit(self.stats())
+
+    def stats(self) -> dict:
+        sched, blocks = self.engine.scheduler, self.engine.block_manager
+        out = {"type": "stats", "worker": self.spec.name, "role": self.spec.role,
+               "running": sched.num_running, "waiting": sched.num_waiting,
+               "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
+               "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
+               "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions}
+        if self.prefill is not None:
+            out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures))
+        if self.decode is not None:
+            st = self.decode.stats
+            out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),
+                       kv_late_chunks=self.decode.inbound.num_late_chunks,
+                       pending_reservations=len(self.decode.pending))
+        return out
+
+    def close(self) -> None:
+        self.emit(dict(self.stats(), type="stats"))
+        for side in (self.prefill and self.prefill.sender, self.decode and self.decode.receiver):
+            if side is not None:
+                side.close()
+        self.cmds.close(linger=0)
+        self.events.close(linger=1000)
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    spec = WorkerSpec.from_json((argv or sys.argv[1:])[0])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when workers stop
+    worker = Worker(spec)
+    try:
+        worker.serve()
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Build an engine for a resolved model directory: the model executor and an `LLMEngine` around it.
+
+In a worker process the engine has no detokenizer (the gateway detokenizes; workers speak token ids).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.core.schedule import SchedulerConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_executor import ModelExecutor
+from pdserve.model.config import ModelConfig
+from pdserve.tokenizer import Tokenizer
+
+
+def build_engine_at(model_dir: Path, config: EngineConfig, detokenize: bool = True) -> LLMEngine:
+    model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
+    executor = ModelExecutor(model_dir, model_config, config)
+    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=executor.info.max_model_len, queue_policy=config.queue_policy)
+    return LLMEngine(executor, sched, executor.info.num_kv_blocks, tokenizer if detokenize else None,
+                     config.enable_prefix_caching, tokenizer.eos_token_ids)
+
+
+def build_worker_engine(model_dir: str, engine_fields: dict) -> tuple[LLMEngine, ModelExecutor]:
+    engine = build_engine_at(Path(model_dir), EngineConfig(**engine_fields), detokenize=False)
+    return engine, engine.executor

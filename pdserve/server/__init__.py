@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: HTTP API, streaming, Prometheus metrics, `pdserve serve`."""

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models,
+/health, /metrics. Every error is OpenAI's JSON shape with a 4xx status; nothing user-caused is a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
+from pdserve.server.gateway import Gateway
+from pdserve.server.protocol import (ChatRequest, CompletionRequest, chat_messages, check_supported,
+                                     completion_prompts, sampling_params)
+
+
+def error_body(message: str, etype: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def _error_response(e: PdserveError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.error_type, e.param, e.code), status_code=e.status_code)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over `max_bytes`, checked on Content-Length and while streaming in."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", "invalid_request_error",
+                                     None, "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def create_app(gateway: Gateway, max_body_bytes: int = 1 << 20) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(PdserveError)
+    async def _pdserve_error(_, e: PdserveError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                                       "invalid_request_error", loc, None), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        workers = gateway.conductor.workers.values()
+        alive = all(w.load.alive for w in workers)
+        return JSONResponse({"status": "ok" if alive else "degraded",
+                             "workers": {w.name: w.load.alive for w in workers}}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": gateway.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        _check_model(gateway, body.model)
+        check_supported(body)
+        prompts = [gateway.encode(p) for p in completion_prompts(body.prompt)]
+        params = [sampling_params(body, gateway.max_tokens_for(p, body.max_tokens)) for p in prompts]
+        return await _respond(gateway, http, body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: Request):
+        _check_model(gateway, body.model)
+        check_supported(body)
+        prompt = gateway.tokenizer.encode_chat(chat_messages(body))
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, gateway.max_tokens_for(prompt, requested))
+        return await _respond(gateway, http, body, [prompt], [params], chat=True)
+
+    return app
+
+
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    if model is not None and model != gateway.model_name:
+        raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{gateway.model_name}`.",
+                                 param="model")
+
+
+async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat: bool):
+    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+            "model": gateway.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if len(prompts) != 1:
+            raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
+        return StreamingResponse(_sse(gateway, prompts[0], params[0], meta, chat, include_usage),
+                                 media_type="text/event-stream")
+    try:
+        results = await _collect_all(gateway, http, prompts, params)
+    except _ClientGone:
+        return Response(status_code=499)
+    choices, completion_tokens, cached = [], 0, 0
+    for index, (text, n, reason, hit) in enumerate(results):
+        completion_tokens += n
+        cached += hit
+        choices.append({"index": index, "finish_reason": reason, "logprobs": None,
+                        **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})})
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens, cached)}
+
+
+async def _collect_all(gateway: Gateway, http: Request, prompts, params):
+    """Run every prompt to the end, unless the client leaves first: then their requests are aborted."""
+    gathered = asyncio.gather(*(_collect(gateway, p, sp) for p, sp in zip(prompts, params)))
+    watcher = asyncio.ensure_future(_wait_disconnect(http))
+    try:
+        done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if gathered in done:
+            return gathered.result()
+        raise _ClientGone
+    finally:
+        watcher.cancel()
+        gathered.cancel()
+
+
+async def _wait_disconnect(http: Request) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def _collect(gateway: Gateway, prompt, params):
+    text, n, reason, cached = [], 0, None, 0
+    async for d in gateway.generate(prompt, params):
+        text.append(d.text)
+        n, reason, cached = d.num_tokens, d.finish_reason, d.cached_tokens
+    return "".join(text), n, reason, cached
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _sse(gateway: Gateway, prompt, params, meta: dict, chat: bool, include_usage: bool):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choice_delta: dict, reason: str | None, usage=None, choices=True) -> str:
+        payload = {**meta, "object": obj, "choices": [{"index": 0, **choice_delta, "logprobs": None,
+                                                        "finish_reason": reason}] if choices else []}
+        if include_usage:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    if chat:
+        yield event({"delta": {"role": "assistant", "content": ""}}, None)
+    n, cached = 0, 0
+    try:
+        async for d in gateway.generate(prompt, params):
+            n, cached = d.num_tokens, d.cached_tokens
+            if d.text or d.finished:
+                yield event({"delta": {"content": d.text}} if chat else {"text": d.text}, d.finish_reason)
+    except PdserveError as e:
+        yield f"data: {json.dumps(error_body(e.message, e.error_type, e.param, e.code))}\n\n"
+    if include_usage:
+        yield event({}, None, _usage(len(prompt), n, cached), choices=False)
+    yield "data: [DONE]\n\n"

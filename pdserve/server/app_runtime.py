@@ -1,0 +1,95 @@
+"""The gateway's event loop: conductor + worker readiness + worker-death monitor + uvicorn, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+import zmq.asyncio
+
+from pdserve.cluster.conductor import Conductor
+from pdserve.cluster.routing import make_routing_policy
+from pdserve.errors import PdserveError
+from pdserve.model.config import ModelConfig
+from pdserve.server.api import BodyLimit, create_app
+from pdserve.server.gateway import Gateway
+from pdserve.server.metrics import Metrics
+from pdserve.tokenizer import Tokenizer
+
+
+class StartupError(PdserveError):
+    error_type = "server_error"
+
+
+async def run_gateway(cfg, procs, model_dir: str) -> int:
+    ctx = zmq.asyncio.Context()
+    events = ctx.socket(zmq.PULL)
+    events.bind(procs.specs[0].event_addr)
+    metrics = Metrics()
+    conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics)
+    for spec in procs.specs:
+        conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
+    procs.start()
+    event_task = asyncio.create_task(conductor.run_events())
+    try:
+        await _wait_ready(conductor, procs, cfg.ready_timeout_s)
+        gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
+                          min(w.info["max_model_len"] for w in conductor.workers.values()))
+        app = BodyLimit(create_app(gateway), cfg.max_body_bytes)
+        server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                               lifespan="off", timeout_graceful_shutdown=3))
+        monitor = asyncio.create_task(_monitor(conductor, procs, server, cfg))
+        await server.serve()
+        monitor.cancel()
+        return 0
+    finally:
+        event_task.cancel()
+        for w in conductor.workers.values():
+            w.socket.close(linger=0)
+        events.close(linger=0)
+        ctx.term()
+
+
+def served_name(cfg) -> str:
+    """--served-model-name, else the default model's name, a GGUF file's stem or the directory's name."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(cfg.model)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def _tokenizer(model_dir: str) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir, ModelConfig.from_dir(Path(model_dir)).eos_token_ids)
+
+
+async def _wait_ready(conductor: Conductor, procs, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not conductor.ready:
+        dead = procs.dead()
+        if dead:
+            raise StartupError(f"worker {dead[0]} exited during start-up:\n{procs.log_tail(dead[0])}")
+        if time.monotonic() > deadline:
+            raise StartupError(f"workers not ready after {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
+
+
+async def _monitor(conductor: Conductor, procs, server: uvicorn.Server, cfg) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    shape = (f"{cfg.prefill} prefill + {cfg.decode} decode, {cfg.transport}" if cfg.mode == "pd"
+             else f"{cfg.instances} colocated")
+    print(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}",
+          flush=True)
+    seen: set[str] = set()
+    while True:
+        for name in procs.dead():
+            if name not in seen:
+                seen.add(name)
+                print(f"pdserve: worker {name} died:\n{procs.log_tail(name)}", file=sys.stderr, flush=True)
+                conductor.worker_died(name)
+        await asyncio.sleep(0.2)

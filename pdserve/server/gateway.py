@@ -1,0 +1,104 @@
+"""Turns prompts into token streams through the conductor: tokenize, check, submit, detokenize, measure.
+
+`Gateway.generate` is an async generator of `Delta`s for one prompt. It detokenizes incrementally (the
+workers speak token ids), ends a request on a stop string, and aborts the request in the workers when the
+consumer stops early (a client that disconnects, a stop string), so their blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.cluster.conductor import Conductor
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.errors import ContextLengthExceededError, InvalidRequestError, PdserveError
+from pdserve.server.metrics import Metrics
+from pdserve.tokenizer import Tokenizer
+
+
+class WorkerError(PdserveError):
+    """A worker reported an error, or died, while serving the request."""
+
+    def __init__(self, event: dict) -> None:
+        super().__init__(event.get("message", "worker error"), param=event.get("param"), code=event.get("code"))
+        self.status_code = event.get("status", 500)
+        self.error_type = event.get("etype", "server_error")
+
+
+@dataclass
+class Delta:
+    text: str
+    num_tokens: int  # output tokens so far
+    finished: bool
+    finish_reason: str | None
+    cached_tokens: int
+
+
+class Gateway:
+    def __init__(self, tokenizer: Tokenizer, conductor: Conductor, metrics: Metrics, model_name: str,
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.conductor = conductor
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise InvalidRequestError(f"token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
+        else:
+            raise InvalidRequestError("each prompt must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+        return ids
+
+    def max_tokens_for(self, prompt_ids: list[int], requested: int | None) -> int:
+        """Check the context limit like vLLM: prompt + max_tokens must fit; default: all that is left."""
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0 or (requested is not None and requested > 0 and requested > room):
+            asked = "" if requested is None else f" plus {requested} output tokens"
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids)} prompt tokens{asked}. Please reduce the length of the prompt or "
+                f"max_tokens.", param="messages" if requested is None else "max_tokens")
+        return room if requested is None else requested
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        rid = uuid.uuid4().hex
+        arrival = time.monotonic()
+        flight = await self.conductor.submit(rid, prompt_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        count, last, finished, cached = 0, arrival, False, 0
+        try:
+            while not finished:
+                item = await flight.events.get()
+                if item.get("type") == "error":
+                    raise WorkerError(item)
+                if item["i"] != count:
+                    continue  # a duplicate (never ahead: a worker's stream is ordered)
+                now = time.monotonic()
+                (self.metrics.ttft if count == 0 else self.metrics.itl).observe(now - last)
+                if count == 0:
+                    self.metrics.observe_first_token(item, "decode" if self.conductor.mode == "pd" else "colocated")
+                count, last, cached = count + 1, now, item.get("cached", cached)
+                stopped = detok.push([item["t"]])
+                finished = stopped or bool(item["fin"])
+                reason = "stop" if stopped else item["fin"]
+                yield Delta(detok.take_new_text(final=finished), count, finished, reason, cached)
+            self.metrics.e2e.observe(time.monotonic() - arrival)
+            self.metrics.requests.labels(finish_reason=reason).inc()
+        finally:
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self.metrics.generation_tokens.inc(count)
+            if rid in self.conductor.flights:  # ended early here: stop string, client gone, error
+                if not finished:
+                    self.metrics.requests.labels(finish_reason="abort").inc()
+                await self.conductor.abort(rid)

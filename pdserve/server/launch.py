@@ -1,0 +1,154 @@
+"""`pdserve serve`: start the workers, wait until every one is ready, serve HTTP, and stop them all cleanly.
+
+The gateway process binds one event socket (ipc) that every worker reports to; each worker binds its own
+command socket (ipc) and, when it can receive KV, a data socket (ipc for shm headers, a loopback TCP port
+for tcp). Worker output goes to `<run dir>/<worker>.log`; a worker that dies during start-up ends the
+command with the tail of its log. Workers die with the gateway (PR_SET_PDEATHSIG), so no orphans remain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from pdserve.cluster.spec import WorkerSpec
+from pdserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    """Hugging Face model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct."""
+    mode: str = "pd"
+    """pd (separate prefill and decode workers) or colocated (each worker does both)."""
+    prefill: int = 1
+    """Prefill workers (pd mode)."""
+    decode: int = 1
+    """Decode workers (pd mode)."""
+    instances: int = 1
+    """Workers in colocated mode."""
+    transport: str = "shm"
+    """KV delivery between workers: shm (same host) or tcp."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds."""
+    port: int = 8000
+    """HTTP port."""
+    served_model_name: str | None = None
+    """Model name clients send; default: the model directory's name."""
+    routing: str = "prefix-affinity"
+    """Routing policy: prefix-affinity or least-loaded."""
+    max_body_bytes: int = 1 << 20
+    """Largest accepted request body (413 above)."""
+    kv_timeout_s: float = 30.0
+    """A KV delivery with no progress for this long fails; the decode worker then recomputes the prompt."""
+    ready_timeout_s: float = 600.0
+    """How long to wait for every worker to load its model."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pd", "colocated"):
+            raise InvalidRequestError(f"--mode must be pd or colocated, got {self.mode!r}", param="mode")
+        if self.transport not in ("shm", "tcp"):
+            raise InvalidRequestError(f"--transport must be shm or tcp, got {self.transport!r}", param="transport")
+        for name in ("prefill", "decode", "instances", "max_body_bytes"):
+            if getattr(self, name) < (0 if name == "prefill" else 1):
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive", param=name)
+        if not 0 < self.port < 65536:
+            raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
+
+
+SERVE_FIELDS = {f.name for f in fields(ServeConfig)}
+
+
+def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -> list[WorkerSpec]:
+    roles = (["prefill"] * cfg.prefill + ["decode"] * cfg.decode) if cfg.mode == "pd" else ["colocated"] * cfg.instances
+    if engine.get("num_threads") is None:  # share the cores out; each worker is its own process
+        engine = dict(engine, num_threads=max(1, (os.cpu_count() or 1) // len(roles)))
+    counts: dict[str, int] = {}
+    specs = []
+    for role in roles:
+        i = counts[role] = counts.get(role, -1) + 1
+        name = f"{role}-{i}"
+        specs.append(WorkerSpec(name=name, role=role, model_dir=model_dir, engine=engine,
+                                cmd_addr=f"ipc://{run_dir}/{name}.cmd", event_addr=f"ipc://{run_dir}/events",
+                                transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv",
+                                kv_timeout_s=cfg.kv_timeout_s))
+    return specs
+
+
+class WorkerProcesses:
+    def __init__(self, specs: list[WorkerSpec], run_dir: str) -> None:
+        self.specs = specs
+        self.run_dir = Path(run_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        for spec in self.specs:
+            log = open(self.run_dir / f"{spec.name}.log", "wb")  # noqa: SIM115 - the child owns it
+            self.procs[spec.name] = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()], stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            log.close()
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            return "\n".join((self.run_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror}", param="port") from e
+
+
+def serve(cfg: ServeConfig, engine: dict) -> int:
+    from pdserve.model.loader import resolve_model_dir
+
+    check_port_free(cfg.host, cfg.port)
+    model_dir = resolve_model_dir(cfg.model)  # converts a GGUF once, before any worker starts
+    run_dir = tempfile.mkdtemp(prefix="pdserve-")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return asyncio.run(_serve(cfg, engine, str(model_dir), run_dir))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _serve(cfg: ServeConfig, engine: dict, model_dir: str, run_dir: str) -> int:
+    from pdserve.server.app_runtime import run_gateway
+
+    procs = WorkerProcesses(worker_specs(cfg, model_dir, engine, run_dir), run_dir)
+    try:
+        return await run_gateway(cfg, procs, model_dir)
+    finally:
+        procs.stop()

@@ -1,0 +1,87 @@
+"""Prometheus metrics of a deployment, all named `pdserve_*`, in one registry owned by the gateway.
+
+Per-request latencies are observed by the gateway; worker state (running/waiting requests, KV block usage,
+prefix-cache hits, KV transfer bytes and failures) comes from the workers' periodic `stats` events and
+their per-request `prefilled` / `transfer` events. Counters that workers keep as running totals are turned
+into increments here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request arrival to last token", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.queue = Histogram("pdserve_request_queue_time_seconds", "Time waiting before first scheduled",
+                               ["worker_role"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.prefill = Histogram("pdserve_request_prefill_time_seconds", "First scheduled to prompt computed",
+                                 ["worker_role"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_transfer_time = Histogram("pdserve_kv_transfer_time_seconds",
+                                          "Per-request KV delivery, reservation to settled", ["outcome"],
+                                          registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes delivered and verified",
+                                         ["worker"], registry=r)
+        self.kv_transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV deliveries",
+                                            ["reason", "outcome"], registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens served", registry=r)
+        self.running = Gauge("pdserve_num_requests_running", "Requests in the running batch", ["worker"], registry=r)
+        self.waiting = Gauge("pdserve_num_requests_waiting", "Requests waiting (queue, blocks, or KV delivery)",
+                             ["worker"], registry=r)
+        self.blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks held by live requests (cached-but-free "
+                                 "blocks count as free)", ["worker"], registry=r)
+        self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", ["worker"], registry=r)
+        self.prefix_hits = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                   ["worker"], registry=r)
+        self.prefix_queries = Counter("pdserve_prefix_cache_query_tokens", "Prompt tokens looked up in the "
+                                      "prefix cache", ["worker"], registry=r)
+        self.preemptions = Counter("pdserve_preemptions", "Requests preempted (recompute)", ["worker"], registry=r)
+        self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
+        self._totals: dict[tuple[str, str], float] = {}
+
+    def _inc_total(self, counter, key: tuple[str, str], total: float, **labels) -> None:
+        delta = total - self._totals.get(key, 0)
+        if delta > 0:
+            counter.labels(**labels).inc(delta)
+            self._totals[key] = total
+
+    def observe_worker_stats(self, s: dict) -> None:
+        w = s["worker"]
+        self.running.labels(worker=w).set(s["running"])
+        self.waiting.labels(worker=w).set(s["waiting"] + s.get("waiting_for_kv", 0) + s.get("pending_reservations", 0))
+        self.blocks_used.labels(worker=w).set(s["blocks_used"])
+        self.blocks_total.labels(worker=w).set(s["blocks_total"])
+        self._inc_total(self.prefix_hits, (w, "hits"), s["prefix_hit_tokens"], worker=w)
+        self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
+        self._inc_total(self.preemptions, (w, "preempt"), s["preemptions"], worker=w)
+        self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
+
+    def observe_prefill(self, e: dict) -> None:
+        if e.get("queue_s") is not None:
+            self.queue.labels(worker_role="prefill").observe(e["queue_s"])
+        if e.get("prefill_s") is not None:
+            self.prefill.labels(worker_role="prefill").observe(e["prefill_s"])
+
+    def observe_first_token(self, item: dict, role: str) -> None:
+        if item.get("queue_s") is not None:
+            self.queue.labels(worker_role=role).observe(item["queue_s"])
+        if item.get("prefill_s") is not None:
+            self.prefill.labels(worker_role=role).observe(item["prefill_s"])
+
+    def observe_transfer(self, e: dict) -> None:
+        self.kv_transfer_time.labels(outcome=e["outcome"]).observe(e["seconds"])
+        if e["outcome"] != "delivered":
+            self.kv_transfer_failures.labels(reason=e["state"], outcome=e["outcome"]).inc()

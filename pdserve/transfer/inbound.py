@@ -1,0 +1,120 @@
+"""The receiving side's book of transfers: what must arrive, what did, and how each one ends.
+
+Pure bookkeeping (no torch, no sockets): the decode worker asks `accept_chunk` before writing a payload into
+its pool, and acts on the transfers `take_ended` returns. A chunk is written only into the blocks of the
+transfer it names, only while that transfer is live, only at block indices the transfer expects (never a
+prefix-cache block shared with other requests), and only after its checksum verified. A transfer completes
+when the sender's `done` arrives, the chunk count matches and every expected block of every layer arrived.
+Deadlines are leases: each verified chunk renews them, so a long queue at the sender does not count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.transfer.base import TransferState
+
+
+@dataclass
+class Inbound:
+    xfer: str
+    request_id: str
+    num_layers: int
+    first_block: int  # block-table index of the first block to arrive (blocks before it were cached here)
+    num_blocks: int  # blocks that must arrive, per layer
+    timeout_s: float
+    deadline_s: float
+    state: TransferState = TransferState.RESERVED
+    started_s: float = field(default_factory=time.monotonic)
+    num_chunks: int = 0
+    num_bytes: int = 0
+    _masks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._masks = [0] * self.num_layers
+
+    @property
+    def complete(self) -> bool:
+        full = (1 << self.num_blocks) - 1
+        return all(m == full for m in self._masks)
+
+    def mark(self, layer: int, first: int, count: int) -> None:
+        rel = first - self.first_block
+        self._masks[layer] |= ((1 << count) - 1) << rel
+
+
+class InboundTransfers:
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._live: dict[str, Inbound] = {}
+        self._ended: list[Inbound] = []
+        self.num_late_chunks = 0  # chunks of transfers that had already ended: dropped, never written
+
+    def expect(self, xfer: str, request_id: str, first_block: int, num_blocks: int, timeout_s: float) -> Inbound:
+        inbound = Inbound(xfer, request_id, self.num_layers, first_block, num_blocks, timeout_s,
+                          time.monotonic() + timeout_s)
+        self._live[xfer] = inbound
+        return inbound
+
+    def get(self, xfer: str) -> Inbound | None:
+        return self._live.get(xfer)
+
+    def accept_chunk(self, header: dict, verified: bool) -> Inbound | None:
+        """The live transfer this chunk may be written into, or None (dropped; a bad one fails its transfer)."""
+        inbound = self._live.get(header.get("xfer"))
+        if inbound is None:
+            self.num_late_chunks += 1
+            return None
+        layer, first, count = header.get("layer", -1), header.get("first", -1), header.get("count", 0)
+        in_range = (0 <= layer < self.num_layers and count > 0 and first >= inbound.first_block
+                    and first + count <= inbound.first_block + inbound.num_blocks)
+        if not verified:
+            self._end(inbound, TransferState.FAILED_CHECKSUM)
+            return None
+        if not in_range:
+            self._end(inbound, TransferState.FAILED_PEER)
+            return None
+        inbound.state = TransferState.IN_FLIGHT
+        inbound.mark(layer, first, count)
+        inbound.num_chunks += 1
+        inbound.num_bytes += header.get("nbytes", 0)
+        inbound.deadline_s = time.monotonic() + inbound.timeout_s
+        return inbound
+
+    def on_done(self, header: dict) -> None:
+        inbound = self._live.get(header.get("xfer"))
+        if inbound is None:
+            return
+        ok = inbound.complete and header.get("num_chunks") == inbound.num_chunks
+        self._end(inbound, TransferState.COMPLETED if ok else TransferState.FAILED_INCOMPLETE)
+
+    def fail(self, xfer: str, state: TransferState) -> None:
+        inbound = self._live.get(xfer)
+        if inbound is not None:
+            self._end(inbound, state)
+
+    def complete_now(self, xfer: str) -> None:
+        """Nothing had to arrive (everything was in this worker's prefix cache)."""
+        self.fail(xfer, TransferState.COMPLETED)
+
+    def abort_request(self, request_id: str) -> None:
+        for inbound in [t for t in self._live.values() if t.request_id == request_id]:
+            self._end(inbound, TransferState.ABORTED)
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for inbound in [t for t in self._live.values() if t.deadline_s < now]:
+            self._end(inbound, TransferState.FAILED_TIMEOUT)
+
+    def take_ended(self) -> list[Inbound]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def _end(self, inbound: Inbound, state: TransferState) -> None:
+        inbound.state = state
+        del self._live[inbound.xfer]
+        self._ended.append(inbound)
