@@ -127,7 +127,8 @@ class ShmReceiver:
             seg = shared_memory.SharedMemory(name=name)
             # Attaching registers the segment with this process's tracker, which would unlink the
             # sender's segment when this process exits. The sender owns it.
-            resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
+            if not name.startswith(f"pdserve-{os.getpid()}-"):  # (a sender in this same process keeps it)
+                resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
             self._segments[name] = seg
         return seg
 

@@ -1,0 +1,183 @@
+"""Prefill and decode halves wired in one process over the real transports: same tokens as one engine.
+
+Two real engines (a tiny random Llama), a `PrefillSide` pushing KV layer by layer and a `DecodeSide`
+receiving it, over shm and tcp. Faults (corrupted chunks, a sender that gives up, a lease that runs out)
+must end in recompute on the decode side with the same tokens, and no block may leak on either side.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.pd import DecodeSide, PrefillSide
+from pdserve.engine.worker_engine import build_engine_at
+from pdserve.transfer import make_receiver, make_sender
+from pdserve.transfer.base import FaultInjector
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _engine(model_dir, **kw):
+    cfg = dict(block_size=4, num_kv_blocks=256, num_threads=1, max_num_batched_tokens=64)
+    cfg.update(kw)
+    return build_engine_at(model_dir, EngineConfig(**cfg), detokenize=False)
+
+
+def _prompts(n=4, base=37):
+    return [[(base * (i + 1) + 7 * j) % 4000 + 10 for j in range(9 + 11 * i)] for i in range(n)]
+
+
+def _reference(model_dir, prompts, params=GREEDY):
+    engine = _engine(model_dir)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    return [outs[i] for i in ids]
+
+
+class Pair:
+    def __init__(self, model_dir, transport, tmp_path, prefill_kw=None, decode_kw=None, timeout_s=10.0,
+                 faults=None):
+        self.p_engine = _engine(model_dir, **(prefill_kw or {}))
+        self.d_engine = _engine(model_dir, **(decode_kw or {}))
+        sender = make_sender(transport, ring_mb=1, timeout_s=2.0)
+        if faults is not None:
+            sender.faults = faults
+        addr = f"ipc://{tmp_path}/kv-{uuid.uuid4().hex[:8]}"
+        receiver = make_receiver(transport, addr)
+        self.prefill = PrefillSide(self.p_engine, sender, self.p_engine.executor.kv_pool.layers)
+        self.p_engine.executor.layer_observer = self.prefill.on_layer
+        self.decode = DecodeSide(self.d_engine, receiver, self.d_engine.executor.kv_pool.layers, timeout_s)
+        self.outcomes = []
+
+    def run(self, prompts, params=GREEDY, max_steps=2000):
+        rids = [f"r{i}" for i in range(len(prompts))]
+        for rid, p in zip(rids, prompts):
+            self.decode.reserve(rid, p, params, xfer=rid + "#0")
+        outs = {}
+        for _ in range(max_steps):
+            for res, first in self.decode.try_reserve():
+                if self.decode.inbound.get(res.xfer) is not None:
+                    self.prefill.add(res.request.request_id, res.request.prompt_token_ids, params,
+                                     self.decode.receiver.address, res.xfer, first)
+            if self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
+                for o in self.p_engine.step():
+                    self.prefill.finish(o.request_id, prefilled=o.finish_reason == "prefilled")
+            for rid in self.prefill.failed_requests():
+                self.p_engine.abort([rid])
+                self.prefill.finish(rid, prefilled=False)
+            self.decode.receive(timeout_ms=1)
+            self.outcomes += [o for _, o in self.decode.settle()]
+            if self.d_engine.scheduler.num_running + self.d_engine.scheduler.num_waiting:
+                for o in self.d_engine.step():
+                    if o.finished:
+                        outs[o.request_id] = o.token_ids
+            if len(outs) == len(rids):
+                return [outs[r] for r in rids]
+        raise AssertionError(f"not finished: {len(outs)}/{len(rids)}")
+
+    def assert_no_leak(self):
+        for engine in (self.p_engine, self.d_engine):
+            assert engine.block_manager.num_used_blocks == 0
+        assert len(self.decode.inbound) == 0 and not self.prefill.outbound
+
+    def close(self):
+        self.prefill.sender.close()
+        self.decode.receiver.close()
+
+
+@pytest.fixture
+def pair_factory(tiny_llama_dir, tmp_path):
+    pairs = []
+
+    def make(transport, **kw):
+        pair = Pair(tiny_llama_dir, transport, tmp_path, **kw)
+        pairs.append(pair)
+        return pair
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport):
+    prompts = _prompts()
+    pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=8))  # chunked prefill on P
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    assert pair.outcomes == ["delivered"] * len(prompts)
+    assert pair.decode.stats.bytes_received > 0
+    pair.assert_no_leak()
+
+
+def test_decode_prefix_cache_skips_delivered_blocks(tiny_llama_dir, pair_factory):
+    shared = _prompts(1)[0] * 3  # 27 tokens
+    prompts = [shared + [11, 12, 13], shared + [21, 22]]
+    pair = pair_factory("shm")
+    first = pair.run(prompts[:1])
+    bytes_first = pair.decode.stats.bytes_received
+    second = pair.run(prompts[1:])
+    assert first + second == _reference(tiny_llama_dir, prompts)
+    # the second prompt's first 24 tokens (6 blocks) were in the decode worker's cache: not sent again
+    assert pair.decode.stats.bytes_received - bytes_first < bytes_first / 2
+    assert pair.d_engine.scheduler.stats.num_prefix_hit_tokens == 24
+    pair.assert_no_leak()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_corrupted_chunks_are_never_consumed(tiny_llama_dir, pair_factory, transport):
+    prompts = _prompts(3)
+    pair = pair_factory(transport, faults=FaultInjector(every=3))
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    assert pair.decode.stats.failures["failed_checksum"] >= 1
+    assert "recompute" in pair.outcomes
+    pair.assert_no_leak()
+
+
+def test_sender_gives_up_and_decode_recomputes(tiny_llama_dir, pair_factory):
+    prompts = _prompts(2)
+    pair = pair_factory("shm")
+    pair.prefill.sender.send_chunk = _always_fails
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    assert pair.outcomes == ["recompute", "recompute"]
+    assert pair.decode.stats.failures["failed_peer"] == 2
+    pair.assert_no_leak()
+
+
+def test_silent_sender_hits_the_lease(tiny_llama_dir, pair_factory):
+    prompts = _prompts(1)
+    pair = pair_factory("tcp", timeout_s=0.2)
+    pair.prefill.add = lambda *a, **k: None  # the prefill worker never starts: nothing ever arrives
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    assert pair.decode.stats.failures["failed_timeout"] == 1
+    pair.assert_no_leak()
+
+
+def test_abort_while_waiting_for_kv_frees_blocks_and_drops_late_chunks(tiny_llama_dir, pair_factory):
+    prompt = _prompts(1)[0]
+    pair = pair_factory("shm")
+    pair.decode.reserve("a", prompt, GREEDY, "a#0")
+    (res, first), = pair.decode.try_reserve()
+    pair.prefill.add("a", prompt, GREEDY, pair.decode.receiver.address, "a#0", first)
+    assert pair.d_engine.block_manager.num_used_blocks > 0
+    pair.d_engine.abort(["a"])
+    pair.decode.abort("a")
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True)
+    pair.decode.receive(timeout_ms=50)
+    assert pair.decode.settle() == []
+    assert pair.decode.inbound.num_late_chunks > 0
+    pair.assert_no_leak()
+
+
+def _always_fails(*args, **kwargs):
+    from pdserve.transfer.base import TransferError
+    raise TransferError("test: the link is down")
