@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_util import Server
+from serve_util import Server
 
 pytestmark = pytest.mark.slow
 
