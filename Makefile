@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/pdserve generate --prompt "The three primary colors are" --max-tokens 48 --temperature 0
-	$(VENV)/bin/pdserve chat --message "Write a haiku about the sea." --max-tokens 64 --temperature 0
+	$(VENV)/bin/pdserve serve
 
 test: setup
 	$(PY) -m pytest -q
