@@ -6,6 +6,10 @@ block_size + offset. The block tables of the step become row indices once, in `A
 every layer reuses them. Heads lead so that a gathered context is `[Hkv, B, L, D]`, already the layout
 the batched matmuls need; contexts are gathered a whole block at a time (one `index_select` over the
 `[Hkv * num_blocks, block_size * D]` view), which copies kilobyte runs instead of single rows.
+
+On CPU in fp32 the compiled kernels (`pdserve.model.kernels`) replace the decode path and the rotary +
+cache write: decode attention reads the blocks in place, with no gather. The torch code below is the
+reference they are tested against and the (counted) fallback.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import kernels
+from pdserve.model.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None  # [Hkv * B * max_blocks] block rows of each decode context, padded
     decode_bias: torch.Tensor | None  # [B, 1, L] 0 for real slots, -inf for padding
     prefills: tuple[PrefillChunk, ...]
+    decode_lens: torch.Tensor | None = None  # [B] int64 context length of each decode (for the kernel)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -40,6 +48,24 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     d = k.shape[-1]
     k_cache.view(-1, d).index_copy_(0, slot_rows, k.transpose(0, 1).reshape(-1, d))
     v_cache.view(-1, d).index_copy_(0, slot_rows, v.transpose(0, 1).reshape(-1, d))
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_rows: torch.Tensor, num_heads: int, num_kv: int):
+    """qkv: [T, (H + 2 Hkv) * D]; cos, sin: [T, 1, D]. Applies the rotary embedding to q and k, writes k
+    and v into the cache -> q [T, H, D], k, v [T, Hkv, D]."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    v = qkv[:, (num_heads + num_kv) * d:].view(t, num_kv, d)
+    if kernels.usable(qkv, cos, sin, k_cache, v_cache):
+        q, k = qkv.new_empty(t, num_heads, d), qkv.new_empty(t, num_kv, d)
+        kernels.rope_write_kv(qkv, cos, sin, q, k, k_cache, v_cache, slot_rows)
+        return q, k, v
+    # q and k heads side by side: one rotary application for both
+    qk = RotaryEmbedding.apply(qkv[:, :(num_heads + num_kv) * d].view(t, -1, d), cos, sin)
+    q, k = qk.split([num_heads, num_kv], dim=1)
+    write_kv(k_cache, v_cache, k, v, slot_rows)
+    return q, k, v
 
 
 def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -55,7 +81,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         b = meta.num_decodes
-        out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta, scale).reshape(b, -1)
+        if meta.decode_lens is not None and kernels.usable(q, k_cache, v_cache, out):
+            kernels.decode_attention(q[:b], k_cache, v_cache, meta.decode_rows, meta.decode_lens, out[:b], scale)
+        else:
+            out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta, scale).reshape(b, -1)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)

@@ -60,14 +60,14 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
         if c.sample:
             sample_rows.append(len(ids) - 1)
     decodes = [c for c in chunks if c.num_tokens == 1]
-    decode_rows, decode_bias = _decode_tensors(decodes, layout, device, dtype)
+    decode_rows, decode_bias, decode_lens = _decode_tensors(decodes, layout, device, dtype)
     prefills, row = [], len(decodes)
     for c in chunks[len(decodes):]:
         prefills.append(_prefill_chunk(c, row, layout, device))
         row += c.num_tokens
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
-                             decode_bias, tuple(prefills))
+                             decode_bias, tuple(prefills), decode_lens)
     return InputBatch(as_long(ids).to(device), as_long(positions).to(device), meta,
                       as_long(sample_rows).to(device), tuple(c for c in chunks if c.sample))
 
@@ -75,7 +75,7 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
 def _decode_tensors(decodes: list[ScheduledChunk], layout: CacheLayout, device: torch.device,
                     dtype: torch.dtype):
     if not decodes:
-        return None, None
+        return None, None, None
     max_blocks = max(len(c.block_ids) for c in decodes)
     tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # padding reads block 0, masked
     for i, c in enumerate(decodes):
@@ -84,7 +84,7 @@ def _decode_tensors(decodes: list[ScheduledChunk], layout: CacheLayout, device: 
     offsets = torch.arange(max_blocks * layout.block_size)
     valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
     bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
-    return layout.block_rows(tables).to(device), bias.unsqueeze(1).to(device)
+    return layout.block_rows(tables).to(device), bias.unsqueeze(1).to(device), lengths.to(device)
 
 
 def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: torch.device) -> PrefillChunk:

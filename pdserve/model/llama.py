@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.errors import UnsupportedModelError
-from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model import kernels
+from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write_kv
 from pdserve.model.config import ModelConfig
 from pdserve.model.linear import Linear, mkl_packing_available
 from pdserve.model.rope import RotaryEmbedding
@@ -77,19 +78,15 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qk, v = layer.qkv(h).split([q_size + kv_size, kv_size], dim=-1)
-            # q and k heads side by side: one rotary application for both
-            qk = RotaryEmbedding.apply(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(cache[0], cache[1], k, v, meta.slot_rows)
+            # CPU fp32: compiled kernels for everything but the four matmuls (counted torch fallback else)
+            h = kernels.add_rms_norm(x, None, layer.attn_norm, cfg.rms_norm_eps)
+            q, k, v = rope_write_kv(layer.qkv(h), cos, sin, cache[0], cache[1], meta.slot_rows, cfg.num_heads,
+                                    cfg.num_kv_heads)
             if layer_done is not None:
                 layer_done(i)
-            x = x + layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale))
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(torch.nn.functional.silu(gate) * up)
+            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale))
+            h = kernels.add_rms_norm(x, attn, layer.mlp_norm, cfg.rms_norm_eps)  # x += attn, in place
+            x.add_(layer.down(kernels.silu_mul(layer.gate_up(h))))
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()

@@ -1,0 +1,138 @@
+"""Compiled CPU kernels for the fp32 decode path, with a counted fallback to torch.
+
+What is here: paged decode attention that reads K/V blocks in place through the block rows (online
+softmax, query heads grouped by KV head), rotary + KV-cache write, residual add + RMSNorm, SiLU·up.
+The C source (`kernels.c`) is compiled for this CPU at first use (`build.py`, a few seconds, cached).
+
+The kernels run only for fp32 CPU tensors once the library has loaded. Every call that takes the torch
+path instead — no compiler, not x86-64, a build or load error, a CUDA or non-fp32 tensor, or
+`PDSERVE_KERNELS=0` in the environment — adds one to `fallback_count()`, and the first such call logs a
+warning with the reason (`fallback_reason()`). Nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+_loaded = False
+_disabled = os.environ.get("PDSERVE_KERNELS", "1") == "0"
+_fallbacks = 0
+_reason: str | None = None
+_warned = False
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _load_error, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            from pdserve.model.kernels.build import load
+            _lib = load()
+        except Exception as e:  # noqa: BLE001 - any build or load failure means the torch path, counted
+            _load_error = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def available() -> bool:
+    """Whether the compiled library is built and loaded (builds it on first call)."""
+    return not _disabled and _library() is not None
+
+
+def fallback_count() -> int:
+    """How many kernel calls took the torch path since the process started."""
+    return _fallbacks
+
+
+def fallback_reason() -> str | None:
+    """Why the last fallback happened, or None when none has."""
+    return _reason
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when the kernels can serve these (CPU, fp32, contiguous) tensors; otherwise counts one fallback
+    and returns False."""
+    global _fallbacks, _reason, _warned
+    if not _disabled and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                             for t in tensors):
+        if _library() is not None:
+            return True
+    _fallbacks += 1
+    _reason = ("disabled (PDSERVE_KERNELS=0 or kernels.disabled())" if _disabled else
+               _load_error if _library() is None else
+               f"unsupported tensors (need CPU, fp32, contiguous): "
+               f"{[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}")
+    if not _warned:
+        _warned = True
+        log.warning("pdserve CPU kernels not used, falling back to torch: %s", _reason)
+    return False
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the torch path inside the block (for comparisons and tests); its calls count as fallbacks."""
+    global _disabled
+    before, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = before
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x += residual (in place, when given), then RMSNorm(x) * weight, in Hugging Face's order."""
+    if usable(x, weight, *([] if residual is None else [residual])):
+        out = torch.empty_like(x)
+        _lib.pd_add_rms_norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                             x.shape[-1], eps)
+        return out
+    if residual is not None:
+        x.add_(residual)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
+    if usable(gate_up):
+        t, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(t, n)
+        _lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, n)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_rows: torch.Tensor) -> None:
+    """Kernel only (callers check `usable` first): see pd_rope_write_kv in kernels.c."""
+    t, hq, d = q.shape
+    _lib.pd_rope_write_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                          k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_rows.data_ptr(), t, hq,
+                          k.shape[1], d)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """Kernel only (callers check `usable` first). q: [B, H, D] contiguous; caches [Hkv, blocks, bs, D];
+    rows: int64 [Hkv * B * max_blocks] block rows; lens: int64 [B]; out: [B, H * D] contiguous."""
+    b, hq, d = q.shape
+    hkv, _, bs, _ = k_cache.shape
+    _lib.pd_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
+                             lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, bs, rows.numel() // (hkv * b), scale)

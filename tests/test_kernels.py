@@ -1,0 +1,122 @@
+"""The compiled CPU kernels against the torch path they replace, on random inputs, and their fallback."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.schedule import ScheduledChunk
+from pdserve.model import kernels
+from pdserve.model.attention import _decode_attention, paged_attention, rope_write_kv
+from pdserve.model.input_batch import CacheLayout, build_input_batch
+from pdserve.model.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels._load_error}")
+
+
+def decode_batch(lengths, block_size, num_blocks, num_kv, seed=0):
+    """Decode chunks with shuffled, non-contiguous block tables covering `lengths` tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    chunks = []
+    for i, n in enumerate(lengths):
+        blocks = tuple(perm.pop() for _ in range(-(-n // block_size)))
+        chunks.append(ScheduledChunk(f"r{i}", (5,), n - 1, blocks, True, SamplingParams()))
+    layout = CacheLayout(block_size, num_blocks, num_kv)
+    return build_input_batch(chunks, layout, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 32), (6, 2, 20)])
+def test_decode_attention_matches_torch(block_size, num_heads, num_kv, head_dim):
+    lengths = [1, 7, block_size, block_size + 1, 3 * block_size - 1, 200, 65, 129]
+    batch = decode_batch(lengths, block_size, num_blocks=1024 // block_size + 64, num_kv=num_kv)
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, num_kv, 1024 // block_size + 64, block_size, head_dim, generator=g)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=g)
+    ref = _decode_attention(q, cache[0], cache[1], batch.meta, head_dim ** -0.5).reshape(len(lengths), -1)
+    out = torch.full_like(ref, float("nan"))
+    kernels.decode_attention(q, cache[0], cache[1], batch.meta.decode_rows, batch.meta.decode_lens, out,
+                             head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_large_scores_stay_finite():
+    batch = decode_batch([300, 2], 16, 64, 2)
+    cache = torch.randn(2, 2, 64, 16, 64) * 30  # scores in the thousands: the online softmax must rescale
+    q = torch.randn(2, 4, 64) * 30
+    ref = _decode_attention(q, cache[0], cache[1], batch.meta, 0.125).reshape(2, -1)
+    out = torch.empty_like(ref)
+    kernels.decode_attention(q, cache[0], cache[1], batch.meta.decode_rows, batch.meta.decode_lens, out, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 6)])
+def test_rope_write_kv_is_bit_exact(num_heads, num_kv, head_dim):
+    t, block_size, num_blocks = 11, 4, 16
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(t, (num_heads + 2 * num_kv) * head_dim, generator=g)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32, torch.device("cpu"))
+    cos, sin = rope.lookup(torch.randint(0, 64, (t,), generator=g))
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slot_rows = CacheLayout(block_size, num_blocks, num_kv).slot_rows(slots)
+    results = []
+    for use_kernels in (True, False):
+        cache = torch.zeros(2, num_kv, num_blocks, block_size, head_dim)
+        with kernels.disabled() if not use_kernels else contextlib.nullcontext():
+            q, k, v = rope_write_kv(qkv, cos, sin, cache[0], cache[1], slot_rows, num_heads, num_kv)
+        results.append((q, k, v, cache))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (16, 576), (3, 100), (300, 576)])
+def test_add_rms_norm_and_silu_mul(rows, hidden):
+    g = torch.Generator().manual_seed(3)
+    x, res, w = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g), torch.randn(hidden)
+    x_k = x.clone()
+    out = kernels.add_rms_norm(x_k, res, w, 1e-5)
+    torch.testing.assert_close(x_k, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(out, F.rms_norm(x + res, w.shape, w, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.add_rms_norm(x.clone(), None, w, 1e-5), F.rms_norm(x, w.shape, w, 1e-5))
+    gu = torch.randn(rows, 2 * hidden, generator=g) * 10
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_mixed_batch_uses_kernel_and_matches_torch():
+    chunks = [ScheduledChunk("d0", (5,), 20, (3, 7, 9), True, SamplingParams()),
+              ScheduledChunk("p0", tuple(range(6)), 4, (1, 2), True, SamplingParams())]
+    batch = build_input_batch(chunks, CacheLayout(8, 16, 2), torch.device("cpu"))
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 2, 16, 8, 32, generator=g)
+    q, k, v = (torch.randn(7, h, 32, generator=g) for h in (4, 2, 2))
+    before = kernels.fallback_count()
+    out = paged_attention(q, k, v, cache[0], cache[1], batch.meta, 0.2)
+    assert kernels.fallback_count() == before
+    with kernels.disabled():
+        ref = paged_attention(q, k, v, cache[0], cache[1], batch.meta, 0.2)
+    assert kernels.fallback_count() > before
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_tensors_fall_back_and_are_counted():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    before = kernels.fallback_count()
+    out = kernels.add_rms_norm(x, None, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    assert out.dtype == torch.bfloat16
+    assert kernels.fallback_count() == before + 1
+    assert "bfloat16" in kernels.fallback_reason()
+
+
+def test_engine_on_cpu_fp32_never_falls_back(tiny_llama_dir):
+    from pdserve import LLM
+    before = kernels.fallback_count()
+    out = LLM(str(tiny_llama_dir), block_size=4).generate([[11, 12, 13, 14, 15], [7] * 9],
+                                                          SamplingParams(temperature=0, max_tokens=6))
+    assert all(len(o.token_ids) == 6 for o in out)
+    assert kernels.fallback_count() == before, kernels.fallback_reason()
