@@ -139,3 +139,20 @@ def test_inbound_lease_renews_on_progress_and_expires():
     book.expect("y", "r", 0, 1, 5)
     book.abort_request("r")
     assert book.take_ended()[0].state is TransferState.ABORTED
+
+
+@pytest.mark.parametrize("ids", [[3], [0, 1, 2, 3], [7, 8, 2, 3, 4], [9, 1, 5, 3, 7, 0, 2], list(range(20, 0, -1))])
+def test_block_gather_scatter_roundtrip(ids):
+    import torch
+
+    from pdserve.kv.block_io import chunk_nbytes, gather_blocks, scatter_blocks
+    src = torch.randn(2, 3, 32, 4, 8)
+    buf = bytearray(chunk_nbytes(src, len(ids)))
+    gather_blocks(src, ids, buf)
+    wire = torch.frombuffer(buf, dtype=torch.float32).view(6, len(ids), 32)
+    assert torch.equal(wire, src.view(6, 32, 32)[:, ids])
+    dst = torch.zeros_like(src)
+    scatter_blocks(dst, ids, buf)
+    assert torch.equal(dst[:, :, ids], src[:, :, ids])
+    others = [b for b in range(32) if b not in ids]
+    assert not dst[:, :, others].any()

@@ -155,11 +155,16 @@ class DecodeSide:
     def _on_message(self, header: dict, msg) -> None:
         kind = header.get("kind")
         if kind == "chunk":
-            inbound = self.inbound.accept_chunk(header, msg.verified)
+            # Written into the reserved blocks first, verified right after while the bytes are in cache: a
+            # mismatch fails the transfer, and a failed transfer's blocks are dropped, never consumed.
+            inbound = self.inbound.accept_chunk(header, True)
             if inbound is not None:
                 table = self.engine.block_manager.block_ids(inbound.request_id)
                 first, count = header["first"], header["count"]
                 scatter_blocks(self.layers[header["layer"]], list(table[first:first + count]), msg.payload)
+                if not msg.verified:
+                    self.inbound.fail(inbound.xfer, TransferState.FAILED_CHECKSUM)
+                    return
                 self.stats.chunks_received += 1
                 self.stats.bytes_received += header["nbytes"]
         elif kind == "done":

@@ -12,11 +12,12 @@ does not fit before the ring's end starts again at offset 0. A full ring makes t
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import struct
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import msgpack
 import zmq
@@ -119,17 +120,18 @@ class ShmReceiver:
         self._sock.bind(address)
         self.address = address
         self.socket = self._sock
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._segments: dict[str, mmap.mmap] = {}
 
-    def _segment(self, name: str) -> shared_memory.SharedMemory:
+    def _segment(self, name: str) -> mmap.mmap:
         seg = self._segments.get(name)
         if seg is None:
-            seg = shared_memory.SharedMemory(name=name)
-            # Attaching registers the segment with this process's tracker, which would unlink the
-            # sender's segment when this process exits. The sender owns it.
-            if not name.startswith(f"pdserve-{os.getpid()}-"):  # (a sender in this same process keeps it)
-                resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
-            self._segments[name] = seg
+            # Mapped directly (not through SharedMemory), so this process's resource tracker never learns of
+            # it and never unlinks the sender's segment; the sender owns it.
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                seg = self._segments[name] = mmap.mmap(fd, 0)
+            finally:
+                os.close(fd)
         return seg
 
     def poll(self, timeout_ms: int = 0) -> list[Received]:
@@ -151,10 +153,10 @@ class ShmReceiver:
         except FileNotFoundError:  # the sender is gone and its segment with it
             return Received(dict(header, lost=True), None, lambda: None)
         start = _META + header["offset"]
-        payload = seg.buf[start:start + header["nbytes"]]
+        payload = memoryview(seg)[start:start + header["nbytes"]]
 
         def release(seg=seg, end=header["end"]) -> None:
-            struct.pack_into("<Q", seg.buf, 0, end)
+            struct.pack_into("<Q", seg, 0, end)
 
         return Received(header, payload, release)
 
