@@ -111,12 +111,13 @@ def main() -> int:
     ap.add_argument("--short-every", type=float, default=0.5)
     ap.add_argument("--long-in", type=int, default=1536)
     ap.add_argument("--long-every", type=float, default=2.5)
-    ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--parts", default="ttft,interference", help="comma-separated: ttft, interference")
     args = ap.parse_args()
     half = str(max(args.threads // 2, 1))
     modes = {"pd": ["--transport", args.transport], "colocated": ["--mode", "colocated"]}
     report: dict = {"args": vars(args)}
-    if not args.skip_ttft:
+    parts = args.parts.split(",")
+    if "ttft" in parts:
         for mode, flags in modes.items():
             server = Server(*flags, "--num-threads", str(args.threads))
             try:
@@ -126,6 +127,15 @@ def main() -> int:
         pd, co = (statistics.median(report[f"ttft_{m}"]) for m in ("pd", "colocated"))
         print(f"TTFT, one {args.ttft_prompt}-token prompt, {args.threads} threads per worker, median of "
               f"{args.ttft_repeats}: PD {pd * 1e3:.0f} ms, colocated {co * 1e3:.0f} ms, PD adds {pd / co - 1:+.1%}")
+    if "interference" in parts:
+        interference_part(args, modes, half, report)
+    out = Path("bench_results")
+    out.mkdir(exist_ok=True)
+    (out / "pd.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def interference_part(args, modes: dict, half: str, report: dict) -> None:
     for mode, flags in modes.items():
         threads = half if mode == "pd" else str(args.threads)
         server = Server(*flags, "--num-threads", threads)
@@ -142,10 +152,6 @@ def main() -> int:
               f"{pct(r['itl'], 50) * 1e3:>10.1f}{pct(r['itl'], 99) * 1e3:>10.1f}{r['num_long']:>7}")
     pd99, co99 = (pct(report[f"interference_{m}"]["tpot"], 99) for m in ("pd", "colocated"))
     print(f"PD P99 TPOT is {1 - pd99 / co99:.0%} lower than colocated")
-    out = Path("bench_results")
-    out.mkdir(exist_ok=True)
-    (out / "pd.json").write_text(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ class Server:
     def __init__(self, *args: str, env: dict | None = None, timeout_s: float = 300) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = "unused"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})

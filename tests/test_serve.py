@@ -49,11 +49,11 @@ def pd_server():
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
 
 def aclient(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
 
 def check_completions_and_chat(server: Server, reference, indices=(0, 1, 2)) -> None:
@@ -187,10 +187,15 @@ def test_non_streaming_disconnect_aborts(pd_server):
     _wait_blocks(pd_server, lambda used: all(v == 0 for v in used.values()))
 
 
-@pytest.mark.parametrize("args", [("--transport", "tcp"), ("--mode", "colocated")], ids=["tcp", "colocated"])
+@pytest.mark.parametrize("args", [("--transport", "tcp", "--api-key", "s3cret"), ("--mode", "colocated")],
+                         ids=["tcp", "colocated"])
 def test_other_shapes_equal_single_engine(reference, args):
     server = Server(*args)
     try:
+        if "--api-key" in args:
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
+            server.api_key = "s3cret"
         check_completions_and_chat(server, reference, (0, 1))
         test_eight_concurrent_streams(server, reference)
     finally:

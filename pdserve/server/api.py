@@ -70,8 +70,17 @@ class _ClientGone(Exception):
     pass
 
 
-def create_app(gateway: Gateway, max_body_bytes: int = 1 << 20) -> FastAPI:
+def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    if api_key:
+        @app.middleware("http")
+        async def _check_key(request: Request, call_next):
+            if request.url.path.startswith("/v1/") and \
+                    request.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse(error_body("invalid or missing API key", "authentication_error", None,
+                                               "invalid_api_key"), status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(PdserveError)
     async def _pdserve_error(_, e: PdserveError):

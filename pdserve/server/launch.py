@@ -48,6 +48,8 @@ class ServeConfig:
     """Routing policy: prefix-affinity or least-loaded."""
     max_body_bytes: int = 1 << 20
     """Largest accepted request body (413 above)."""
+    api_key: str | None = None
+    """When set, /v1/* requests must send `Authorization: Bearer <key>` (401 otherwise)."""
     kv_timeout_s: float = 30.0
     """A KV delivery with no progress for this long fails; the decode worker then recomputes the prompt."""
     ready_timeout_s: float = 600.0

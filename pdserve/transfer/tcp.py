@@ -7,6 +7,7 @@ the wire. A receiver that stops reading makes the sender's queue fill; a send th
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import msgpack
@@ -27,6 +28,19 @@ class TcpSender:
         self._sockets: dict[str, zmq.Socket] = {}
         self.faults = faults or FaultInjector()
         self.bytes_sent = 0
+        # Payload buffers are reused once ZeroMQ is done with them (fresh multi-MB buffers cost page faults).
+        self._free: list[bytearray] = []
+        self._in_flight: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
+
+    def _buffer(self, nbytes: int) -> bytearray:
+        while self._in_flight and self._in_flight[0][1].done:
+            self._free.append(self._in_flight.popleft()[0])
+        for i, buf in enumerate(self._free):
+            if len(buf) >= nbytes:
+                return self._free.pop(i)
+        if len(self._free) > 8:
+            self._free.pop(0)
+        return bytearray(nbytes)
 
     def _socket(self, dest: str) -> zmq.Socket:
         sock = self._sockets.get(dest)
@@ -40,12 +54,18 @@ class TcpSender:
         return sock
 
     def send_chunk(self, dest: str, header: dict, nbytes: int, fill: Callable[[memoryview], None]) -> None:
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
+        buf = self._buffer(nbytes)
+        view = memoryview(buf)[:nbytes]
         fill(view)
         header = dict(header, nbytes=nbytes, checksum=checksum(view))
         self.faults.maybe_corrupt(view)
-        self._send([msgpack.packb(header), buf], dest)
+        sock = self._socket(dest)
+        try:
+            sock.send(msgpack.packb(header), zmq.SNDMORE)
+            tracker = sock.send(view, copy=False, track=True)
+        except zmq.Again as e:
+            raise TransferError(f"tcp send to {dest} timed out ({self._timeout_ms} ms)") from e
+        self._in_flight.append((buf, tracker))
         self.bytes_sent += nbytes
 
     def send_control(self, dest: str, header: dict) -> None:
@@ -53,7 +73,7 @@ class TcpSender:
 
     def _send(self, frames: list, dest: str) -> None:
         try:
-            self._socket(dest).send_multipart(frames, copy=False)
+            self._socket(dest).send_multipart(frames)
         except zmq.Again as e:
             raise TransferError(f"tcp send to {dest} timed out ({self._timeout_ms} ms)") from e
 
