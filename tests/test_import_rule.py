@@ -1,4 +1,5 @@
-"""The pure-Python layers (core scheduling, tokenizer, detokenizer, engine loop, model config) never load torch."""
+"""The pure-Python layers (core scheduling, tokenizer, detokenizer, engine loop, model config, workloads and the
+benchmark metrics) never load torch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pdserve
 
 PKG = Path(pdserve.__file__).resolve().parent
 MODULES = ["pdserve", "pdserve.core", "pdserve.core.scheduler", "pdserve.tokenizer", "pdserve.engine.detokenizer",
-           "pdserve.engine.llm_engine", "pdserve.model.config"]
+           "pdserve.engine.llm_engine", "pdserve.model.config", "pdserve.workloads", "pdserve.bench.metrics"]
+PURE_PACKAGES = ["workloads", "bench"]  # every source file under these is checked statically, like core
 
 
 def _loaded_after_import(modules: list[str]) -> set[str]:
@@ -51,11 +53,21 @@ def _torch_imports(path: Path) -> list[int]:
     return lines
 
 
+def _offenders(files: list[Path]) -> dict[str, list[int]]:
+    return {str(f.relative_to(PKG)): lines for f in files if (lines := _torch_imports(f))}
+
+
 def test_core_sources_never_import_torch():
     files = sorted((PKG / "core").rglob("*.py"))
     assert len(files) >= 8
-    offenders = {str(f.relative_to(PKG)): lines for f in files if (lines := _torch_imports(f))}
-    assert offenders == {}
+    assert _offenders(files) == {}
+
+
+def test_workload_and_bench_sources_never_import_torch():
+    files = sorted(f for pkg in PURE_PACKAGES for f in (PKG / pkg).rglob("*.py"))
+    assert {"workloads/loader.py", "workloads/prompts.py", "bench/metrics.py"} <= {
+        str(f.relative_to(PKG)) for f in files}
+    assert _offenders(files) == {}
 
 
 def test_static_check_detects_torch_imports(tmp_path):

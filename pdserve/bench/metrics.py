@@ -1,0 +1,150 @@
+"""Metric math for the load generator: per-request timelines in, latency/throughput/SLO summary out.
+
+Definitions (all times in seconds on one monotonic clock; summaries report milliseconds):
+* TTFT = first token time - start.
+* TPOT = (last token time - first token time) / (n - 1), n = output_tokens (a streamed chunk may carry several
+  tokens, so the count comes from `output_tokens`, falling back to len(token_times) when that is 0); None if n < 2.
+* ITL  = gaps between consecutive entries of `token_times` (per streamed chunk, as vLLM's benchmark does).
+* E2E  = end - start.
+* Percentiles are numpy's default linear interpolation (`np.percentile(..., method="linear")`), over
+  successful requests only; ITL percentiles pool the gaps of all successful requests.
+* Throughput divides successful requests / their output (and prompt) tokens by `duration_s`.
+* SLO attainment is the share of ALL requests (failed ones count as misses) that meet every SLO given:
+  TTFT <= slo_ttft_ms and TPOT <= slo_tpot_ms; a request with fewer than two output tokens has no TPOT and meets
+  that SLO, and a successful request without any token misses the TTFT SLO.
+* Goodput is the highest swept rate whose attainment (and that of every lower swept rate) is >= the threshold.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+PERCENTILE_METHOD = "linear"
+MAX_ERROR_GROUPS = 5
+
+
+@dataclass
+class RequestRecord:
+    """What the runner observed for one request. `token_times` holds every output token/chunk arrival time,
+    the first included; `end_s` is None while the request is in flight; `error` is None on success."""
+
+    start_s: float
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    end_s: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def _first(self) -> float | None:
+        if self.first_token_s is not None:
+            return self.first_token_s
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft_s(self) -> float | None:
+        first = self._first
+        return None if first is None else first - self.start_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = self.output_tokens or len(self.token_times)
+        first = self._first
+        if n < 2 or first is None or not self.token_times:
+            return None
+        return (self.token_times[-1] - first) / (n - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.start_s
+
+
+def latency_stats(values_s: list[float]) -> dict[str, float | None]:
+    """mean/p50/p90/p99 in milliseconds (numpy linear percentiles); all None when there are no values."""
+    keys = ["mean"] + [f"p{p}" for p in PERCENTILES]
+    if not values_s:
+        return dict.fromkeys(keys)
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    pct = np.percentile(ms, PERCENTILES, method=PERCENTILE_METHOD)
+    return dict(zip(keys, [float(ms.mean())] + [float(v) for v in pct]))
+
+
+def meets_slo(rec: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether one request meets every SLO given (failed requests never do)."""
+    if not rec.ok:
+        return False
+    if slo_ttft_ms is not None:
+        ttft = rec.ttft_s
+        if ttft is None or ttft * 1000.0 > slo_ttft_ms:
+            return False
+    if slo_tpot_ms is not None:
+        tpot = rec.tpot_s
+        if tpot is not None and tpot * 1000.0 > slo_tpot_ms:
+            return False
+    return True
+
+
+def _error_groups(records: list[RequestRecord]) -> list[dict]:
+    counts = Counter(r.error for r in records if not r.ok)
+    return [{"message": m, "count": c} for m, c in counts.most_common(MAX_ERROR_GROUPS)]
+
+
+def summarize(records: list[RequestRecord], *, duration_s: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict:
+    """Counts, throughput over `duration_s`, TTFT/TPOT/ITL/E2E stats (ms) and SLO attainment (see module doc).
+
+    `errors` lists the most frequent error messages (at most MAX_ERROR_GROUPS) with their counts;
+    `slo.attainment` is None when no SLO is given or there are no requests.
+    """
+    if not duration_s > 0:
+        raise ValueError(f"duration_s must be positive, got {duration_s}")
+    ok = [r for r in records if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
+    attainment = (sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records) / len(records)
+                  if has_slo and records else None)
+    return {
+        "num_requests": len(records), "num_ok": len(ok), "num_errors": len(records) - len(ok),
+        "errors": _error_groups(records),
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "prompt_throughput": prompt_tokens / duration_s,
+        "total_output_tokens": output_tokens, "total_prompt_tokens": prompt_tokens,
+        "ttft_ms": latency_stats([v for r in ok if (v := r.ttft_s) is not None]),
+        "tpot_ms": latency_stats([v for r in ok if (v := r.tpot_s) is not None]),
+        "itl_ms": latency_stats([v for r in ok for v in r.itls]),
+        "e2e_ms": latency_stats([v for r in ok if (v := r.e2e_s) is not None]),
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment": attainment},
+        "percentile_method": f"numpy {PERCENTILE_METHOD} interpolation",
+    }
+
+
+def goodput(results: dict[float, float], threshold: float = 0.9) -> float | None:
+    """The highest request rate whose SLO attainment is >= threshold AND every lower swept rate also met it.
+
+    Rates are walked in increasing order and the walk stops at the first miss, so a lucky pass at a high rate
+    after a failure at a lower one does not count (attainment is expected to fall with load; a non-monotonic
+    sweep is noise). Returns None if the lowest rate already misses or `results` is empty.
+    """
+    best = None
+    for rate in sorted(results):
+        att = results[rate]
+        if att is None or att < threshold:
+            break
+        best = rate
+    return best

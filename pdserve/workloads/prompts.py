@@ -1,0 +1,81 @@
+"""`build_prompts`: exact-length token-id prompts for a workload, with the trace's prefix sharing made real.
+
+The runner sends token ids through the completions API, so every prompt has exactly `input_len` ids by
+construction (no tokenizer round trip that could change the length). Ids are drawn uniformly from `token_range`,
+default `[100, vocab_size - 100)`, to stay clear of the special tokens at either end of most vocabularies.
+
+* Requests with `hash_ids` (Mooncake): the prompt is the concatenation of blocks, block k being a pseudo-random
+  block determined only by `(hash_ids[k], seed)`; equal hash ids therefore give identical token blocks, so the
+  trace's shared prefixes are shared on the wire too. The block size is `max(1, round(block_tokens *
+  length_scale))` with `length_scale` taken from `workload.description` (1.0 if absent): the loader scales the
+  lengths but keeps the hash ids, so scaling the block the same way keeps about one block per hash id. The last
+  block is truncated to make the length exact; if `input_len` exceeds `len(hash_ids) * block`, the rest is filled
+  deterministically from `(seed, request index)`, so that tail is never shared.
+* Requests without `hash_ids`: independent random ids seeded by `(seed, request index)`, so different requests
+  differ from their first tokens on and there is no accidental prefix sharing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.errors import InvalidRequestError
+from pdserve.workloads.spec import Workload
+
+# First word of the numpy seed sequence: keeps the three kinds of stream independent for the same numbers.
+_BLOCK, _FILL, _PLAIN = 0, 1, 2
+SPECIAL_TOKEN_MARGIN = 100
+
+
+def _token_range(vocab_size: int, token_range: tuple[int, int] | None) -> tuple[int, int]:
+    if token_range is None:
+        token_range = (SPECIAL_TOKEN_MARGIN, vocab_size - SPECIAL_TOKEN_MARGIN)
+    lo, hi = token_range
+    if not 0 <= lo < hi <= vocab_size:
+        raise InvalidRequestError(f"token range [{lo}, {hi}) is empty or outside the vocabulary of {vocab_size} "
+                                  "ids; pass token_range=(lo, hi)")
+    return lo, hi
+
+
+def _draw(key: tuple[int, ...], n: int, lo: int, hi: int) -> np.ndarray:
+    return np.random.default_rng(list(key)).integers(lo, hi, size=n, dtype=np.int64)
+
+
+def _hashed_prompt(index: int, input_len: int, hash_ids: tuple[int, ...], block: int, seed: int,
+                   lo: int, hi: int, cache: dict[int, np.ndarray]) -> list[int]:
+    """Blocks keyed by hash id (cached within one call), truncated or filled to exactly input_len."""
+    parts, have = [], 0
+    for h in hash_ids:
+        if have >= input_len:
+            break
+        if h not in cache:
+            cache[h] = _draw((seed, _BLOCK, h), block, lo, hi)
+        parts.append(cache[h][:input_len - have])
+        have += len(parts[-1])
+    if have < input_len:
+        parts.append(_draw((seed, _FILL, index), input_len - have, lo, hi))
+    return np.concatenate(parts).tolist()
+
+
+def block_size(workload: Workload, block_tokens: int = 512) -> int:
+    """Tokens per Mooncake hash block for this workload: block_tokens scaled by its length_scale."""
+    return max(1, round(block_tokens * float(workload.description.get("length_scale", 1.0))))
+
+
+def build_prompts(workload: Workload, vocab_size: int, *, block_tokens: int = 512,
+                  token_range: tuple[int, int] | None = None, seed: int = 0) -> list[list[int]]:
+    """One list of exactly `input_len` token ids per request, in the workload's order (see module docstring)."""
+    lo, hi = _token_range(vocab_size, token_range)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidRequestError(f"seed must be a non-negative integer, got {seed!r}")
+    if block_tokens < 1:
+        raise InvalidRequestError(f"block_tokens must be >= 1, got {block_tokens}")
+    block = block_size(workload, block_tokens)
+    cache: dict[int, np.ndarray] = {}
+    prompts = []
+    for i, req in enumerate(workload.requests):
+        if req.hash_ids:
+            prompts.append(_hashed_prompt(i, req.input_len, req.hash_ids, block, seed, lo, hi, cache))
+        else:
+            prompts.append(_draw((seed, _PLAIN, i), req.input_len, lo, hi).tolist())
+    return prompts
