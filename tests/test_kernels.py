@@ -120,3 +120,18 @@ def test_engine_on_cpu_fp32_never_falls_back(tiny_llama_dir):
                                                           SamplingParams(temperature=0, max_tokens=6))
     assert all(len(o.token_ids) == 6 for o in out)
     assert kernels.fallback_count() == before, kernels.fallback_reason()
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 32])
+@pytest.mark.parametrize("n,k", [(960, 576), (40, 24), (7, 3)])
+def test_gemm_matches_linear(rows, n, k):
+    from pdserve.model.linear import Linear
+    g = torch.Generator().manual_seed(5)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    lin = Linear(w, b, pack=True)
+    if lin.panels is None:
+        pytest.skip(f"no GEMM kernel on this CPU: {kernels.fallback_reason()}")
+    torch.testing.assert_close(kernels.gemm(x, lin.panels), x @ w.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    wide = torch.randn(rows, 2 * k, generator=g)[:, :k]  # a row stride wider than k
+    torch.testing.assert_close(kernels.gemm(wide, lin.panels), wide @ w.T, rtol=1e-5, atol=1e-4)

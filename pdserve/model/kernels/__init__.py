@@ -1,6 +1,7 @@
 """Compiled CPU kernels for the fp32 decode path, with a counted fallback to torch.
 
-What is here: paged decode attention that reads K/V blocks in place through the block rows (online
+What is here: a skinny GEMM for decode-sized row counts on weights packed in column panels (AVX-512
+register tiles, software prefetch; AVX2-only hosts keep MKL), paged decode attention that reads K/V blocks in place through the block rows (online
 softmax, query heads grouped by KV head), rotary + KV-cache write, residual add + RMSNorm, SiLU·up.
 The C source (`kernels.c`) is compiled for this CPU at first use (`build.py`, a few seconds, cached).
 
@@ -61,20 +62,24 @@ def fallback_reason() -> str | None:
 def usable(*tensors: torch.Tensor) -> bool:
     """True when the kernels can serve these (CPU, fp32, contiguous) tensors; otherwise counts one fallback
     and returns False."""
-    global _fallbacks, _reason, _warned
     if not _disabled and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                              for t in tensors):
         if _library() is not None:
             return True
+    _count_fallback("disabled (PDSERVE_KERNELS=0 or kernels.disabled())" if _disabled else
+                    _load_error if _library() is None else
+                    f"unsupported tensors (need CPU, fp32, contiguous): "
+                    f"{[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}")
+    return False
+
+
+def _count_fallback(reason: str | None) -> None:
+    global _fallbacks, _reason, _warned
     _fallbacks += 1
-    _reason = ("disabled (PDSERVE_KERNELS=0 or kernels.disabled())" if _disabled else
-               _load_error if _library() is None else
-               f"unsupported tensors (need CPU, fp32, contiguous): "
-               f"{[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}")
+    _reason = reason
     if not _warned:
         _warned = True
         log.warning("pdserve CPU kernels not used, falling back to torch: %s", _reason)
-    return False
 
 
 @contextlib.contextmanager
@@ -136,3 +141,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv, _, bs, _ = k_cache.shape
     _lib.pd_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
                              lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, bs, rows.numel() // (hkv * b), scale)
+
+
+class PackedWeight:
+    """A [N, K] weight re-laid in column panels for `gemm` (one more copy of the weight in memory)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        width = _lib.pd_gemm_panel_width()
+        self.n, self.k = n, k
+        self.panels = weight.new_empty(-(-n // width) * width * k)
+        _lib.pd_gemm_pack(weight.contiguous().data_ptr(), self.panels.data_ptr(), n, k)
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """Packs `weight` for `gemm`, or returns None (counted as a fallback) when this host has no GEMM
+    kernel (no AVX-512, no compiler) or the weight is not a CPU fp32 tensor."""
+    if not usable(weight):
+        return None
+    if _lib.pd_gemm_panel_width() == 0:
+        _count_fallback("this CPU has no AVX-512: the GEMM stays on MKL/torch")
+        return None
+    return PackedWeight(weight)
+
+
+def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x: [M, K] fp32 CPU, unit column stride -> x @ W^T: [M, N]. Callers check `usable(x)` first."""
+    m = x.shape[0]
+    y = x.new_empty(m, w.n)
+    _lib.pd_gemm(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), m, w.n, w.k)
+    return y

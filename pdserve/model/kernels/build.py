@@ -83,6 +83,8 @@ SIGNATURES = {
     "pd_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
     "pd_silu_mul": [_P, _P, _I, _I],
     "pd_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "pd_gemm_pack": [_P, _P, _I, _I],
+    "pd_gemm": [_P, _I64, _P, _P, _I, _I, _I],
 }
 
 
@@ -92,4 +94,5 @@ def load() -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.pd_gemm_panel_width.argtypes, lib.pd_gemm_panel_width.restype = [], ctypes.c_int
     return lib
