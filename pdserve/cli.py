@@ -78,6 +78,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg, engine)
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """Write the model pdserve serves as a Hugging Face directory (fp32 safetensors, tokenizer, chat
+    template), so peers (vLLM, transformers) load exactly the same weights."""
+    import shutil
+    from pathlib import Path
+
+    from pdserve.errors import InvalidRequestError
+    from pdserve.model.loader import resolve_model_dir
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise InvalidRequestError(f"{out} exists and is not empty (pass --force to overwrite)", param="output")
+    src = resolve_model_dir(args.model)
+    try:
+        shutil.copytree(src, out, dirs_exist_ok=True)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write {out}: {e.strerror or e}", param="output") from e
+    print(out.resolve())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(srv, ServeConfig)
     add_config_args(srv, EngineConfig, skip=frozenset({"model"}))
     srv.set_defaults(func=cmd_serve)
+    exp = sub.add_parser("export-hf", help="write the served model as a Hugging Face directory (for peers)")
+    exp.add_argument("--output", required=True, help="directory to write")
+    exp.add_argument("--model", default=None, help="model to export; default: the embedded default model")
+    exp.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    exp.set_defaults(func=cmd_export_hf)
+    from pdserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
