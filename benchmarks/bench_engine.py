@@ -125,6 +125,7 @@ def main() -> None:
     llm = LLM(max_num_seqs=max(args.num_requests))
     llm.generate([[11, 12, 13]], None)  # warmup
     bandwidth, rate = measure_copy_bandwidth(), measure_matmul_rate()
+    from pdserve.model import kernels
     results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}",
                "workload": vars(args), "runs": []}
     for n in args.num_requests:
@@ -137,6 +138,8 @@ def main() -> None:
     floor = decode_floor(model_config, 16, args.input_len + args.output_len // 2, bandwidth, rate)
     floor["floor_ms"] = max(floor["bandwidth_floor_ms"], floor["compute_floor_ms"])
     results["decode16_floor"] = floor
+    results["kernels"] = {"available": kernels.available(), "fallbacks": kernels.fallback_count(),
+                          "last_fallback_reason": kernels.fallback_reason()}
     print_table(results)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
@@ -150,6 +153,9 @@ def print_table(results: dict) -> None:
     f = results["decode16_floor"]
     print(f"decode floor, batch 16: {f['floor_ms']} ms = max({f['weight_bytes'] / 1e6:.0f} MB / "
           f"{f['copy_bandwidth_GBps']} GB/s, {f['step_flops'] / 1e9:.2f} GFLOP / {f['matmul_GFLOPps']} GFLOP/s)")
+    k = results["kernels"]
+    print(f"pdserve CPU kernels: available={k['available']}, fallbacks={k['fallbacks']}"
+          + (f" (last: {k['last_fallback_reason']})" if k["fallbacks"] else ""))
     for r in results["runs"]:
         if r.get("decode16_step_ms_median"):
             print(f"pdserve batch-16 decode step: {r['decode16_step_ms_median']} ms = "

@@ -28,6 +28,7 @@ _load_error: str | None = None
 _loaded = False
 _disabled = os.environ.get("PDSERVE_KERNELS", "1") == "0"
 _fallbacks = 0
+_FP32 = torch.float32
 _reason: str | None = None
 _warned = False
 
@@ -62,9 +63,11 @@ def fallback_reason() -> str | None:
 def usable(*tensors: torch.Tensor) -> bool:
     """True when the kernels can serve these (CPU, fp32, contiguous) tensors; otherwise counts one fallback
     and returns False."""
-    if not _disabled and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                             for t in tensors):
-        if _library() is not None:
+    if not _disabled and _library() is not None:
+        for t in tensors:  # a plain loop: this runs ~10 times per layer
+            if not (t.is_cpu and t.dtype is _FP32 and t.is_contiguous()):
+                break
+        else:
             return True
     _count_fallback("disabled (PDSERVE_KERNELS=0 or kernels.disabled())" if _disabled else
                     _load_error if _library() is None else
