@@ -17,6 +17,8 @@ default `[100, vocab_size - 100)`, to stay clear of the special tokens at either
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
@@ -42,7 +44,7 @@ def _draw(key: tuple[int, ...], n: int, lo: int, hi: int) -> np.ndarray:
 
 
 def _hashed_prompt(index: int, input_len: int, hash_ids: tuple[int, ...], block: int, seed: int,
-                   lo: int, hi: int, cache: dict[int, np.ndarray]) -> list[int]:
+                   lo: int, hi: int, cache: dict[int, np.ndarray]) -> np.ndarray:
     """Blocks keyed by hash id (cached within one call), truncated or filled to exactly input_len."""
     parts, have = [], 0
     for h in hash_ids:
@@ -54,7 +56,7 @@ def _hashed_prompt(index: int, input_len: int, hash_ids: tuple[int, ...], block:
         have += len(parts[-1])
     if have < input_len:
         parts.append(_draw((seed, _FILL, index), input_len - have, lo, hi))
-    return np.concatenate(parts).tolist()
+    return np.concatenate(parts)
 
 
 def block_size(workload: Workload, block_tokens: int = 512) -> int:
@@ -65,17 +67,26 @@ def block_size(workload: Workload, block_tokens: int = 512) -> int:
 def build_prompts(workload: Workload, vocab_size: int, *, block_tokens: int = 512,
                   token_range: tuple[int, int] | None = None, seed: int = 0) -> list[list[int]]:
     """One list of exactly `input_len` token ids per request, in the workload's order (see module docstring)."""
+    return [p.tolist() for p in iter_prompt_arrays(workload, vocab_size, block_tokens=block_tokens,
+                                                   token_range=token_range, seed=seed)]
+
+
+def iter_prompt_arrays(workload: Workload, vocab_size: int, *, block_tokens: int = 512,
+                       token_range: tuple[int, int] | None = None, seed: int = 0) -> Iterator[np.ndarray]:
+    """The prompts of `build_prompts` as int64 arrays, one at a time (arguments checked now): for consumers
+    that hold only the prompts in flight, such as the simulator replaying a long trace."""
     lo, hi = _token_range(vocab_size, token_range)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidRequestError(f"seed must be a non-negative integer, got {seed!r}")
     if block_tokens < 1:
         raise InvalidRequestError(f"block_tokens must be >= 1, got {block_tokens}")
-    block = block_size(workload, block_tokens)
+    return _prompt_arrays(workload, block_size(workload, block_tokens), seed, lo, hi)
+
+
+def _prompt_arrays(workload: Workload, block: int, seed: int, lo: int, hi: int) -> Iterator[np.ndarray]:
     cache: dict[int, np.ndarray] = {}
-    prompts = []
     for i, req in enumerate(workload.requests):
         if req.hash_ids:
-            prompts.append(_hashed_prompt(i, req.input_len, req.hash_ids, block, seed, lo, hi, cache))
+            yield _hashed_prompt(i, req.input_len, req.hash_ids, block, seed, lo, hi, cache)
         else:
-            prompts.append(_draw((seed, _PLAIN, i), req.input_len, lo, hi).tolist())
-    return prompts
+            yield _draw((seed, _PLAIN, i), req.input_len, lo, hi)

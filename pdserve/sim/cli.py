@@ -1,0 +1,156 @@
+"""`pdserve simulate` and `pdserve plan`. Wire into the main CLI with `add_sim_parsers(sub)`.
+
+The workload flags are `pdserve bench serve`'s own argparse actions (copied from that parser, not
+redefined), and the workload for each rate is built by the same helper, so a spec means the same thing to
+the load generator and to the simulator.
+
+    python -m pdserve.sim.cli simulate --workload mooncake:trace.jsonl --model llama-3-70b --gpu h100 --tp 4 \\
+        --mode pd --prefill 8 --decode 8 --slo-ttft-ms 2000 --slo-tpot-ms 100 --output out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pdserve.errors import InvalidRequestError
+
+# `pdserve bench serve` flags that describe the workload and the report; shared, not redefined.
+WORKLOAD_FLAGS = ("workload", "rate", "rates", "arrival", "cv", "num_requests", "length_scale", "time_scale",
+                  "max_requests", "max_input_len", "max_output_len", "block_tokens", "seed", "slo_ttft_ms",
+                  "slo_tpot_ms", "label", "output", "no_progress")
+
+
+def _bench_actions() -> dict[str, argparse.Action]:
+    from pdserve.bench.cli import add_bench_parser
+    root = argparse.ArgumentParser()
+    add_bench_parser(root.add_subparsers())
+    bench = root._subparsers._group_actions[0].choices["bench"]  # noqa: SLF001 - argparse has no public walk
+    serve = bench._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001
+    return {a.dest: a for a in serve._actions}  # noqa: SLF001
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    actions = _bench_actions()
+    for dest in WORKLOAD_FLAGS:
+        parser._add_action(actions[dest])  # noqa: SLF001
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset (llama-3-8b, llama-2-70b, llama-3-70b, qwen2.5-7b, "
+                   "qwen2.5-32b) or a Hugging Face config.json path")
+    p.add_argument("--gpu", default="h100", help="a100-80g | a800 | h100 | h200 | l40s")
+    p.add_argument("--time-model", default="roofline", help="roofline | fitted:PATH.json")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: what fits)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prefill-budget", type=int, default=8192, help="token budget per prefill step")
+    p.add_argument("--decode-budget", type=int, default=2048, help="token budget per decode/colocated step")
+    p.add_argument("--routing", default="prefix-affinity", help="least-loaded | prefix-affinity")
+    p.add_argument("--link-latency-us", type=float, default=20.0)
+    p.add_argument("--host-kv-gb", type=float, default=512.0, help="host KV tier per engine")
+    p.add_argument("--ttft-timeout-s", type=float, default=None, help="clients abort without a first token by then")
+    p.add_argument("--transfer-failure-rate", type=float, default=0.0, help="share of KV transfers that fail")
+    p.add_argument("--no-fast-forward", action="store_true", help="step every decode step one by one")
+    p.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; default: the GPU table's")
+
+
+def add_sim_parsers(sub) -> None:
+    sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster (real scheduler, modelled GPUs)")
+    add_workload_flags(sim)
+    add_cluster_flags(sim)
+    sim.add_argument("--tp", type=int, default=1, help="tensor parallelism per engine")
+    sim.add_argument("--mode", default="pd", choices=["pd", "colocated"])
+    sim.add_argument("--prefill", type=int, default=1, help="prefill engines (pd)")
+    sim.add_argument("--decode", type=int, default=1, help="decode engines (pd)")
+    sim.add_argument("--instances", type=int, default=1, help="engines (colocated)")
+    sim.set_defaults(func=cmd_simulate)
+    plan = sub.add_parser("plan", help="cheapest P/D split and TP meeting SLOs at a rate on a GPU budget")
+    add_workload_flags(plan)
+    add_cluster_flags(plan)
+    plan.add_argument("--gpus", type=int, required=True, help="GPU budget")
+    plan.add_argument("--tp-options", default="1,2,4,8", help="comma-separated TP degrees to try")
+    plan.add_argument("--attainment", type=float, default=0.9, help="required share of requests meeting the SLOs")
+    plan.add_argument("--include-colocated", action="store_true", help="also try colocated deployments")
+    plan.set_defaults(func=cmd_plan)
+
+
+def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, instances: int = 1):
+    from pdserve.sim.cluster import ClusterSpec
+    return ClusterSpec(mode=mode, num_prefill=prefill, num_decode=decode, num_instances=instances, tp=tp,
+                       block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                       prefill_budget=args.prefill_budget, decode_budget=args.decode_budget, routing=args.routing,
+                       link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.host_kv_gb,
+                       fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
+                       transfer_failure_rate=args.transfer_failure_rate, seed=args.seed)
+
+
+def run_spec(args, spec, workloads: list, rates: list, label: str):
+    """Simulate `spec` on each workload; returns the `SimResult`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pdserve.sim.cluster import simulate
+    from pdserve.sim.hardware import get_gpu, get_model
+    from pdserve.sim.report import SimResult, add_run
+    from pdserve.sim.timemodel import make_time_model
+
+    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    time_model = make_time_model(args.time_model, model, gpu, spec.tp)
+    price = args.price_per_gpu_hour if args.price_per_gpu_hour is not None else gpu.price_per_hour
+    result = SimResult(endpoint="simulator", model=model.name, workload=args.workload, label=label,
+                       slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                       workload_description=workloads[0].description,
+                       cluster={**vars(spec), "gpu": gpu.name, "num_gpus": spec.num_gpus,
+                                "time_model": args.time_model})
+    for i, (rate, wl) in enumerate(zip(rates, workloads)):
+        with Progress(TextColumn(f"{label} rate {rate or '-'}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), disable=args.no_progress) as bar:
+            task = bar.add_task("sim", total=len(wl))
+            run = simulate(wl, spec, model, gpu, time_model, block_tokens=args.block_tokens,
+                           prompt_seed=args.seed + 7919 * i,
+                           progress=lambda n, t: bar.update(task, completed=n))
+            bar.update(task, completed=len(wl))
+        add_run(result, rate, run, spec.num_gpus, price)
+    return result
+
+
+def _workloads(args):
+    from pdserve.bench.cli import _rates, _workload_at
+    rates = _rates(args)
+    return rates, [_workload_at(args, r) for r in rates]
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import print_table
+    from pdserve.sim.report import print_sim_table, write_sim_result
+
+    rates, workloads = _workloads(args)
+    spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)
+    label = args.label or (Path(args.output).name if args.output else f"{args.mode} {spec.num_gpus}x{args.gpu}")
+    result = run_spec(args, spec, workloads, rates, label)
+    print_table(result)
+    print_sim_table(result)
+    if args.output:
+        print(f"wrote {write_sim_result(result, Path(args.output))}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.sim.plan import plan
+    return plan(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_sim_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Build a simulated cluster (N prefill + M decode engines, or N colocated ones) and replay a workload on it.
+
+    spec = ClusterSpec(mode="pd", num_prefill=8, num_decode=8, tp=4)
+    run = simulate(workload, spec, get_model("llama-3-70b"), get_gpu("h100"), time_model)
+
+Each engine is a real `LLMEngine` on `tp` GPUs whose KV pool holds what fits after the weights
+(`hardware.kv_pool_blocks`). Each engine has one network port of `tp x net_bw` bytes/s; KV flows from a
+prefill engine's port to a decode engine's. Requests arrive at their workload times; the prompts are built
+one at a time by the workloads package (Mooncake `hash_ids` become shared token blocks, so prefix hits are
+real hits in the real block managers).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.routing import make_routing_policy
+from pdserve.core.schedule import SchedulerConfig
+from pdserve.errors import InvalidRequestError
+from pdserve.sim.conductor import Lifecycle, SimConductor
+from pdserve.sim.engine import SimEngine
+from pdserve.sim.events import MESSAGE, EventLoop
+from pdserve.sim.hardware import GPUSpec, ModelSpec, kv_pool_blocks
+from pdserve.sim.link import LinkModel
+from pdserve.sim.predict import QueueModelPredictor
+from pdserve.sim.timemodel import TimeModel
+from pdserve.workloads import Workload
+from pdserve.workloads.prompts import iter_prompt_arrays
+
+MODES = ("pd", "colocated")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    mode: str = "pd"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_instances: int = 1  # colocated
+    tp: int = 1
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # per engine; default: what fits after the weights
+    max_num_seqs: int = 256
+    prefill_budget: int = 8192  # max_num_batched_tokens of prefill engines
+    decode_budget: int = 2048  # of decode and colocated engines
+    routing: str = "prefix-affinity"
+    link_latency_s: float = 20e-6
+    host_kv_gb: float = 512.0  # host tier per engine
+    fast_forward: bool = True
+    ttft_timeout_s: float | None = None
+    transfer_failure_rate: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}", param="mode")
+        counts = (self.num_prefill, self.num_decode) if self.mode == "pd" else (self.num_instances,)
+        if min(counts) < 1 or self.tp < 1 or self.block_size < 1:
+            raise InvalidRequestError("engine counts, tp and block size must be positive")
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_prefill + self.num_decode if self.mode == "pd" else self.num_instances
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_engines * self.tp
+
+
+@dataclass
+class SimRun:
+    spec: ClusterSpec
+    records: list[RequestRecord]
+    duration_s: float
+    wall_s: float
+    life: Lifecycle
+    links: dict
+    engines: list[dict] = field(default_factory=list)
+    num_events: int = 0
+
+
+def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel
+          ) -> tuple[EventLoop, SimConductor, list[SimEngine]]:
+    loop = EventLoop()
+    links = LinkModel(loop, spec.link_latency_s)
+    block_bytes = model.kv_bytes_per_token * spec.block_size
+    blocks = spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size)
+    roles = {"prefill": spec.num_prefill, "decode": spec.num_decode} if spec.mode == "pd" else {
+        "colocated": spec.num_instances}
+    engines: dict[str, list[SimEngine]] = {}
+    port_bw = spec.tp * gpu.net_bw
+    predictor = QueueModelPredictor(time_model, spec.prefill_budget, port_bw, spec.link_latency_s)
+    conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links,
+                             predictor if spec.mode == "pd" else None, spec.block_size, block_bytes,
+                             spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed)
+    for role, n in roles.items():
+        budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
+        cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,
+                              max_model_len=model.max_model_len)
+        engines[role] = [SimEngine(f"{role}-{i}", role, loop, time_model, cfg, blocks, spec.block_size,
+                                   block_bytes, spec.host_kv_gb * 1e9, conductor, spec.fast_forward,
+                                   vocab_size=max(model.vocab, 1024))
+                         for i in range(n)]
+    conductor.attach(engines, port_bw)
+    return loop, conductor, [e for es in engines.values() for e in es]
+
+
+def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel, *,
+             vocab_size: int = 32000, block_tokens: int = 512, prompt_seed: int = 0,
+             progress: Callable[[int, float], None] | None = None) -> SimRun:
+    """Replay `workload`; `progress(num_finished, sim_time)` is called now and then."""
+    wall0 = time.perf_counter()
+    loop, conductor, engines = build(spec, model, gpu, time_model)
+    prompts = iter_prompt_arrays(workload, vocab_size, block_tokens=block_tokens, seed=prompt_seed)
+    reqs = workload.requests
+    records: list[RequestRecord] = []
+
+    def arrive(i: int) -> None:
+        spec_i = reqs[i]
+        prompt = array("q")
+        prompt.frombytes(next(prompts).astype("int64", copy=False).tobytes())
+        rec = RequestRecord(start_s=loop.now, prompt_tokens=spec_i.input_len)
+        records.append(rec)
+        conductor.submit(f"r{i}", prompt, spec_i.output_len, rec)
+        if i + 1 < len(reqs):
+            loop.at(reqs[i + 1].arrival_s, arrive, i + 1, prio=MESSAGE)
+
+    if reqs:
+        loop.at(reqs[0].arrival_s, arrive, 0, prio=MESSAGE)
+    loop.run(on_tick=(lambda t: progress(conductor.num_finished, t)) if progress else None)
+    end = max([r.end_s or 0.0 for r in records] + [loop.now])
+    duration = max(end - (reqs[0].arrival_s if reqs else 0.0), 1e-9)
+    for r in records:
+        if r.end_s is None and r.error is None:
+            r.error = "unfinished at the end of the simulation"
+    return SimRun(spec, records, duration, time.perf_counter() - wall0, conductor.life,
+                  conductor.links.stats(duration), [_engine_stats(e, duration) for e in engines], loop.num_events)
+
+
+def _engine_stats(e: SimEngine, duration_s: float) -> dict:
+    s = e.scheduler.stats
+    return {"name": e.name, "role": e.role, "num_blocks": e.engine.block_manager.num_blocks, "steps": e.num_steps, "fast_forward_steps": e.num_ff_steps,
+            "busy_fraction": e.busy_s / duration_s, "preemptions": s.num_preemptions,
+            "prompt_tokens": s.num_prompt_tokens, "prefix_hit_tokens": s.num_prefix_hit_tokens,
+            "device_kv": e.device.stats(duration_s), "host_kv": e.host.stats(),
+            "kv_series": e.device.series}

@@ -1,0 +1,303 @@
+"""The simulated conductor: the real conductor's flow, driving real engines, on simulated time.
+
+Per request (as `pdserve.cluster.conductor.Conductor.submit` does): hash the prompt's blocks, pick workers
+with the real routing policy over `WorkerLoad`s (outstanding counts and remembered prefixes), then
+* colocated: the worker runs the whole request;
+* pd: the decode worker queues a reservation; at a step boundary it grants reservations in order while
+  blocks last (`Scheduler.reserve_kv`, as `DecodeSide.try_reserve`); the conductor then dispatches the
+  prompt minus its last token to the prefill worker as a `prefill_only` request (as `PrefillSide.add`),
+  predicting when the blocks will be consumed. Each prefill step pushes the chunk's new blocks over the link
+  while it computes (a partly filled block goes again, complete, with the next chunk, as `on_layer` does).
+  When the prefill is done and every flow has landed, the decode worker settles the transfer
+  (`kv_delivered`, or `kv_failed` for an injected failure: recompute there) and computes the last prompt
+  token, whose logits give the first output token: that step first consumes the delivered blocks.
+A request may be aborted by a TTFT timeout (the client gives up); its delivered-but-unread KV is waste.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.routing import RoutingPolicy
+from pdserve.core.block_hash import hash_blocks
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.errors import PdserveError
+from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
+from pdserve.sim.link import LinkModel
+from pdserve.sim.predict import ConsumptionPredictor
+
+CONSUME_TOLERANCE_S = 0.005
+
+
+@dataclass(eq=False)
+class Flight:
+    rid: str
+    prompt: object  # array('q') of token ids
+    params: SamplingParams
+    record: RequestRecord
+    decode: SimEngine | None = None
+    prefill: SimEngine | None = None
+    next_block: int = 0  # first block-table index not yet sent in full
+    flows: int = 0  # flows in the air
+    prefilled: bool = False
+    done_sent: bool = False
+    delivered: float = 0.0  # bytes landed at the decode worker
+    superseded: float = 0.0  # partly filled blocks sent again later
+    predicted_s: float | None = None
+    decode_request: SimRequest | None = None
+    failed: bool = False
+    finished: bool = False
+
+
+@dataclass
+class Lifecycle:
+    """Counters of delivery and consumption, for the lifecycle metrics."""
+    bytes_sent: float = 0.0
+    bytes_delivered: float = 0.0
+    bytes_consumed: float = 0.0
+    blocks_consumed: int = 0
+    blocks_on_time: int = 0
+    errors_s: list = field(default_factory=list)  # actual - predicted, per consuming request
+    transfers: int = 0
+    transfer_failures: int = 0
+    aborted: int = 0
+
+
+class SimConductor(EngineHooks):
+    def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel,
+                 predictor: ConsumptionPredictor | None, block_size: int, block_bytes: int,
+                 failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0) -> None:
+        self.mode, self.policy, self.links = mode, policy, links
+        self.loop = links.loop
+        self.predictor, self.block_size, self.block_bytes = predictor, block_size, block_bytes
+        self.failure_rate, self.ttft_timeout_s = failure_rate, ttft_timeout_s
+        self._rng = random.Random(seed)
+        self.flights: dict[str, Flight] = {}
+        self.awaiting: dict[str, Flight] = {}  # delivered, not yet read by a decode step
+        self.life = Lifecycle()
+        self.num_finished = 0
+
+    def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
+        """Take the engines (they were built with this conductor as their hooks), one port each."""
+        self.engines = engines
+        self.ports = {e.name: self.links.link(e.name, port_bw) for es in engines.values() for e in es}
+        decode, prefill = engines.get("decode", []), engines.get("prefill", [])
+        self.pending: dict[str, deque[Flight]] = {e.name: deque() for e in decode}
+        self.ready: dict[str, list[Flight]] = {e.name: [] for e in decode}
+        self.queued_tokens: dict[str, int] = {e.name: 0 for e in prefill}
+
+    # ---- intake -----------------------------------------------------------------------------------------
+    def submit(self, rid: str, prompt, output_len: int, record: RequestRecord) -> None:
+        f = Flight(rid, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), record)
+        hashes = hash_blocks(prompt, self.block_size)
+        if self.mode == "colocated":
+            f.decode = self._pick("colocated", hashes)
+        else:
+            f.decode, f.prefill = self._pick("decode", hashes), self._pick("prefill", hashes)
+        self.flights[rid] = f
+        f.decode.load.outstanding += 1
+        f.decode.load.remember(hashes)
+        if self.ttft_timeout_s is not None:
+            self.loop.at(self.loop.now + self.ttft_timeout_s, self._timeout, f)
+        if self.mode == "colocated":
+            f.decode.post(lambda: self._add(f.decode, f, self._request(f.prompt, f)))
+            return
+        f.prefill.load.outstanding += 1
+        f.prefill.load.remember(hashes)
+        self.pending_append(f)
+
+    def pending_append(self, f: Flight) -> None:
+        """The decode worker makes the request when the reservation reaches it (as `DecodeSide.reserve`)."""
+        def reserve() -> None:
+            f.decode_request = self._request(f.prompt, f)
+            self.pending[f.decode.name].append(f)
+        f.decode.post(reserve)
+
+    def _request(self, prompt, f: Flight, prefill_only: bool = False) -> SimRequest:
+        """Stamped with the simulated time it reaches its worker (the real worker stamps its own clock)."""
+        return SimRequest(f.rid, prompt, f.params, arrival_s=self.loop.now, prefill_only=prefill_only)
+
+    def _pick(self, role: str, hashes) -> SimEngine:
+        engines = self.engines[role]
+        load = self.policy.pick([e.load for e in engines], hashes)
+        return next(e for e in engines if e.load is load)
+
+    def _add(self, engine: SimEngine, f: Flight, req: SimRequest) -> None:
+        if f.finished:
+            return
+        try:
+            engine.scheduler.add_request(req)
+        except PdserveError as e:
+            self._fail(f, str(e))
+
+    # ---- decode side: reservations and settlement (before each decode step) ------------------------------
+    def before_step(self, engine: SimEngine) -> None:
+        if engine.role != "decode":
+            return
+        self._grant(engine)
+        ready, self.ready[engine.name] = self.ready[engine.name], []
+        for f in ready:
+            self._settle(engine, f)
+
+    def _grant(self, engine: SimEngine) -> None:
+        pending, bs = self.pending[engine.name], self.block_size
+        while pending:
+            f = pending[0]
+            if f.finished:
+                pending.popleft()
+                continue
+            try:
+                cached = engine.scheduler.reserve_kv(f.decode_request)
+            except PdserveError as e:
+                pending.popleft()
+                self._fail(f, str(e))
+                continue
+            if cached is None:
+                break
+            pending.popleft()
+            f.next_block = cached // bs
+            needed = -(-(len(f.prompt) - 1) // bs) - f.next_block
+            if needed <= 0:
+                self._release_prefill(f)
+                self.ready[engine.name].append(f)
+            else:
+                self._dispatch(f, needed)
+
+    def _dispatch(self, f: Flight, needed_blocks: int) -> None:
+        p, tokens = f.prefill, len(f.prompt) - 1
+        if self.predictor is not None:
+            f.predicted_s = self.predictor.predict(self.loop.now, p, f.decode, tokens, self._backlog(p),
+                                                   min(needed_blocks, 512) * self.block_bytes)
+        self.queued_tokens[p.name] += tokens
+        p.post(lambda: self._add_prefill(p, f, tokens), self.links.latency_s)
+
+    def _add_prefill(self, p: SimEngine, f: Flight, tokens: int) -> None:
+        self.queued_tokens[p.name] -= tokens
+        self._add(p, f, self._request(f.prompt[:-1], f, prefill_only=True))
+
+    def _backlog(self, p: SimEngine) -> int:
+        sched = p.scheduler
+        return self.queued_tokens[p.name] + sum(r.num_tokens - r.num_computed_tokens for r in sched.requests.values())
+
+    def _settle(self, engine: SimEngine, f: Flight) -> None:
+        if f.finished or engine.scheduler.requests.get(f.rid) is None:
+            return
+        self.life.transfers += f.delivered > 0
+        if f.delivered and self._rng.random() < self.failure_rate:
+            self.life.transfer_failures += 1
+            engine.scheduler.kv_failed(f.rid)
+            return
+        engine.scheduler.kv_delivered(f.rid)
+        if f.delivered:
+            self.awaiting[f.rid] = f
+
+    # ---- prefill side: layer-by-layer push ---------------------------------------------------------------
+    def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
+        if engine.role == "prefill":
+            for chunk in scheduled.chunks:
+                f = self.flights.get(chunk.request_id)
+                if f is not None and not f.finished:
+                    self._push(engine, f, chunk.start_pos + chunk.num_tokens, duration_s)
+        elif engine.role == "decode" and self.awaiting:
+            for chunk in scheduled.chunks:
+                f = self.awaiting.pop(chunk.request_id, None)
+                if f is not None:
+                    self._consumed(f, start_s)
+
+    def _push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
+        bs = self.block_size
+        first, stop = f.next_block, -(-end // bs)
+        if first < stop:
+            nbytes = (stop - first) * self.block_bytes
+            if end % bs and end < len(f.prompt) - 1:
+                f.superseded += self.block_bytes
+            f.flows += 1
+            self.life.bytes_sent += nbytes
+            ports = (self.ports[p.name], self.ports[f.decode.name])
+            self.links.start(ports, nbytes, duration_s, lambda: self._landed(f, nbytes))
+        f.next_block = max(f.next_block, end // bs)
+
+    def _landed(self, f: Flight, nbytes: float) -> None:
+        f.flows -= 1
+        f.delivered += nbytes
+        self.life.bytes_delivered += nbytes
+        self._maybe_done(f, 0.0)
+
+    def _maybe_done(self, f: Flight, delay_s: float) -> None:
+        if f.prefilled and f.flows == 0 and not f.done_sent and not f.finished:
+            f.done_sent = True
+            d = f.decode
+            d.post(lambda: self.ready[d.name].append(f), delay_s)
+
+    def _consumed(self, f: Flight, start_s: float) -> None:
+        blocks = round((f.delivered - f.superseded) / self.block_bytes)
+        self.life.bytes_consumed += f.delivered - f.superseded
+        self.life.blocks_consumed += blocks
+        if f.predicted_s is not None:
+            err = start_s - f.predicted_s
+            self.life.errors_s.append(err)
+            if abs(err) <= CONSUME_TOLERANCE_S:
+                self.life.blocks_on_time += blocks
+
+    # ---- outputs ----------------------------------------------------------------------------------------
+    def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None:
+        for out in outputs:
+            f = self.flights.get(out.request_id)
+            if f is None:
+                continue
+            if out.finish_reason == "prefilled":
+                f.prefilled = True
+                self._release_prefill(f)
+                self._maybe_done(f, self.links.latency_s)
+                continue
+            rec = f.record
+            rec.token_times.append(end_s)
+            if rec.first_token_s is None:
+                rec.first_token_s = end_s
+            if out.finished:
+                rec.output_tokens = len(out.token_ids)
+                rec.end_s = end_s
+                engine.host.store(f.rid, len(f.prompt) * self.block_bytes // self.block_size)
+                self._finish(f)
+
+    def on_decode_run(self, engine: SimEngine, requests, ends: list[float]) -> None:
+        for req in requests:
+            f = self.flights.get(req.request_id)
+            if f is not None:
+                f.record.token_times.extend(ends)
+
+    # ---- endings ----------------------------------------------------------------------------------------
+    def _release_prefill(self, f: Flight) -> None:
+        if f.prefill is not None and not f.finished:
+            f.prefill.load.outstanding -= 1
+            f.prefill = None
+
+    def _finish(self, f: Flight) -> None:
+        if f.finished:
+            return
+        self._release_prefill(f)
+        f.finished = True
+        f.decode.load.outstanding -= 1
+        del self.flights[f.rid]
+        self.awaiting.pop(f.rid, None)
+        self.num_finished += 1
+
+    def _fail(self, f: Flight, message: str) -> None:
+        f.record.error = message
+        f.record.end_s = self.loop.now
+        self._abort_everywhere(f)
+
+    def _timeout(self, f: Flight) -> None:
+        if f.finished or f.record.first_token_s is not None:
+            return
+        self.life.aborted += 1
+        self._fail(f, f"aborted: no first token within {self.ttft_timeout_s} s")
+
+    def _abort_everywhere(self, f: Flight) -> None:
+        for engine in (f.decode, f.prefill):
+            if engine is not None:
+                engine.post(lambda e=engine: e.engine.abort([f.rid]))
+        self._finish(f)

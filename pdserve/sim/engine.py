@@ -1,0 +1,150 @@
+"""`SimEngine`: one real `LLMEngine` (real `Scheduler`, real `KVBlockManager`) driven by simulated time.
+
+Like the real worker loop, an engine only looks at its inbox at step boundaries: messages posted while a
+step runs wait for its end; an idle engine wakes when a message lands (after every message of that instant,
+so simultaneous arrivals are drained together). At a boundary it drains the inbox, lets its role do its
+bookkeeping (`hooks.before_step`: grant reservations, settle deliveries), then runs `LLMEngine.step()` and
+asks the `SimExecutor` how long that took. Outputs take effect at the step's end.
+
+A pure decode batch may be fast-forwarded (`pdserve.sim.fastforward`): the window's steps are applied
+lazily, when the window ends or a message cuts it at the next boundary.
+
+`SimRequest` stores token ids in `array('q')`: the same values (hence the same block hashes and prefix hits)
+in an eighth of the memory, and hashed without converting every int.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from array import array
+from collections.abc import Callable
+
+from pdserve.cluster.routing import WorkerLoad
+from pdserve.core.request import Request
+from pdserve.core.schedule import SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.sim import fastforward
+from pdserve.sim.events import MESSAGE, STEP, EventLoop
+from pdserve.sim.executor import SimExecutor
+from pdserve.sim.tiers import DeviceTier, HostTier
+from pdserve.sim.timemodel import TimeModel
+
+
+class SimRequest(Request):
+    def __post_init__(self) -> None:
+        self.all_token_ids = array("q", self.prompt_token_ids)
+
+
+class EngineHooks:
+    """What the cluster does around an engine's steps (all optional)."""
+
+    def before_step(self, engine: SimEngine) -> None: ...
+    def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None: ...
+    def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None: ...
+    def on_decode_run(self, engine: SimEngine, requests: list[Request], ends: list[float]) -> None: ...
+
+
+class SimEngine:
+    def __init__(self, name: str, role: str, loop: EventLoop, time_model: TimeModel, config: SchedulerConfig,
+                 num_blocks: int, block_size: int, block_bytes: int, host_bytes: float, hooks: EngineHooks,
+                 fast_forward: bool = True, vocab_size: int = 32000) -> None:
+        self.name, self.role, self.loop, self.hooks = name, role, loop, hooks
+        self.executor = SimExecutor(time_model, block_size, vocab_size)
+        self.engine = LLMEngine(self.executor, config, num_blocks)
+        self.scheduler = self.engine.scheduler
+        self.load = WorkerLoad(name, role)
+        self.device = DeviceTier(self.engine.block_manager, block_bytes)
+        self.host = HostTier(host_bytes)
+        self.fast_forward = fast_forward
+        self.inbox: list[Callable[[], None]] = []
+        self.busy = False  # a step (or a wake-up) is scheduled
+        self.step_end_s = 0.0
+        self.window: fastforward.Window | None = None
+        self._window_version = itertools.count()
+        self._current_window = -1
+        self.num_steps = 0
+        self.num_ff_steps = 0
+        self.busy_s = 0.0
+
+    # ---- messages ---------------------------------------------------------------------------------------
+    def post(self, fn: Callable[[], None], delay_s: float = 0.0) -> None:
+        """Deliver `fn` to this engine's inbox now (+delay); it runs at the engine's next step boundary."""
+        self.loop.at(self.loop.now + delay_s, self._receive, fn, prio=MESSAGE)
+
+    def _receive(self, fn: Callable[[], None]) -> None:
+        self.inbox.append(fn)
+        if self.window is not None:
+            self._cut_window(self.loop.now)
+        elif not self.busy:
+            self.busy = True
+            self.loop.at(self.loop.now, self._boundary)
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def _boundary(self) -> None:
+        now = self.loop.now
+        inbox, self.inbox = self.inbox, []
+        for fn in inbox:
+            fn()
+        self.hooks.before_step(self)
+        sched = self.scheduler
+        if sched.num_running + sched.num_waiting == 0:
+            self.busy = False
+            self.device.observe(now)
+            return
+        if self.fast_forward and self._open_window(now):
+            return
+        self._step(now)
+
+    def _step(self, now: float) -> None:
+        outputs = self.engine.step()
+        scheduled, duration = self.executor.last, self.executor.last_duration
+        self.device.observe(now)
+        if scheduled.is_empty:  # nothing runnable until a message changes that
+            self.busy = False
+            return
+        self.num_steps += 1
+        self.busy_s += duration
+        self.step_end_s = now + duration
+        self.hooks.on_step_start(self, scheduled, now, duration)
+        self.loop.at(now + duration, self._step_end, scheduled, outputs)
+
+    def _step_end(self, scheduled, outputs) -> None:
+        self.hooks.on_step_end(self, scheduled, outputs, self.loop.now)
+        self._boundary()
+
+    # ---- fast-forward -----------------------------------------------------------------------------------
+    def _open_window(self, now: float) -> bool:
+        window = fastforward.plan(self.scheduler, self.executor.time_model, now, self.executor.token_id)
+        if window is None:
+            return False
+        self.window = window
+        self._current_window = next(self._window_version)
+        self.step_end_s = window.ends[0]
+        self.loop.at(window.ends[-1], self._window_end, self._current_window)
+        return True
+
+    def _window_end(self, version: int) -> None:
+        if version != self._current_window:
+            return
+        self._close_window(len(self.window.ends))
+        self._boundary()
+
+    def _cut_window(self, now: float) -> None:
+        """A message arrived: the step in progress is the last one; the boundary after it drains the inbox."""
+        j = bisect.bisect_left(self.window.ends, now) + 1
+        end = self.window.ends[j - 1]
+        self._close_window(j)
+        self._current_window = next(self._window_version)
+        self.loop.at(end, self._boundary)
+
+    def _close_window(self, j: int) -> None:
+        window, self.window = self.window, None
+        used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
+        starts = [window.start_s] + window.ends[:j - 1]
+        for t, u in zip(starts, used):
+            self.device.observe(t, u)
+        self.num_steps += j
+        self.num_ff_steps += j
+        self.busy_s += window.ends[j - 1] - window.start_s
+        self.hooks.on_decode_run(self, window.requests, window.ends[:j])

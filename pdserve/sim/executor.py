@@ -1,0 +1,37 @@
+"""`SimExecutor`: the model runtime's stand-in. Implements the engine's `Executor` protocol.
+
+It computes nothing: every chunk that samples gets the same valid token id (requests run with
+`ignore_eos`, so they produce exactly `max_tokens` tokens), and the step's duration comes from a time model.
+The simulator reads `last_duration` (and `last_shape`) after each `LLMEngine.step()`.
+"""
+
+from __future__ import annotations
+
+from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.sim.timemodel import StepShape, TimeModel
+
+
+class SimExecutor:
+    def __init__(self, time_model: TimeModel, block_size: int = 16, vocab_size: int = 32000,
+                 token_id: int = 13) -> None:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError("token_id must be a valid id")
+        self.time_model = time_model
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.token_id = token_id
+        self.last: SchedulerOutput | None = None
+        self.last_shape = StepShape()
+        self.last_duration = 0.0
+        self.num_steps = 0
+        self.history: list[SchedulerOutput] | None = None  # set to a list to record every step (tests)
+
+    def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
+        self.last = scheduled
+        self.last_shape = StepShape.of(scheduled)
+        self.last_duration = self.time_model.step_time(self.last_shape)
+        self.num_steps += 1
+        if self.history is not None:
+            self.history.append(scheduled)
+        token = self.token_id
+        return ExecutorOutput({c.request_id: token for c in scheduled.chunks if c.sample})

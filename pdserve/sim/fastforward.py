@@ -1,0 +1,101 @@
+"""Fast-forward: advance a pure decode batch several steps at once, exactly as stepping one by one would.
+
+While every running request is decoding (one token per step), nothing waits to be admitted and no message
+reaches the engine, the next steps are fully determined: the same requests, one token each, blocks allocated
+whenever a request crosses a block boundary, full blocks registered in the prefix cache, and step times that
+depend only on the batch size and total context. `plan` checks those conditions and returns a `Window` of at
+most K steps that ends before the first completion and before the pool could run out of blocks (so no
+preemption can happen inside). `apply` then performs the first j steps' effects on the real scheduler state
+in the order the real `schedule()`/`update()` calls would: allocations of step i in running order, then
+registrations of step i, then step i+1. Nothing in the window touches the scheduler until it is applied, so
+a message arriving mid-window cuts it at the next step boundary and the result is the same as stepping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.scheduler import Scheduler
+from pdserve.sim.timemodel import StepShape, TimeModel
+
+MIN_STEPS = 2  # windows shorter than this are not worth planning
+
+
+@dataclass
+class Window:
+    requests: list[Request]  # the running batch, in running order
+    start_s: float
+    ends: list[float]  # end time of each step in the window
+    # (step index 1.., request index) of each block allocation, in the order the real scheduler makes them
+    allocs: list[tuple[int, int]]
+
+
+def _steps_left(sched: Scheduler, req: Request) -> int:
+    """Steps until `req` finishes by length (the only way it can finish: ignore_eos, no stop tokens)."""
+    return min(req.sampling_params.max_tokens - req.num_output_tokens, sched.max_model_len - req.num_tokens)
+
+
+def eligible(sched: Scheduler, token_id: int) -> bool:
+    running = sched.running
+    if not running or sched.num_waiting or len(running) > sched.config.max_num_batched_tokens:
+        return False
+    for req in running:
+        p = req.sampling_params
+        if (req.status is not RequestStatus.DECODING or req.num_computed_tokens != req.num_tokens - 1
+                or req.num_output_tokens < 1 or token_id in p.stop_token_ids
+                or (not p.ignore_eos and token_id in req.eos_token_ids)):
+            return False
+    return True
+
+
+def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max_steps: int = 1 << 30
+         ) -> Window | None:
+    if not eligible(sched, token_id):
+        return None
+    running = list(sched.running)
+    k = min(min(_steps_left(sched, r) for r in running) - 1, max_steps)
+    if k < MIN_STEPS:
+        return None
+    bs, free = sched.blocks.block_size, sched.blocks.num_free_blocks
+    allocs: list[tuple[int, int]] = []
+    for idx, req in enumerate(running):
+        # Step i computes token c + i - 1 and needs c + i tokens of room: a new block when c + i > table * bs.
+        first = len(sched.blocks.block_ids(req.request_id)) * bs - req.num_computed_tokens + 1
+        allocs.extend((i, idx) for i in range(max(first, 1), k + 1, bs))
+    allocs.sort()
+    if len(allocs) > free:
+        k = allocs[free][0] - 1  # stop before the step whose allocation could fail
+        allocs = allocs[:free]
+        allocs = [a for a in allocs if a[0] <= k]
+        if k < MIN_STEPS:
+            return None
+    n, ctx = len(running), sum(r.num_computed_tokens for r in running)
+    ends, t = [], now
+    for i in range(1, k + 1):
+        t = t + time_model.step_time(StepShape.decode(n, ctx + n * i))
+        ends.append(t)
+    return Window(running, now, ends, allocs)
+
+
+def apply(sched: Scheduler, window: Window, j: int, token_id: int) -> list[int]:
+    """Perform steps 1..j of the window; return the used-block count after each step's scheduling."""
+    blocks, bs, reqs = sched.blocks, sched.blocks.block_size, window.requests
+    base = [r.num_computed_tokens for r in reqs]
+    for r in reqs:
+        r.all_token_ids.extend([token_id] * j)  # tokens are only read below the computed count
+    used_after: list[int] = []
+    a = 0
+    for i in range(1, j + 1):
+        while a < len(window.allocs) and window.allocs[a][0] == i:
+            idx = window.allocs[a][1]
+            if blocks.allocate(reqs[idx].request_id, base[idx] + i) is None:
+                raise AssertionError("fast-forward allocation failed; the window was planned wrong")
+            a += 1
+        used_after.append(blocks.num_used_blocks)
+        for idx, r in enumerate(reqs):
+            if (base[idx] + i) % bs == 0:
+                blocks.cache_full_blocks(r.request_id, r.all_token_ids, base[idx] + i)
+    for idx, r in enumerate(reqs):
+        r.num_computed_tokens = base[idx] + j
+    return used_after

@@ -1,0 +1,128 @@
+"""What the simulator knows about hardware and models: GPU specs, model shapes, prices.
+
+Numbers are public datasheet values (dense bf16 tensor FLOP/s, HBM bandwidth, memory, NVLink and per-GPU
+network bandwidth) with an efficiency factor per GPU: the share of peak compute (`mfu`) and of memory
+bandwidth (`mbu`) a good serving engine reaches. Prices are indicative on-demand cloud rates in USD per
+GPU-hour; pass your own with `--price-per-gpu-hour`. Model presets hold only what the time model needs;
+any Hugging Face `config.json` path works too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import InvalidRequestError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bf16_flops: float  # dense peak, FLOP/s
+    mem_bw: float  # HBM bytes/s
+    mem_bytes: float
+    nvlink_bw: float  # bytes/s per GPU inside a node (tensor-parallel all-reduce)
+    net_bw: float  # bytes/s per GPU across nodes (KV delivery between engines)
+    mfu: float = 0.5  # reachable share of peak FLOP/s
+    mbu: float = 0.8  # reachable share of memory bandwidth
+    price_per_hour: float = 2.0  # USD per GPU-hour
+
+
+GPUS: dict[str, GPUSpec] = {g.name: g for g in (
+    GPUSpec("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB, 0.55, 0.80, 1.80),
+    GPUSpec("a800", 312e12, 2.039e12, 80 * GB, 200 * GB, 25 * GB, 0.55, 0.80, 1.50),
+    GPUSpec("h100", 989e12, 3.35e12, 80 * GB, 450 * GB, 50 * GB, 0.45, 0.80, 2.90),
+    GPUSpec("h200", 989e12, 4.8e12, 141 * GB, 450 * GB, 50 * GB, 0.45, 0.80, 3.70),
+    GPUSpec("l40s", 362e12, 0.864e12, 48 * GB, 32 * GB, 12.5 * GB, 0.50, 0.75, 1.00),
+)}
+GPU_ALIASES = {"a100": "a100-80g", "h100-80g": "h100", "h100-sxm": "h100", "h200-141g": "h200"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int = 0  # 0: hidden // num_heads
+    tied_embeddings: bool = False
+    dtype_bytes: int = 2  # bf16 weights and KV
+    max_model_len: int = 131072
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * self.hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params + embed
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.hd * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    ModelSpec("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, max_model_len=8192),
+    ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, max_model_len=4096),
+    ModelSpec("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, max_model_len=131072),
+    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, max_model_len=131072),
+    ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, max_model_len=131072),
+)}
+
+
+def get_gpu(name: str) -> GPUSpec:
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise InvalidRequestError(f"unknown GPU {name!r}; choose from {', '.join(sorted(GPUS))}", param="gpu")
+    return GPUS[key]
+
+
+def get_model(name: str) -> ModelSpec:
+    """A preset by name, or a Hugging Face `config.json` (or the directory holding it)."""
+    if name.lower() in MODELS:
+        return MODELS[name.lower()]
+    path = Path(name)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise InvalidRequestError(f"unknown model {name!r}: not a preset ({', '.join(sorted(MODELS))}) "
+                                  "nor a config.json path", param="model")
+    return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or name)
+
+
+def model_from_hf_config(cfg: dict, name: str = "hf-model") -> ModelSpec:
+    try:
+        heads = cfg["num_attention_heads"]
+        return ModelSpec(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
+                         cfg.get("num_key_value_heads", heads), cfg["intermediate_size"], cfg["vocab_size"],
+                         head_dim=cfg.get("head_dim") or 0, tied_embeddings=bool(cfg.get("tie_word_embeddings")),
+                         max_model_len=cfg.get("max_position_embeddings", 131072))
+    except KeyError as e:
+        raise InvalidRequestError(f"config.json of {name} lacks {e.args[0]}", param="model") from None
+
+
+def kv_pool_blocks(model: ModelSpec, gpu: GPUSpec, tp: int, block_size: int, mem_util: float = 0.9) -> int:
+    """KV blocks that fit on `tp` GPUs after the weights (vLLM-style: `mem_util` of memory, minus weights,
+    minus a 5% activation reserve). Raises when the weights alone do not fit."""
+    free = tp * gpu.mem_bytes * (mem_util - 0.05) - model.weight_bytes
+    blocks = int(free // (model.kv_bytes_per_token * block_size))
+    if blocks < 1:
+        raise InvalidRequestError(f"{model.name} ({model.weight_bytes / GB:.0f} GB of weights) does not fit on "
+                                  f"{tp} x {gpu.name}; raise --tp", param="tp")
+    return blocks

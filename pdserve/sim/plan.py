@@ -1,0 +1,65 @@
+"""`pdserve plan`: the cheapest deployment that meets the SLOs at the target rate on a GPU budget.
+
+Candidates are every TP degree in `--tp-options` that fits the model, and for each every P/D split of every
+engine count whose GPUs fit in `--gpus` (plus colocated deployments with `--include-colocated`). They are
+simulated cheapest first (fewest GPUs; at equal cost, more decode engines first); the first one whose SLO
+attainment reaches `--attainment` wins, and its simulated evidence is printed. A rate sweep (`--rates`)
+requires every swept rate to pass.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from pdserve.errors import InvalidRequestError
+from pdserve.sim.hardware import get_gpu, get_model, kv_pool_blocks
+
+
+def candidates(args) -> list[tuple[str, int, int, int]]:
+    """(mode, tp, prefill engines, decode or colocated engines), cheapest first."""
+    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    out = []
+    for tp in sorted({int(t) for t in args.tp_options.split(",") if t.strip()}):
+        try:
+            kv_pool_blocks(model, gpu, tp, args.block_size)
+        except InvalidRequestError:
+            continue  # weights do not fit at this TP
+        for engines in range(1, args.gpus // tp + 1):
+            if args.include_colocated:
+                out.append(("colocated", tp, 0, engines))
+            out.extend(("pd", tp, p, engines - p) for p in range(1, engines))
+    return sorted(out, key=lambda c: ((c[2] + c[3]) * c[1], -c[3], c[1]))
+
+
+def plan(args) -> int:
+    from pdserve.bench.report import print_table
+    from pdserve.sim.cli import _workloads, cluster_spec, run_spec
+    from pdserve.sim.report import print_sim_table, write_sim_result
+
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        raise InvalidRequestError("plan needs --slo-ttft-ms and/or --slo-tpot-ms")
+    rates, workloads = _workloads(args)
+    console = Console(width=max(Console().width, 120))
+    table = Table(title=f"plan: {args.model} on <= {args.gpus} x {args.gpu}")
+    for col in ("mode", "tp", "P", "D/N", "GPUs", "SLO met (worst rate)", "verdict"):
+        table.add_column(col, justify="right")
+    for mode, tp, p, d in candidates(args):
+        spec = cluster_spec(args, mode, tp, p or 1, d, d)
+        result = run_spec(args, spec, workloads, rates, f"{mode} tp{tp} {p}P{d}D" if mode == "pd" else
+                          f"colocated tp{tp} x{d}")
+        worst = min(r["summary"]["slo"]["attainment"] for r in result.runs)
+        ok = worst >= args.attainment
+        table.add_row(mode, str(tp), str(p) if mode == "pd" else "-", str(d), str(spec.num_gpus), f"{worst:.1%}",
+                      "MEETS" if ok else "misses")
+        if ok:
+            console.print(table)
+            console.print(f"cheapest deployment meeting the SLOs: {result.label} ({spec.num_gpus} GPUs)")
+            print_table(result, console)
+            print_sim_table(result, console)
+            if args.output:
+                console.print(f"wrote {write_sim_result(result, __import__('pathlib').Path(args.output))}")
+            return 0
+    console.print(table)
+    console.print(f"no deployment within {args.gpus} GPUs meets the SLOs at attainment >= {args.attainment:.0%}")
+    return 1

@@ -1,0 +1,152 @@
+"""Simulation results: the bench report (same JSON shape, table and plots) plus the simulator's own metrics.
+
+`SimResult` is a `BenchResult` (so `pdserve bench compare` can read it) with the cluster description; each
+run carries a `sim` block next to its bench `summary`:
+* `kv`: device KV pool use per role (peak / mean bytes and fractions) and the host tier's accounting;
+* `transfer`: bytes sent / delivered, per-link utilization over the run and effective utilization while busy;
+* `lifecycle`: schedule predictability (share of delivered KV blocks first consumed within +-5 ms of the
+  conductor's prediction), effective link bandwidth utilization, P99 inter-token jitter (|gap - the
+  request's TPOT|, pooled), wasted-transfer rate (bytes delivered but never consumed / bytes delivered);
+* `cost`: GPU-hours and USD per 1k output tokens and per 1k tokens (prompt + output);
+* `engines`: steps, fast-forwarded steps, busy share, prefix hits and preemptions per engine.
+Per-request token times are cut to the first and last in result.json (the summary used all of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from pdserve.bench.report import BenchResult, write_result
+from pdserve.sim.cluster import SimRun
+from pdserve.sim.conductor import CONSUME_TOLERANCE_S
+
+
+@dataclass
+class SimResult(BenchResult):
+    cluster: dict = field(default_factory=dict)
+
+
+def jitter_p99_ms(records) -> float | None:
+    devs = []
+    for r in records:
+        if r.ok and len(r.token_times) > 2:
+            t = np.asarray(r.token_times)
+            gaps = np.diff(t)
+            devs.append(np.abs(gaps - (t[-1] - t[0]) / (len(t) - 1)))
+    return float(np.percentile(np.concatenate(devs), 99) * 1000) if devs else None
+
+
+def lifecycle(run: SimRun) -> dict:
+    life, links = run.life, run.links
+    busy = sum(v["busy_s"] for v in links.values())
+    bw_busy = sum(v["bytes"] / v["effective_utilization"] for v in links.values() if v["effective_utilization"])
+    errors = np.abs(np.asarray(life.errors_s)) * 1000 if life.errors_s else None
+    return {
+        "schedule_predictability": life.blocks_on_time / life.blocks_consumed if life.blocks_consumed else None,
+        "predictability_tolerance_ms": CONSUME_TOLERANCE_S * 1000,
+        "prediction_abs_error_ms": None if errors is None else {
+            "p50": float(np.percentile(errors, 50)), "p90": float(np.percentile(errors, 90))},
+        "effective_link_utilization": (sum(v["bytes"] for v in links.values()) / bw_busy) if bw_busy else None,
+        "link_busy_s": busy,
+        "p99_inter_token_jitter_ms": jitter_p99_ms(run.records),
+        "wasted_transfer_rate": (life.bytes_delivered - life.bytes_consumed) / life.bytes_delivered
+        if life.bytes_delivered else None,
+        "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
+    }
+
+
+def _kv(run: SimRun) -> dict:
+    out = {}
+    for role in sorted({e["role"] for e in run.engines}):
+        es = [e for e in run.engines if e["role"] == role]
+        out[role] = {"engines": len(es),
+                     "device_peak_fraction": max(e["device_kv"]["peak_fraction"] for e in es),
+                     "device_mean_fraction": float(np.mean([e["device_kv"]["mean_fraction"] for e in es])),
+                     "device_capacity_bytes": es[0]["device_kv"]["capacity_bytes"],
+                     "host_peak_bytes": max(e["host_kv"]["peak_bytes"] for e in es),
+                     "host_written_bytes": sum(e["host_kv"]["written_bytes"] for e in es)}
+    return out
+
+
+def sim_metrics(run: SimRun, num_gpus: int, price_per_gpu_hour: float) -> dict:
+    ok = [r for r in run.records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    all_tokens = out_tokens + sum(r.prompt_tokens for r in ok)
+    usd = num_gpus * run.duration_s / 3600 * price_per_gpu_hour
+    return {
+        "kv": _kv(run),
+        "transfer": {"bytes_sent": run.life.bytes_sent, "bytes_delivered": run.life.bytes_delivered,
+                     "links": run.links},
+        "lifecycle": lifecycle(run),
+        "cost": {"gpus": num_gpus, "price_per_gpu_hour": price_per_gpu_hour, "usd": usd,
+                 "usd_per_1k_output_tokens": usd / out_tokens * 1000 if out_tokens else None,
+                 "usd_per_1k_tokens": usd / all_tokens * 1000 if all_tokens else None},
+        "engines": run.engines,
+        "simulator": {"wall_s": run.wall_s, "speedup": run.duration_s / run.wall_s, "events": run.num_events},
+    }
+
+
+def add_run(result: SimResult, rate: float | None, run: SimRun, num_gpus: int, price: float) -> None:
+    result.add_run(rate, run.records, run.duration_s, 0.0)
+    entry = result.runs[-1]
+    for r in entry["requests"]:
+        r["token_times"] = r["token_times"][:1] + r["token_times"][-1:] if len(r["token_times"]) > 2 else r[
+            "token_times"]
+    entry["sim"] = sim_metrics(run, num_gpus, price)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def print_sim_table(result: SimResult, console: Console | None = None) -> None:
+    table = Table(title=f"simulator: {result.label}")
+    for col in ("rate", "KV peak (role)", "link util", "eff. link util", "predictable", "jitter p99 ms",
+                "wasted xfer", "$/1k out tok", "sim speedup"):
+        table.add_column(col, justify="right")
+    for run in result.runs:
+        s = run["sim"]
+        kv = ", ".join(f"{k} {v['device_peak_fraction']:.0%}" for k, v in s["kv"].items())
+        links = s["transfer"]["links"].values()
+        util = float(np.mean([v["utilization"] for v in links])) if links else None
+        life, cost = s["lifecycle"], s["cost"]
+        jit = life["p99_inter_token_jitter_ms"]
+        usd = cost["usd_per_1k_output_tokens"]
+        table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", kv, _pct(util),
+                      _pct(life["effective_link_utilization"]), _pct(life["schedule_predictability"]),
+                      "-" if jit is None else f"{jit:.1f}", _pct(life["wasted_transfer_rate"]),
+                      "-" if usd is None else f"{usd:.4f}", f"{s['simulator']['speedup']:.0f}x")
+    (console or Console(width=max(Console().width, 120))).print(table)
+
+
+def write_sim_result(result: SimResult, out: Path) -> Path:
+    path = write_result(result, out)
+    _kv_plot(result, out / "kv_usage.png")
+    return path
+
+
+def _kv_plot(result: SimResult, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = result.runs[-1]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for e in run["sim"]["engines"]:
+        if e["kv_series"]:
+            t, used = zip(*e["kv_series"])
+            ax.plot(t, [u / e["num_blocks"] for u in used], label=e["name"], linewidth=0.8)
+    ax.set_title(f"device KV pool use - {result.label}")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("fraction of the pool")
+    ax.grid(alpha=0.3)
+    if len(run["sim"]["engines"]) <= 8:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

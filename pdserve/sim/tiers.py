@@ -1,0 +1,69 @@
+"""Storage tier accounting: the device KV pool of each engine, and a host (CPU memory) tier.
+
+The device tier is the engine's real `KVBlockManager`; `DeviceTier` only observes it after each step and
+keeps time-weighted usage, the peak and a coarse time series (one point per `sample_s`). `HostTier` is an
+LRU of requests' prompt KV written back to host memory when they finish there, bounded by its capacity: it
+accounts bytes written, resident and evicted (it does not feed hits back into scheduling).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pdserve.core.block_manager import KVBlockManager
+
+
+class DeviceTier:
+    def __init__(self, blocks: KVBlockManager, block_bytes: int, sample_s: float = 1.0) -> None:
+        self.blocks = blocks
+        self.block_bytes = block_bytes
+        self.sample_s = sample_s
+        self.peak_blocks = 0
+        self._area = 0.0  # integral of used blocks over time
+        self._last_t = 0.0
+        self._last_used = 0
+        self._next_sample = 0.0
+        self.series: list[tuple[float, int]] = []
+
+    def observe(self, t: float, used: int | None = None) -> None:
+        used = self.blocks.num_used_blocks if used is None else used
+        self._area += self._last_used * (t - self._last_t)
+        self._last_t, self._last_used = t, used
+        if used > self.peak_blocks:
+            self.peak_blocks = used
+        if t >= self._next_sample:
+            self.series.append((t, used))
+            self._next_sample = t + self.sample_s
+
+    def stats(self, duration_s: float) -> dict:
+        mean = self._area / duration_s if duration_s > 0 else 0.0
+        total = self.blocks.num_blocks
+        return {"capacity_bytes": total * self.block_bytes, "peak_bytes": self.peak_blocks * self.block_bytes,
+                "mean_bytes": mean * self.block_bytes, "peak_fraction": self.peak_blocks / total,
+                "mean_fraction": mean / total}
+
+
+class HostTier:
+    def __init__(self, capacity_bytes: float) -> None:
+        self.capacity = capacity_bytes
+        self.resident: OrderedDict[str, int] = OrderedDict()
+        self.used = 0
+        self.peak = 0
+        self.written = 0
+        self.evicted = 0
+
+    def store(self, key: str, nbytes: int) -> None:
+        if nbytes <= 0 or nbytes > self.capacity:
+            return
+        while self.used + nbytes > self.capacity:
+            _, size = self.resident.popitem(last=False)
+            self.used -= size
+            self.evicted += size
+        self.resident[key] = nbytes
+        self.used += nbytes
+        self.written += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def stats(self) -> dict:
+        return {"capacity_bytes": self.capacity, "used_bytes": self.used, "peak_bytes": self.peak,
+                "written_bytes": self.written, "evicted_bytes": self.evicted}

@@ -1,0 +1,157 @@
+"""Time models: how long one engine step takes, from the shape of its batch.
+
+Every model implements `TimeModel.step_time(shape) -> seconds`, where `StepShape` summarizes a
+`SchedulerOutput` in the few numbers step time depends on. A chunk of one token is decode-like (it attends
+over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
+
+* `RooflineTimeModel`: per step, max(FLOPs / reachable FLOP/s, bytes / reachable bandwidth) over `tp` GPUs,
+  plus the tensor-parallel all-reduces. FLOPs: 2 x weights x tokens (linear layers), 4 x layers x q-width x
+  attended token pairs (attention), 2 x vocab x hidden per sampled row (lm head). Bytes: weights once, KV of
+  the attended context read, new KV written.
+* `FittedTimeModel`: DistServe's form, fitted to measurements of the real engine:
+  prefill `a + b * sum(tokens) + c * sum(tokens^2)`, decode `a + b * sum(context) + c * batch`.
+  A mixed batch (colocated chunked prefill) costs the prefill part plus the decode part without its `a`.
+  Coefficients live in JSON (see `FittedTimeModel.to_json`); `fit_time_model` fits them with least squares.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from pdserve.core.schedule import SchedulerOutput
+from pdserve.errors import InvalidRequestError
+from pdserve.sim.hardware import GPUSpec, ModelSpec
+
+ALLREDUCE_LATENCY_S = 8e-6  # per all-reduce, on top of the bandwidth term
+
+
+@dataclass(frozen=True)
+class StepShape:
+    prefill_tokens: int = 0  # tokens of multi-token chunks
+    prefill_sq: int = 0  # sum over prefill chunks of tokens^2 (DistServe's quadratic term)
+    prefill_pairs: int = 0  # sum over prefill chunks of attended (query, key) pairs, causal
+    prefill_context: int = 0  # sum over prefill chunks of keys attended (prefix + chunk): KV read once
+    decode_seqs: int = 0  # one-token chunks
+    decode_context: int = 0  # sum of their context lengths (keys attended)
+    sampled: int = 0  # rows that go through the lm head
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @staticmethod
+    def of(scheduled: SchedulerOutput) -> StepShape:
+        pt = sq = pairs = pctx = ds = ctx = sampled = 0
+        for c in scheduled.chunks:
+            n = c.num_tokens
+            sampled += c.sample
+            if n == 1:
+                ds += 1
+                ctx += c.start_pos + 1
+            else:
+                pt += n
+                sq += n * n
+                pairs += n * c.start_pos + n * (n + 1) // 2
+                pctx += c.start_pos + n
+        return StepShape(pt, sq, pairs, pctx, ds, ctx, sampled)
+
+    @staticmethod
+    def decode(num_seqs: int, context: int) -> StepShape:
+        """A pure decode batch (what `of` returns for `num_seqs` sampling one-token chunks)."""
+        return StepShape(0, 0, 0, 0, num_seqs, context, num_seqs)
+
+
+class TimeModel(Protocol):
+    def step_time(self, shape: StepShape) -> float: ...
+
+
+class RooflineTimeModel:
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1, overhead_s: float = 0.0005) -> None:
+        self.model, self.gpu, self.tp, self.overhead_s = model, gpu, tp, overhead_s
+        m = model
+        self._linear_flops = 2.0 * m.num_layers * m.layer_params  # per token
+        self._attn_flops = 4.0 * m.num_layers * m.num_heads * m.hd  # per (query, key) pair
+        self._head_flops = 2.0 * m.vocab * m.hidden  # per sampled row
+        self._flops_s = tp * gpu.bf16_flops * gpu.mfu
+        self._bytes_s = tp * gpu.mem_bw * gpu.mbu
+        self._weight_bytes = m.weight_bytes
+        self._kv_token_bytes = m.kv_bytes_per_token
+        allreduces = 2 * m.num_layers if tp > 1 else 0  # two per layer (attention out, MLP out)
+        self._comm = allreduces * (2 * (tp - 1) / tp) * m.hidden * m.dtype_bytes / gpu.nvlink_bw
+        self._fixed_s = overhead_s + allreduces * ALLREDUCE_LATENCY_S
+
+    def step_time(self, shape: StepShape) -> float:
+        tokens = shape.num_tokens
+        if tokens == 0:
+            return 0.0
+        flops = (self._linear_flops * tokens + self._attn_flops * (shape.prefill_pairs + shape.decode_context)
+                 + self._head_flops * shape.sampled)
+        nbytes = self._weight_bytes + self._kv_token_bytes * (shape.decode_context + shape.prefill_context + tokens)
+        return max(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * tokens + self._fixed_s
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    a: float
+    b: float
+    c: float
+
+
+class FittedTimeModel:
+    def __init__(self, prefill: Coefficients, decode: Coefficients, meta: dict | None = None) -> None:
+        self.prefill, self.decode, self.meta = prefill, decode, meta or {}
+
+    def step_time(self, shape: StepShape) -> float:
+        t = 0.0
+        if shape.prefill_tokens:
+            p = self.prefill
+            t += p.a + p.b * shape.prefill_tokens + p.c * shape.prefill_sq
+        if shape.decode_seqs:
+            d = self.decode
+            t += (0.0 if shape.prefill_tokens else d.a) + d.b * shape.decode_context + d.c * shape.decode_seqs
+        return max(t, 0.0)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "fitted", "form": "distserve", **self.meta,
+                           "prefill": asdict(self.prefill), "decode": asdict(self.decode)}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> FittedTimeModel:
+        d = json.loads(text)
+        try:
+            meta = {k: v for k, v in d.items() if k not in ("prefill", "decode", "kind", "form")}
+            return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta)
+        except (KeyError, TypeError) as e:
+            raise InvalidRequestError(f"fitted time model JSON needs prefill/decode {{a, b, c}}: {e}") from None
+
+
+def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = None) -> FittedTimeModel:
+    """Least-squares fit of the DistServe form to (shape, measured seconds) pairs of pure prefill and pure
+    decode steps (mixed steps are ignored). Each side needs at least three samples."""
+    pre = [(s, t) for s, t in samples if s.prefill_tokens and not s.decode_seqs]
+    dec = [(s, t) for s, t in samples if s.decode_seqs and not s.prefill_tokens]
+    if len(pre) < 3 or len(dec) < 3:
+        raise InvalidRequestError("need at least 3 pure prefill and 3 pure decode steps to fit")
+    xp = np.array([[1.0, s.prefill_tokens, s.prefill_sq] for s, _ in pre])
+    xd = np.array([[1.0, s.decode_context, s.decode_seqs] for s, _ in dec])
+    cp = np.linalg.lstsq(xp, np.array([t for _, t in pre]), rcond=None)[0]
+    cd = np.linalg.lstsq(xd, np.array([t for _, t in dec]), rcond=None)[0]
+    return FittedTimeModel(Coefficients(*map(float, cp)), Coefficients(*map(float, cd)), meta)
+
+
+def make_time_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> TimeModel:
+    """`roofline` or `fitted:PATH.json`."""
+    if spec == "roofline":
+        return RooflineTimeModel(model, gpu, tp)
+    if spec.startswith("fitted:"):
+        path = Path(spec.split(":", 1)[1])
+        try:
+            return FittedTimeModel.from_json(path.read_text())
+        except OSError as e:
+            raise InvalidRequestError(f"cannot read {path}: {e.strerror or e}", param="time_model") from None
+    raise InvalidRequestError(f"unknown time model {spec!r}: roofline | fitted:PATH.json", param="time_model")

@@ -1,0 +1,103 @@
+"""Time models, the link model and the CLI of the simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.sim.cli import main
+from pdserve.sim.events import EventLoop
+from pdserve.sim.hardware import get_gpu, get_model, kv_pool_blocks, model_from_hf_config
+from pdserve.sim.link import LinkModel
+from pdserve.sim.plan import candidates
+from pdserve.sim.timemodel import (Coefficients, FittedTimeModel, RooflineTimeModel, StepShape, fit_time_model,
+                                   make_time_model)
+
+
+def test_roofline_decode_is_memory_bound_and_prefill_compute_bound():
+    m, g = get_model("llama-3-70b"), get_gpu("h100")
+    tm = RooflineTimeModel(m, g, tp=4, overhead_s=0.0)
+    weights_s = m.weight_bytes / (4 * g.mem_bw * g.mbu)
+    assert tm.step_time(StepShape.decode(1, 100)) == pytest.approx(weights_s, rel=0.12)  # + all-reduce latency
+    n = 8192
+    prefill = tm.step_time(StepShape(n, n * n, n * (n + 1) // 2, n, 0, 0, 1))
+    assert prefill > 2 * m.num_params * n / (4 * g.bf16_flops * g.mfu)
+    assert RooflineTimeModel(m, g, tp=8).step_time(StepShape.decode(8, 8000)) < tm.step_time(StepShape.decode(8, 8000))
+
+
+def test_gpu_and_model_tables():
+    assert {"a100-80g", "a800", "h100", "h200", "l40s"} <= {get_gpu(n).name for n in
+                                                           ("a100-80g", "a800", "h100", "h200", "l40s")}
+    for name in ("llama-3-8b", "llama-2-70b", "llama-3-70b", "qwen2.5-7b", "qwen2.5-32b"):
+        assert get_model(name).num_params > 5e9
+    assert 68e9 < get_model("llama-3-70b").num_params < 72e9
+    assert get_model("llama-3-70b").kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+    hf = model_from_hf_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                               "intermediate_size": 128, "vocab_size": 100})
+    assert hf.num_kv_heads == 4
+    with pytest.raises(Exception):
+        kv_pool_blocks(get_model("llama-3-70b"), get_gpu("h100"), 1, 16)
+
+
+def test_fit_recovers_distserve_coefficients(tmp_path):
+    true = FittedTimeModel(Coefficients(0.01, 2e-5, 1e-9), Coefficients(0.008, 3e-7, 1e-4))
+    shapes = [StepShape(n, n * n, 0, 0, 0, 0, 1) for n in (64, 256, 1000, 2048, 4096)]
+    shapes += [StepShape.decode(b, b * c) for b, c in ((1, 500), (8, 2000), (32, 1000), (64, 4000))]
+    fitted = fit_time_model([(s, true.step_time(s)) for s in shapes], {"model": "x"})
+    for s in shapes:
+        assert fitted.step_time(s) == pytest.approx(true.step_time(s), rel=1e-6)
+    path = tmp_path / "fit.json"
+    path.write_text(fitted.to_json())
+    loaded = make_time_model(f"fitted:{path}", get_model("llama-3-8b"), get_gpu("h100"), 1)
+    assert loaded.step_time(shapes[2]) == pytest.approx(true.step_time(shapes[2]), rel=1e-6)
+    assert json.loads(path.read_text())["prefill"]["a"] == pytest.approx(0.01)
+
+
+def test_link_shares_bandwidth_between_flows():
+    loop = EventLoop()
+    links = LinkModel(loop, latency_s=0.001)
+    a, b, d = links.link("p0", 100.0), links.link("p1", 100.0), links.link("d0", 100.0)
+    done = {}
+    links.start((a, d), 100.0, 0.0, lambda: done.setdefault("x", loop.now))
+    links.start((b, d), 100.0, 0.0, lambda: done.setdefault("y", loop.now))
+    loop.run()
+    assert done["x"] == pytest.approx(2.001) and done["y"] == pytest.approx(2.001)  # d0 is shared
+    loop2 = EventLoop()
+    links2 = LinkModel(loop2, latency_s=0.0)
+    p = links2.link("p", 100.0)
+    links2.start((p,), 100.0, 5.0, lambda: done.setdefault("capped", loop2.now))  # produced over 5 s
+    loop2.run()
+    assert done["capped"] == pytest.approx(5.0)
+    assert links2.stats(10.0)["p"]["utilization"] == pytest.approx(0.1)
+
+
+def test_simulate_cli_writes_result(tmp_path, capsys):
+    out = tmp_path / "sim"
+    rc = main(["simulate", "--workload", "fixed:300,20", "--num-requests", "12", "--rates", "2,8",
+               "--model", "llama-3-8b", "--gpu", "h100", "--prefill", "1", "--decode", "1",
+               "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--output", str(out), "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "result.json").read_text())
+    run = res["runs"][0]
+    assert run["summary"]["num_ok"] == 12 and run["summary"]["total_output_tokens"] == 12 * 20
+    life = run["sim"]["lifecycle"]
+    assert set(life) >= {"schedule_predictability", "effective_link_utilization", "p99_inter_token_jitter_ms",
+                         "wasted_transfer_rate"}
+    assert run["sim"]["cost"]["usd_per_1k_output_tokens"] > 0
+    assert (out / "ttft_cdf.png").exists() and (out / "kv_usage.png").exists()
+    assert "predictable" in capsys.readouterr().out
+
+
+def test_plan_candidates_cheapest_first_and_plan_runs(capsys):
+    import argparse
+    args = argparse.Namespace(model="llama-3-70b", gpu="h100", tp_options="1,2,4", gpus=8, block_size=16,
+                              include_colocated=False)
+    cands = candidates(args)
+    assert all(tp >= 2 for _, tp, _, _ in cands)  # 70B does not fit one H100
+    costs = [(p + d) * tp for _, tp, p, d in cands]
+    assert costs == sorted(costs) and max(costs) <= 8
+    rc = main(["plan", "--workload", "fixed:200,10", "--num-requests", "6", "--rate", "2", "--model", "llama-3-8b",
+               "--gpu", "h100", "--gpus", "4", "--tp-options", "1", "--slo-ttft-ms", "5000", "--no-progress"])
+    assert rc == 0
+    assert "cheapest deployment meeting the SLOs" in capsys.readouterr().out
