@@ -98,6 +98,24 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from pdserve.engine.profiler import run_profile
+    config = engine_config_from_args(args)
+    result = run_profile(config)
+    try:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    except OSError as e:
+        raise PdserveError(f"cannot write {args.output}: {e.strerror or e}") from e
+    p, d = result["prefill"], result["decode"]
+    print(f"prefill_s = {p['a']:.4g} + {p['b']:.4g}*tokens + {p['c']:.4g}*tokens^2")
+    print(f"decode_s  = {d['a']:.4g} + {d['b']:.4g}*context_sum + {d['c']:.4g}*batch")
+    print(f"wrote {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--model", default=None, help="model to export; default: the embedded default model")
     exp.add_argument("--force", action="store_true", help="write into a non-empty directory")
     exp.set_defaults(func=cmd_export_hf)
+    prof = sub.add_parser("profile", help="measure engine step times and fit the simulator's time model")
+    prof.add_argument("--output", required=True, help="JSON file for the fitted coefficients and samples")
+    add_engine_args(prof)
+    prof.set_defaults(func=cmd_profile)
     from pdserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser

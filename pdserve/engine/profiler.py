@@ -1,0 +1,97 @@
+"""Measure the real engine's step times over batch shapes and fit the simulator's time model to them.
+
+    pdserve profile [--model PATH] [--num-threads N] --output fit.json
+
+Prefill steps: one request of T prompt tokens per step (T from 16 to the token budget), timed around
+`LLMEngine.step()` — so scheduling, batch building and sampling are inside, as in the serving loop.
+Decode steps: B requests whose prompts (C tokens each) are already computed, timed over several steps.
+Fitted (DistServe-style, least squares over the medians):
+
+    prefill_s = a + b * sum(tokens) + c * sum(tokens^2)
+    decode_s  = a + b * sum(context) + c * batch
+
+The JSON holds the coefficients, the samples they came from, and the machine and model they describe.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+
+PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DECODE_CONTEXTS = (64, 256, 1024)
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    rng = np.random.default_rng(salt)
+    return rng.integers(100, 30000, size=n).tolist()
+
+
+def _timed_step(engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def profile_prefill(engine, shapes=PREFILL_TOKENS, repeats: int = 3, salt: int = 0) -> list[dict]:
+    budget = engine.scheduler.config.max_num_batched_tokens
+    samples = []
+    for tokens in [t for t in shapes if t <= budget]:
+        times = []
+        for r in range(repeats + 1):  # the first is a warm-up
+            salt += 1
+            engine.add_request(_prompt(tokens, salt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            times.append(_timed_step(engine))
+            while engine.has_unfinished():
+                engine.step()
+        samples.append({"kind": "prefill", "tokens": [tokens], "seconds": statistics.median(times[1:])})
+    return samples
+
+
+def profile_decode(engine, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, steps: int = 6,
+                   salt: int = 10_000) -> list[dict]:
+    samples = []
+    for context in contexts:
+        for batch in batches:
+            if batch * (context + steps + 1) > engine.block_manager.num_blocks * engine.block_manager.block_size:
+                continue
+            params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+            ids = [engine.add_request(_prompt(context, salt + i), params) for i in range(batch)]
+            salt += batch
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+                engine.step()
+            times = [_timed_step(engine) for _ in range(steps)]
+            engine.abort(ids)
+            samples.append({"kind": "decode", "batch": batch, "context_sum": batch * (context + 1 + steps // 2),
+                            "seconds": statistics.median(times[1:])})
+    return samples
+
+
+def fit(samples: list[dict]) -> dict:
+    pre = [s for s in samples if s["kind"] == "prefill"]
+    dec = [s for s in samples if s["kind"] == "decode"]
+    a_pre = np.array([[1.0, sum(s["tokens"]), sum(t * t for t in s["tokens"])] for s in pre])
+    a_dec = np.array([[1.0, s["context_sum"], s["batch"]] for s in dec])
+    coef_pre = np.linalg.lstsq(a_pre, np.array([s["seconds"] for s in pre]), rcond=None)[0]
+    coef_dec = np.linalg.lstsq(a_dec, np.array([s["seconds"] for s in dec]), rcond=None)[0]
+    return {"prefill": dict(zip("abc", map(float, coef_pre))), "decode": dict(zip("abc", map(float, coef_dec)))}
+
+
+def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,
+                decode_contexts=DECODE_CONTEXTS) -> dict:
+    from pdserve.engine.llm import build_engine
+    engine = build_engine(replace(config, enable_prefix_caching=False))
+    samples = profile_prefill(engine, prefill_tokens) + profile_decode(engine, decode_batches, decode_contexts)
+    return {"model": config.model or "SmolLM2-135M-Instruct (embedded)", "threads": config.num_threads or os.cpu_count(),
+            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
+            "block_size": config.block_size, "units": "seconds; tokens; context tokens; requests",
+            **fit(samples), "samples": samples}
