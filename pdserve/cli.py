@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profile)
     from pdserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from pdserve.sim.cli import add_sim_parsers
+    add_sim_parsers(sub)
     return parser
 
 
