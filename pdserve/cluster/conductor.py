@@ -188,6 +188,10 @@ class Conductor:
         elif kind == "transfer":
             if self.metrics:
                 self.metrics.observe_transfer(event)
+            flight = self.flights.get(event["rid"])
+            if event["outcome"] == "recompute" and flight is not None and flight.prefill is not None:
+                await self.send(flight.prefill, {"type": "abort", "rid": flight.rid})  # its work is moot now
+                self._release_prefill(flight)
         elif kind == "error":
             flight = self.flights.get(event.get("rid"))
             if flight is not None:
