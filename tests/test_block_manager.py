@@ -335,7 +335,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.hash_prefix.get(h) == tuple(tokens[:(i + 1) * BS])
 
     def _admit(self, rid, tokens, chunk):
-        hit = self.bm.find_prefix(tokens)
+        hit = self.bm.find_prefix(tokens, rid)  # memoized per request, as the scheduler calls it
         self._check_hit(tokens, hit)
         want = min(len(tokens), hit.num_tokens + chunk)
         before = self._snapshot()
@@ -438,6 +438,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def finish(self, rid):
         if rid in self.reqs:
             self.bm.free(rid)
+            self.bm.forget(rid)
             del self.reqs[rid]
             assert self.bm.block_ids(rid) == ()
 

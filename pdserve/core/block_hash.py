@@ -18,25 +18,35 @@ BlockHash = NewType("BlockHash", int)
 _ROOT = (0x9E3779B97F4A7C15).to_bytes(8, "little")
 
 
+def _root(extra_key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(_ROOT + extra_key)
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block of a sequence).
 
-    `extra_key` salts the chain (e.g. a model or adapter id) so caches of different weights never mix.
+    The parent's hash seeds the hash of the block's tokens, so the chain needs no concatenation. `extra_key`
+    salts the root (e.g. a model or adapter id) so caches of different weights never mix.
     """
-    h = xxhash.xxh3_64()
-    h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    if extra_key:
-        h.update(extra_key)
-    return BlockHash(h.intdigest())
+    seed = _root(extra_key) if parent is None else parent
+    return BlockHash(xxhash.xxh3_64_intdigest(array("q", token_ids).tobytes(), seed))
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None,
                 start_block: int = 0, extra_key: bytes = b"") -> list[BlockHash]:
-    """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from `parent`."""
-    hashes: list[BlockHash] = []
+    """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from `parent`.
+
+    Equal to calling `hash_block` block by block; the tokens are packed once and hashed in place.
+    """
     num_full = len(token_ids) // block_size
-    for i in range(start_block, num_full):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_key)
-        hashes.append(parent)
+    if start_block >= num_full:
+        return []
+    data = memoryview(array("q", token_ids[start_block * block_size:num_full * block_size]).tobytes())
+    stride = block_size * 8
+    seed = _root(extra_key) if parent is None else parent
+    hashes: list[BlockHash] = []
+    digest = xxhash.xxh3_64_intdigest
+    for off in range(0, len(data), stride):
+        seed = digest(data[off:off + stride], seed)
+        hashes.append(BlockHash(seed))
     return hashes

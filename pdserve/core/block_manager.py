@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
-from pdserve.core.block_hash import BlockHash, hash_block, hash_blocks
+from pdserve.core.block_hash import BlockHash, hash_blocks
 
 BlockId = NewType("BlockId", int)
 
@@ -64,6 +64,7 @@ class KVBlockManager:
         self._cached: dict[BlockHash, BlockId] = {}
         self._tables: dict[str, list[BlockId]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
+        self._memo: dict[str, list[BlockHash]] = {}  # block hashes of each live request's token sequence
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -88,16 +89,22 @@ class KVBlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest run of cached full blocks at the start of `token_ids`. Changes nothing.
+    def find_prefix(self, token_ids: Sequence[int], request_id: str | None = None) -> PrefixHit:
+        """Longest run of cached full blocks at the start of `token_ids`. Changes no allocation.
 
         At least one token is always left out of the hit so the caller has something to compute (the
-        last prompt token's logits give the first output token).
+        last prompt token's logits give the first output token). With `request_id`, the sequence's block
+        hashes are memoized for that request (its tokens only ever grow), so a request that waits for blocks
+        and asks again every step, and its later `cache_full_blocks`, hash each block once; `forget` drops it.
         """
         if not self.enable_prefix_caching:
             return PrefixHit((), (), self.block_size)
         usable = token_ids[:max(len(token_ids) - 1, 0)]
-        hashes = hash_blocks(usable, self.block_size, extra_key=self._salt)
+        num_full = len(usable) // self.block_size
+        if request_id is None:
+            hashes = hash_blocks(usable, self.block_size, extra_key=self._salt)
+        else:
+            hashes = self._sequence_hashes(request_id, token_ids, num_full)[:num_full]
         hit: list[BlockId] = []
         for h in hashes:
             block_id = self._cached.get(h)
@@ -144,14 +151,29 @@ class KVBlockManager:
         table = self._tables[request_id]
         hashes = self._hashes.setdefault(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        parent = hashes[-1] if hashes else None
+        if num_full <= len(hashes):
+            return
+        sequence = self._sequence_hashes(request_id, token_ids, num_full)
         for i in range(len(hashes), num_full):
-            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], self._salt)
+            parent = sequence[i]
             hashes.append(parent)
             block = self._blocks[table[i]]
             if parent not in self._cached and block.block_hash is None:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id
+
+    def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
+        memo = self._memo.setdefault(request_id, [])
+        if len(memo) < num_blocks:
+            bs = self.block_size
+            memo.extend(hash_blocks(token_ids[:num_blocks * bs], bs, memo[-1] if memo else None, len(memo),
+                                    self._salt))
+        return memo
+
+    def forget(self, request_id: str) -> None:
+        """The request ended for good: drop its memoized hashes (call after its last `free`)."""
+        self._memo.pop(request_id, None)
 
     def free(self, request_id: str) -> None:
         """Release every block of `request_id` (finish, abort or preemption). Unknown ids are ignored."""

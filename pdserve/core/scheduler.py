@@ -77,7 +77,7 @@ class Scheduler:
         self._check_new(request)
         if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
             return None
-        prefix = self.blocks.find_prefix(request.all_token_ids)
+        prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)
         if self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix) is None:
             return None
         self.requests[request.request_id] = request
@@ -199,7 +199,7 @@ class Scheduler:
             req = self._peek_waiting()
             if req is None:
                 break
-            prefix = self.blocks.find_prefix(req.all_token_ids)
+            prefix = self.blocks.find_prefix(req.all_token_ids, req.request_id)
             n = min(req.num_tokens - prefix.num_tokens, budget)
             if self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix) is None:
                 break  # head of line waits for blocks; later requests do not overtake it
@@ -251,6 +251,7 @@ class Scheduler:
         req.status = status
         req.finished_s = time.monotonic()
         self.blocks.free(req.request_id)
+        self.blocks.forget(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
