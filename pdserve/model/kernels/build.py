@@ -4,6 +4,8 @@ The shared library is built for this very CPU (`-march=native`), so it is cached
 source, the flags, the compiler's version and the CPU's model and feature flags: a cache directory shared
 with, or copied to, another kind of CPU misses and rebuilds instead of running illegal instructions.
 Cache: `$PDSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pdserve/kernels`, else `~/.cache/pdserve/kernels`.
+`$PDSERVE_KERNEL_CFLAGS` adds compiler flags (part of the key), e.g. `-mno-avx512f` to run here what an
+AVX2-only host would.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -46,9 +49,13 @@ def _compiler() -> str:
     return cc
 
 
+def _flags() -> list[str]:
+    return FLAGS + shlex.split(os.environ.get("PDSERVE_KERNEL_CFLAGS", ""))
+
+
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_flags()), version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / key / "libpdserve_kernels.so"
 
@@ -66,7 +73,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
         os.chmod(tmp, 0o755)
