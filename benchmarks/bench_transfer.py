@@ -41,7 +41,7 @@ def _sender(transport: str, dest: str, requests: int, blocks: int, q: mp.Queue, 
     from pdserve.kv.block_io import chunk_nbytes, gather_blocks
     from pdserve.transfer import make_sender
     pool = _pool(blocks * 4)
-    sender = make_sender(transport, ring_mb=64, timeout_s=30)
+    sender = make_sender(transport, ring_mb=16, timeout_s=30)  # the workers' default
     q.get()  # the receiver is listening
     start = time.monotonic()
     for r in range(requests):

@@ -181,3 +181,15 @@ def test_abort_while_waiting_for_kv_frees_blocks_and_drops_late_chunks(tiny_llam
 def _always_fails(*args, **kwargs):
     from pdserve.transfer.base import TransferError
     raise TransferError("test: the link is down")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_layers_split_into_bounded_chunks(tiny_llama_dir, pair_factory, transport):
+    prompts = _prompts(3)
+    pair = pair_factory(transport)
+    per_block = pair.p_engine.executor.kv_pool.layers[0][:, :, :1].numel() * 4
+    pair.prefill.sender.max_chunk_bytes = 2 * per_block  # at most 2 blocks per chunk
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    layers = len(pair.p_engine.executor.kv_pool.layers)
+    assert pair.decode.stats.chunks_received > layers * len(prompts) * 2  # many chunks per layer
+    pair.assert_no_leak()

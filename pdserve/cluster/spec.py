@@ -21,7 +21,7 @@ class WorkerSpec:
     kv_addr: str = ""  # decode/colocated with shm: the worker binds its KV header socket here
     kv_host: str = "127.0.0.1"  # tcp: the interface the KV receiver binds
     kv_timeout_s: float = 30.0  # a transfer with no progress for this long fails (lease)
-    ring_mb: int = 64  # shm ring per (prefill, decode) pair
+    ring_mb: int = 16  # shm ring per (prefill, decode) pair
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

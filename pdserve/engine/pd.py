@@ -65,16 +65,20 @@ class PrefillSide:
 
     def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int]) -> None:
         tensor = self.layers[layer]
-        nbytes = chunk_nbytes(tensor, len(block_ids))
-        header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first, "count": len(block_ids)}
-        try:
-            self.sender.send_chunk(out.dest, header, nbytes, lambda buf: gather_blocks(tensor, block_ids, buf))
-        except TransferError as e:
-            out.failed = str(e)
-            self.failures["send_timeout"] += 1
-            return
-        out.num_chunks += 1
-        self.bytes_sent += nbytes
+        # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt.
+        per_chunk = max(1, getattr(self.sender, "max_chunk_bytes", 1 << 62) // chunk_nbytes(tensor, 1))
+        for i in range(0, len(block_ids), per_chunk):
+            ids = block_ids[i:i + per_chunk]
+            header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
+            nbytes = chunk_nbytes(tensor, len(ids))
+            try:
+                self.sender.send_chunk(out.dest, header, nbytes, lambda buf, ids=ids: gather_blocks(tensor, ids, buf))
+            except TransferError as e:
+                out.failed = str(e)
+                self.failures["send_timeout"] += 1
+                return
+            out.num_chunks += 1
+            self.bytes_sent += nbytes
 
     def finish(self, request_id: str, prefilled: bool) -> str | None:
         """Close the transfer of a request that ended here; the failure message if delivery failed."""

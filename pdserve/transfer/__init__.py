@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdserve.transfer.base import KVReceiver, KVSender
 
 
-def make_sender(transport: str, ring_mb: int = 64, timeout_s: float = 10.0) -> KVSender:
+def make_sender(transport: str, ring_mb: int = 16, timeout_s: float = 10.0) -> KVSender:
     if transport == "shm":
         from pdserve.transfer.shm import ShmSender
         return ShmSender(ring_bytes=ring_mb << 20, timeout_s=timeout_s)

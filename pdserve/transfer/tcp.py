@@ -28,6 +28,7 @@ class TcpSender:
         self._sockets: dict[str, zmq.Socket] = {}
         self.faults = faults or FaultInjector()
         self.bytes_sent = 0
+        self.max_chunk_bytes = 4 << 20  # callers split larger payloads, so chunks pipeline on the wire
         # Payload buffers are reused once ZeroMQ is done with them (fresh multi-MB buffers cost page faults).
         self._free: list[bytearray] = []
         self._in_flight: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
