@@ -62,17 +62,18 @@ def fallback_reason() -> str | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """True when the kernels can serve these (CPU, fp32, contiguous) tensors; otherwise counts one fallback
-    and returns False."""
-    if not _disabled and _library() is not None:
-        for t in tensors:  # a plain loop: this runs ~10 times per layer
-            if not (t.is_cpu and t.dtype is _FP32 and t.is_contiguous()):
-                break
-        else:
-            return True
+    and returns False. The library is built only once CPU tensors ask for it (never on a CUDA-only run)."""
+    supported = True
+    for t in tensors:  # a plain loop: this runs ~10 times per layer
+        if not (t.is_cpu and t.dtype is _FP32 and t.is_contiguous()):
+            supported = False
+            break
+    if supported and not _disabled and _library() is not None:
+        return True
     _count_fallback("disabled (PDSERVE_KERNELS=0 or kernels.disabled())" if _disabled else
-                    _load_error if _library() is None else
                     f"unsupported tensors (need CPU, fp32, contiguous): "
-                    f"{[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}")
+                    f"{[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}" if not supported else
+                    _load_error)
     return False
 
 
