@@ -101,3 +101,12 @@ def test_plan_candidates_cheapest_first_and_plan_runs(capsys):
                "--gpu", "h100", "--gpus", "4", "--tp-options", "1", "--slo-ttft-ms", "5000", "--no-progress"])
     assert rc == 0
     assert "cheapest deployment meeting the SLOs" in capsys.readouterr().out
+
+
+def test_vectorized_decode_times_are_bit_identical_to_step_time():
+    models = [RooflineTimeModel(get_model("llama-3-70b"), get_gpu("h100"), tp) for tp in (1, 4)]
+    models.append(FittedTimeModel(Coefficients(0.01, 2e-4, 3e-8), Coefficients(0.02, 1.3e-6, 5.1e-4)))
+    for tm in models:
+        for n, ctx in ((1, 0), (7, 12345), (64, 10 ** 6)):
+            want = [tm.step_time(StepShape.decode(n, ctx + n * i)) for i in range(1, 300)]
+            assert tm.decode_times(n, ctx, 299).tolist() == want

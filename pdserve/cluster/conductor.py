@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
+from pdserve.cluster.routing import AFFINITY_BLOCKS
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ class Conductor:
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> Flight:
         flight = Flight(rid, prompt, _params_dict(params), asyncio.Queue())
-        hashes = hash_blocks(prompt, self.block_size)
+        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         if self.mode == "colocated":
             flight.decode = self._pick("colocated", hashes)
         else:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+AFFINITY_BLOCKS = 256  # prefix affinity looks at a prompt's first blocks only (4,096 tokens at block 16)
+
+
 @dataclass
 class WorkerLoad:
     name: str
@@ -23,14 +26,14 @@ class WorkerLoad:
 
     def prefix_blocks(self, hashes: Sequence) -> int:
         n = 0
-        for h in hashes:
+        for h in hashes[:AFFINITY_BLOCKS]:
             if h not in self.recent_blocks:
                 break
             n += 1
         return n
 
     def remember(self, hashes: Sequence) -> None:
-        for h in hashes:
+        for h in hashes[:AFFINITY_BLOCKS]:
             self.recent_blocks[h] = None
             self.recent_blocks.move_to_end(h)
         while len(self.recent_blocks) > self.max_recent_blocks:
@@ -57,7 +60,7 @@ class PrefixAffinity:
         live = [w for w in workers if w.alive]
         if not live:
             return None
-        total = max(len(block_hashes), 1)
+        total = max(min(len(block_hashes), AFFINITY_BLOCKS), 1)
         return min(live, key=lambda w: w.outstanding - self.weight * w.prefix_blocks(block_hashes) / total)
 
 

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.routing import RoutingPolicy
+from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import PdserveError
@@ -92,7 +92,7 @@ class SimConductor(EngineHooks):
     # ---- intake -----------------------------------------------------------------------------------------
     def submit(self, rid: str, prompt, output_len: int, record: RequestRecord) -> None:
         f = Flight(rid, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), record)
-        hashes = hash_blocks(prompt, self.block_size)
+        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         if self.mode == "colocated":
             f.decode = self._pick("colocated", hashes)
         else:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.scheduler import Scheduler
 from pdserve.sim.timemodel import StepShape, TimeModel
@@ -71,6 +73,9 @@ def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max
         if k < MIN_STEPS:
             return None
     n, ctx = len(running), sum(r.num_computed_tokens for r in running)
+    if hasattr(time_model, "decode_times"):  # same floats, one numpy pass; accumulate adds left to right
+        ends = np.add.accumulate(np.concatenate(([now], time_model.decode_times(n, ctx, k))))[1:].tolist()
+        return Window(running, now, ends, allocs)
     ends, t = [], now
     for i in range(1, k + 1):
         t = t + time_model.step_time(StepShape.decode(n, ctx + n * i))

@@ -94,6 +94,15 @@ class RooflineTimeModel:
         nbytes = self._weight_bytes + self._kv_token_bytes * (shape.decode_context + shape.prefill_context + tokens)
         return max(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * tokens + self._fixed_s
 
+    def decode_times(self, num_seqs: int, context: int, k: int) -> np.ndarray:
+        """`step_time(StepShape.decode(num_seqs, context + num_seqs * i))` for i = 1..k, bit for bit the same
+        float operations, vectorized (the fast-forward plans hundreds of steps at once)."""
+        n = num_seqs
+        ctx = context + n * np.arange(1, k + 1, dtype=np.int64)
+        flops = self._linear_flops * n + self._attn_flops * ctx + self._head_flops * n
+        nbytes = self._weight_bytes + self._kv_token_bytes * (ctx + n)
+        return np.maximum(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * n + self._fixed_s
+
 
 @dataclass(frozen=True)
 class Coefficients:
@@ -115,6 +124,12 @@ class FittedTimeModel:
             d = self.decode
             t += (0.0 if shape.prefill_tokens else d.a) + d.b * shape.decode_context + d.c * shape.decode_seqs
         return max(t, 0.0)
+
+    def decode_times(self, num_seqs: int, context: int, k: int) -> np.ndarray:
+        """Pure decode steps i = 1..k at context `context + num_seqs * i`, as `step_time` computes them."""
+        d = self.decode
+        ctx = context + num_seqs * np.arange(1, k + 1, dtype=np.int64)
+        return np.maximum(0.0 + (d.a + d.b * ctx + d.c * num_seqs), 0.0)
 
     def to_json(self) -> str:
         return json.dumps({"kind": "fitted", "form": "distserve", **self.meta,
