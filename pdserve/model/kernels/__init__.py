@@ -1,8 +1,9 @@
 """Compiled CPU kernels for the fp32 decode path, with a counted fallback to torch.
 
 What is here: a skinny GEMM for decode-sized row counts on weights packed in column panels (AVX-512
-register tiles, software prefetch; AVX2-only hosts keep MKL), paged decode attention that reads K/V blocks in place through the block rows (online
-softmax, query heads grouped by KV head), rotary + KV-cache write, residual add + RMSNorm, SiLU·up.
+register tiles, software prefetch; AVX2-only hosts keep MKL), paged decode attention that reads K/V
+blocks in place through the block rows (online softmax, query heads grouped by KV head), rotary +
+KV-cache write, residual add + RMSNorm, SiLU·up.
 The C source (`kernels.c`) is compiled for this CPU at first use (`build.py`, a few seconds, cached).
 
 The kernels run only for fp32 CPU tensors once the library has loaded. Every call that takes the torch

@@ -116,8 +116,9 @@ static inline __attribute__((always_inline)) void accumulate_values(
 
 /* One (sequence, KV head): the G query heads sharing it attend over `len` keys read in place, CHUNK
  * keys at a time; the next block is prefetched while the current one is used. */
-static inline __attribute__((always_inline)) void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *rows,
-                       int64_t len, float *out, int g_heads, int d, int bs, float scale) {
+static inline __attribute__((always_inline)) void attend_one(
+        const float *q, const float *k_cache, const float *v_cache, const int64_t *rows, int64_t len, float *out,
+        int g_heads, int d, int bs, float scale) {
     float m[g_heads], l[g_heads], acc[g_heads * d];
     float s[g_heads][CHUNK + VL];
     const float *kr[CHUNK], *vr[CHUNK];
