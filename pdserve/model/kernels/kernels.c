@@ -5,7 +5,9 @@
  * library resolves libgomp.so.1 to the copy torch already loaded, so torch and these kernels share one
  * thread pool. Vectors are GCC vector extensions of 8 floats, lowered to AVX2 (or SSE) instructions:
  * 16-float vectors measured 3-4x slower on an AVX-512 Xeon (gcc 12 splits their unaligned loads and
- * stalls on store forwarding), and AVX2 is what the AMD hosts of this machine kind have.
+ * stalls on store forwarding), and AVX2 is what the AMD hosts of this machine kind have. The attention
+ * and the GEMM sums use FMA explicitly (their order differs from torch's anyway). The GEMM at the end
+ * uses AVX-512 intrinsics and is compiled only where the host has AVX-512.
  */
 #include <math.h>
 #include <stdint.h>
