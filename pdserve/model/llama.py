@@ -76,7 +76,6 @@ class LlamaModel:
         cfg = self.config
         x = self.embed[input_ids]
         cos, sin = self.rope.lookup(positions)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             # CPU fp32: compiled kernels for everything but the four matmuls (counted torch fallback else)
             h = kernels.add_rms_norm(x, None, layer.attn_norm, cfg.rms_norm_eps)
