@@ -5,7 +5,7 @@
 Prefill steps: one request of T prompt tokens per step (T from 16 to the token budget), timed around
 `LLMEngine.step()` — so scheduling, batch building and sampling are inside, as in the serving loop.
 Decode steps: B requests whose prompts (C tokens each) are already computed, timed over several steps.
-Fitted (DistServe-style, least squares over the medians):
+Fitted (DistServe-style, least squares on relative error over the medians):
 
     prefill_s = a + b * sum(tokens) + c * sum(tokens^2)
     decode_s  = a + b * sum(context) + c * batch
@@ -81,9 +81,16 @@ def fit(samples: list[dict]) -> dict:
     dec = [s for s in samples if s["kind"] == "decode"]
     a_pre = np.array([[1.0, sum(s["tokens"]), sum(t * t for t in s["tokens"])] for s in pre])
     a_dec = np.array([[1.0, s["context_sum"], s["batch"]] for s in dec])
-    coef_pre = np.linalg.lstsq(a_pre, np.array([s["seconds"] for s in pre]), rcond=None)[0]
-    coef_dec = np.linalg.lstsq(a_dec, np.array([s["seconds"] for s in dec]), rcond=None)[0]
+    coef_pre = _relative_lstsq(a_pre, np.array([s["seconds"] for s in pre]))
+    coef_dec = _relative_lstsq(a_dec, np.array([s["seconds"] for s in dec]))
     return {"prefill": dict(zip("abc", map(float, coef_pre))), "decode": dict(zip("abc", map(float, coef_dec)))}
+
+
+def _relative_lstsq(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Least squares on relative error (rows divided by the measured time): a 60 ms step is fitted as
+    closely as a 5 s one, instead of the big steps dominating and the small ones -- most of a serving
+    run's steps -- absorbing the error."""
+    return np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)[0]
 
 
 def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,
