@@ -10,10 +10,10 @@ benchmarks/peers/vllm_serve.sh on pdserve's exported weights (skipped when that 
 Parts (all greedy, output length forced with ignore_eos):
   fixed     16 and 64 requests x 128 prompt / 128 output tokens, all sent at once (concurrency = N).
   azure     the Azure 2023 conversation trace, lengths x0.1, first 40 requests, time scaled to each of
-            --azure-rates (req/s); SLO TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms.
-  mooncake  the Mooncake conversation trace (hash_ids -> shared prompt blocks), lengths x0.05 (inputs clipped
-            at 1,024 tokens, outputs at least as the trace says), first 40 requests, time scaled to each of
-            --mooncake-rates; same SLOs.
+            --azure-rates (req/s, default 2,4,8); SLO TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms.
+  mooncake  the Mooncake conversation trace (hash_ids -> shared prompt blocks), lengths x0.02 (inputs clipped
+            at 512 tokens), first 40 requests, time scaled to each of --mooncake-rates (default 0.5,1,2);
+            same SLOs. Its timestamps come in ~3 s steps, so requests arrive in bursts.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def part_args(part: str, args) -> list[tuple[str, list[str]]]:
                            "--rates", args.azure_rates, *slo])]
     if part == "mooncake":
         return [("mooncake", ["--workload", f"mooncake:{TRACES / 'mooncake_conversation_trace.jsonl'}",
-                              "--length-scale", "0.05", "--max-input-len", "1024", "--max-requests",
+                              "--length-scale", args.mooncake_length_scale, "--max-input-len",
+                              str(args.mooncake_max_input), "--max-requests",
                               str(args.max_requests), "--rates", args.mooncake_rates, *slo])]
     raise SystemExit(f"unknown part {part}")
 
@@ -103,8 +104,10 @@ def main() -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=3000)
     ap.add_argument("--slo-tpot-ms", type=float, default=250)
     ap.add_argument("--max-requests", type=int, default=40)
-    ap.add_argument("--azure-rates", default="0.5,1,2")
-    ap.add_argument("--mooncake-rates", default="0.25,0.5,1")
+    ap.add_argument("--azure-rates", default="2,4,8")
+    ap.add_argument("--mooncake-rates", default="0.5,1,2")
+    ap.add_argument("--mooncake-length-scale", default="0.02")
+    ap.add_argument("--mooncake-max-input", type=int, default=512)
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     systems = args.systems.split(",")
