@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import xxhash
+import zmq
 
 
 class TransferState(enum.Enum):
@@ -58,6 +59,19 @@ class Received:
     @property
     def verified(self) -> bool:
         return self.payload is not None and checksum(self.payload) == self.header.get("checksum")
+
+
+def drain(sock, timeout_ms: int, read_one: Callable[[], Received]) -> list[Received]:
+    """Wait up to `timeout_ms` for the first message on a ZeroMQ socket, then take every one waiting.
+    `read_one` reads one message without blocking (raising `zmq.Again` when there is none)."""
+    out: list[Received] = []
+    if not sock.poll(timeout_ms):
+        return out
+    while True:
+        try:
+            out.append(read_one())
+        except zmq.Again:
+            return out
 
 
 class KVSender(Protocol):

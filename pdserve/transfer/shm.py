@@ -22,7 +22,7 @@ from multiprocessing import shared_memory
 import msgpack
 import zmq
 
-from pdserve.transfer.base import FaultInjector, Received, TransferError, checksum
+from pdserve.transfer.base import FaultInjector, Received, TransferError, checksum, drain
 
 _META = 64  # bytes before the data: the tail counter, alone on its cache line
 _names = itertools.count()
@@ -138,15 +138,7 @@ class ShmReceiver:
         return seg
 
     def poll(self, timeout_ms: int = 0) -> list[Received]:
-        out: list[Received] = []
-        if not self._sock.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                header = msgpack.unpackb(self._sock.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return out
-            out.append(self._received(header))
+        return drain(self._sock, timeout_ms, lambda: self._received(msgpack.unpackb(self._sock.recv(zmq.NOBLOCK))))
 
     def _received(self, header: dict) -> Received:
         if "shm" not in header:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import msgpack
 import zmq
 
-from pdserve.transfer.base import FaultInjector, Received, TransferError, checksum
+from pdserve.transfer.base import FaultInjector, Received, TransferError, checksum, drain
 
 
 def _noop() -> None:
@@ -95,17 +95,12 @@ class TcpReceiver:
         self.socket = self._sock  # for a caller's zmq.Poller
 
     def poll(self, timeout_ms: int = 0) -> list[Received]:
-        out: list[Received] = []
-        if not self._sock.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return out
-            header = msgpack.unpackb(frames[0].bytes)
-            payload = frames[1].buffer if len(frames) > 1 else None
-            out.append(Received(header, payload, _noop))
+        return drain(self._sock, timeout_ms, self._read_one)
+
+    def _read_one(self) -> Received:
+        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        payload = frames[1].buffer if len(frames) > 1 else None
+        return Received(msgpack.unpackb(frames[0].bytes), payload, _noop)
 
     def close(self) -> None:
         self._sock.close(linger=0)
