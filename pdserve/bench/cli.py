@@ -7,6 +7,10 @@ from pathlib import Path
 
 from pdserve.errors import InvalidRequestError
 
+# Prompt token ids are drawn below this. The OpenAI API does not tell the vocabulary size, so use a bound
+# that every Llama-family tokenizer (32k ids and up) accepts.
+PROMPT_VOCAB = 32000
+
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="load generator and benchmark reports")
@@ -91,7 +95,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     workloads = [_workload_at(args, r) for r in rates]  # all checked before any traffic
     model = discover_model(args.endpoint, args.model)
     cfg = RunConfig(args.endpoint, model, args.concurrency, args.temperature, args.timeout_s, not args.no_progress)
-    vocab = _vocab_size(args.endpoint)
     result = BenchResult(endpoint=args.endpoint, model=model, workload=args.workload,
                          label=args.label or (Path(args.output).name if args.output else args.workload),
                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
@@ -99,7 +102,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for i, (rate, workload) in enumerate(zip(rates, workloads)):
         # Fresh token content per rate (same lengths, same sharing structure), so a sweep's later runs do
         # not hit the prefix cache that earlier runs filled.
-        prompts = build_prompts(workload, vocab, block_tokens=args.block_tokens, seed=args.seed + 7919 * i)
+        prompts = build_prompts(workload, PROMPT_VOCAB, block_tokens=args.block_tokens, seed=args.seed + 7919 * i)
         label = f"rate {rate:g}/s" if rate else "requests"
         records, duration, start = run(workload, prompts, cfg, label)
         result.add_run(rate, records, duration, start)
@@ -109,10 +112,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _vocab_size(endpoint: str) -> int:
-    """Token ids are drawn below this. The OpenAI API does not tell the vocabulary size, so use a bound that
-    every Llama-family tokenizer (32k and up) accepts."""
-    return 32000
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:

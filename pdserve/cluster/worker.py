@@ -139,7 +139,7 @@ class Worker:
     def _report(self, outputs) -> None:
         items = []
         for out in outputs:
-            if out.finish_reason == "prefilled" or self.prefill is not None:
+            if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
                 failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled")
                 self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed,
                            "queue_s": _diff(out.scheduled_s, out.arrival_s),

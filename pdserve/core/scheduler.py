@@ -52,11 +52,12 @@ class Scheduler:
 
     # ---- intake ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self._check_new(request)
+        self.check_new(request)
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
-    def _check_new(self, request: Request) -> None:
+    def check_new(self, request: Request) -> None:
+        """Raise for a request that could never be served here (duplicate id, empty, over the context)."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
@@ -74,7 +75,7 @@ class Scheduler:
         Returns the number of prompt tokens already in this worker's prefix cache (whole blocks): the sender
         need not deliver those. Raises like `add_request` for a request that could never be served.
         """
-        self._check_new(request)
+        self.check_new(request)
         if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
             return None
         prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)

@@ -128,7 +128,7 @@ class DecodeSide:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
         could never be served (the caller turns that into an error for the client)."""
         req = self.engine.make_request(request_id, prompt, params)
-        self.engine.scheduler._check_new(req)  # noqa: SLF001 - fail fast, before queueing
+        self.engine.scheduler.check_new(req)  # fail fast, before queueing
         self.pending.append(Reservation(req, xfer))
 
     def try_reserve(self) -> list[tuple[Reservation, int]]:
