@@ -67,6 +67,18 @@ def check_completions_and_chat(server: Server, reference, indices=(0, 1, 2)) -> 
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
+def test_kernel_fallbacks_reach_the_metrics():
+    server = Server("--mode", "colocated", env={"PDSERVE_KERNELS": "0"})  # every kernel call takes torch's path
+    try:
+        client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        deadline = time.monotonic() + 5
+        while server.metric("pdserve_fallbacks_total", kind="kernel_torch_path") == 0 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert server.metric("pdserve_fallbacks_total", kind="kernel_torch_path") > 0
+    finally:
+        server.stop()
+
+
 def test_models_and_health(pd_server):
     models = client(pd_server).models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -168,12 +168,14 @@ class Worker:
         self.emit(self.stats())
 
     def stats(self) -> dict:
+        from pdserve.model import kernels
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         out = {"type": "stats", "worker": self.spec.name, "role": self.spec.role,
                "running": sched.num_running, "waiting": sched.num_waiting,
                "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
                "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
-               "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions}
+               "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
+               "kernel_fallbacks": kernels.fallback_count()}
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures))
         if self.decode is not None:

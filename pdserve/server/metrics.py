@@ -68,6 +68,8 @@ class Metrics:
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.preemptions, (w, "preempt"), s["preemptions"], worker=w)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
+        # model calls that ran the torch path instead of a compiled kernel (summed over workers)
+        self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
 
     def observe_prefill(self, e: dict) -> None:
         if e.get("queue_s") is not None:
