@@ -508,3 +508,21 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=50, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 TestBlockManagerStateful = BlockManagerMachine.TestCase
+
+
+def test_hold_keeps_blocks_past_their_request_until_the_holder_frees_them():
+    bm = KVBlockManager(num_blocks=8, block_size=4)
+    ids = bm.allocate("r", 12)
+    bm.hold("xfer:r", ids[:2])  # e.g. a transfer whose receiver reads these two in place
+    bm.free("r")
+    assert bm.num_used_blocks == 2 and all(bm.ref_count(b) == 1 for b in ids[:2])
+    assert not set(ids[:2]) & set(bm.allocate("s", 24))  # every free block, never the held ones
+    bm.free("s")
+    bm.hold("xfer:late", [ids[2]])  # a block already free is taken back off the free queue
+    assert bm.num_used_blocks == 3
+    bm.free("xfer:r")
+    bm.free("xfer:late")
+    assert bm.num_used_blocks == 0
+    bm.find_prefix(list(range(9)), "t")  # a live request's id
+    with pytest.raises(ValueError, match="is a request"):
+        bm.hold("t", [0])

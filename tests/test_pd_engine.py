@@ -21,10 +21,10 @@ from pdserve.transfer.base import FaultInjector
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _engine(model_dir, **kw):
+def _engine(model_dir, shared_kv=False, **kw):
     cfg = dict(block_size=4, num_kv_blocks=256, num_threads=1, max_num_batched_tokens=64)
     cfg.update(kw)
-    return build_engine_at(model_dir, EngineConfig(**cfg), detokenize=False)
+    return build_engine_at(model_dir, EngineConfig(**cfg), detokenize=False, shared_kv=shared_kv)
 
 
 def _prompts(n=4, base=37):
@@ -44,8 +44,9 @@ def _reference(model_dir, prompts, params=GREEDY):
 
 class Pair:
     def __init__(self, model_dir, transport, tmp_path, prefill_kw=None, decode_kw=None, timeout_s=10.0,
-                 faults=None):
-        self.p_engine = _engine(model_dir, **(prefill_kw or {}))
+                 faults=None, by_reference=True):
+        # Like the workers: a prefill pool in shared memory, so shm chunks go by reference.
+        self.p_engine = _engine(model_dir, shared_kv=by_reference and transport == "shm", **(prefill_kw or {}))
         self.d_engine = _engine(model_dir, **(decode_kw or {}))
         sender = make_sender(transport, ring_mb=1, timeout_s=2.0)
         if faults is not None:
@@ -74,6 +75,7 @@ class Pair:
                 self.p_engine.abort([rid])
                 self.prefill.finish(rid, prefilled=False)
             self.decode.receive(timeout_ms=1)
+            self.prefill.release_lent()
             self.outcomes += [o for _, o in self.decode.settle()]
             if self.d_engine.scheduler.num_running + self.d_engine.scheduler.num_waiting:
                 for o in self.d_engine.step():
@@ -84,6 +86,9 @@ class Pair:
         raise AssertionError(f"not finished: {len(outs)}/{len(rids)}")
 
     def assert_no_leak(self):
+        self.decode.receive(timeout_ms=1)  # takes any last record, so the sender may release its blocks
+        self.prefill.release_lent()
+        assert not self.prefill.lent
         for engine in (self.p_engine, self.d_engine):
             assert engine.block_manager.num_used_blocks == 0
         assert len(self.decode.inbound) == 0 and not self.prefill.outbound
@@ -107,13 +112,74 @@ def pair_factory(tiny_llama_dir, tmp_path):
         p.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport):
+@pytest.mark.parametrize("transport,by_reference", [("shm", True), ("shm", False), ("tcp", False)])
+def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport, by_reference):
     prompts = _prompts()
-    pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=8))  # chunked prefill on P
+    pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=8),  # chunked prefill on P
+                        by_reference=by_reference)
     assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
     assert pair.outcomes == ["delivered"] * len(prompts)
     assert pair.decode.stats.bytes_received > 0
+    if transport == "shm":
+        sender = pair.prefill.sender
+        assert (sender.chunks_by_reference > 0) is by_reference and (sender.chunks_copied > 0) is not by_reference
+    pair.assert_no_leak()
+
+
+def test_blocks_read_in_place_are_held_until_the_receiver_took_them(tiny_llama_dir, pair_factory):
+    """By-reference chunks: the prefill worker keeps the blocks after its request ended, until the
+    decode worker has read the records; a receiver that never reads is outlived by the lease."""
+    prompt = _prompts(1)[0]
+    pair = pair_factory("shm")
+    pair.decode.reserve("a", prompt, GREEDY, "a#0")
+    (res, first), = pair.decode.try_reserve()
+    pair.prefill.add("a", prompt, GREEDY, pair.decode.receiver.address, "a#0", first)
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True)
+    held = pair.p_engine.block_manager.num_used_blocks
+    assert held > 0 and pair.prefill.release_lent() == 0  # the request is done, its blocks are not
+    assert pair.p_engine.block_manager.num_used_blocks == held
+    pair.decode.receive(timeout_ms=50)
+    assert pair.prefill.release_lent() == 1 and pair.p_engine.block_manager.num_used_blocks == 0
+    assert [o for _, o in pair.decode.settle()] == ["delivered"]
+
+    # A receiver that never reads: the lease frees the blocks.
+    pair.d_engine.abort(["a"])
+    pair.decode.reserve("b", prompt[::-1], GREEDY, "b#0")
+    (res, first), = pair.decode.try_reserve()
+    pair.prefill.add("b", prompt[::-1], GREEDY, pair.decode.receiver.address, "b#0", first)
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True)
+    assert pair.prefill.release_lent() == 0
+    assert pair.prefill.release_lent(now=pair.prefill.lent[0].deadline_s + 1) == 1
+    assert pair.p_engine.block_manager.num_used_blocks == 0
+
+
+def test_blocks_reused_before_the_receiver_read_them_are_rejected(tiny_llama_dir, pair_factory):
+    """If the sender's blocks change before the receiver copies them (a lease ran out and they were
+    reused), the copy fails its checksum: the transfer is recomputed, the wrong KV never consumed."""
+    prompts = _prompts(1)
+    pair = pair_factory("shm")
+    pair.decode.reserve("r0", prompts[0], GREEDY, "r0#0")
+    (res, first), = pair.decode.try_reserve()
+    pair.prefill.add("r0", prompts[0], GREEDY, pair.decode.receiver.address, "r0#0", first)
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True)
+    pair.prefill.release_lent(now=float("inf"))
+    for layer in pair.p_engine.executor.kv_pool.layers:
+        layer.add_(1.0)  # the blocks now hold something else
+    pair.decode.receive(timeout_ms=50)
+    assert [o for _, o in pair.decode.settle()] == ["recompute"]
+    assert pair.decode.stats.failures["failed_checksum"] == 1
+    outs = {}
+    while pair.d_engine.has_unfinished():
+        for o in pair.d_engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    assert [outs["r0"]] == _reference(tiny_llama_dir, prompts)
     pair.assert_no_leak()
 
 

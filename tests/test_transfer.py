@@ -4,6 +4,7 @@ apply backpressure with a deadline, and a transfer completes only when every blo
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 
 import pytest
@@ -22,15 +23,22 @@ def link(request, tmp_path):
     receiver.close()
 
 
-def _drain(receiver, expect: int):
+def _drain(receiver, expect: int, place=None):
     got = []
     for _ in range(200):
-        for msg in receiver.poll(timeout_ms=20):
-            got.append((msg.header, bytes(msg.payload) if msg.payload is not None else None, msg.verified))
-            msg.release()
+        kw = {} if place is None else {"place": place}
+        for msg in receiver.poll(timeout_ms=20, **kw):
+            got.append((msg.header, msg.payload, msg.verified))
         if len(got) >= expect:
             return got
     raise AssertionError(f"got {len(got)} of {expect}")
+
+
+def _send(sender, receiver, header, payload: bytes, pieces: int = 1):
+    """Send `payload` as `pieces` separate views (a pool's block runs)."""
+    cut = [len(payload) * i // pieces for i in range(pieces + 1)]
+    views = [memoryview(payload)[cut[i]:cut[i + 1]] for i in range(pieces)]
+    sender.send_chunk(receiver.address, header, views)
 
 
 def test_chunks_arrive_intact_and_in_order(link):
@@ -38,56 +46,101 @@ def test_chunks_arrive_intact_and_in_order(link):
     payloads = [os.urandom(n) for n in (1, 4096, 300_000, 700_000, 300_000, 123)]  # wraps the 1 MiB ring
     got = []
     for i, p in enumerate(payloads):
-        sender.send_chunk(receiver.address, {"kind": "chunk", "seq": i}, len(p),
-                          lambda buf, p=p: buf.__setitem__(slice(None), p))
+        _send(sender, receiver, {"kind": "chunk", "seq": i}, p, pieces=1 + i % 3)
         got += _drain(receiver, 1)  # consume as we go, so the ring frees space
     sender.send_control(receiver.address, {"kind": "done", "num_chunks": len(payloads)})
     got += _drain(receiver, 1)
     assert [h.get("seq") for h, _, _ in got] == [0, 1, 2, 3, 4, 5, None]
     assert [p for _, p, _ in got[:-1]] == payloads and all(ok for _, _, ok in got[:-1])
+    assert [h["nbytes"] for h, _, _ in got[:-1]] == [len(p) for p in payloads]
     assert got[-1][0] == {"kind": "done", "num_chunks": len(payloads)} and got[-1][1] is None
 
 
-def test_payload_bytes_and_checksums(link):
+def test_payload_lands_in_the_placed_views(link):
+    """The receiver writes each payload across the views `place` names (a pool's blocks), in order, and
+    a declined payload is skipped without losing the records after it."""
     sender, receiver = link
-    data = [os.urandom(5000) for _ in range(5)]
-    for p in data:
-        sender.send_chunk(receiver.address, {"kind": "chunk"}, len(p), lambda buf, p=p: buf.__setitem__(slice(None), p))
-    got = _drain(receiver, 5)
-    assert [g[1] for g in got] == data and all(g[2] for g in got)
+    pool = bytearray(30_000)
+    data = [os.urandom(5000) for _ in range(4)]
+    for i, p in enumerate(data):
+        _send(sender, receiver, {"kind": "chunk", "i": i}, p, pieces=4)
+
+    def place(header):
+        if header["i"] == 2:
+            return None  # e.g. a late chunk: nowhere to go
+        base = 7000 * header["i"]
+        return [memoryview(pool)[base:base + 1000], memoryview(pool)[base + 2000:base + 6000]]
+
+    got = _drain(receiver, 4, place)
+    assert [g[0]["i"] for g in got] == [0, 1, 2, 3]
+    assert [g[2] for g in got] == [True, True, False, True] and got[2][1] is None
+    for i in (0, 1, 3):
+        base = 7000 * i
+        assert pool[base:base + 1000] + pool[base + 2000:base + 6000] == data[i]
+        assert pool[base + 1000:base + 2000] == bytes(1000)  # untouched between the views
 
 
 def test_corruption_is_detected(link):
     sender, receiver = link
     sender.faults = FaultInjector(every=2)
+    source = bytearray(b"a" * 64)
     for _ in range(4):
-        sender.send_chunk(receiver.address, {"kind": "chunk"}, 64, lambda buf: buf.__setitem__(slice(None), b"a" * 64))
+        sender.send_chunk(receiver.address, {"kind": "chunk"}, [memoryview(source)])
     assert [g[2] for g in _drain(receiver, 4)] == [True, False, True, False]
+    assert source == b"a" * 64  # the sender's own memory is never the corrupted copy
 
 
 def test_shm_ring_full_raises_after_deadline(tmp_path):
     receiver = make_receiver("shm", f"ipc://{tmp_path}/kv-full")
     sender = make_sender("shm", ring_mb=1, timeout_s=0.2)
     try:
-        fill = lambda buf: None  # noqa: E731
-        sender.send_chunk(receiver.address, {"kind": "chunk"}, 700_000, fill)
+        big = memoryview(bytes(700_000))
+        sender.send_chunk(receiver.address, {"kind": "chunk"}, [big])
         with pytest.raises(TransferError, match="ring full"):
-            sender.send_chunk(receiver.address, {"kind": "chunk"}, 700_000, fill)  # nobody consumed
+            sender.send_chunk(receiver.address, {"kind": "chunk"}, [big])  # nobody consumed
         with pytest.raises(TransferError, match="exceeds"):
-            sender.send_chunk(receiver.address, {"kind": "chunk"}, 2 << 20, fill)
+            sender.send_chunk(receiver.address, {"kind": "chunk"}, [memoryview(bytes(2 << 20))])
     finally:
         sender.close()
         receiver.close()
 
 
-def test_tcp_send_to_a_dead_receiver_times_out():
+def test_tcp_send_to_a_dead_receiver_fails():
     sender = make_sender("tcp", timeout_s=0.2)
     try:
-        with pytest.raises(TransferError):
-            for _ in range(10_000):  # the queue to an unreachable peer fills, then the deadline hits
-                sender.send_chunk("tcp://127.0.0.1:9", {"kind": "chunk"}, 1024, lambda buf: None)
+        with pytest.raises(TransferError, match="connect"):
+            sender.send_chunk("tcp://127.0.0.1:9", {"kind": "chunk"}, [memoryview(bytes(1024))])
     finally:
         sender.close()
+
+
+def test_tcp_receiver_that_stops_reading_makes_the_sender_time_out():
+    receiver = make_receiver("tcp")
+    sender = make_sender("tcp", timeout_s=0.3)
+    try:
+        payload = [memoryview(bytes(4 << 20))]
+        sender.send_chunk(receiver.address, {"kind": "chunk"}, payload)
+        receiver.poll(0)  # accepts the connection (and reads a little); never called again
+        with pytest.raises(TransferError, match="failed"):
+            for _ in range(64):  # 256 MiB: far beyond the socket buffers
+                sender.send_chunk(receiver.address, {"kind": "chunk"}, payload)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_tcp_garbage_ends_that_stream_only(link):
+    sender, receiver = link
+    if not receiver.address.startswith("tcp://"):
+        pytest.skip("tcp only")
+    from pdserve.transfer.tcp import parse_address
+    junk = socket.create_connection(parse_address(receiver.address))
+    junk.sendall(b"\xff" * 64)  # a prefix claiming a 4 GiB meta
+    _send(sender, receiver, {"kind": "chunk", "ok": 1}, b"x" * 100)
+    got = _drain(receiver, 2)
+    kinds = sorted(str(h.get("kind")) for h, _, _ in got)
+    assert kinds == ["bad", "chunk"] and receiver.num_bad_records == 1
+    junk.close()
 
 
 def _chunk(xfer, layer, first, count, nbytes=10):
@@ -156,3 +209,23 @@ def test_block_gather_scatter_roundtrip(ids):
     assert torch.equal(dst[:, :, ids], src[:, :, ids])
     others = [b for b in range(32) if b not in ids]
     assert not dst[:, :, others].any()
+
+
+@pytest.mark.parametrize("ids", [[3], [0, 1, 2, 3], [7, 8, 2, 3, 4], list(range(20, 0, -1))])
+def test_block_pieces_are_the_wire_payload_in_place(ids):
+    """`block_pieces` names exactly the bytes `gather_blocks` would produce, as views into the pool: a
+    write through them lands in those blocks and nowhere else."""
+    import torch
+
+    from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
+    src = torch.randn(2, 3, 32, 4, 8)
+    buf = bytearray(chunk_nbytes(src, len(ids)))
+    gather_blocks(src, ids, buf)
+    assert b"".join(bytes(p) for p in block_pieces(src, ids)) == bytes(buf)
+    dst = torch.zeros_like(src)
+    off = 0
+    for piece in block_pieces(dst, ids):
+        piece[:] = buf[off:off + len(piece)]
+        off += len(piece)
+    assert torch.equal(dst[:, :, ids], src[:, :, ids])
+    assert not dst[:, :, [b for b in range(32) if b not in ids]].any()

@@ -46,12 +46,16 @@ class Worker:
         self.events = self.ctx.socket(zmq.PUSH)
         self.events.setsockopt(zmq.LINGER, 1000)
         self.events.connect(spec.event_addr)
-        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine)
+        # A prefill worker's KV pool in shared memory: a decode worker on this host reads delivered blocks
+        # straight from it (shm transport).
+        shared_kv = spec.role == "prefill" and spec.transport == "shm"
+        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv)
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
             from pdserve.transfer import make_sender
-            self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s), layers)
+            self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s),
+                                       layers, lease_s=spec.kv_timeout_s)
             self.executor.layer_observer = self.prefill.on_layer
         else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
             from pdserve.transfer import make_receiver
@@ -59,8 +63,8 @@ class Worker:
             self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s)
         self.poller = zmq.Poller()
         self.poller.register(self.cmds, zmq.POLLIN)
-        if self.decode is not None:
-            self.poller.register(self.decode.receiver.socket, zmq.POLLIN)
+        if self.decode is not None and getattr(self.decode.receiver, "wakeup", None) is not None:
+            self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
         self._last_stats = 0.0
 
@@ -76,7 +80,7 @@ class Worker:
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0
-            self.poller.poll(0 if busy else 20)
+            self.poller.poll(0 if busy else self.decode.wait_ms(20) if self.decode is not None else 20)
             self._drain_commands()
             if self.decode is not None:
                 self._decode_bookkeeping()
@@ -84,6 +88,7 @@ class Worker:
                 self._report(self.engine.step())
             if self.prefill is not None:
                 self._cancel_failed_deliveries()
+                self.prefill.release_lent()
             self._maybe_stats()
             if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
@@ -177,7 +182,8 @@ class Worker:
                "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
                "kernel_fallbacks": kernels.fallback_count()}
         if self.prefill is not None:
-            out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures))
+            out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
+                       kv_transfers_lent=len(self.prefill.lent))
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -130,13 +130,7 @@ class KVBlockManager:
         revived = sum(1 for b in hit if self._blocks[b].ref_cnt == 0)
         if max(num_new, 0) + revived > len(self._free):
             return None
-        appended: list[BlockId] = []
-        for block_id in hit:
-            block = self._blocks[block_id]
-            if block.ref_cnt == 0:
-                del self._free[block_id]
-            block.ref_cnt += 1
-            appended.append(block_id)
+        appended = self._take_refs(hit)
         for _ in range(num_new):
             appended.append(self._pop_free())
         self._tables[request_id] = table + appended
@@ -170,6 +164,23 @@ class KVBlockManager:
             memo.extend(hash_blocks(token_ids[:num_blocks * bs], bs, memo[-1] if memo else None, len(memo),
                                     self._salt))
         return memo
+
+    def hold(self, holder: str, block_ids: Sequence[BlockId]) -> None:
+        """Add a reference from `holder` (not a request: e.g. a transfer reading the blocks) to each block,
+        so none is reused until `free(holder)`. Blocks already free are taken back off the free queue
+        (their contents are intact: a block is only overwritten after it is popped for a new owner)."""
+        if holder in self._memo or holder in self._hashes:
+            raise ValueError(f"{holder!r} is a request; holders must have ids of their own")
+        self._tables.setdefault(holder, []).extend(self._take_refs(block_ids))
+
+    def _take_refs(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
+        """One more reference to each block (off the free queue if it was free); the ids, as a list."""
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+        return list(block_ids)
 
     def forget(self, request_id: str) -> None:
         """The request ended for good: drop its memoized hashes (call after its last `free`)."""

@@ -40,7 +40,8 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelExecutor:
-    def __init__(self, model_dir: Path, model_config: ModelConfig, config: EngineConfig) -> None:
+    def __init__(self, model_dir: Path, model_config: ModelConfig, config: EngineConfig,
+                 shared_kv: bool = False) -> None:
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
@@ -51,7 +52,8 @@ class ModelExecutor:
                                 max_positions=max_len)
         num_blocks = config.num_kv_blocks or blocks_for_budget(
             model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.dtype)
-        self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device,
+                                    shared=shared_kv)
         self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
         # Called as `layer_observer(scheduled, layer_index)` once a layer's KV of the step is in the pool

@@ -2,12 +2,13 @@
 
 Prefill side: a request arrives with the decode worker's transfer address and the block-table index from
 which that worker needs KV (blocks before it are in its prefix cache). It runs as a `prefill_only` request
-over every prompt token but the last; after each layer of each step, the new blocks of that layer are pushed
-to the decode worker, so delivery overlaps the next layers' compute. When the prompt is done, a `done`
+over every prompt token but the last; after each layer of each step, the new blocks of that layer are sent
+to the decode worker straight from the pool, so delivery overlaps the next layers' compute. When the prompt is done, a `done`
 message closes the transfer with the number of chunks sent.
 
 Decode side: `reserve` holds blocks for the whole prompt (or queues the reservation until blocks free up:
-no room, no production) and opens an inbound transfer. Verified chunks are written into the reserved blocks.
+no room, no production) and opens an inbound transfer. The transport writes each chunk straight into the
+reserved blocks the transfer expects (nowhere else) and verifies it there; only verified chunks count.
 A completed transfer makes the request runnable: its last prompt token is computed here and gives the first
 output token. A failed one (bad checksum, timeout, dead or failing sender, missing blocks) ends in an
 explicit, counted outcome: the request is recomputed here from its prompt.
@@ -15,13 +16,14 @@ explicit, counted outcome: the request is recomputed here from its prompt.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv.block_io import chunk_nbytes, gather_blocks, scatter_blocks
+from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks, scatter_blocks
 from pdserve.transfer.base import KVReceiver, KVSender, TransferError, TransferState
 from pdserve.transfer.inbound import Inbound, InboundTransfers
 
@@ -33,17 +35,35 @@ class Outbound:
     next_block: int  # first block-table index not yet delivered in full
     num_chunks: int = 0
     failed: str | None = None
+    held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it has
+
+    @property
+    def holder(self) -> str:
+        return f"xfer:{self.xfer}"
+
+
+@dataclass
+class Lent:
+    holder: str
+    dest: str
+    mark: int  # the sender's position after the transfer's last record
+    deadline_s: float
 
 
 class PrefillSide:
-    def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list) -> None:
+    def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list, lease_s: float = 30.0) -> None:
         self.engine = engine
         self.sender = sender
         self.layers = kv_layers
         self.block_size = engine.block_manager.block_size
         self.outbound: dict[str, Outbound] = {}
+        self.lent: list[Lent] = []
+        self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
         self.bytes_sent = 0
+        pool = getattr(engine.executor, "kv_pool", None)
+        if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
+            sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int) -> None:
         req = self.engine.make_request(request_id, prompt[:-1], params, prefill_only=True)
@@ -72,11 +92,15 @@ class PrefillSide:
             header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
             nbytes = chunk_nbytes(tensor, len(ids))
             try:
-                self.sender.send_chunk(out.dest, header, nbytes, lambda buf, ids=ids: gather_blocks(tensor, ids, buf))
+                by_reference = self.sender.send_chunk(out.dest, header, _pieces(tensor, ids))
             except TransferError as e:
                 out.failed = str(e)
                 self.failures["send_timeout"] += 1
                 return
+            if by_reference:
+                new = [b for b in ids if b not in out.held]
+                self.engine.block_manager.hold(out.holder, new)
+                out.held.update(new)
             out.num_chunks += 1
             self.bytes_sent += nbytes
 
@@ -88,15 +112,45 @@ class PrefillSide:
         try:
             if prefilled and not out.failed:
                 self.sender.send_control(out.dest, {"kind": "done", "xfer": out.xfer, "num_chunks": out.num_chunks})
-                return None
-            self.sender.send_control(out.dest, {"kind": "fail", "xfer": out.xfer,
-                                                "reason": out.failed or "aborted"})
+            else:
+                self.sender.send_control(out.dest, {"kind": "fail", "xfer": out.xfer,
+                                                    "reason": out.failed or "aborted"})
         except TransferError as e:
             out.failed = out.failed or str(e)
+        if out.held:
+            self.lent.append(Lent(out.holder, out.dest, self.sender.position(out.dest),
+                                  time.monotonic() + self.lease_s))
         return out.failed
+
+    def release_lent(self, now: float | None = None) -> int:
+        """Free the blocks of transfers the receiver has taken (or whose lease ran out). Returns how many
+        transfers were released."""
+        now = time.monotonic() if now is None else now
+        keep, released = [], 0
+        for lent in self.lent:
+            try:
+                done = self.sender.consumed(lent.dest, lent.mark)
+            except TransferError:
+                done = False
+            if done or now > lent.deadline_s:
+                self.engine.block_manager.free(lent.holder)
+                released += 1
+            else:
+                keep.append(lent)
+        self.lent = keep
+        return released
 
     def failed_requests(self) -> list[str]:
         return [rid for rid, out in self.outbound.items() if out.failed]
+
+
+def _pieces(layer, block_ids: list[int]) -> list[memoryview]:
+    """The chunk payload as views into a CPU pool, or gathered into a host buffer from another device."""
+    if layer.device.type == "cpu":
+        return block_pieces(layer, block_ids)
+    buf = bytearray(chunk_nbytes(layer, len(block_ids)))
+    gather_blocks(layer, block_ids, buf)
+    return [memoryview(buf)]
 
 
 @dataclass
@@ -149,28 +203,52 @@ class DecodeSide:
         return granted
 
     def receive(self, timeout_ms: int = 0) -> None:
-        for msg in self.receiver.poll(timeout_ms):
-            try:
-                self._on_message(msg.header, msg)
-            finally:
-                msg.release()
+        for msg in self.receiver.poll(timeout_ms, self._place):
+            self._on_message(msg)
         self.inbound.expire()
 
-    def _on_message(self, header: dict, msg) -> None:
+    def wait_ms(self, idle_ms: int) -> int:
+        """How long the worker may sleep in its poller: 0 if KV is already waiting; with transfers in
+        flight, `idle_ms` when the transport rings `receiver.wakeup`, else 1 ms (the transport is polled)."""
+        if not len(self.inbound):
+            return idle_ms
+        arm = getattr(self.receiver, "arm", None)
+        if arm is None:
+            return 1
+        return idle_ms if arm() else 0
+
+    def _place(self, header: dict) -> list[memoryview] | None:
+        """Where a chunk's payload may go: the blocks its live transfer expects there, else nowhere."""
+        inbound = self.inbound.target(header) if header.get("kind") == "chunk" else None
+        if inbound is None:
+            return None
+        table = self.engine.block_manager.block_ids(inbound.request_id)
+        ids = list(table[header["first"]:header["first"] + header["count"]])
+        layer = self.layers[header["layer"]]
+        if chunk_nbytes(layer, len(ids)) != header.get("nbytes"):
+            return None  # not this pool's block format: booked as a bad chunk below
+        if layer.device.type == "cpu":
+            return block_pieces(layer, ids)
+        return [memoryview(bytearray(header["nbytes"]))]  # staged; scattered once verified
+
+    def _on_message(self, msg) -> None:
+        header = msg.header
         kind = header.get("kind")
         if kind == "chunk":
-            # Written into the reserved blocks first, verified right after while the bytes are in cache: a
-            # mismatch fails the transfer, and a failed transfer's blocks are dropped, never consumed.
-            inbound = self.inbound.accept_chunk(header, True)
-            if inbound is not None:
+            if not msg.written:  # nowhere to put it: a late chunk, or one its transfer does not expect
+                self.inbound.reject(header)
+                return
+            # A failed transfer's blocks (a checksum mismatch included) are dropped, never consumed.
+            inbound = self.inbound.accept_chunk(header, msg.verified)
+            if inbound is None:
+                return
+            layer = self.layers[header["layer"]]
+            if layer.device.type != "cpu":
                 table = self.engine.block_manager.block_ids(inbound.request_id)
                 first, count = header["first"], header["count"]
-                scatter_blocks(self.layers[header["layer"]], list(table[first:first + count]), msg.payload)
-                if not msg.verified:
-                    self.inbound.fail(inbound.xfer, TransferState.FAILED_CHECKSUM)
-                    return
-                self.stats.chunks_received += 1
-                self.stats.bytes_received += header["nbytes"]
+                scatter_blocks(layer, list(table[first:first + count]), msg.views[0])
+            self.stats.chunks_received += 1
+            self.stats.bytes_received += header["nbytes"]
         elif kind == "done":
             self.inbound.on_done(header)
         elif kind == "fail":

@@ -1,7 +1,11 @@
-"""Moving whole KV blocks of one layer between the pool and flat byte buffers (the wire format of delivery).
+"""Moving whole KV blocks of one layer between the pool and the wire format of delivery.
 
 Wire layout of a chunk: `[2 (k|v) * Hkv, count, block_size * head_dim]` in the pool's dtype, i.e. the pool
 layer `[2, Hkv, num_blocks, block_size, D]` with only the chosen blocks kept, in the order given.
+
+On a CPU pool, `block_pieces` names that payload as byte views straight into the pool (one per run of
+consecutive blocks per k/v head row), so transports send from and receive into the pool without a staging
+copy. Pools on other devices go through a host buffer with `gather_blocks` / `scatter_blocks`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,21 @@ import torch
 def chunk_nbytes(layer: torch.Tensor, count: int) -> int:
     two, num_kv, _, block_size, head_dim = layer.shape
     return two * num_kv * count * block_size * head_dim * layer.element_size()
+
+
+def block_pieces(layer: torch.Tensor, block_ids: list[int]) -> list[memoryview]:
+    """The chunk payload of `block_ids`, in wire order, as writable byte views into a CPU pool layer."""
+    if layer.device.type != "cpu" or not layer.is_contiguous():
+        raise ValueError("block_pieces needs a contiguous CPU pool layer; use gather_blocks/scatter_blocks")
+    two, num_kv, num_blocks, block_size, head_dim = layer.shape
+    flat = memoryview(layer.view(-1).view(torch.uint8).numpy())
+    per_block = block_size * head_dim * layer.element_size()
+    spans = runs(block_ids)
+    pieces = []
+    for row in range(two * num_kv):
+        base = row * num_blocks
+        pieces += [flat[(base + first) * per_block:(base + first + n) * per_block] for _, first, n in spans]
+    return pieces
 
 
 def _blocks_view(layer: torch.Tensor) -> torch.Tensor:

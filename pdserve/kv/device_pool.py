@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import torch
 
 from pdserve.model.config import ModelConfig
@@ -18,14 +21,36 @@ class DeviceKVPool:
 
     Slot s = block_id * block_size + offset. Memory is allocated with `torch.zeros` so on CPU
     untouched pages cost nothing until used.
+
+    `shared=True` (CPU only) puts every layer in one anonymous shared-memory file (memfd; zero pages until
+    touched, like `torch.zeros`), so a decode worker on the same host can read delivered blocks straight
+    from it: `handle` is the path another process of the same user opens. The memory goes when the last
+    process mapping it does; nothing is left in /dev/shm by a crash.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, shared: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.handle: str | None = None
+        self.shared_buffer: mmap.mmap | None = None
+        if shared and torch.device(device).type == "cpu":
+            self.layers = self._shared_layers(shape, dtype, config.num_layers)
+        else:
+            self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    def _shared_layers(self, shape: tuple, dtype: torch.dtype, num_layers: int) -> list[torch.Tensor]:
+        count = 1
+        for n in shape:
+            count *= n
+        per_layer = -(-count * torch.empty((), dtype=dtype).element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
+        fd = os.memfd_create("pdserve-kv")
+        os.ftruncate(fd, per_layer * num_layers)
+        self.shared_buffer = mmap.mmap(fd, per_layer * num_layers)
+        self.handle = f"/proc/{os.getpid()}/fd/{fd}"  # the fd stays open: it is how readers find the pool
+        return [torch.frombuffer(self.shared_buffer, dtype=dtype, count=count, offset=i * per_layer).view(shape)
+                for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:

@@ -1,14 +1,21 @@
-"""What every transport shares: the chunk header, its checksum, the transfer states and the interfaces.
+"""What every transport shares: the record format, its checksum, the transfer states and the interfaces.
 
 A transfer moves one request's prompt KV from a prefill worker to the decode worker that reserved blocks
-for it. It is a sequence of *chunks* (one layer's KV of a run of blocks each, pushed as soon as that layer
-is computed) closed by a *done* message that states how many chunks were sent. Each chunk header carries
-an xxh3-64 checksum of its payload; the receiver verifies it before a byte reaches the KV pool.
+for it. It is a sequence of *chunks* (one layer's KV of a run of blocks each, sent as soon as that layer is
+computed) closed by a *done* message that states how many chunks were sent.
 
-Headers are plain dicts (msgpack on the wire):
+On the wire (the shm ring and the tcp stream alike) every message is one *record*:
 
-    chunk: {"kind": "chunk", "xfer": str, "layer": int, "blocks": [destination block ids], "first": int
-            (index of the first block in the request's block table), "nbytes": int, "checksum": int, ...}
+    prefix  <IIQ: meta length, payload length, xxh3-64 of the payload>
+    meta    msgpack dict
+    payload the chunk bytes (none for control messages)
+
+The sender sends the payload straight from its KV pool (`block_pieces`); the receiver asks its `place`
+callback where a chunk's bytes go (views into the reserved blocks, or None to drop them), writes them there
+and verifies the checksum over what it wrote before the chunk counts. Meta dicts:
+
+    chunk: {"kind": "chunk", "xfer": str, "layer": int, "first": int (block-table index of the first block),
+            "count": int}                 (the receiver adds "nbytes" and "checksum" from the prefix)
     done:  {"kind": "done", "xfer": str, "num_chunks": int}
     fail:  {"kind": "fail", "xfer": str, "reason": str}   (the sender gave up)
 """
@@ -17,12 +24,13 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgpack
 import xxhash
-import zmq
 
 
 class TransferState(enum.Enum):
@@ -44,42 +52,96 @@ class TransferState(enum.Enum):
         return self in (TransferState.COMPLETED, TransferState.ABORTED) or self.failed
 
 
-def checksum(payload) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+PREFIX = struct.Struct("<IIQ")
+_STEP = 256 << 10  # copy-then-hash granule: hashed while it is still in the core's L2
+
+Place = Callable[[dict], "list[memoryview] | None"]
+
+
+def checksum(pieces: Sequence) -> int:
+    """xxh3-64 of the concatenated pieces (the same value as one call over the joined bytes)."""
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    return h.intdigest()
+
+
+def encode_meta(header: dict) -> bytes:
+    return msgpack.packb(header)
+
+
+def decode_record(meta: bytes, nbytes: int, digest: int) -> dict:
+    header = msgpack.unpackb(meta)
+    if not isinstance(header, dict):
+        raise ValueError("record meta is not a map")
+    if nbytes:
+        header.update(nbytes=nbytes, checksum=digest)
+    return header
+
+
+def scratch_place(header: dict) -> list[memoryview]:
+    """A `place` for callers without a pool (tests, tools): a fresh buffer per chunk."""
+    return [memoryview(bytearray(header["nbytes"]))]
 
 
 @dataclass
 class Received:
-    """One message taken off a transport. `payload` is valid until `release()` (shm reuses the memory)."""
+    """One message taken off a transport. For a chunk, `views` are where its payload was written (None when
+    `place` declined it) and `verified` says the checksum over them matched."""
 
     header: dict
-    payload: memoryview | None
-    release: Callable[[], None]
+    views: list[memoryview] | None = None
+    verified: bool = False
 
     @property
-    def verified(self) -> bool:
-        return self.payload is not None and checksum(self.payload) == self.header.get("checksum")
+    def written(self) -> bool:
+        return self.views is not None
+
+    @property
+    def payload(self) -> bytes | None:
+        return None if self.views is None else b"".join(bytes(v) for v in self.views)
 
 
-def drain(sock, timeout_ms: int, read_one: Callable[[], Received]) -> list[Received]:
-    """Wait up to `timeout_ms` for the first message on a ZeroMQ socket, then take every one waiting.
-    `read_one` reads one message without blocking (raising `zmq.Again` when there is none)."""
-    out: list[Received] = []
-    if not sock.poll(timeout_ms):
-        return out
-    while True:
-        try:
-            out.append(read_one())
-        except zmq.Again:
-            return out
+def copy_into(views: list[memoryview], sources: list[memoryview]) -> int:
+    """Copy the concatenation of `sources` over the concatenation of `views` (equal lengths); returns the
+    xxh3-64 of the bytes written, read back from each destination piece right after it was written (while
+    it is in cache), i.e. `checksum(views)`."""
+    if sum(len(v) for v in views) != sum(len(s) for s in sources):
+        raise ValueError(f"placement holds {sum(len(v) for v in views)} bytes, the chunk has "
+                         f"{sum(len(s) for s in sources)}")
+    digest = xxhash.xxh3_64()
+    i = j = si = sj = 0  # view i at offset si, source j at offset sj
+    while i < len(views) and j < len(sources):
+        n = min(len(views[i]) - si, len(sources[j]) - sj, _STEP)
+        out = views[i][si:si + n]
+        out[:] = sources[j][sj:sj + n]
+        digest.update(out)
+        si, sj = si + n, sj + n
+        if si == len(views[i]):
+            i, si = i + 1, 0
+        if sj == len(sources[j]):
+            j, sj = j + 1, 0
+    return digest.intdigest()
 
 
 class KVSender(Protocol):
-    def send_chunk(self, dest: str, header: dict, nbytes: int, fill: Callable[[memoryview], None]) -> None:
-        """Reserve `nbytes` of outgoing payload, let `fill` write it, checksum it and send it to `dest`.
+    max_chunk_bytes: int
 
-        Raises `TransferError` when it cannot be sent before the sender's deadline (a full ring, a dead peer).
-        """
+    def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
+        """Send a chunk whose payload is the concatenation of `pieces` (views into the KV pool): checksum
+        it and hand it to the transport. Raises `TransferError` when it cannot be sent before the sender's
+        deadline (a full ring, a dead peer). True when the receiver reads the pieces in place later: their
+        memory must then stay unchanged until `consumed(dest, position(dest))` (or the caller's lease)."""
+        ...
+
+    def position(self, dest: str) -> int:
+        """A mark just past everything sent to `dest` so far."""
+        ...
+
+    def consumed(self, dest: str, mark: int) -> bool:
+        """Whether `dest` has taken everything up to `mark`."""
         ...
 
     def send_control(self, dest: str, header: dict) -> None: ...
@@ -90,7 +152,10 @@ class KVSender(Protocol):
 class KVReceiver(Protocol):
     address: str  # what a sender passes as `dest`
 
-    def poll(self, timeout_ms: int = 0) -> list[Received]: ...
+    def poll(self, timeout_ms: int = 0, place: Place = scratch_place) -> list[Received]:
+        """Messages that arrived (waiting up to `timeout_ms` for the first), chunks already written where
+        `place` said and verified."""
+        ...
 
     def close(self) -> None: ...
 
@@ -112,11 +177,18 @@ class FaultInjector:
         self.every = every
         self.count = 0
 
-    def maybe_corrupt(self, payload: memoryview) -> bool:
-        if self.every <= 0 or len(payload) == 0:
+    def hit(self) -> bool:
+        """Whether the chunk being sent now is one to corrupt."""
+        if self.every <= 0:
             return False
         self.count += 1
-        if self.count % self.every:
-            return False
-        payload[0] = payload[0] ^ 0xFF
-        return True
+        return self.count % self.every == 0
+
+    def maybe_corrupt(self, pieces: list[memoryview]) -> list[memoryview]:
+        """The pieces to put on the wire: every N-th chunk's first byte flipped, in a copy (the sender's
+        pool is never touched)."""
+        if not pieces or len(pieces[0]) == 0 or not self.hit():
+            return pieces
+        bad = bytearray(pieces[0])
+        bad[0] ^= 0xFF
+        return [memoryview(bad), *pieces[1:]]

@@ -60,15 +60,26 @@ class InboundTransfers:
     def get(self, xfer: str) -> Inbound | None:
         return self._live.get(xfer)
 
+    def target(self, header: dict) -> Inbound | None:
+        """The live transfer whose expected blocks this chunk names, or None: where it may be written."""
+        inbound = self._live.get(header.get("xfer"))
+        return inbound if inbound is not None and self._in_range(inbound, header) else None
+
+    def _in_range(self, inbound: Inbound, header: dict) -> bool:
+        layer, first, count = header.get("layer", -1), header.get("first", -1), header.get("count", 0)
+        return (isinstance(layer, int) and isinstance(first, int) and isinstance(count, int)
+                and 0 <= layer < self.num_layers and count > 0 and first >= inbound.first_block
+                and first + count <= inbound.first_block + inbound.num_blocks)
+
     def accept_chunk(self, header: dict, verified: bool) -> Inbound | None:
-        """The live transfer this chunk may be written into, or None (dropped; a bad one fails its transfer)."""
+        """Book a chunk that arrived: its live transfer if it counts, or None (dropped; a bad one — checksum
+        mismatch or blocks the transfer does not expect — fails its transfer)."""
         inbound = self._live.get(header.get("xfer"))
         if inbound is None:
             self.num_late_chunks += 1
             return None
         layer, first, count = header.get("layer", -1), header.get("first", -1), header.get("count", 0)
-        in_range = (0 <= layer < self.num_layers and count > 0 and first >= inbound.first_block
-                    and first + count <= inbound.first_block + inbound.num_blocks)
+        in_range = self._in_range(inbound, header)
         if not verified:
             self._end(inbound, TransferState.FAILED_CHECKSUM)
             return None
@@ -81,6 +92,14 @@ class InboundTransfers:
         inbound.num_bytes += header.get("nbytes", 0)
         inbound.deadline_s = time.monotonic() + inbound.timeout_s
         return inbound
+
+    def reject(self, header: dict) -> None:
+        """A chunk that could not be placed: late (dropped, counted) or malformed (fails its transfer)."""
+        inbound = self._live.get(header.get("xfer"))
+        if inbound is None:
+            self.num_late_chunks += 1
+        else:
+            self._end(inbound, TransferState.FAILED_PEER)
 
     def on_done(self, header: dict) -> None:
         inbound = self._live.get(header.get("xfer"))

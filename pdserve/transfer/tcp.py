@@ -1,106 +1,235 @@
-"""`tcp` transport: ZeroMQ PUSH/PULL over TCP, header and payload as one two-frame message. Works across hosts.
+"""`tcp` transport: records over a plain TCP stream per (sender, receiver) pair. Works across hosts.
 
-ZeroMQ's I/O thread does the socket writes, so a prefill worker's compute goes on while a layer's KV is on
-the wire. A receiver that stops reading makes the sender's queue fill; a send then waits at most
-`timeout_s` and raises `TransferError` instead of hanging.
+Framing: `<II` (meta length, payload length), msgpack meta, payload, and for a payload a `<Q` trailer with
+its xxh3-64. The sender sends prefix, meta and payload with one `sendmsg` straight from its KV pool's views
+(the kernel's copy is the only one), then checksums those views while they are still in cache and sends the
+trailer. The receiver reads prefix and meta, asks its caller where the payload goes, `recvmsg_into`s the
+reserved KV blocks directly and verifies the trailer's checksum over them. A payload nobody wants (a
+transfer that ended) is read into scratch and dropped.
+
+Why not ZeroMQ here (the control plane is ZeroMQ): a ZeroMQ message lands in a buffer ZeroMQ allocates, so
+every chunk would be copied once more into the pool, and the sender needs a staging copy that outlives the
+call. A send blocks at most `timeout_s` (a receiver that stops reading fills the socket buffers), then
+raises `TransferError`; so does a refused or reset connection.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+import selectors
+import socket
+import struct
+import time
 
-import msgpack
-import zmq
+from pdserve.transfer.base import (FaultInjector, Place, Received, TransferError, checksum, decode_record,
+                                   encode_meta, scratch_place)
 
-from pdserve.transfer.base import FaultInjector, Received, TransferError, checksum, drain
+PREFIX = struct.Struct("<II")
+TRAILER = struct.Struct("<Q")
+
+_MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1,024)
+_SOCK_BUF = 8 << 20
+_MAX_META = 1 << 20
 
 
-def _noop() -> None:
-    pass
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 class TcpSender:
-    def __init__(self, timeout_s: float = 10.0, ctx: zmq.Context | None = None,
-                 faults: FaultInjector | None = None) -> None:
-        self._ctx = ctx or zmq.Context.instance()
-        self._timeout_ms = int(timeout_s * 1000)
-        self._sockets: dict[str, zmq.Socket] = {}
+    def __init__(self, timeout_s: float = 10.0, faults: FaultInjector | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._sockets: dict[str, socket.socket] = {}
         self.faults = faults or FaultInjector()
         self.bytes_sent = 0
-        self.max_chunk_bytes = 4 << 20  # callers split larger payloads, so chunks pipeline on the wire
-        # Payload buffers are reused once ZeroMQ is done with them (fresh multi-MB buffers cost page faults).
-        self._free: list[bytearray] = []
-        self._in_flight: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
+        self.max_chunk_bytes = 8 << 20  # callers split larger payloads, so chunks pipeline on the wire
 
-    def _buffer(self, nbytes: int) -> bytearray:
-        while self._in_flight and self._in_flight[0][1].done:
-            self._free.append(self._in_flight.popleft()[0])
-        for i, buf in enumerate(self._free):
-            if len(buf) >= nbytes:
-                return self._free.pop(i)
-        if len(self._free) > 8:
-            self._free.pop(0)
-        return bytearray(nbytes)
-
-    def _socket(self, dest: str) -> zmq.Socket:
+    def _socket(self, dest: str, deadline: float) -> socket.socket:
         sock = self._sockets.get(dest)
         if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 256)
-            sock.connect(dest)
+            try:
+                sock = socket.create_connection(parse_address(dest), timeout=max(deadline - time.monotonic(), 0.01))
+            except (OSError, ValueError) as e:
+                raise TransferError(f"tcp connect to {dest} failed: {e}") from e
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             self._sockets[dest] = sock
         return sock
 
-    def send_chunk(self, dest: str, header: dict, nbytes: int, fill: Callable[[memoryview], None]) -> None:
-        buf = self._buffer(nbytes)
-        view = memoryview(buf)[:nbytes]
-        fill(view)
-        header = dict(header, nbytes=nbytes, checksum=checksum(view))
-        self.faults.maybe_corrupt(view)
-        sock = self._socket(dest)
-        try:
-            sock.send(msgpack.packb(header), zmq.SNDMORE)
-            tracker = sock.send(view, copy=False, track=True)
-        except zmq.Again as e:
-            raise TransferError(f"tcp send to {dest} timed out ({self._timeout_ms} ms)") from e
-        self._in_flight.append((buf, tracker))
+    def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
+        nbytes = sum(len(p) for p in pieces)
+        self._send(dest, header, pieces, nbytes)
         self.bytes_sent += nbytes
+        return False  # the kernel has its copy: the pieces may change now
+
+    def position(self, dest: str) -> int:
+        return 0
+
+    def consumed(self, dest: str, mark: int) -> bool:
+        return True
 
     def send_control(self, dest: str, header: dict) -> None:
-        self._send([msgpack.packb(header)], dest)
+        self._send(dest, header, [], 0)
 
-    def _send(self, frames: list, dest: str) -> None:
+    def _send(self, dest: str, header: dict, pieces: list, nbytes: int) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        meta = encode_meta(header)
+        sock = self._socket(dest, deadline)
         try:
-            self._socket(dest).send_multipart(frames)
-        except zmq.Again as e:
-            raise TransferError(f"tcp send to {dest} timed out ({self._timeout_ms} ms)") from e
+            _send_all(sock, [PREFIX.pack(len(meta), nbytes) + meta, *self.faults.maybe_corrupt(pieces)], deadline)
+            if nbytes:
+                _send_all(sock, [TRAILER.pack(checksum(pieces))], deadline)
+        except OSError as e:  # timeout, reset, broken pipe: this connection is done
+            self._sockets.pop(dest, None)
+            sock.close()
+            raise TransferError(f"tcp send to {dest} failed: {e or 'timed out'}") from e
 
     def close(self) -> None:
         for sock in self._sockets.values():
-            sock.close(linger=0)
+            sock.close()
         self._sockets.clear()
 
 
+def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
+    bufs = [memoryview(b).cast("B") for b in buffers]
+    while bufs:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("send deadline passed")
+        sock.settimeout(remaining)
+        sent = sock.sendmsg(bufs[:_MAX_IOV])
+        while bufs and sent >= len(bufs[0]):
+            sent -= len(bufs[0])
+            bufs.pop(0)
+        if sent:
+            bufs[0] = bufs[0][sent:]
+
+
+class _Stream:
+    """One accepted connection: a record parser that writes payloads where `place` says."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.head = bytearray(PREFIX.size)  # the prefix, then the meta
+        self.filled = 0
+        self.header: dict | None = None
+        self.views: list[memoryview] | None = None  # the rest of the payload's destination
+        self.placed: list[memoryview] | None = None  # all of it (None: dropping it)
+        self.left = 0  # payload bytes still to read
+        self.tail = bytearray(TRAILER.size)  # the payload's checksum
+        self.tail_filled = 0
+        self.scratch = memoryview(bytearray(1 << 20))
+
+    def read(self, place: Place) -> list[Received]:
+        """Every record complete so far; raises EOFError when the peer closed."""
+        out: list[Received] = []
+        try:
+            while True:
+                if self.header is None:
+                    self._read_head(place)
+                if self.header is not None:
+                    self._read_payload()
+                    if self.header.get("nbytes"):
+                        self._read_trailer()
+                    out.append(self._finish())
+        except BlockingIOError:
+            return out
+
+    def _recv_into(self, view: memoryview) -> int:
+        n = self.sock.recv_into(view)
+        if n == 0:
+            raise EOFError
+        return n
+
+    def _read_head(self, place: Place) -> None:
+        while self.filled < len(self.head):
+            self.filled += self._recv_into(memoryview(self.head)[self.filled:])
+        meta_len, nbytes = PREFIX.unpack_from(self.head)
+        if meta_len > _MAX_META:
+            raise ValueError(f"record meta of {meta_len} bytes")
+        if len(self.head) == PREFIX.size and meta_len:
+            self.head += bytes(meta_len)  # now read the meta
+            return self._read_head(place)
+        self.header = decode_record(bytes(self.head[PREFIX.size:]), nbytes, 0)
+        self.left = nbytes
+        self.placed = place(self.header) if nbytes else None
+        self.views = list(self.placed) if self.placed is not None else None
+        if self.placed is not None and sum(len(v) for v in self.placed) != nbytes:
+            raise ValueError(f"placement holds {sum(len(v) for v in self.placed)} bytes, the chunk has {nbytes}")
+
+    def _read_payload(self) -> None:
+        while self.left:
+            if self.views is None:
+                self.left -= self._recv_into(self.scratch[:min(self.left, len(self.scratch))])
+                continue
+            n = self.sock.recvmsg_into(self.views[:_MAX_IOV])[0]
+            if n == 0:
+                raise EOFError
+            self.left -= n
+            while self.views and n >= len(self.views[0]):
+                n -= len(self.views[0])
+                self.views.pop(0)
+            if n:
+                self.views[0] = self.views[0][n:]
+
+    def _read_trailer(self) -> None:
+        while self.tail_filled < TRAILER.size:
+            self.tail_filled += self._recv_into(memoryview(self.tail)[self.tail_filled:])
+        self.header["checksum"] = TRAILER.unpack(self.tail)[0]
+
+    def _finish(self) -> Received:
+        header, placed = self.header, self.placed
+        self.head, self.filled, self.header, self.views, self.placed = bytearray(PREFIX.size), 0, None, None, None
+        self.tail_filled = 0
+        if placed is None:
+            return Received(header)
+        return Received(header, placed, checksum(placed) == header["checksum"])
+
+
 class TcpReceiver:
-    def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None) -> None:
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
-        self.socket = self._sock  # for a caller's zmq.Poller
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._listener = socket.create_server((host, 0))
+        self._listener.setblocking(False)
+        self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._streams: dict[socket.socket, _Stream] = {}
+        self.num_bad_records = 0
 
-    def poll(self, timeout_ms: int = 0) -> list[Received]:
-        return drain(self._sock, timeout_ms, self._read_one)
+    def poll(self, timeout_ms: int = 0, place: Place = scratch_place) -> list[Received]:
+        out: list[Received] = []
+        for key, _ in self._selector.select(timeout_ms / 1000):
+            if key.fileobj is self._listener:
+                self._accept()
+        for stream in list(self._streams.values()):  # read every connection until it would block
+            try:
+                out += stream.read(place)
+            except EOFError:
+                self._drop(stream)
+            except (OSError, ValueError) as e:  # a broken stream: nothing more from it is trusted
+                self.num_bad_records += 1
+                out.append(Received({"kind": "bad", "reason": str(e)}))
+                self._drop(stream)
+        return out
 
-    def _read_one(self) -> Received:
-        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        payload = frames[1].buffer if len(frames) > 1 else None
-        return Received(msgpack.unpackb(frames[0].bytes), payload, _noop)
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+            self._streams[sock] = _Stream(sock)
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _drop(self, stream: _Stream) -> None:
+        self._streams.pop(stream.sock, None)
+        self._selector.unregister(stream.sock)
+        stream.sock.close()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        for stream in list(self._streams.values()):
+            self._drop(stream)
+        self._selector.close()
+        self._listener.close()
