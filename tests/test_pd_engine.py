@@ -122,7 +122,8 @@ def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport, 
     assert pair.decode.stats.bytes_received > 0
     if transport == "shm":
         sender = pair.prefill.sender
-        assert (sender.chunks_by_reference > 0) is by_reference and (sender.chunks_copied > 0) is not by_reference
+        # by reference: every full block; partly filled blocks always go as a copy of their bytes
+        assert (sender.chunks_by_reference > 0) is by_reference and sender.chunks_copied > 0
     pair.assert_no_leak()
 
 
@@ -258,4 +259,30 @@ def test_layers_split_into_bounded_chunks(tiny_llama_dir, pair_factory, transpor
     assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
     layers = len(pair.p_engine.executor.kv_pool.layers)
     assert pair.decode.stats.chunks_received > layers * len(prompts) * 2  # many chunks per layer
+    pair.assert_no_leak()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_late_receiver_still_gets_the_kv_the_sender_sent(tiny_llama_dir, pair_factory, transport):
+    """Chunked prefill with blocks left partly filled between steps, and a receiver that reads only after
+    the whole prompt was computed: every chunk must still verify (a block sent while partly filled must not
+    be read later from the pool, where the next step has written more tokens into it)."""
+    prompt = _prompts(3)[2]  # 31 tokens
+    pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=6))  # 6-token steps, 4-token blocks
+    pair.decode.reserve("a", prompt, GREEDY, "a#0")
+    (res, first), = pair.decode.try_reserve()
+    pair.prefill.add("a", prompt, GREEDY, pair.decode.receiver.address, "a#0", first)
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True)
+    for _ in range(20):
+        pair.decode.receive(timeout_ms=20)
+    assert [o for _, o in pair.decode.settle()] == ["delivered"]
+    assert not pair.decode.stats.failures
+    outs = {}
+    while pair.d_engine.has_unfinished():
+        for o in pair.d_engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    assert [outs["a"]] == _reference(tiny_llama_dir, [prompt])
     pair.assert_no_leak()

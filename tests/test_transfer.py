@@ -229,3 +229,51 @@ def test_block_pieces_are_the_wire_payload_in_place(ids):
         off += len(piece)
     assert torch.equal(dst[:, :, ids], src[:, :, ids])
     assert not dst[:, :, [b for b in range(32) if b not in ids]].any()
+
+
+def test_tcp_payload_split_across_polls_asks_again_where_the_rest_goes():
+    """A payload that arrives in parts: before writing the rest, the receiver asks `place` again; once its
+    transfer has ended (None), the rest is dropped and nothing more is written into the old blocks."""
+    import xxhash
+
+    from pdserve.transfer.base import encode_meta
+    from pdserve.transfer.tcp import PREFIX, TRAILER, parse_address
+    receiver = make_receiver("tcp")
+    raw = socket.create_connection(parse_address(receiver.address))
+
+    def frame(i: int, payload: bytes) -> tuple[bytes, int]:
+        meta = encode_meta({"kind": "chunk", "i": i})
+        head = PREFIX.pack(len(meta), len(payload)) + meta
+        return head + payload + TRAILER.pack(xxhash.xxh3_64_intdigest(payload)), len(head)
+
+    def poll_until(n, got):
+        for _ in range(50):
+            got += receiver.poll(20, place)
+            if len(got) >= n:
+                return got
+        return got
+
+    pool = bytearray(40_000)
+    live = {0: True, 1: True}
+
+    def place(header):
+        i = header["i"]
+        return [memoryview(pool)[20_000 * i:20_000 * i + 7_000], memoryview(pool)[20_000 * i + 7_000:20_000 * (i + 1)]] \
+            if live[i] else None
+
+    try:
+        first, _ = frame(0, os.urandom(20_000))
+        second, head = frame(1, b"\x07" * 20_000)
+        raw.sendall(first[:-10_000])  # record 0 in two parts: still lands whole and verifies
+        assert poll_until(1, []) == []
+        raw.sendall(first[-10_000:] + second[:head + 3_000])  # record 1's head and 3,000 payload bytes
+        got = poll_until(1, [])
+        assert len(got) == 1 and got[0].verified and bytes(pool[:20_000]) == first[len(first) - 20_008:-8]
+        live[1] = False  # record 1's transfer ends while the rest of its payload is on the wire
+        raw.sendall(second[head + 3_000:])
+        got = poll_until(2, got)
+        assert len(got) == 2 and not got[1].written
+        assert pool[20_000:23_000] == b"\x07" * 3_000 and pool[23_000:] == bytes(17_000)
+    finally:
+        raw.close()
+        receiver.close()

@@ -77,13 +77,17 @@ class PrefillSide:
             if out is None or out.failed:
                 continue
             end = chunk.start_pos + chunk.num_tokens
-            first, stop = out.next_block, -(-end // self.block_size)
-            if first < stop:
-                self._push(out, layer, first, list(chunk.block_ids[first:stop]))
-            if last:  # a block only partly filled now is sent again, complete, with the next chunk
+            first, full = out.next_block, end // self.block_size
+            if first < full:
+                self._push(out, layer, first, list(chunk.block_ids[first:full]))
+            if end % self.block_size and first <= full:
+                # A block only partly filled now: its bytes as they are now (a copy: the next step writes
+                # more tokens into it), sent again, complete, with the next chunk.
+                self._push(out, layer, full, [chunk.block_ids[full]], snapshot=True)
+            if last:
                 out.next_block = max(out.next_block, end // self.block_size)
 
-    def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int]) -> None:
+    def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], snapshot: bool = False) -> None:
         tensor = self.layers[layer]
         # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt.
         per_chunk = max(1, getattr(self.sender, "max_chunk_bytes", 1 << 62) // chunk_nbytes(tensor, 1))
@@ -92,7 +96,10 @@ class PrefillSide:
             header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
             nbytes = chunk_nbytes(tensor, len(ids))
             try:
-                by_reference = self.sender.send_chunk(out.dest, header, _pieces(tensor, ids))
+                pieces = _pieces(tensor, ids)
+                if snapshot:
+                    pieces = [memoryview(bytes(p)) for p in pieces]
+                by_reference = self.sender.send_chunk(out.dest, header, pieces)
             except TransferError as e:
                 out.failed = str(e)
                 self.failures["send_timeout"] += 1

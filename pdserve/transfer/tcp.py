@@ -123,6 +123,8 @@ class _Stream:
     def read(self, place: Place) -> list[Received]:
         """Every record complete so far; raises EOFError when the peer closed."""
         out: list[Received] = []
+        if self.placed is not None:
+            self._replace(place)
         try:
             while True:
                 if self.header is None:
@@ -156,6 +158,21 @@ class _Stream:
         self.views = list(self.placed) if self.placed is not None else None
         if self.placed is not None and sum(len(v) for v in self.placed) != nbytes:
             raise ValueError(f"placement holds {sum(len(v) for v in self.placed)} bytes, the chunk has {nbytes}")
+
+    def _replace(self, place: Place) -> None:
+        """A payload that arrived only in part at the last poll: ask again where it goes before writing the
+        rest (its transfer may have ended since, and its blocks gone to another request)."""
+        fresh = place(self.header)
+        if fresh is None or sum(len(v) for v in fresh) != self.header["nbytes"]:
+            self.placed = self.views = None  # the rest is read into scratch and dropped
+            return
+        self.placed, self.views, done = fresh, [], self.header["nbytes"] - self.left
+        for view in fresh:
+            if done >= len(view):
+                done -= len(view)
+                continue
+            self.views.append(view[done:])
+            done = 0
 
     def _read_payload(self) -> None:
         while self.left:
