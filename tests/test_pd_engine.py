@@ -85,6 +85,23 @@ class Pair:
                 return [outs[r] for r in rids]
         raise AssertionError(f"not finished: {len(outs)}/{len(rids)}")
 
+    def prefill_one(self, rid, prompt, params=GREEDY):
+        """Reserve on the decode side and run the whole prefill, without letting the decode side read."""
+        self.decode.reserve(rid, prompt, params, f"{rid}#0")
+        (res, first), = self.decode.try_reserve()
+        self.prefill.add(rid, prompt, params, self.decode.receiver.address, f"{rid}#0", first)
+        while self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
+            for o in self.p_engine.step():
+                self.prefill.finish(o.request_id, prefilled=True)
+
+    def decode_all(self):
+        outs = {}
+        while self.d_engine.has_unfinished():
+            for o in self.d_engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.token_ids
+        return outs
+
     def assert_no_leak(self):
         self.decode.receive(timeout_ms=1)  # takes any last record, so the sender may release its blocks
         self.prefill.release_lent()
@@ -132,12 +149,7 @@ def test_blocks_read_in_place_are_held_until_the_receiver_took_them(tiny_llama_d
     decode worker has read the records; a receiver that never reads is outlived by the lease."""
     prompt = _prompts(1)[0]
     pair = pair_factory("shm")
-    pair.decode.reserve("a", prompt, GREEDY, "a#0")
-    (res, first), = pair.decode.try_reserve()
-    pair.prefill.add("a", prompt, GREEDY, pair.decode.receiver.address, "a#0", first)
-    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
-        for o in pair.p_engine.step():
-            pair.prefill.finish(o.request_id, prefilled=True)
+    pair.prefill_one("a", prompt)
     held = pair.p_engine.block_manager.num_used_blocks
     assert held > 0 and pair.prefill.release_lent() == 0  # the request is done, its blocks are not
     assert pair.p_engine.block_manager.num_used_blocks == held
@@ -147,12 +159,7 @@ def test_blocks_read_in_place_are_held_until_the_receiver_took_them(tiny_llama_d
 
     # A receiver that never reads: the lease frees the blocks.
     pair.d_engine.abort(["a"])
-    pair.decode.reserve("b", prompt[::-1], GREEDY, "b#0")
-    (res, first), = pair.decode.try_reserve()
-    pair.prefill.add("b", prompt[::-1], GREEDY, pair.decode.receiver.address, "b#0", first)
-    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
-        for o in pair.p_engine.step():
-            pair.prefill.finish(o.request_id, prefilled=True)
+    pair.prefill_one("b", prompt[::-1])
     assert pair.prefill.release_lent() == 0
     assert pair.prefill.release_lent(now=pair.prefill.lent[0].deadline_s + 1) == 1
     assert pair.p_engine.block_manager.num_used_blocks == 0
@@ -163,23 +170,14 @@ def test_blocks_reused_before_the_receiver_read_them_are_rejected(tiny_llama_dir
     reused), the copy fails its checksum: the transfer is recomputed, the wrong KV never consumed."""
     prompts = _prompts(1)
     pair = pair_factory("shm")
-    pair.decode.reserve("r0", prompts[0], GREEDY, "r0#0")
-    (res, first), = pair.decode.try_reserve()
-    pair.prefill.add("r0", prompts[0], GREEDY, pair.decode.receiver.address, "r0#0", first)
-    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
-        for o in pair.p_engine.step():
-            pair.prefill.finish(o.request_id, prefilled=True)
+    pair.prefill_one("r0", prompts[0])
     pair.prefill.release_lent(now=float("inf"))
     for layer in pair.p_engine.executor.kv_pool.layers:
         layer.add_(1.0)  # the blocks now hold something else
     pair.decode.receive(timeout_ms=50)
     assert [o for _, o in pair.decode.settle()] == ["recompute"]
     assert pair.decode.stats.failures["failed_checksum"] == 1
-    outs = {}
-    while pair.d_engine.has_unfinished():
-        for o in pair.d_engine.step():
-            if o.finished:
-                outs[o.request_id] = o.token_ids
+    outs = pair.decode_all()
     assert [outs["r0"]] == _reference(tiny_llama_dir, prompts)
     pair.assert_no_leak()
 
@@ -269,20 +267,11 @@ def test_a_late_receiver_still_gets_the_kv_the_sender_sent(tiny_llama_dir, pair_
     be read later from the pool, where the next step has written more tokens into it)."""
     prompt = _prompts(3)[2]  # 31 tokens
     pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=6))  # 6-token steps, 4-token blocks
-    pair.decode.reserve("a", prompt, GREEDY, "a#0")
-    (res, first), = pair.decode.try_reserve()
-    pair.prefill.add("a", prompt, GREEDY, pair.decode.receiver.address, "a#0", first)
-    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
-        for o in pair.p_engine.step():
-            pair.prefill.finish(o.request_id, prefilled=True)
+    pair.prefill_one("a", prompt)
     for _ in range(20):
         pair.decode.receive(timeout_ms=20)
     assert [o for _, o in pair.decode.settle()] == ["delivered"]
     assert not pair.decode.stats.failures
-    outs = {}
-    while pair.d_engine.has_unfinished():
-        for o in pair.d_engine.step():
-            if o.finished:
-                outs[o.request_id] = o.token_ids
+    outs = pair.decode_all()
     assert [outs["a"]] == _reference(tiny_llama_dir, [prompt])
     pair.assert_no_leak()
