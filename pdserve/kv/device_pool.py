@@ -47,7 +47,9 @@ class DeviceKVPool:
         per_layer = -(-count * torch.empty((), dtype=dtype).element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
         fd = os.memfd_create("pdserve-kv")
         os.ftruncate(fd, per_layer * num_layers)
-        self.shared_buffer = mmap.mmap(fd, per_layer * num_layers)
+        # Populated up front (the pool is resident from the start, as GPU pools are): pages first touched
+        # while serving would fault in this process and in every reader mapping them, on the hot path.
+        self.shared_buffer = mmap.mmap(fd, per_layer * num_layers, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.handle = f"/proc/{os.getpid()}/fd/{fd}"  # the fd stays open: it is how readers find the pool
         return [torch.frombuffer(self.shared_buffer, dtype=dtype, count=count, offset=i * per_layer).view(shape)
                 for i in range(num_layers)]

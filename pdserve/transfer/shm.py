@@ -288,8 +288,8 @@ class _Sources:
                 fd = os.open(handle, os.O_RDONLY)
             except OSError:  # the sender is gone
                 return None
-            try:
-                m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            try:  # mapped whole at once: no page faults later, on the hot path
+                m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             entry = self._maps[handle] = (m, memoryview(m))
