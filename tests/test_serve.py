@@ -89,6 +89,10 @@ def test_models_and_health(pd_server):
 def test_completions_and_chat_equal_single_engine(pd_server, reference):
     check_completions_and_chat(pd_server, reference)
     assert pd_server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") >= 4
+    deadline = time.monotonic() + 5  # worker stats arrive every second or so
+    while pd_server.metric("pdserve_kv_chunks_sent_total", mode="in_place") == 0 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert pd_server.metric("pdserve_kv_chunks_sent_total", mode="in_place") > 0  # shm: read in place
 
 
 def test_streaming_equals_non_streaming(pd_server, reference):

@@ -183,7 +183,8 @@ class Worker:
                "kernel_fallbacks": kernels.fallback_count()}
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
-                       kv_transfers_lent=len(self.prefill.lent))
+                       kv_transfers_lent=len(self.prefill.lent),
+                       kv_chunks_in_place=self.prefill.chunks_in_place, kv_chunks_payload=self.prefill.chunks_payload)
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -61,6 +61,8 @@ class PrefillSide:
         self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
         self.bytes_sent = 0
+        self.chunks_in_place = 0  # read by the receiver from this worker's shared pool
+        self.chunks_payload = 0  # their bytes carried by the transport
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
@@ -104,6 +106,8 @@ class PrefillSide:
                 out.failed = str(e)
                 self.failures["send_timeout"] += 1
                 return
+            self.chunks_in_place += by_reference
+            self.chunks_payload += not by_reference
             if by_reference:
                 new = [b for b in ids if b not in out.held]
                 self.engine.block_manager.hold(out.holder, new)

@@ -34,6 +34,11 @@ class Metrics:
                                          ["worker"], registry=r)
         self.kv_transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV deliveries",
                                             ["reason", "outcome"], registry=r)
+        self.kv_chunks = Counter("pdserve_kv_chunks_sent", "KV chunks a prefill worker sent: in_place = the decode "
+                                 "worker copied them from its shared pool; payload = the bytes travelled",
+                                 ["worker", "mode"], registry=r)
+        self.kv_lent = Gauge("pdserve_kv_transfers_lent", "Transfers whose blocks a prefill worker still holds "
+                             "for a reader", ["worker"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens served", registry=r)
@@ -68,6 +73,10 @@ class Metrics:
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.preemptions, (w, "preempt"), s["preemptions"], worker=w)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
+        if "kv_transfers_lent" in s:  # a prefill worker
+            self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
+            for mode in ("in_place", "payload"):
+                self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
 
