@@ -70,13 +70,17 @@ class Pair:
                                      self.decode.receiver.address, res.xfer, first)
             if self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
                 for o in self.p_engine.step():
-                    self.prefill.finish(o.request_id, prefilled=o.finish_reason == "prefilled")
+                    self.prefill.finish(o.request_id, prefilled=o.finish_reason == "prefilled",
+                                        first_token=o.token_ids[-1] if o.token_ids else None)
             for rid in self.prefill.failed_requests():
                 self.p_engine.abort([rid])
                 self.prefill.finish(rid, prefilled=False)
             self.decode.receive(timeout_ms=1)
             self.prefill.release_lent()
-            self.outcomes += [o for _, o in self.decode.settle()]
+            for _, outcome, req in self.decode.settle():
+                self.outcomes.append(outcome)
+                if req is not None and req.is_finished:  # ended by the prefill worker's first token
+                    outs[req.request_id] = req.output_token_ids
             if self.d_engine.scheduler.num_running + self.d_engine.scheduler.num_waiting:
                 for o in self.d_engine.step():
                     if o.finished:
@@ -92,7 +96,7 @@ class Pair:
         self.prefill.add(rid, prompt, params, self.decode.receiver.address, f"{rid}#0", first)
         while self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
             for o in self.p_engine.step():
-                self.prefill.finish(o.request_id, prefilled=True)
+                self.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
 
     def decode_all(self):
         outs = {}
@@ -155,7 +159,7 @@ def test_blocks_read_in_place_are_held_until_the_receiver_took_them(tiny_llama_d
     assert pair.p_engine.block_manager.num_used_blocks == held
     pair.decode.receive(timeout_ms=50)
     assert pair.prefill.release_lent() == 1 and pair.p_engine.block_manager.num_used_blocks == 0
-    assert [o for _, o in pair.decode.settle()] == ["delivered"]
+    assert [o for _, o, _ in pair.decode.settle()] == ["delivered"]
 
     # A receiver that never reads: the lease frees the blocks.
     pair.d_engine.abort(["a"])
@@ -175,7 +179,7 @@ def test_blocks_reused_before_the_receiver_read_them_are_rejected(tiny_llama_dir
     for layer in pair.p_engine.executor.kv_pool.layers:
         layer.add_(1.0)  # the blocks now hold something else
     pair.decode.receive(timeout_ms=50)
-    assert [o for _, o in pair.decode.settle()] == ["recompute"]
+    assert [o for _, o, _ in pair.decode.settle()] == ["recompute"]
     assert pair.decode.stats.failures["failed_checksum"] == 1
     outs = pair.decode_all()
     assert [outs["r0"]] == _reference(tiny_llama_dir, prompts)
@@ -236,7 +240,7 @@ def test_abort_while_waiting_for_kv_frees_blocks_and_drops_late_chunks(tiny_llam
     pair.decode.abort("a")
     while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
         for o in pair.p_engine.step():
-            pair.prefill.finish(o.request_id, prefilled=True)
+            pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
     pair.decode.receive(timeout_ms=50)
     assert pair.decode.settle() == []
     assert pair.decode.inbound.num_late_chunks > 0
@@ -270,8 +274,34 @@ def test_a_late_receiver_still_gets_the_kv_the_sender_sent(tiny_llama_dir, pair_
     pair.prefill_one("a", prompt)
     for _ in range(20):
         pair.decode.receive(timeout_ms=20)
-    assert [o for _, o in pair.decode.settle()] == ["delivered"]
+    assert [o for _, o, _ in pair.decode.settle()] == ["delivered"]
     assert not pair.decode.stats.failures
     outs = pair.decode_all()
     assert [outs["a"]] == _reference(tiny_llama_dir, [prompt])
+    pair.assert_no_leak()
+
+
+def test_first_token_comes_from_the_prefill_worker(tiny_llama_dir, pair_factory):
+    """The prefill worker samples the first token and sends it with `done`: a request that needs one token
+    (or whose first token is a stop token) ends on delivery, with no step on the decode worker."""
+    prompts = _prompts(2)
+    ref = _reference(tiny_llama_dir, prompts)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    pair = pair_factory("shm")
+    steps = []
+    pair.d_engine.step = (lambda step: lambda: steps.append(1) or step())(pair.d_engine.step)
+    assert pair.run(prompts, one) == [r[:1] for r in ref]
+    assert pair.outcomes == ["delivered", "delivered"] and not steps
+    stop_first = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ref[0][0]])
+    assert pair.run(prompts[:1], stop_first) == [ref[0][:1]]
+    pair.assert_no_leak()
+
+
+def test_done_without_a_valid_first_token_is_recomputed(tiny_llama_dir, pair_factory):
+    prompts = _prompts(1)
+    pair = pair_factory("tcp")
+    finish = pair.prefill.finish
+    pair.prefill.finish = lambda rid, prefilled, first_token=None: finish(rid, prefilled, first_token=10 ** 9)
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    assert pair.outcomes == ["recompute"] and pair.decode.stats.failures["failed_incomplete"] == 1
     pair.assert_no_leak()

@@ -97,7 +97,9 @@ def test_fast_forward_equals_stepping(mode, blocks):
         runs.append(simulate(wl, spec, MODEL, GPU, tm))
     step, ff = runs
     assert _records(step) == _records(ff)
-    assert vars(step.life) == vars(ff.life)
+    # consumption errors are recorded when a fast-forward run closes, so in another order: same values
+    assert {**vars(step.life), "errors_s": sorted(step.life.errors_s)} == \
+        {**vars(ff.life), "errors_s": sorted(ff.life.errors_s)}
     assert [e["steps"] for e in step.engines] == [e["steps"] for e in ff.engines]
     assert [e["device_kv"] for e in step.engines] == [e["device_kv"] for e in ff.engines]
     assert sum(e["fast_forward_steps"] for e in ff.engines) > 0.2 * sum(e["steps"] for e in ff.engines

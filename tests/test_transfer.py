@@ -153,15 +153,23 @@ def test_inbound_completes_only_with_every_block_of_every_layer():
     for layer in (0, 1):
         assert book.accept_chunk(_chunk("x", layer, 1, 2), True) is not None
     assert book.accept_chunk(_chunk("x", 0, 3, 1), True) is not None
-    book.on_done({"xfer": "x", "num_chunks": 3})  # layer 1 lacks block 3
+    book.on_done({"xfer": "x", "num_chunks": 3, "first_token": 5}, vocab_size=10)  # layer 1 lacks block 3
     (ended,) = book.take_ended()
     assert ended.state is TransferState.FAILED_INCOMPLETE
 
     book.expect("y", "r2", first_block=0, num_blocks=2, timeout_s=10)
     for layer in (0, 1):
         book.accept_chunk(_chunk("y", layer, 0, 2), True)
-    book.on_done({"xfer": "y", "num_chunks": 2})
-    assert book.take_ended()[0].state is TransferState.COMPLETED
+    book.on_done({"xfer": "y", "num_chunks": 2, "first_token": 5}, vocab_size=10)
+    (done,) = book.take_ended()
+    assert done.state is TransferState.COMPLETED and done.first_token == 5
+
+    for bad in (None, -1, 10, "5"):  # every block arrived, but no usable first token
+        book.expect("z", "r3", first_block=0, num_blocks=1, timeout_s=10)
+        for layer in (0, 1):
+            book.accept_chunk(_chunk("z", layer, 0, 1), True)
+        book.on_done({"xfer": "z", "num_chunks": 2, "first_token": bad}, vocab_size=10)
+        assert book.take_ended()[0].state is TransferState.FAILED_INCOMPLETE
 
 
 @pytest.mark.parametrize("header,verified,state", [

@@ -135,17 +135,24 @@ class Worker:
             self.emit({"type": "reserved", "rid": res.request.request_id, "xfer": res.xfer,
                        "first_block": first, "kv_addr": self.decode.receiver.address,
                        "needs_prefill": self.decode.inbound.get(res.xfer) is not None})
-        for inbound, outcome in self.decode.settle():
+        for inbound, outcome, req in self.decode.settle():
             self.emit({"type": "transfer", "rid": inbound.request_id, "xfer": inbound.xfer, "outcome": outcome,
                        "state": inbound.state.value, "bytes": inbound.num_bytes,
                        "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name})
+            if req is not None and inbound.first_token is not None:  # the prefill worker's first token
+                self.emit({"type": "tokens", "items": [{
+                    "rid": req.request_id, "i": 0, "t": inbound.first_token,
+                    "fin": req.status.finish_reason if req.is_finished else None,
+                    "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
+                    "prefill_s": None}]})
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def _report(self, outputs) -> None:
         items = []
         for out in outputs:
             if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
-                failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled")
+                failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled",
+                                             first_token=out.token_ids[-1] if out.token_ids else None)
                 self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed,
                            "queue_s": _diff(out.scheduled_s, out.arrival_s),
                            "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})

@@ -68,7 +68,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_s: float = field(default_factory=time.monotonic)
     priority: int = 0
-    prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample nothing
+    prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample the first token, stop
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first scheduling, for metrics

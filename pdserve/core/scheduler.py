@@ -7,10 +7,12 @@ grow, the lowest-priority running request is preempted: its blocks are freed (th
 until reused) and it waits to recompute prompt + outputs.
 
 Prefill/decode disaggregation uses the same class on both sides. A prefill worker's requests are
-`prefill_only`: they end as FINISHED_PREFILLED once their KV is computed, sampling nothing. A decode worker
-`reserve_kv`s blocks for a request whose KV another worker delivers (WAITING_FOR_KV, never scheduled), then
-`kv_delivered` makes it runnable with every prompt token but the last already computed; or
-`kv_failed` sends it to the waiting queue to recompute here.
+`prefill_only`: they end as FINISHED_PREFILLED once their prompt's KV is computed and the first token
+sampled (no stop checks there). A decode worker `reserve_kv`s blocks for a request whose KV another worker
+delivers (WAITING_FOR_KV, never scheduled), then `kv_delivered(first_token)` makes it a decoding request
+with the whole prompt computed and that token as its first output (or finished by it); without a first
+token (the prefill worker was not needed: every prompt token but the last was cached here) it computes the
+last prompt token itself. `kv_failed` sends it to the waiting queue to recompute here.
 """
 
 from __future__ import annotations
@@ -62,8 +64,7 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt must contain at least one token", param="prompt")
-        # A prefill-only request samples nothing, so its prompt may fill the context.
-        if request.num_prompt_tokens >= self.max_model_len + request.prefill_only:
+        if request.num_prompt_tokens >= self.max_model_len:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{request.num_prompt_tokens} tokens, which leaves no room for output.", param="prompt")
@@ -90,13 +91,23 @@ class Scheduler:
         self.stats.num_prefix_hit_tokens += prefix.num_tokens
         return prefix.num_tokens
 
-    def kv_delivered(self, request_id: str) -> None:
-        """The KV of every prompt token but the last is in the reserved blocks: schedule the rest."""
+    def kv_delivered(self, request_id: str, first_token: int | None = None) -> Request:
+        """The prompt's KV is in the reserved blocks. With `first_token` (sampled by the prefill worker) the
+        request decodes from there, or ends if that token stops it (check `is_finished`); without one, only
+        the last prompt token's KV is missing and is computed here, giving the first token."""
         req = self._reserved(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens - 1
+        req.num_computed_tokens = req.num_prompt_tokens - (first_token is None)
         self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
         req.status = RequestStatus.PREFILLING
         bisect.insort(self.running, req, key=self.policy.sort_key)
+        if first_token is not None:
+            req.status = RequestStatus.DECODING
+            req.prefilled_s = req.first_token_s = time.monotonic()
+            req.append_output_token(first_token)
+            status = self._stop_status(req)
+            if status is not None:
+                self._finish(req, status)
+        return req
 
     def kv_failed(self, request_id: str) -> None:
         """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""
@@ -160,13 +171,13 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 req.status = RequestStatus.DECODING
                 req.prefilled_s = req.prefilled_s or now
-                if req.prefill_only:
-                    self._finish(req, RequestStatus.FINISHED_PREFILLED)
-                    finished.append(req)
-                    continue
             if not chunk.sample:
                 continue
             req.append_output_token(result.sampled_token_ids[req.request_id])
+            if req.prefill_only:  # the first token goes with the KV; the decode worker checks stops
+                self._finish(req, RequestStatus.FINISHED_PREFILLED)
+                finished.append(req)
+                continue
             if req.first_token_s is None:
                 req.first_token_s = now
             status = self._stop_status(req)
@@ -222,7 +233,7 @@ class Scheduler:
         return ScheduledChunk(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids[start:start + n]), start_pos=start,
             block_ids=self.blocks.block_ids(req.request_id),
-            sample=start + n == req.num_tokens and not req.prefill_only,
+            sample=start + n == req.num_tokens,
             sampling_params=req.sampling_params)
 
     def _stop_status(self, req: Request) -> RequestStatus | None:

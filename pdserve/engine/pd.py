@@ -2,16 +2,18 @@
 
 Prefill side: a request arrives with the decode worker's transfer address and the block-table index from
 which that worker needs KV (blocks before it are in its prefix cache). It runs as a `prefill_only` request
-over every prompt token but the last; after each layer of each step, the new blocks of that layer are sent
-to the decode worker straight from the pool, so delivery overlaps the next layers' compute. When the prompt is done, a `done`
-message closes the transfer with the number of chunks sent.
+over the whole prompt; after each layer of each step, the new blocks of that layer are sent to the decode
+worker straight from the pool, so delivery overlaps the next layers' compute. The last step samples the
+first output token, and a `done` record closes the transfer with it and the number of chunks sent.
 
 Decode side: `reserve` holds blocks for the whole prompt (or queues the reservation until blocks free up:
 no room, no production) and opens an inbound transfer. The transport writes each chunk straight into the
 reserved blocks the transfer expects (nowhere else) and verifies it there; only verified chunks count.
-A completed transfer makes the request runnable: its last prompt token is computed here and gives the first
-output token. A failed one (bad checksum, timeout, dead or failing sender, missing blocks) ends in an
-explicit, counted outcome: the request is recomputed here from its prompt.
+A completed transfer brings the first token: the request decodes on from it (or ends by it) with no step
+recomputing anything here. A failed one (bad checksum, timeout, dead or failing sender, missing blocks,
+no valid first token) ends in an explicit, counted outcome: the request is recomputed here from its prompt.
+When every prompt token but the last is in this worker's prefix cache, no prefill worker is involved: the
+last prompt token is computed here and gives the first token.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class PrefillSide:
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int) -> None:
-        req = self.engine.make_request(request_id, prompt[:-1], params, prefill_only=True)
+        req = self.engine.make_request(request_id, prompt, params, prefill_only=True)
         self.engine.scheduler.add_request(req)
         self.outbound[request_id] = Outbound(dest, xfer, first_block)
 
@@ -115,14 +117,16 @@ class PrefillSide:
             out.num_chunks += 1
             self.bytes_sent += nbytes
 
-    def finish(self, request_id: str, prefilled: bool) -> str | None:
-        """Close the transfer of a request that ended here; the failure message if delivery failed."""
+    def finish(self, request_id: str, prefilled: bool, first_token: int | None = None) -> str | None:
+        """Close the transfer of a request that ended here (`first_token`: what it sampled); the failure
+        message if delivery failed."""
         out = self.outbound.pop(request_id, None)
         if out is None:
             return None
         try:
             if prefilled and not out.failed:
-                self.sender.send_control(out.dest, {"kind": "done", "xfer": out.xfer, "num_chunks": out.num_chunks})
+                self.sender.send_control(out.dest, {"kind": "done", "xfer": out.xfer, "num_chunks": out.num_chunks,
+                                                    "first_token": first_token})
             else:
                 self.sender.send_control(out.dest, {"kind": "fail", "xfer": out.xfer,
                                                     "reason": out.failed or "aborted"})
@@ -206,9 +210,11 @@ class DecodeSide:
                 break
             self.pending.popleft()
             first = cached // self.block_size
-            needed = -(-(res.request.num_prompt_tokens - 1) // self.block_size) - first
-            self.inbound.expect(res.xfer, res.request.request_id, first, max(needed, 0), self.timeout_s)
-            if needed <= 0:
+            # Every prompt token but the last cached here: no prefill worker, the last one is computed here.
+            needed = 0 if cached >= res.request.num_prompt_tokens - 1 else (
+                -(-res.request.num_prompt_tokens // self.block_size) - first)
+            self.inbound.expect(res.xfer, res.request.request_id, first, needed, self.timeout_s)
+            if needed == 0:
                 self.inbound.complete_now(res.xfer)
             granted.append((res, first))
         return granted
@@ -261,27 +267,29 @@ class DecodeSide:
             self.stats.chunks_received += 1
             self.stats.bytes_received += header["nbytes"]
         elif kind == "done":
-            self.inbound.on_done(header)
+            self.inbound.on_done(header, self.engine.executor.vocab_size)
         elif kind == "fail":
             self.inbound.fail(header.get("xfer"), TransferState.FAILED_PEER)
 
     def peer_failed(self, xfer: str) -> None:
         self.inbound.fail(xfer, TransferState.FAILED_PEER)
 
-    def settle(self) -> list[tuple[Inbound, str]]:
-        """Act on ended transfers: deliver or recompute. Returns [(transfer, outcome)] for reporting."""
+    def settle(self) -> list[tuple[Inbound, str, Request | None]]:
+        """Act on ended transfers: deliver or recompute. Returns [(transfer, outcome, request)] for reporting;
+        a delivered request that came with its first token has it as its first output (and may already be
+        finished by it): the caller reports that token, no step computes it here."""
         settled = []
         for inbound in self.inbound.take_ended():
             if inbound.request_id not in self.engine.scheduler.requests:
                 continue  # the request ended first (abort): its blocks are already free
             if inbound.state is TransferState.COMPLETED:
-                self.engine.scheduler.kv_delivered(inbound.request_id)
+                req = self.engine.scheduler.kv_delivered(inbound.request_id, inbound.first_token)
                 self.stats.transfers_completed += 1
-                settled.append((inbound, "delivered"))
+                settled.append((inbound, "delivered", req))
             else:
                 self.engine.scheduler.kv_failed(inbound.request_id)
                 self.stats.failures[inbound.state.value] += 1
-                settled.append((inbound, "recompute"))
+                settled.append((inbound, "recompute", None))
         return settled
 
     def abort(self, request_id: str) -> None:

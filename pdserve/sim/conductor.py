@@ -5,12 +5,14 @@ with the real routing policy over `WorkerLoad`s (outstanding counts and remember
 * colocated: the worker runs the whole request;
 * pd: the decode worker queues a reservation; at a step boundary it grants reservations in order while
   blocks last (`Scheduler.reserve_kv`, as `DecodeSide.try_reserve`); the conductor then dispatches the
-  prompt minus its last token to the prefill worker as a `prefill_only` request (as `PrefillSide.add`),
-  predicting when the blocks will be consumed. Each prefill step pushes the chunk's new blocks over the link
-  while it computes (a partly filled block goes again, complete, with the next chunk, as `on_layer` does).
-  When the prefill is done and every flow has landed, the decode worker settles the transfer
-  (`kv_delivered`, or `kv_failed` for an injected failure: recompute there) and computes the last prompt
-  token, whose logits give the first output token: that step first consumes the delivered blocks.
+  prompt to the prefill worker as a `prefill_only` request (as `PrefillSide.add`), predicting when the
+  blocks will be consumed. Each prefill step pushes the chunk's new blocks over the link while it computes
+  (a partly filled block goes again, complete, with the next chunk, as `on_layer` does); the last one
+  samples the first token. When the prefill is done and every flow has landed, the decode worker settles
+  the transfer (`kv_delivered` with that token, which is the request's first output, or `kv_failed` for an
+  injected failure: recompute there); its next decode step first consumes the delivered blocks. When every
+  prompt token but the last is cached on the decode worker, no prefill worker is involved: the decode
+  worker computes the last prompt token, as the real one does.
 A request may be aborted by a TTFT timeout (the client gives up); its delivered-but-unread KV is waste.
 """
 
@@ -47,6 +49,7 @@ class Flight:
     delivered: float = 0.0  # bytes landed at the decode worker
     superseded: float = 0.0  # partly filled blocks sent again later
     predicted_s: float | None = None
+    first_token: int | None = None  # sampled by the prefill worker
     decode_request: SimRequest | None = None
     failed: bool = False
     finished: bool = False
@@ -159,7 +162,7 @@ class SimConductor(EngineHooks):
                 break
             pending.popleft()
             f.next_block = cached // bs
-            needed = -(-(len(f.prompt) - 1) // bs) - f.next_block
+            needed = 0 if cached >= len(f.prompt) - 1 else -(-len(f.prompt) // bs) - f.next_block
             if needed <= 0:
                 self._release_prefill(f)
                 self.ready[engine.name].append(f)
@@ -167,7 +170,7 @@ class SimConductor(EngineHooks):
                 self._dispatch(f, needed)
 
     def _dispatch(self, f: Flight, needed_blocks: int) -> None:
-        p, tokens = f.prefill, len(f.prompt) - 1
+        p, tokens = f.prefill, len(f.prompt)
         if self.predictor is not None:
             f.predicted_s = self.predictor.predict(self.loop.now, p, f.decode, tokens, self._backlog(p),
                                                    min(needed_blocks, 512) * self.block_bytes)
@@ -176,7 +179,7 @@ class SimConductor(EngineHooks):
 
     def _add_prefill(self, p: SimEngine, f: Flight, tokens: int) -> None:
         self.queued_tokens[p.name] -= tokens
-        self._add(p, f, self._request(f.prompt[:-1], f, prefill_only=True))
+        self._add(p, f, self._request(f.prompt, f, prefill_only=True))
 
     def _backlog(self, p: SimEngine) -> int:
         sched = p.scheduler
@@ -190,8 +193,10 @@ class SimConductor(EngineHooks):
             self.life.transfer_failures += 1
             engine.scheduler.kv_failed(f.rid)
             return
-        engine.scheduler.kv_delivered(f.rid)
-        if f.delivered:
+        req = engine.scheduler.kv_delivered(f.rid, f.first_token)
+        if f.first_token is not None:  # the first output token is out now, with no step here
+            self._token(engine, f, [f.first_token], req.is_finished, self.loop.now)
+        if f.delivered and not f.finished:
             self.awaiting[f.rid] = f
 
     # ---- prefill side: layer-by-layer push ---------------------------------------------------------------
@@ -212,7 +217,7 @@ class SimConductor(EngineHooks):
         first, stop = f.next_block, -(-end // bs)
         if first < stop:
             nbytes = (stop - first) * self.block_bytes
-            if end % bs and end < len(f.prompt) - 1:
+            if end % bs and end < len(f.prompt):
                 f.superseded += self.block_bytes
             f.flows += 1
             self.life.bytes_sent += nbytes
@@ -250,24 +255,31 @@ class SimConductor(EngineHooks):
                 continue
             if out.finish_reason == "prefilled":
                 f.prefilled = True
+                f.first_token = out.token_ids[-1] if out.token_ids else None
                 self._release_prefill(f)
                 self._maybe_done(f, self.links.latency_s)
                 continue
-            rec = f.record
-            rec.token_times.append(end_s)
-            if rec.first_token_s is None:
-                rec.first_token_s = end_s
-            if out.finished:
-                rec.output_tokens = len(out.token_ids)
-                rec.end_s = end_s
-                engine.host.store(f.rid, len(f.prompt) * self.block_bytes // self.block_size)
-                self._finish(f)
+            self._token(engine, f, out.token_ids, out.finished, end_s)
 
-    def on_decode_run(self, engine: SimEngine, requests, ends: list[float]) -> None:
+    def _token(self, engine: SimEngine, f: Flight, token_ids, finished: bool, at_s: float) -> None:
+        rec = f.record
+        rec.token_times.append(at_s)
+        if rec.first_token_s is None:
+            rec.first_token_s = at_s
+        if finished:
+            rec.output_tokens = len(token_ids)
+            rec.end_s = at_s
+            engine.host.store(f.rid, len(f.prompt) * self.block_bytes // self.block_size)
+            self._finish(f)
+
+    def on_decode_run(self, engine: SimEngine, requests, ends: list[float], start_s: float) -> None:
         for req in requests:
             f = self.flights.get(req.request_id)
             if f is not None:
                 f.record.token_times.extend(ends)
+            f = self.awaiting.pop(req.request_id, None)
+            if f is not None:  # the run's first step read the delivered blocks
+                self._consumed(f, start_s)
 
     # ---- endings ----------------------------------------------------------------------------------------
     def _release_prefill(self, f: Flight) -> None:

@@ -29,6 +29,7 @@ class Inbound:
     started_s: float = field(default_factory=time.monotonic)
     num_chunks: int = 0
     num_bytes: int = 0
+    first_token: int | None = None  # sampled by the prefill worker, from its `done`
     _masks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -101,11 +102,16 @@ class InboundTransfers:
         else:
             self._end(inbound, TransferState.FAILED_PEER)
 
-    def on_done(self, header: dict) -> None:
+    def on_done(self, header: dict, vocab_size: int) -> None:
+        """The sender's last word: complete only with every block of every layer, the chunk count and a
+        first token in [0, vocab_size)."""
         inbound = self._live.get(header.get("xfer"))
         if inbound is None:
             return
-        ok = inbound.complete and header.get("num_chunks") == inbound.num_chunks
+        token = header.get("first_token")
+        ok = (inbound.complete and header.get("num_chunks") == inbound.num_chunks and isinstance(token, int)
+              and 0 <= token < vocab_size)
+        inbound.first_token = token if ok else None
         self._end(inbound, TransferState.COMPLETED if ok else TransferState.FAILED_INCOMPLETE)
 
     def fail(self, xfer: str, state: TransferState) -> None:
@@ -114,7 +120,8 @@ class InboundTransfers:
             self._end(inbound, state)
 
     def complete_now(self, xfer: str) -> None:
-        """Nothing had to arrive (everything was in this worker's prefix cache)."""
+        """Nothing had to arrive (every prompt token but the last was in this worker's prefix cache): no
+        first token either, the decode worker computes the last prompt token itself."""
         self.fail(xfer, TransferState.COMPLETED)
 
     def abort_request(self, request_id: str) -> None:
