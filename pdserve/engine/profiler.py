@@ -3,8 +3,8 @@
     pdserve profile [--model PATH] [--num-threads N] --output fit.json
 
 Prefill steps: one prefill-only request of T prompt tokens per step (T from 16 to the token budget), as a
-PD prefill worker runs it, timed around `LLMEngine.step()` — so scheduling and batch building are inside,
-as in the serving loop (a colocated prefill step also samples one row: add one LM-head product).
+PD prefill worker runs it (sampling the first token at the end, like a colocated prefill), timed around
+`LLMEngine.step()` — so scheduling and batch building are inside, as in the serving loop.
 Decode steps: B requests whose prompts (C tokens each) are already computed, timed over several steps.
 Fitted (DistServe-style, least squares on relative error over the medians):
 
@@ -50,7 +50,7 @@ def profile_prefill(engine, shapes=PREFILL_TOKENS, repeats: int = 3, salt: int =
         times = []
         for r in range(repeats + 1):  # the first is a warm-up
             salt += 1
-            # prefill-only, as a PD prefill worker runs it (no LM head, no sampling)
+            # prefill-only, as a PD prefill worker runs it (the prompt, then the first token sampled)
             engine.add_request(_prompt(tokens, salt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                                prefill_only=True)
             times.append(_timed_step(engine))
