@@ -25,7 +25,7 @@ from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim import fastforward
-from pdserve.sim.events import MESSAGE, STEP, EventLoop
+from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.executor import SimExecutor
 from pdserve.sim.tiers import DeviceTier, HostTier
 from pdserve.sim.timemodel import TimeModel
