@@ -17,7 +17,9 @@ tokens. Ceilings, measured in the same run:
   Both also with a hot, chunk-sized buffer reused on each side (`memcpy_hot`, `loopback_hot`): the
   cache-resident upper bound, reported beside them.
 Also `shm_receiver_alone`: the shm receiver's path by itself in one process (records already in the ring,
-no sender running beside it), to separate its own cost from the two processes competing for memory.
+no sender running beside it), to separate its own cost from the two processes competing for memory; and
+`copy_verify`: the memcpy ceiling plus an xxh3 of each written 256 KiB right after writing it — the least
+any delivery that verifies what it wrote must do, i.e. the ceiling of a checksummed copy.
 Before the timed run the sender delivers four untimed prompts (every block range the run uses), so the
 timed part is a running server's steady state: connections open, rings and pools mapped.
 Writes bench_results/transfer.json. Targets (issue 3): shm >= 80% of memcpy, tcp >= 70% of loopback.
@@ -167,17 +169,29 @@ def shm_receiver_alone(requests: int, blocks: int) -> float:
         receiver.close()
 
 
-def memcpy_ceiling(chunk_bytes: int, hot: bool) -> float:
+def memcpy_ceiling(chunk_bytes: int, hot: bool, verify: bool = False) -> float:
+    """Copy chunk-sized pieces between two regions; with `verify`, also xxh3 each written piece right
+    after (256 KiB at a time, while in cache): the least any checksum-verified delivery does."""
     import torch
+    import xxhash
     torch.set_num_threads(1)
     n = chunk_bytes // 4
     src = torch.randn(n if hot else REGION // 4)
     dst = torch.randn(REGION // 4)
+    out = memoryview(dst.numpy()).cast("B")
+    step = (256 << 10) // 4
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         for off in range(0, dst.numel() - n + 1, n):
-            dst[off:off + n].copy_(src[:n] if hot else src[off:off + n])
+            if not verify:
+                dst[off:off + n].copy_(src[:n] if hot else src[off:off + n])
+                continue
+            digest = xxhash.xxh3_64()
+            for o in range(off, off + n, step):
+                m = min(step, off + n - o)
+                dst[o:o + m].copy_(src[o:o + m])
+                digest.update(out[4 * o:4 * (o + m)])
         times.append(time.perf_counter() - t0)
     return (dst.numel() // n) * n * 4 / statistics.median(times)
 
@@ -236,10 +250,11 @@ def main() -> int:
     chunk = 2 * KV_HEADS * blocks * BLOCK * HEAD_DIM * 4
     total = chunk * LAYERS * args.requests
     rows = {"memcpy": [], "loopback": [], "memcpy_hot": [], "loopback_hot": [], "shm": [], "tcp": [],
-            "shm_receiver_alone": []}
+            "shm_receiver_alone": [], "copy_verify": []}
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
         rows["memcpy"].append(memcpy_ceiling(chunk, hot=False))
         rows["memcpy_hot"].append(memcpy_ceiling(chunk, hot=True))
+        rows["copy_verify"].append(memcpy_ceiling(chunk, hot=False, verify=True))
         rows["loopback"].append(loopback_ceiling(chunk, total, hot=False))
         rows["loopback_hot"].append(loopback_ceiling(chunk, total, hot=True))
         rows["shm"].append(delivery("shm", args.requests, blocks)[0])
@@ -249,10 +264,13 @@ def main() -> int:
     print(f"chunk {chunk / 2**20:.2f} MiB (one layer of {args.prompt_tokens} tokens), "
           f"{total / 2**20:.0f} MiB per run, median of {args.repeats}")
     print(f"{'path':<20}{'GB/s':>8}{'vs ceiling':>12}{'vs hot':>8}")
-    for name, ceiling in (("memcpy", None), ("memcpy_hot", None), ("loopback", None), ("loopback_hot", None),
-                          ("shm", "memcpy"), ("tcp", "loopback"), ("shm_receiver_alone", "memcpy")):
+    for name, ceiling in (("memcpy", None), ("memcpy_hot", None), ("copy_verify", "memcpy"), ("loopback", None),
+                          ("loopback_hot", None), ("shm", "memcpy"), ("tcp", "loopback"),
+                          ("shm_receiver_alone", "memcpy")):
         ratio = f"{med[name] / med[ceiling]:.0%}" if ceiling else ""
         hot = f"{med[name] / med[ceiling + '_hot']:.0%}" if ceiling else ""
+        if name == "copy_verify":
+            hot = ""
         print(f"{name:<20}{med[name] / 1e9:>8.2f}{ratio:>12}{hot:>8}")
     out = Path("bench_results")
     out.mkdir(exist_ok=True)
