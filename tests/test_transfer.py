@@ -245,14 +245,14 @@ def test_tcp_payload_split_across_polls_asks_again_where_the_rest_goes():
     import xxhash
 
     from pdserve.transfer.base import encode_meta
-    from pdserve.transfer.tcp import PREFIX, TRAILER, parse_address
+    from pdserve.transfer.tcp import PREFIX, parse_address
     receiver = make_receiver("tcp")
     raw = socket.create_connection(parse_address(receiver.address))
 
     def frame(i: int, payload: bytes) -> tuple[bytes, int]:
         meta = encode_meta({"kind": "chunk", "i": i})
-        head = PREFIX.pack(len(meta), len(payload)) + meta
-        return head + payload + TRAILER.pack(xxhash.xxh3_64_intdigest(payload)), len(head)
+        head = PREFIX.pack(len(meta), len(payload), xxhash.xxh3_64_intdigest(payload)) + meta
+        return head + payload, len(head)
 
     def poll_until(n, got):
         for _ in range(50):
@@ -276,7 +276,7 @@ def test_tcp_payload_split_across_polls_asks_again_where_the_rest_goes():
         assert poll_until(1, []) == []
         raw.sendall(first[-10_000:] + second[:head + 3_000])  # record 1's head and 3,000 payload bytes
         got = poll_until(1, [])
-        assert len(got) == 1 and got[0].verified and bytes(pool[:20_000]) == first[len(first) - 20_008:-8]
+        assert len(got) == 1 and got[0].verified and bytes(pool[:20_000]) == first[-20_000:]
         live[1] = False  # record 1's transfer ends while the rest of its payload is on the wire
         raw.sendall(second[head + 3_000:])
         got = poll_until(2, got)

@@ -1,11 +1,11 @@
 """`tcp` transport: records over a plain TCP stream per (sender, receiver) pair. Works across hosts.
 
-Framing: `<II` (meta length, payload length), msgpack meta, payload, and for a payload a `<Q` trailer with
-its xxh3-64. The sender sends prefix, meta and payload with one `sendmsg` straight from its KV pool's views
-(the kernel's copy is the only one), then checksums those views while they are still in cache and sends the
-trailer. The receiver reads prefix and meta, asks its caller where the payload goes, `recvmsg_into`s the
-reserved KV blocks directly and verifies the trailer's checksum over them. A payload nobody wants (a
-transfer that ended) is read into scratch and dropped.
+Framing: `<IIQ` (meta length, payload length, xxh3-64 of the payload), msgpack meta, payload. The sender
+hashes a chunk's pieces first (a record fits the core's L2, so the send then reads them from cache) and
+sends prefix, meta and payload with one `sendmsg` straight from its KV pool's views (the kernel's copy is
+the only one). The receiver reads prefix and meta, asks its caller where the payload goes,
+`recvmsg_into`s the reserved KV blocks directly and verifies the checksum over them. A payload nobody wants
+(a transfer that ended) is read into scratch and dropped.
 
 Why not ZeroMQ here (the control plane is ZeroMQ): a ZeroMQ message lands in a buffer ZeroMQ allocates, so
 every chunk would be copied once more into the pool, and the sender needs a staging copy that outlives the
@@ -23,8 +23,7 @@ import time
 from pdserve.transfer.base import (FaultInjector, Place, Received, TransferError, checksum, decode_record,
                                    encode_meta, scratch_place)
 
-PREFIX = struct.Struct("<II")
-TRAILER = struct.Struct("<Q")
+PREFIX = struct.Struct("<IIQ")
 
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1,024)
 _SOCK_BUF = 8 << 20
@@ -76,9 +75,10 @@ class TcpSender:
         meta = encode_meta(header)
         sock = self._socket(dest, deadline)
         try:
-            _send_all(sock, [PREFIX.pack(len(meta), nbytes) + meta, *self.faults.maybe_corrupt(pieces)], deadline)
-            if nbytes:
-                _send_all(sock, [TRAILER.pack(checksum(pieces))], deadline)
+            # Hashed first (a record fits the core's L2), so the send then reads the pieces from cache.
+            digest = checksum(pieces) if nbytes else 0
+            _send_all(sock, [PREFIX.pack(len(meta), nbytes, digest) + meta, *self.faults.maybe_corrupt(pieces)],
+                      deadline)
         except OSError as e:  # timeout, reset, broken pipe: this connection is done
             self._sockets.pop(dest, None)
             sock.close()
@@ -116,8 +116,6 @@ class _Stream:
         self.views: list[memoryview] | None = None  # the rest of the payload's destination
         self.placed: list[memoryview] | None = None  # all of it (None: dropping it)
         self.left = 0  # payload bytes still to read
-        self.tail = bytearray(TRAILER.size)  # the payload's checksum
-        self.tail_filled = 0
         self.scratch = memoryview(bytearray(1 << 20))
 
     def read(self, place: Place) -> list[Received]:
@@ -131,8 +129,6 @@ class _Stream:
                     self._read_head(place)
                 if self.header is not None:
                     self._read_payload()
-                    if self.header.get("nbytes"):
-                        self._read_trailer()
                     out.append(self._finish())
         except BlockingIOError:
             return out
@@ -146,13 +142,13 @@ class _Stream:
     def _read_head(self, place: Place) -> None:
         while self.filled < len(self.head):
             self.filled += self._recv_into(memoryview(self.head)[self.filled:])
-        meta_len, nbytes = PREFIX.unpack_from(self.head)
+        meta_len, nbytes, digest = PREFIX.unpack_from(self.head)
         if meta_len > _MAX_META:
             raise ValueError(f"record meta of {meta_len} bytes")
         if len(self.head) == PREFIX.size and meta_len:
             self.head += bytes(meta_len)  # now read the meta
             return self._read_head(place)
-        self.header = decode_record(bytes(self.head[PREFIX.size:]), nbytes, 0)
+        self.header = decode_record(bytes(self.head[PREFIX.size:]), nbytes, digest)
         self.left = nbytes
         self.placed = place(self.header) if nbytes else None
         self.views = list(self.placed) if self.placed is not None else None
@@ -189,15 +185,9 @@ class _Stream:
             if n:
                 self.views[0] = self.views[0][n:]
 
-    def _read_trailer(self) -> None:
-        while self.tail_filled < TRAILER.size:
-            self.tail_filled += self._recv_into(memoryview(self.tail)[self.tail_filled:])
-        self.header["checksum"] = TRAILER.unpack(self.tail)[0]
-
     def _finish(self) -> Received:
         header, placed = self.header, self.placed
         self.head, self.filled, self.header, self.views, self.placed = bytearray(PREFIX.size), 0, None, None, None
-        self.tail_filled = 0
         if placed is None:
             return Received(header)
         return Received(header, placed, checksum(placed) == header["checksum"])
