@@ -105,3 +105,20 @@ def test_fast_forward_equals_stepping(mode, blocks):
     assert sum(e["fast_forward_steps"] for e in ff.engines) > 0.2 * sum(e["steps"] for e in ff.engines
                                                                         if e["role"] != "prefill")
     assert all(r.ok for r in ff.records)
+
+
+@pytest.mark.parametrize("mode,hops", [("pd", 4), ("colocated", 2)])
+def test_control_latency_adds_its_message_hops_to_ttft_only(mode, hops):
+    """PD: request -> decode worker, its reply -> gateway, prefill command, first token -> gateway; colocated:
+    request and token. The decode steps themselves do not move, so TPOT stays."""
+    wl = load_workload("fixed:200,8", num_requests=1)
+    tm = RooflineTimeModel(MODEL, GPU, 1)
+    recs = []
+    for control_s in (0.0, 0.005):
+        spec = ClusterSpec(mode=mode, num_prefill=1, num_decode=1, num_instances=1, control_latency_s=control_s)
+        (rec,) = simulate(wl, spec, MODEL, GPU, tm).records
+        recs.append(rec)
+    base, slow = recs
+    assert slow.first_token_s - slow.start_s == pytest.approx(base.first_token_s - base.start_s + hops * 0.005)
+    gaps = [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in recs]
+    assert gaps[0] == pytest.approx(gaps[1]) and len(gaps[0]) == 7

@@ -49,6 +49,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-budget", type=int, default=2048, help="token budget per decode/colocated step")
     p.add_argument("--routing", default="prefix-affinity", help="least-loaded | prefix-affinity")
     p.add_argument("--link-latency-us", type=float, default=20.0)
+    p.add_argument("--control-latency-ms", type=float, default=0.0,
+                   help="each gateway <-> worker message (command, reply, token event); measure it on the real "
+                        "system, e.g. as benchmarks/bench_fidelity.py does")
     p.add_argument("--host-kv-gb", type=float, default=512.0, help="host KV tier per engine")
     p.add_argument("--ttft-timeout-s", type=float, default=None, help="clients abort without a first token by then")
     p.add_argument("--transfer-failure-rate", type=float, default=0.0, help="share of KV transfers that fail")
@@ -82,6 +85,7 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                        prefill_budget=args.prefill_budget, decode_budget=args.decode_budget, routing=args.routing,
                        link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.host_kv_gb,
+                       control_latency_s=args.control_latency_ms * 1e-3,
                        fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
                        transfer_failure_rate=args.transfer_failure_rate, seed=args.seed)
 

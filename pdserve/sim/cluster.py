@@ -48,6 +48,7 @@ class ClusterSpec:
     decode_budget: int = 2048  # of decode and colocated engines
     routing: str = "prefix-affinity"
     link_latency_s: float = 20e-6
+    control_latency_s: float = 0.0  # each gateway <-> worker message (command, reply, token event)
     host_kv_gb: float = 512.0  # host tier per engine
     fast_forward: bool = True
     ttft_timeout_s: float | None = None
@@ -95,7 +96,7 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     predictor = QueueModelPredictor(time_model, spec.prefill_budget, port_bw, spec.link_latency_s)
     conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links,
                              predictor if spec.mode == "pd" else None, spec.block_size, block_bytes,
-                             spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed)
+                             spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s)
     for role, n in roles.items():
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,

@@ -72,8 +72,10 @@ class Lifecycle:
 class SimConductor(EngineHooks):
     def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel,
                  predictor: ConsumptionPredictor | None, block_size: int, block_bytes: int,
-                 failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0) -> None:
+                 failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
+                 control_latency_s: float = 0.0) -> None:
         self.mode, self.policy, self.links = mode, policy, links
+        self.control_s = control_latency_s  # one gateway <-> worker message
         self.loop = links.loop
         self.predictor, self.block_size, self.block_bytes = predictor, block_size, block_bytes
         self.failure_rate, self.ttft_timeout_s = failure_rate, ttft_timeout_s
@@ -106,7 +108,7 @@ class SimConductor(EngineHooks):
         if self.ttft_timeout_s is not None:
             self.loop.at(self.loop.now + self.ttft_timeout_s, self._timeout, f)
         if self.mode == "colocated":
-            f.decode.post(lambda: self._add(f.decode, f, self._request(f.prompt, f)))
+            f.decode.post(lambda: self._add(f.decode, f, self._request(f.prompt, f)), self.control_s)
             return
         f.prefill.load.outstanding += 1
         f.prefill.load.remember(hashes)
@@ -117,7 +119,7 @@ class SimConductor(EngineHooks):
         def reserve() -> None:
             f.decode_request = self._request(f.prompt, f)
             self.pending[f.decode.name].append(f)
-        f.decode.post(reserve)
+        f.decode.post(reserve, self.control_s)
 
     def _request(self, prompt, f: Flight, prefill_only: bool = False) -> SimRequest:
         """Stamped with the simulated time it reaches its worker (the real worker stamps its own clock)."""
@@ -175,7 +177,8 @@ class SimConductor(EngineHooks):
             f.predicted_s = self.predictor.predict(self.loop.now, p, f.decode, tokens, self._backlog(p),
                                                    min(needed_blocks, 512) * self.block_bytes)
         self.queued_tokens[p.name] += tokens
-        p.post(lambda: self._add_prefill(p, f, tokens), self.links.latency_s)
+        # the decode worker's reply to the gateway, then the gateway's command to the prefill worker
+        p.post(lambda: self._add_prefill(p, f, tokens), self.links.latency_s + 2 * self.control_s)
 
     def _add_prefill(self, p: SimEngine, f: Flight, tokens: int) -> None:
         self.queued_tokens[p.name] -= tokens
@@ -262,6 +265,7 @@ class SimConductor(EngineHooks):
             self._token(engine, f, out.token_ids, out.finished, end_s)
 
     def _token(self, engine: SimEngine, f: Flight, token_ids, finished: bool, at_s: float) -> None:
+        at_s += self.control_s  # the token event's way to the gateway
         rec = f.record
         rec.token_times.append(at_s)
         if rec.first_token_s is None:
@@ -276,7 +280,7 @@ class SimConductor(EngineHooks):
         for req in requests:
             f = self.flights.get(req.request_id)
             if f is not None:
-                f.record.token_times.extend(ends)
+                f.record.token_times.extend(e + self.control_s for e in ends)
             f = self.awaiting.pop(req.request_id, None)
             if f is not None:  # the run's first step read the delivered blocks
                 self._consumed(f, start_s)
