@@ -63,7 +63,7 @@ class Worker:
             self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s)
         self.poller = zmq.Poller()
         self.poller.register(self.cmds, zmq.POLLIN)
-        if self.decode is not None and getattr(self.decode.receiver, "wakeup", None) is not None:
+        if self.decode is not None and self.decode.receiver.wakeup is not None:
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
         self._last_stats = 0.0

@@ -98,10 +98,9 @@ class Scheduler:
         req = self._reserved(request_id)
         req.num_computed_tokens = req.num_prompt_tokens - (first_token is None)
         self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
-        req.status = RequestStatus.PREFILLING
+        req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
         bisect.insort(self.running, req, key=self.policy.sort_key)
         if first_token is not None:
-            req.status = RequestStatus.DECODING
             req.prefilled_s = req.first_token_s = time.monotonic()
             req.append_output_token(first_token)
             status = self._stop_status(req)

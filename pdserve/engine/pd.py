@@ -229,10 +229,9 @@ class DecodeSide:
         flight, `idle_ms` when the transport rings `receiver.wakeup`, else 1 ms (the transport is polled)."""
         if not len(self.inbound):
             return idle_ms
-        arm = getattr(self.receiver, "arm", None)
-        if arm is None:
+        if self.receiver.wakeup is None:
             return 1
-        return idle_ms if arm() else 0
+        return idle_ms if self.receiver.arm() else 0
 
     def _place(self, header: dict) -> list[memoryview] | None:
         """Where a chunk's payload may go: the blocks its live transfer expects there, else nowhere."""

@@ -16,7 +16,7 @@ and verifies the checksum over what it wrote before the chunk counts. Meta dicts
 
     chunk: {"kind": "chunk", "xfer": str, "layer": int, "first": int (block-table index of the first block),
             "count": int}                 (the receiver adds "nbytes" and "checksum" from the prefix)
-    done:  {"kind": "done", "xfer": str, "num_chunks": int}
+    done:  {"kind": "done", "xfer": str, "num_chunks": int, "first_token": int (what the prefill sampled)}
     fail:  {"kind": "fail", "xfer": str, "reason": str}   (the sender gave up)
 """
 
@@ -155,6 +155,16 @@ class KVReceiver(Protocol):
     def poll(self, timeout_ms: int = 0, place: Place = scratch_place) -> list[Received]:
         """Messages that arrived (waiting up to `timeout_ms` for the first), chunks already written where
         `place` said and verified."""
+        ...
+
+    @property
+    def wakeup(self):
+        """A ZeroMQ socket that turns readable when KV arrives after `arm()`, for the caller's poller; None
+        when the transport cannot wake a caller (it must poll)."""
+        ...
+
+    def arm(self) -> bool:
+        """Ask to be woken through `wakeup` by the next record; False if one is already waiting."""
         ...
 
     def close(self) -> None: ...

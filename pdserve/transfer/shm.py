@@ -176,8 +176,7 @@ class ShmSender:
         buf[pos + PREFIX.size:pos + PREFIX.size + len(meta)] = meta
         if nbytes:
             payload = buf[pos + head_bytes:pos + head_bytes + nbytes]
-            _fill(payload, pieces)
-            digest = checksum([payload])
+            digest = copy_into([payload], pieces)  # hashed as written, while in cache
             if self.faults.hit():
                 payload[0] ^= 0xFF
             del payload
@@ -197,13 +196,6 @@ class ShmSender:
             sock.close(linger=100)
             ring.close()
         self._peers.clear()
-
-
-def _fill(out: memoryview, pieces: list[memoryview]) -> None:
-    off = 0
-    for piece in pieces:
-        out[off:off + len(piece)] = piece
-        off += len(piece)
 
 
 class _InRing:

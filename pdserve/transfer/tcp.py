@@ -203,6 +203,11 @@ class TcpReceiver:
         self._streams: dict[socket.socket, _Stream] = {}
         self.num_bad_records = 0
 
+    wakeup = None  # its sockets are plain TCP: a caller with transfers in flight polls (`arm` is a no-op)
+
+    def arm(self) -> bool:
+        return True
+
     def poll(self, timeout_ms: int = 0, place: Place = scratch_place) -> list[Received]:
         out: list[Received] = []
         for key, _ in self._selector.select(timeout_ms / 1000):
