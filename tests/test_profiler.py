@@ -20,9 +20,51 @@ def test_fit_recovers_known_coefficients():
 
 def test_profile_of_a_real_engine(tiny_llama_dir):
     result = run_profile(EngineConfig(model=str(tiny_llama_dir), num_threads=1, max_num_batched_tokens=256),
-                         prefill_tokens=(16, 64, 256), decode_batches=(1, 4), decode_contexts=(16, 64))
+                         prefill_tokens=(16, 64, 256), decode_batches=(1, 4), decode_contexts=(16, 64),
+                         wake_gaps=(0.2,))
     assert len([s for s in result["samples"] if s["kind"] == "prefill"]) == 3
     assert len([s for s in result["samples"] if s["kind"] == "decode"]) == 4
-    assert all(s["seconds"] > 0 for s in result["samples"])
+    assert all(s["seconds"] > 0 for s in result["samples"] if s["kind"] != "wake")
+    assert [g for g, _ in result["wake"]] == [0.2] and result["wake"][0][1] >= 0
     p = result["prefill"]
     assert p["a"] + p["b"] * 256 + p["c"] * 256 ** 2 > 0
+
+
+def _profile_file(path, samples, model="m", threads=1):
+    import json
+    path.write_text(json.dumps({"model": model, "threads": threads, "block_size": 16, **fit(samples),
+                                "samples": samples}))
+    return str(path)
+
+
+def test_merge_fits_the_samples_of_both_profiles(tmp_path):
+    from pdserve.engine.profiler import merge_profiles
+    pre = [{"kind": "prefill", "tokens": [t], "seconds": 0.01 + 2e-4 * t + 3e-8 * t * t} for t in (16, 64, 256)]
+    dec = [{"kind": "decode", "batch": b, "context_sum": b * 64, "seconds": 0.02 + 1e-6 * b * 64 + 5e-4 * b}
+           for b in (1, 4, 16)]
+    slow = [{**s, "seconds": s["seconds"] * 1.5} for s in pre + dec]  # the machine 50% slower later
+    a, b = _profile_file(tmp_path / "a.json", pre + dec), _profile_file(tmp_path / "b.json", slow)
+    merged = merge_profiles([a, b])
+    assert merged["samples"] == pre + dec + slow
+    assert merged["prefill"] == fit(pre + dec + slow)["prefill"]
+    one = fit(pre + dec)["decode"]
+    t1 = one["a"] + one["b"] * 256 + one["c"] * 4
+    t = merged["decode"]["a"] + merged["decode"]["b"] * 256 + merged["decode"]["c"] * 4
+    assert t1 < t < 1.5 * t1  # between the two machine states
+
+
+def test_profile_cli_rejects_bad_shapes_and_mismatched_merges(tmp_path):
+    from test_cli import assert_one_line_error, run_cli
+    sample = [{"kind": "prefill", "tokens": [16], "seconds": 0.1}, {"kind": "decode", "batch": 1,
+                                                                      "context_sum": 64, "seconds": 0.05}]
+    a = _profile_file(tmp_path / "a.json", sample, threads=1)
+    b = _profile_file(tmp_path / "b.json", sample, threads=2)
+    out = str(tmp_path / "fit.json")
+    assert_one_line_error(run_cli("profile", "--merge", a, b, "--output", out), "one model, thread count")
+    assert_one_line_error(run_cli("profile", "--merge", a, str(tmp_path / "none.json"), "--output", out),
+                          "cannot read profile")
+    assert_one_line_error(run_cli("profile", "--decode-batches", "1,0", "--output", out), "--decode-batches")
+    assert_one_line_error(run_cli("profile", "--prefill-tokens", "", "--output", out), "--prefill-tokens")
+    assert_one_line_error(run_cli("profile", "--wake-gaps", "-1", "--output", out), "--wake-gaps")
+    ok = run_cli("profile", "--merge", a, a, "--output", out)
+    assert ok.returncode == 0, ok.stderr

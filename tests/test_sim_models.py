@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pdserve.errors import InvalidRequestError
 from pdserve.sim.cli import main
 from pdserve.sim.events import EventLoop
 from pdserve.sim.hardware import get_gpu, get_model, kv_pool_blocks, model_from_hf_config
@@ -110,3 +111,20 @@ def test_vectorized_decode_times_are_bit_identical_to_step_time():
         for n, ctx in ((1, 0), (7, 12345), (64, 10 ** 6)):
             want = [tm.step_time(StepShape.decode(n, ctx + n * i)) for i in range(1, 300)]
             assert tm.decode_times(n, ctx, 299).tolist() == want
+
+
+def test_fitted_wake_up_table_interpolates_and_round_trips(tmp_path):
+    tm = FittedTimeModel(Coefficients(0.01, 2e-5, 0), Coefficients(0.008, 3e-7, 1e-4), wake=[(8.0, 0.3), (2.0, 0.1)])
+    assert tm.wake_time(0) == 0 and tm.wake_time(-1) == 0
+    assert tm.wake_time(1.0) == pytest.approx(0.05)  # from (0, 0) to (2, 0.1)
+    assert tm.wake_time(5.0) == pytest.approx(0.2)
+    assert tm.wake_time(100.0) == pytest.approx(0.3)  # held beyond the longest measured gap
+    path = tmp_path / "fit.json"
+    path.write_text(tm.to_json())
+    loaded = make_time_model(f"fitted:{path}", get_model("llama-3-8b"), get_gpu("h100"), 1)
+    assert loaded.wake_time(5.0) == pytest.approx(0.2)
+    assert FittedTimeModel(tm.prefill, tm.decode).wake_time(5.0) == 0  # no table: no wake-up cost
+    assert RooflineTimeModel(get_model("llama-3-8b"), get_gpu("h100")).wake_time(5.0) == 0
+    path.write_text(json.dumps({**json.loads(tm.to_json()), "wake": [[2.0, -0.1]]}))
+    with pytest.raises(InvalidRequestError, match="wake"):
+        make_time_model(f"fitted:{path}", get_model("llama-3-8b"), get_gpu("h100"), 1)

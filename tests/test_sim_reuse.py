@@ -85,10 +85,18 @@ def _records(run):
     return [(r.start_s, r.first_token_s, r.token_times, r.end_s, r.output_tokens, r.error) for r in run.records]
 
 
-@pytest.mark.parametrize("mode,blocks", [("colocated", 120), ("pd", 160), ("pd", None)])
-def test_fast_forward_equals_stepping(mode, blocks):
+class WakingRoofline(RooflineTimeModel):
+    """The roofline plus a wake-up cost: 1 ms per idle second, at most 4 ms."""
+
+    def wake_time(self, idle_s: float) -> float:
+        return min(idle_s, 4.0) * 1e-3
+
+
+@pytest.mark.parametrize("mode,blocks,wake", [("colocated", 120, False), ("pd", 160, False), ("pd", None, False),
+                                              ("pd", None, True), ("colocated", None, True)])
+def test_fast_forward_equals_stepping(mode, blocks, wake):
     wl = _workload(n=30, length_scale=0.05)
-    tm = RooflineTimeModel(MODEL, GPU, 1)
+    tm = (WakingRoofline if wake else RooflineTimeModel)(MODEL, GPU, 1)
     runs = []
     for ff in (False, True):
         spec = ClusterSpec(mode=mode, num_prefill=1, num_decode=2, num_instances=2, block_size=16,
@@ -122,3 +130,24 @@ def test_control_latency_adds_its_message_hops_to_ttft_only(mode, hops):
     assert slow.first_token_s - slow.start_s == pytest.approx(base.first_token_s - base.start_s + hops * 0.005)
     gaps = [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in recs]
     assert gaps[0] == pytest.approx(gaps[1]) and len(gaps[0]) == 7
+
+
+@pytest.mark.parametrize("mode", ["pd", "colocated"])
+def test_wake_up_time_lands_on_the_first_step_after_idle(mode):
+    """Two requests 10 s apart: the second one's first step (its prefill) and, in PD, the decode worker's first
+    step after its idle wait pay `wake_time(idle)`; the first request (engines fresh at t=0) pays nothing."""
+    from dataclasses import replace
+    base_wl = load_workload("fixed:200,8", num_requests=2)
+    wl = replace(base_wl, requests=[base_wl.requests[0], replace(base_wl.requests[1], arrival_s=10.0)])
+    spec = ClusterSpec(mode=mode, num_prefill=1, num_decode=1, num_instances=1)
+    plain = simulate(wl, spec, MODEL, GPU, RooflineTimeModel(MODEL, GPU, 1)).records
+    woken = simulate(wl, spec, MODEL, GPU, WakingRoofline(MODEL, GPU, 1)).records
+    ttft = [[r.first_token_s - r.start_s for r in recs] for recs in (plain, woken)]
+    assert ttft[1][0] == pytest.approx(ttft[0][0])  # engines start awake
+    assert ttft[1][1] == pytest.approx(ttft[0][1] + 4e-3)  # idle ~10 s: the capped 4 ms
+    gaps = [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in (plain[1], woken[1])]
+    if mode == "pd":  # the decode worker idled too: its first step for this request is 4 ms longer
+        assert gaps[1][0] == pytest.approx(gaps[0][0] + 4e-3)
+        assert gaps[1][1:] == pytest.approx(gaps[0][1:])
+    else:
+        assert gaps[1] == pytest.approx(gaps[0])

@@ -11,7 +11,13 @@ Fitted (DistServe-style, least squares on relative error over the medians):
     prefill_s = a + b * sum(tokens) + c * sum(tokens^2)
     decode_s  = a + b * sum(context) + c * batch
 
+Wake-up: after sleeping g seconds (for each g of the wake gaps), one 16-token prefill step is timed against
+the same step run right before; the medians of the differences become the time model's wake-up table
+(`[[g, extra_s], ...]`, see `pdserve.sim.timemodel`).
+
 The JSON holds the coefficients, the samples they came from, and the machine and model they describe.
+`merge_profiles` fits over the samples of several such files together (e.g. profiles taken before and after
+a run, so the model describes the machine over the run rather than at one moment).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pdserve.engine.config import EngineConfig
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (64, 256, 1024)
+WAKE_GAPS = (0.5, 2.0, 8.0)
+WAKE_TOKENS = 16
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -43,20 +51,37 @@ def _timed_step(engine) -> float:
     return time.perf_counter() - t0
 
 
+def _prefill_step(engine, tokens: int, salt: int) -> float:
+    """Time one prefill-only step, as a PD prefill worker runs it (the prompt, then the first token sampled)."""
+    engine.add_request(_prompt(tokens, salt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                       prefill_only=True)
+    seconds = _timed_step(engine)
+    while engine.has_unfinished():
+        engine.step()
+    return seconds
+
+
 def profile_prefill(engine, shapes=PREFILL_TOKENS, repeats: int = 3, salt: int = 0) -> list[dict]:
     budget = engine.scheduler.config.max_num_batched_tokens
     samples = []
     for tokens in [t for t in shapes if t <= budget]:
-        times = []
-        for r in range(repeats + 1):  # the first is a warm-up
-            salt += 1
-            # prefill-only, as a PD prefill worker runs it (the prompt, then the first token sampled)
-            engine.add_request(_prompt(tokens, salt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                               prefill_only=True)
-            times.append(_timed_step(engine))
-            while engine.has_unfinished():
-                engine.step()
+        times = [_prefill_step(engine, tokens, salt + r) for r in range(repeats + 1)]  # the first: warm-up
+        salt += repeats + 1
         samples.append({"kind": "prefill", "tokens": [tokens], "seconds": statistics.median(times[1:])})
+    return samples
+
+
+def profile_wake(engine, gaps=WAKE_GAPS, repeats: int = 2, salt: int = 20_000) -> list[dict]:
+    samples = []
+    for gap in gaps:
+        extra = []
+        for _ in range(repeats):
+            _prefill_step(engine, WAKE_TOKENS, salt)
+            warm = _prefill_step(engine, WAKE_TOKENS, salt + 1)
+            time.sleep(gap)
+            extra.append(max(_prefill_step(engine, WAKE_TOKENS, salt + 2) - warm, 0.0))
+            salt += 3
+        samples.append({"kind": "wake", "gap_s": gap, "extra_s": statistics.median(extra)})
     return samples
 
 
@@ -86,7 +111,12 @@ def fit(samples: list[dict]) -> dict:
     a_dec = np.array([[1.0, s["context_sum"], s["batch"]] for s in dec])
     coef_pre = _relative_lstsq(a_pre, np.array([s["seconds"] for s in pre]))
     coef_dec = _relative_lstsq(a_dec, np.array([s["seconds"] for s in dec]))
-    return {"prefill": dict(zip("abc", map(float, coef_pre))), "decode": dict(zip("abc", map(float, coef_dec)))}
+    wake: dict[float, list[float]] = {}
+    for s in samples:
+        if s["kind"] == "wake":
+            wake.setdefault(float(s["gap_s"]), []).append(float(s["extra_s"]))
+    return {"prefill": dict(zip("abc", map(float, coef_pre))), "decode": dict(zip("abc", map(float, coef_dec))),
+            "wake": [[gap, statistics.median(x)] for gap, x in sorted(wake.items())]}
 
 
 def _relative_lstsq(a: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -97,11 +127,39 @@ def _relative_lstsq(a: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,
-                decode_contexts=DECODE_CONTEXTS) -> dict:
+                decode_contexts=DECODE_CONTEXTS, wake_gaps=WAKE_GAPS) -> dict:
     from pdserve.engine.llm import build_engine
     engine = build_engine(replace(config, enable_prefix_caching=False))
     samples = profile_prefill(engine, prefill_tokens) + profile_decode(engine, decode_batches, decode_contexts)
+    if {s["kind"] for s in samples} != {"prefill", "decode"}:
+        from pdserve.errors import PdserveError
+        raise PdserveError("no prefill or no decode shape fits the engine's token budget and KV pool: "
+                           "choose smaller --prefill-tokens / --decode-batches / --decode-contexts")
+    samples += profile_wake(engine, wake_gaps)
     return {"model": config.model or "SmolLM2-135M-Instruct (embedded)", "threads": config.num_threads or os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
             "block_size": config.block_size, "units": "seconds; tokens; context tokens; requests",
             **fit(samples), "samples": samples}
+
+
+def merge_profiles(paths: list[str]) -> dict:
+    """One fit over the samples of several profiles of the same model, threads and block size."""
+    import json
+
+    from pdserve.errors import PdserveError
+    profiles = []
+    for path in paths:
+        try:
+            profiles.append(json.loads(open(path).read()))
+        except (OSError, ValueError) as e:
+            raise PdserveError(f"cannot read profile {path}: {getattr(e, 'strerror', None) or e}") from None
+    keys = {(p.get("model"), p.get("threads"), p.get("block_size")) for p in profiles}
+    if len(keys) != 1 or any("samples" not in p for p in profiles):
+        raise PdserveError("profiles to merge must carry samples of one model, thread count and block size")
+    samples = [s for p in profiles for s in p["samples"]]
+    try:
+        coefficients = fit(samples)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PdserveError(f"profiles to merge hold malformed samples ({e})") from None
+    return {**{k: v for k, v in profiles[0].items() if k not in ("prefill", "decode", "samples")},
+            "merged_from": [str(p) for p in paths], **coefficients, "samples": samples}

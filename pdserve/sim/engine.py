@@ -4,7 +4,8 @@ Like the real worker loop, an engine only looks at its inbox at step boundaries:
 step runs wait for its end; an idle engine wakes when a message lands (after every message of that instant,
 so simultaneous arrivals are drained together). At a boundary it drains the inbox, lets its role do its
 bookkeeping (`hooks.before_step`: grant reservations, settle deliveries), then runs `LLMEngine.step()` and
-asks the `SimExecutor` how long that took. Outputs take effect at the step's end.
+asks the `SimExecutor` how long that took. Outputs take effect at the step's end. The first step after
+the engine sat idle also takes the time model's `wake_time(idle seconds)`.
 
 A pure decode batch may be fast-forwarded (`pdserve.sim.fastforward`): the window's steps are applied
 lazily, when the window ends or a message cuts it at the next boundary.
@@ -61,7 +62,9 @@ class SimEngine:
         self.inbox: list[Callable[[], None]] = []
         self.busy = False  # a step (or a wake-up) is scheduled
         self.step_end_s = 0.0
+        self.last_end_s = 0.0  # when the last step ended (or ends): idle time is counted from there
         self.window: fastforward.Window | None = None
+        self._window_open_s = 0.0
         self._window_version = itertools.count()
         self._current_window = -1
         self.num_steps = 0
@@ -97,6 +100,10 @@ class SimEngine:
             return
         self._step(now)
 
+    def _wake_s(self, now: float) -> float:
+        idle = now - self.last_end_s
+        return self.executor.time_model.wake_time(idle) if idle > 0 else 0.0
+
     def _step(self, now: float) -> None:
         outputs = self.engine.step()
         scheduled, duration = self.executor.last, self.executor.last_duration
@@ -104,11 +111,13 @@ class SimEngine:
         if scheduled.is_empty:  # nothing runnable until a message changes that
             self.busy = False
             return
+        wake = self._wake_s(now)
+        end = (now + wake) + duration  # the fast-forward's float operations, so both agree bit for bit
         self.num_steps += 1
-        self.busy_s += duration
-        self.step_end_s = now + duration
-        self.hooks.on_step_start(self, scheduled, now, duration)
-        self.loop.at(now + duration, self._step_end, scheduled, outputs)
+        self.busy_s += end - now
+        self.step_end_s = self.last_end_s = end
+        self.hooks.on_step_start(self, scheduled, now + wake, duration)  # computing starts once awake
+        self.loop.at(end, self._step_end, scheduled, outputs)
 
     def _step_end(self, scheduled, outputs) -> None:
         self.hooks.on_step_end(self, scheduled, outputs, self.loop.now)
@@ -116,12 +125,14 @@ class SimEngine:
 
     # ---- fast-forward -----------------------------------------------------------------------------------
     def _open_window(self, now: float) -> bool:
-        window = fastforward.plan(self.scheduler, self.executor.time_model, now, self.executor.token_id)
+        wake = self._wake_s(now)
+        window = fastforward.plan(self.scheduler, self.executor.time_model, now + wake, self.executor.token_id)
         if window is None:
             return False
-        self.window = window
+        self.window, self._window_open_s = window, now  # the window's steps start at now + wake
         self._current_window = next(self._window_version)
         self.step_end_s = window.ends[0]
+        self.last_end_s = window.ends[-1]
         self.loop.at(window.ends[-1], self._window_end, self._current_window)
         return True
 
@@ -135,6 +146,7 @@ class SimEngine:
         """A message arrived: the step in progress is the last one; the boundary after it drains the inbox."""
         j = bisect.bisect_left(self.window.ends, now) + 1
         end = self.window.ends[j - 1]
+        self.last_end_s = end
         self._close_window(j)
         self._current_window = next(self._window_version)
         self.loop.at(end, self._boundary)
@@ -142,10 +154,10 @@ class SimEngine:
     def _close_window(self, j: int) -> None:
         window, self.window = self.window, None
         used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
-        starts = [window.start_s] + window.ends[:j - 1]
+        starts = [self._window_open_s] + window.ends[:j - 1]
         for t, u in zip(starts, used):
             self.device.observe(t, u)
         self.num_steps += j
         self.num_ff_steps += j
-        self.busy_s += window.ends[j - 1] - window.start_s
+        self.busy_s += window.ends[j - 1] - self._window_open_s
         self.hooks.on_decode_run(self, window.requests, window.ends[:j], window.start_s)

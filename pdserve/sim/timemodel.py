@@ -11,6 +11,9 @@ over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
 * `FittedTimeModel`: DistServe's form, fitted to measurements of the real engine:
   prefill `a + b * sum(tokens) + c * sum(tokens^2)`, decode `a + b * sum(context) + c * batch`.
   A mixed batch (colocated chunked prefill) costs the prefill part plus the decode part without its `a`.
+  Optionally a wake-up table: the first step after the engine idled g seconds takes `wake_time(g)` longer
+  (interpolated between measured gaps; on the shared VM this project is measured on, an engine whose
+  weights sat untouched for seconds runs its next step up to several hundred ms slower).
   Coefficients live in JSON (see `FittedTimeModel.to_json`); `fit_time_model` fits them with least squares.
 """
 
@@ -69,6 +72,10 @@ class StepShape:
 class TimeModel(Protocol):
     def step_time(self, shape: StepShape) -> float: ...
 
+    def wake_time(self, idle_s: float) -> float:
+        """Extra time of the first step after `idle_s` seconds without one."""
+        ...
+
 
 class RooflineTimeModel:
     def __init__(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1, overhead_s: float = 0.0005) -> None:
@@ -94,6 +101,9 @@ class RooflineTimeModel:
         nbytes = self._weight_bytes + self._kv_token_bytes * (shape.decode_context + shape.prefill_context + tokens)
         return max(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * tokens + self._fixed_s
 
+    def wake_time(self, idle_s: float) -> float:
+        return 0.0
+
     def decode_times(self, num_seqs: int, context: int, k: int) -> np.ndarray:
         """`step_time(StepShape.decode(num_seqs, context + num_seqs * i))` for i = 1..k, bit for bit the same
         float operations, vectorized (the fast-forward plans hundreds of steps at once)."""
@@ -112,8 +122,20 @@ class Coefficients:
 
 
 class FittedTimeModel:
-    def __init__(self, prefill: Coefficients, decode: Coefficients, meta: dict | None = None) -> None:
+    def __init__(self, prefill: Coefficients, decode: Coefficients, meta: dict | None = None,
+                 wake: list[tuple[float, float]] | None = None) -> None:
         self.prefill, self.decode, self.meta = prefill, decode, meta or {}
+        self.wake = sorted((float(g), float(x)) for g, x in (wake or []))
+        if any(g < 0 or x < 0 for g, x in self.wake):
+            raise InvalidRequestError("wake-up table entries need gap >= 0 and extra seconds >= 0")
+        self._wake_gaps = [0.0] + [g for g, _ in self.wake]
+        self._wake_extra = [0.0] + [x for _, x in self.wake]
+
+    def wake_time(self, idle_s: float) -> float:
+        """Linear between measured gaps (0 at a gap of 0), the last value beyond the longest gap."""
+        if not self.wake or idle_s <= 0:
+            return 0.0
+        return float(np.interp(idle_s, self._wake_gaps, self._wake_extra))
 
     def step_time(self, shape: StepShape) -> float:
         t = 0.0
@@ -132,17 +154,19 @@ class FittedTimeModel:
         return np.maximum(0.0 + (d.a + d.b * ctx + d.c * num_seqs), 0.0)
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "fitted", "form": "distserve", **self.meta,
-                           "prefill": asdict(self.prefill), "decode": asdict(self.decode)}, indent=1)
+        return json.dumps({"kind": "fitted", "form": "distserve", **self.meta, "prefill": asdict(self.prefill),
+                           "decode": asdict(self.decode), "wake": [list(w) for w in self.wake]}, indent=1)
 
     @staticmethod
     def from_json(text: str) -> FittedTimeModel:
         d = json.loads(text)
         try:
-            meta = {k: v for k, v in d.items() if k not in ("prefill", "decode", "kind", "form")}
-            return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta)
-        except (KeyError, TypeError) as e:
-            raise InvalidRequestError(f"fitted time model JSON needs prefill/decode {{a, b, c}}: {e}") from None
+            meta = {k: v for k, v in d.items() if k not in ("prefill", "decode", "kind", "form", "wake", "samples")}
+            return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta,
+                                   [(g, x) for g, x in d.get("wake") or []])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"fitted time model JSON needs prefill/decode {{a, b, c}} and an "
+                                      f"optional wake [[gap_s, extra_s], ...]: {e}") from None
 
 
 def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = None) -> FittedTimeModel:
