@@ -9,13 +9,19 @@ before a run, can describe another machine than the one the run met. Hence, thro
   1. `pdserve profile --num-threads 1` (the workers' thread count in PD mode on 2 cores: one each) over the
      shapes this workload makes (prefill 16..512 tokens, decode batches 1..16 at 64 and 256 tokens), ~40 s,
      before the first run and after each run: P0, run 1, P1, run 2, P2, ...;
-  2. each run: `pdserve serve` (1 prefill + 1 decode, shm); a calibration probe at idle (8 requests of 16
-     prompt tokens and 1 output token, one at a time), then `pdserve bench serve` of the workload -> real/;
-  3. run k is simulated with `pdserve profile --merge P(k-1) P(k)` (the machine around that run): `pdserve
-     simulate --mode pd --prefill 1 --decode 1 --time-model fitted:... --control-latency-ms C` on the model's
-     config.json (for KV sizes), the same KV pool size, block size and budgets -> sim/; C = the probe's
-     median latency minus the fitted prefill time of 16 tokens, over the 4 gateway <-> worker messages on a
-     PD request's way to its first token;
+  2. each run: `pdserve serve` (1 prefill + 1 decode, shm); a calibration probe at idle (8 back-to-back
+     streamed requests of 16 prompt tokens and 2 output tokens, then one such request after the server sat
+     idle 0.5, 1, 2, 4 and 8 s, twice each), `pdserve bench serve` of the workload -> real<k>/, the probe
+     again;
+  3. run k is simulated with `pdserve profile --merge P(k-1) P(k)` (the machine around that run) plus the
+     probe's wake-up tables (on this VM an engine idle for seconds runs its next step up to hundreds of ms
+     slower): `wake` = how much longer than back-to-back the TTFT after each idle gap was (the prefill
+     worker's step), `wake_decode` = the same for the first inter-token gap (the decode worker's step):
+     `pdserve simulate --mode pd --prefill 1 --decode 1 --time-model fitted:... --control-latency-ms C` on
+     the model's config.json (for KV sizes), the same KV pool size, block size and budgets -> sim<k>/, and
+     once more without the wake-up table -> sim<k>_nowake/; C = the back-to-back probe's median latency minus
+     the fitted prefill time of 16 tokens, over the 4 gateway <-> worker messages on a PD request's way to
+     its first token;
   4. the relative errors of each run and their median over runs -> bench_results/fidelity/fidelity.json,
      with the drift between consecutive profiles (how far the machine moved during each run).
 """
@@ -45,29 +51,62 @@ def run(*args: str) -> None:
 PROBE_TOKENS, PROBE_REQUESTS, PD_HOPS = 16, 8, 4
 
 
-def probe_latencies(url: str) -> list[float]:
-    """Latencies of PROBE_REQUESTS idle requests of PROBE_TOKENS prompt tokens and one output token."""
-    import random
-    import time
+WAKE_GAPS, WAKE_REPEATS = (0.5, 1.0, 2.0, 4.0, 8.0), 2
+
+
+def _probe_request(url: str, rng) -> tuple[float, float]:
+    """One streamed request of PROBE_TOKENS prompt tokens and 2 output tokens: (TTFT, the first
+    inter-token gap = the decode worker's first step for it), seconds."""
+    import asyncio
 
     import httpx
+
+    from pdserve.bench.client import send_request
+
+    async def send():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await send_request(client, url, "SmolLM2-135M-Instruct",
+                                      [rng.randrange(100, 30000) for _ in range(PROBE_TOKENS)], 2)
+    rec = asyncio.run(send())
+    if rec.error or len(rec.token_times) != 2:
+        raise SystemExit(f"probe request failed: {rec.error or rec.token_times}")
+    return rec.first_token_s - rec.start_s, rec.token_times[1] - rec.token_times[0]
+
+
+def probe(url: str) -> tuple[list, list]:
+    """The idle real server: (TTFT, first gap) of PROBE_REQUESTS back-to-back probe requests; then, for each
+    wake gap, [gap, TTFT, first gap] of one after the server sat idle that long (WAKE_REPEATS times)."""
+    import random
+    import time
     rng = random.Random(0)
-    latencies = []
-    for _ in range(PROBE_REQUESTS):
-        prompt = [rng.randrange(100, 30000) for _ in range(PROBE_TOKENS)]
-        start = time.perf_counter()
-        httpx.post(url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
-                                                  "max_tokens": 1, "temperature": 0}, timeout=60).raise_for_status()
-        latencies.append(time.perf_counter() - start)
-    return latencies
+    warm = [_probe_request(url, rng) for _ in range(PROBE_REQUESTS)]
+    woken = []
+    for gap in WAKE_GAPS:
+        for _ in range(WAKE_REPEATS):
+            time.sleep(gap)
+            woken.append([gap, *_probe_request(url, rng)])
+    return warm, woken
 
 
-def control_latency_ms(latencies: list[float], fit: Path) -> float:
-    """Per-message control-plane latency: the probe's median minus the fitted prefill time of its prompt."""
+def control_latency_ms(warm: list, fit: Path) -> float:
+    """Per-message control-plane latency: the probe's median TTFT minus the fitted prefill time of its prompt."""
     import statistics
     pre = json.loads(fit.read_text())["prefill"]
     compute = pre["a"] + pre["b"] * PROBE_TOKENS + pre["c"] * PROBE_TOKENS ** 2
-    return max(statistics.median(latencies) - compute, 0.0) / PD_HOPS * 1000
+    return max(statistics.median(t for t, _ in warm) - compute, 0.0) / PD_HOPS * 1000
+
+
+def wake_tables(warm: list, woken: list) -> dict:
+    """The time model's wake-up tables, [[gap, median extra seconds over the back-to-back median]]: `wake` from
+    the TTFT (the prefill worker's step after idling `gap`), `wake_decode` from the first inter-token gap
+    (the decode worker's first step: its process was busy receiving the KV meanwhile)."""
+    import statistics
+    out = {}
+    for key, col in (("wake", 1), ("wake_decode", 2)):
+        base = statistics.median(w[col - 1] for w in warm)
+        out[key] = [[gap, max(statistics.median(w[col] for w in woken if w[0] == gap) - base, 0.0)]
+                    for gap in WAKE_GAPS]
+    return out
 
 
 PROFILE_SHAPES = ["--prefill-tokens", "16,32,64,128,256,512", "--decode-batches", "1,2,4,8,16",
@@ -87,31 +126,33 @@ def drift(before: Path, after: Path) -> dict:
     return out
 
 
-def real_run(k: int, workload: list[str]) -> tuple[int, list[float]]:
+def real_run(k: int, workload: list[str]) -> tuple[int, tuple]:
     """Serve and replay the workload once; the KV pool size and the idle probe's latencies."""
     server = Server("--num-threads", "1")
     try:
         blocks = int(server.metric("pdserve_kv_blocks_total", worker="decode-0"))
-        probe = probe_latencies(server.url)
+        before = probe(server.url)
         run("bench", "serve", "--endpoint", server.url, *workload, "--output", str(OUT / f"real{k}"),
             "--no-progress")
+        after = probe(server.url)  # the machine drifts: probe around the run, as the profiles do
+        probed = (before[0] + after[0], before[1] + after[1])
     finally:
         server.stop()
-    return blocks, probe
+    return blocks, probed
 
 
-def simulate(k: int, workload: list[str], fit: Path, blocks: int, control_ms: float) -> None:
+def simulate(name: str, workload: list[str], fit: Path, blocks: int, control_ms: float) -> None:
     from pdserve.model.loader import resolve_model_dir
     config = resolve_model_dir(None) / "config.json"
     run("simulate", *workload, "--model", str(config), "--gpu", "l40s", "--time-model", f"fitted:{fit}",
         "--mode", "pd", "--prefill", "1", "--decode", "1", "--block-size", "16", "--num-kv-blocks", str(blocks),
         "--prefill-budget", "2048", "--decode-budget", "2048", "--control-latency-ms", f"{control_ms:.3f}",
-        "--output", str(OUT / f"sim{k}"), "--no-progress")
+        "--output", str(OUT / name), "--no-progress")
 
 
-def errors(k: int) -> dict:
+def errors(k: int, sim_name: str) -> dict:
     real = json.loads((OUT / f"real{k}" / "result.json").read_text())["runs"][0]["summary"]
-    sim = json.loads((OUT / f"sim{k}" / "result.json").read_text())["runs"][0]["summary"]
+    sim = json.loads((OUT / sim_name / "result.json").read_text())["runs"][0]["summary"]
     return {f"{m}.{q}": {"real": real[m][q], "sim": sim[m][q], "rel_error": abs(sim[m][q] - real[m][q]) / real[m][q]}
             for m, q in METRICS}
 
@@ -132,30 +173,44 @@ def main() -> int:
     run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[0]))
     runs = []
     for k in range(1, args.repeats + 1):
-        blocks, probe = real_run(k, workload)
+        blocks, (warm, woken) = real_run(k, workload)
         run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[k]))
         fit = OUT / f"fit{k}.json"
         run("profile", "--merge", str(profiles[k - 1]), str(profiles[k]), "--output", str(fit))
-        control_ms = control_latency_ms(probe, fit)
-        simulate(k, workload, fit, blocks, control_ms)
-        runs.append({"control_latency_ms": control_ms, "probe_s": probe,
-                     "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k)})
+        control_ms = control_latency_ms(warm, fit)
+        wake = wake_tables(warm, woken)
+        plain = json.loads(fit.read_text())
+        fit.write_text(json.dumps({**plain, **wake}, indent=1))
+        (OUT / f"fit{k}_nowake.json").write_text(json.dumps(plain, indent=1))
+        simulate(f"sim{k}", workload, fit, blocks, control_ms)
+        simulate(f"sim{k}_nowake", workload, OUT / f"fit{k}_nowake.json", blocks, control_ms)
+        runs.append({"control_latency_ms": control_ms, "probe_s": warm, "wake_probe_s": woken, "wake": wake,
+                     "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k, f"sim{k}"),
+                     "rows_without_wake": errors(k, f"sim{k}_nowake")})
         print_run(k, runs[-1])
-    median = {key: statistics.median(r["rows"][key]["rel_error"] for r in runs) for key in runs[0]["rows"]}
-    print("\nmedian relative error over runs: " + ", ".join(f"{key} {e:.1%}" for key, e in median.items()))
+    median = {rows: {key: statistics.median(r[rows][key]["rel_error"] for r in runs) for key in runs[0][rows]}
+              for rows in ("rows", "rows_without_wake")}
+    for rows, label in (("rows", "with the wake-up table"), ("rows_without_wake", "without it")):
+        print(f"\nmedian relative error over runs, {label}: "
+              + ", ".join(f"{key} {e:.1%}" for key, e in median[rows].items()))
     (OUT / "fidelity.json").write_text(json.dumps({"args": vars(args), "runs": runs,
-                                                   "median_rel_error": median}, indent=1))
+                                                   "median_rel_error": median["rows"],
+                                                   "median_rel_error_without_wake": median["rows_without_wake"]},
+                                                  indent=1))
     return 0
 
 
 def print_run(k: int, r: dict) -> None:
     d = r["drift"]
-    print(f"\nrun {k}: control-plane latency {r['control_latency_ms']:.2f} ms/message; machine drift over the run: "
-          f"prefill {d['prefill']:+.0%}, decode {d['decode']:+.0%}")
-    print(f"{'metric':<12}{'real ms':>10}{'sim ms':>10}{'rel. error':>12}")
+    wake = "; ".join(f"{key}: " + ", ".join(f"+{x * 1000:.0f} ms after {g:g} s" for g, x in table)
+                     for key, table in r["wake"].items())
+    print(f"\nrun {k}: control-plane latency {r['control_latency_ms']:.2f} ms/message; {wake}; machine "
+          f"drift over the run: prefill {d['prefill']:+.0%}, decode {d['decode']:+.0%}")
+    print(f"{'metric':<12}{'real ms':>10}{'sim ms':>10}{'rel. error':>12}{'no wake: sim':>14}{'error':>8}")
     for key, row in r["rows"].items():
-        name = key.replace("_ms", "").replace(".", " ")
-        print(f"{name:<12}{row['real']:>10.1f}{row['sim']:>10.1f}{row['rel_error']:>12.1%}", flush=True)
+        name, alt = key.replace("_ms", "").replace(".", " "), r["rows_without_wake"][key]
+        print(f"{name:<12}{row['real']:>10.1f}{row['sim']:>10.1f}{row['rel_error']:>12.1%}{alt['sim']:>14.1f}"
+              f"{alt['rel_error']:>8.1%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ tokens. Ceilings, measured in the same run:
     piece after piece, so neither side is cache-resident, like the pools (STREAM-copy style); bytes/s;
   - loopback socket: two processes, a plain TCP socket on 127.0.0.1, `sendall` / `recv_into` of
     chunk-sized pieces walking 256 MiB regions on both sides; bytes/s.
+  `memcpy_glibc`: the same walk with glibc's memcpy (`ctypes.memmove`); shm is also given against the faster
+  of the two memcpy rows.
   Both also with a hot, chunk-sized buffer reused on each side (`memcpy_hot`, `loopback_hot`): the
   cache-resident upper bound, reported beside them.
 Also `shm_receiver_alone`: the shm receiver's path by itself in one process (records already in the ring,
@@ -169,6 +171,23 @@ def shm_receiver_alone(requests: int, blocks: int) -> float:
         receiver.close()
 
 
+def memcpy_glibc(chunk_bytes: int) -> float:
+    """The memcpy ceiling with glibc's own memcpy (`ctypes.memmove`) instead of torch's copy kernel: the same
+    walk of chunk-sized pieces between two 256 MiB regions."""
+    import ctypes
+
+    import numpy as np
+    src, dst = np.frombuffer(os.urandom(1 << 20) * (REGION >> 20), dtype=np.uint8), np.ones(REGION, dtype=np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for off in range(0, REGION - chunk_bytes + 1, chunk_bytes):
+            ctypes.memmove(d + off, s + off, chunk_bytes)
+        times.append(time.perf_counter() - t0)
+    return (REGION // chunk_bytes) * chunk_bytes / statistics.median(times)
+
+
 def memcpy_ceiling(chunk_bytes: int, hot: bool, verify: bool = False) -> float:
     """Copy chunk-sized pieces between two regions; with `verify`, also xxh3 each written piece right
     after (256 KiB at a time, while in cache): the least any checksum-verified delivery does."""
@@ -250,10 +269,11 @@ def main() -> int:
     chunk = 2 * KV_HEADS * blocks * BLOCK * HEAD_DIM * 4
     total = chunk * LAYERS * args.requests
     rows = {"memcpy": [], "loopback": [], "memcpy_hot": [], "loopback_hot": [], "shm": [], "tcp": [],
-            "shm_receiver_alone": [], "copy_verify": []}
+            "shm_receiver_alone": [], "copy_verify": [], "memcpy_glibc": []}
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
         rows["memcpy"].append(memcpy_ceiling(chunk, hot=False))
         rows["memcpy_hot"].append(memcpy_ceiling(chunk, hot=True))
+        rows["memcpy_glibc"].append(memcpy_glibc(chunk))
         rows["copy_verify"].append(memcpy_ceiling(chunk, hot=False, verify=True))
         rows["loopback"].append(loopback_ceiling(chunk, total, hot=False))
         rows["loopback_hot"].append(loopback_ceiling(chunk, total, hot=True))
@@ -264,7 +284,8 @@ def main() -> int:
     print(f"chunk {chunk / 2**20:.2f} MiB (one layer of {args.prompt_tokens} tokens), "
           f"{total / 2**20:.0f} MiB per run, median of {args.repeats}")
     print(f"{'path':<20}{'GB/s':>8}{'vs ceiling':>12}{'vs hot':>8}")
-    for name, ceiling in (("memcpy", None), ("memcpy_hot", None), ("copy_verify", "memcpy"), ("loopback", None),
+    for name, ceiling in (("memcpy", None), ("memcpy_glibc", None), ("memcpy_hot", None), ("copy_verify", "memcpy"),
+                          ("loopback", None),
                           ("loopback_hot", None), ("shm", "memcpy"), ("tcp", "loopback"),
                           ("shm_receiver_alone", "memcpy")):
         ratio = f"{med[name] / med[ceiling]:.0%}" if ceiling else ""
@@ -272,6 +293,8 @@ def main() -> int:
         if name == "copy_verify":
             hot = ""
         print(f"{name:<20}{med[name] / 1e9:>8.2f}{ratio:>12}{hot:>8}")
+    best = max(med["memcpy"], med["memcpy_glibc"])
+    print(f"shm vs the faster memcpy ({'torch' if best == med['memcpy'] else 'glibc'}): {med['shm'] / best:.0%}")
     out = Path("bench_results")
     out.mkdir(exist_ok=True)
     (out / "transfer.json").write_text(json.dumps({"args": vars(args), "chunk_bytes": chunk, "runs": rows,

@@ -108,7 +108,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         result = run_profile(engine_config_from_args(args), _positive_ints(args.prefill_tokens, "prefill-tokens"),
                              _positive_ints(args.decode_batches, "decode-batches"),
-                             _positive_ints(args.decode_contexts, "decode-contexts"), _wake_gaps(args.wake_gaps))
+                             _positive_ints(args.decode_contexts, "decode-contexts"))
     try:
         Path(args.output).write_text(json.dumps(result, indent=1))
     except OSError as e:
@@ -116,22 +116,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     p, d = result["prefill"], result["decode"]
     print(f"prefill_s = {p['a']:.4g} + {p['b']:.4g}*tokens + {p['c']:.4g}*tokens^2")
     print(f"decode_s  = {d['a']:.4g} + {d['b']:.4g}*context_sum + {d['c']:.4g}*batch")
-    if result.get("wake"):
-        print("wake-up   = " + ", ".join(f"+{x * 1000:.0f} ms after {g:g} s idle" for g, x in result["wake"]))
     print(f"wrote {args.output}")
     return 0
-
-
-def _wake_gaps(text: str) -> tuple[float, ...]:
-    if text == "none":
-        return ()
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) <= 0 or max(values) > 600:
-        raise PdserveError(f"--wake-gaps takes 'none' or comma-separated seconds in (0, 600], got {text!r}")
-    return values
 
 
 def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
@@ -175,8 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="batch sizes of the timed decode steps (comma-separated)")
     prof.add_argument("--decode-contexts", default=",".join(map(str, pr.DECODE_CONTEXTS)),
                       help="context length per request of the timed decode steps (comma-separated)")
-    prof.add_argument("--wake-gaps", default=",".join(f"{g:g}" for g in pr.WAKE_GAPS),
-                      help="idle seconds before the timed wake-up steps (comma-separated), or 'none'")
     prof.add_argument("--merge", nargs="+", metavar="FIT.json", default=None,
                       help="measure nothing: fit over the samples of these earlier profiles together")
     add_engine_args(prof)

@@ -20,12 +20,10 @@ def test_fit_recovers_known_coefficients():
 
 def test_profile_of_a_real_engine(tiny_llama_dir):
     result = run_profile(EngineConfig(model=str(tiny_llama_dir), num_threads=1, max_num_batched_tokens=256),
-                         prefill_tokens=(16, 64, 256), decode_batches=(1, 4), decode_contexts=(16, 64),
-                         wake_gaps=(0.2,))
+                         prefill_tokens=(16, 64, 256), decode_batches=(1, 4), decode_contexts=(16, 64))
     assert len([s for s in result["samples"] if s["kind"] == "prefill"]) == 3
     assert len([s for s in result["samples"] if s["kind"] == "decode"]) == 4
-    assert all(s["seconds"] > 0 for s in result["samples"] if s["kind"] != "wake")
-    assert [g for g, _ in result["wake"]] == [0.2] and result["wake"][0][1] >= 0
+    assert all(s["seconds"] > 0 for s in result["samples"])
     p = result["prefill"]
     assert p["a"] + p["b"] * 256 + p["c"] * 256 ** 2 > 0
 
@@ -65,6 +63,5 @@ def test_profile_cli_rejects_bad_shapes_and_mismatched_merges(tmp_path):
                           "cannot read profile")
     assert_one_line_error(run_cli("profile", "--decode-batches", "1,0", "--output", out), "--decode-batches")
     assert_one_line_error(run_cli("profile", "--prefill-tokens", "", "--output", out), "--prefill-tokens")
-    assert_one_line_error(run_cli("profile", "--wake-gaps", "-1", "--output", out), "--wake-gaps")
     ok = run_cli("profile", "--merge", a, a, "--output", out)
     assert ok.returncode == 0, ok.stderr

@@ -123,7 +123,12 @@ def test_fitted_wake_up_table_interpolates_and_round_trips(tmp_path):
     path.write_text(tm.to_json())
     loaded = make_time_model(f"fitted:{path}", get_model("llama-3-8b"), get_gpu("h100"), 1)
     assert loaded.wake_time(5.0) == pytest.approx(0.2)
+    assert loaded.wake_time(5.0, decode=True) == pytest.approx(0.2)  # no decode table: the same one
     assert FittedTimeModel(tm.prefill, tm.decode).wake_time(5.0) == 0  # no table: no wake-up cost
+    split = FittedTimeModel(tm.prefill, tm.decode, wake=tm.wake, wake_decode=[(2.0, 0.02)])
+    path.write_text(split.to_json())
+    loaded = make_time_model(f"fitted:{path}", get_model("llama-3-8b"), get_gpu("h100"), 1)
+    assert loaded.wake_time(1.0, decode=True) == pytest.approx(0.01) and loaded.wake_time(1.0) == pytest.approx(0.05)
     assert RooflineTimeModel(get_model("llama-3-8b"), get_gpu("h100")).wake_time(5.0) == 0
     path.write_text(json.dumps({**json.loads(tm.to_json()), "wake": [[2.0, -0.1]]}))
     with pytest.raises(InvalidRequestError, match="wake"):

@@ -88,8 +88,8 @@ def _records(run):
 class WakingRoofline(RooflineTimeModel):
     """The roofline plus a wake-up cost: 1 ms per idle second, at most 4 ms."""
 
-    def wake_time(self, idle_s: float) -> float:
-        return min(idle_s, 4.0) * 1e-3
+    def wake_time(self, idle_s: float, decode: bool = False) -> float:
+        return min(idle_s, 4.0) * (0.5e-3 if decode else 1e-3)
 
 
 @pytest.mark.parametrize("mode,blocks,wake", [("colocated", 120, False), ("pd", 160, False), ("pd", None, False),
@@ -135,7 +135,8 @@ def test_control_latency_adds_its_message_hops_to_ttft_only(mode, hops):
 @pytest.mark.parametrize("mode", ["pd", "colocated"])
 def test_wake_up_time_lands_on_the_first_step_after_idle(mode):
     """Two requests 10 s apart: the second one's first step (its prefill) and, in PD, the decode worker's first
-    step after its idle wait pay `wake_time(idle)`; the first request (engines fresh at t=0) pays nothing."""
+    step after its idle wait (a pure decode step: the decode table) pay `wake_time(idle)`; the first request
+    (engines fresh at t=0) pays nothing."""
     from dataclasses import replace
     base_wl = load_workload("fixed:200,8", num_requests=2)
     wl = replace(base_wl, requests=[base_wl.requests[0], replace(base_wl.requests[1], arrival_s=10.0)])
@@ -147,7 +148,7 @@ def test_wake_up_time_lands_on_the_first_step_after_idle(mode):
     assert ttft[1][1] == pytest.approx(ttft[0][1] + 4e-3)  # idle ~10 s: the capped 4 ms
     gaps = [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in (plain[1], woken[1])]
     if mode == "pd":  # the decode worker idled too: its first step for this request is 4 ms longer
-        assert gaps[1][0] == pytest.approx(gaps[0][0] + 4e-3)
+        assert gaps[1][0] == pytest.approx(gaps[0][0] + 2e-3)
         assert gaps[1][1:] == pytest.approx(gaps[0][1:])
     else:
         assert gaps[1] == pytest.approx(gaps[0])

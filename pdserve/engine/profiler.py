@@ -11,10 +11,6 @@ Fitted (DistServe-style, least squares on relative error over the medians):
     prefill_s = a + b * sum(tokens) + c * sum(tokens^2)
     decode_s  = a + b * sum(context) + c * batch
 
-Wake-up: after sleeping g seconds (for each g of the wake gaps), one 16-token prefill step is timed against
-the same step run right before; the medians of the differences become the time model's wake-up table
-(`[[g, extra_s], ...]`, see `pdserve.sim.timemodel`).
-
 The JSON holds the coefficients, the samples they came from, and the machine and model they describe.
 `merge_profiles` fits over the samples of several such files together (e.g. profiles taken before and after
 a run, so the model describes the machine over the run rather than at one moment).
@@ -36,8 +32,6 @@ from pdserve.engine.config import EngineConfig
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (64, 256, 1024)
-WAKE_GAPS = (0.5, 2.0, 8.0)
-WAKE_TOKENS = 16
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -71,20 +65,6 @@ def profile_prefill(engine, shapes=PREFILL_TOKENS, repeats: int = 3, salt: int =
     return samples
 
 
-def profile_wake(engine, gaps=WAKE_GAPS, repeats: int = 2, salt: int = 20_000) -> list[dict]:
-    samples = []
-    for gap in gaps:
-        extra = []
-        for _ in range(repeats):
-            _prefill_step(engine, WAKE_TOKENS, salt)
-            warm = _prefill_step(engine, WAKE_TOKENS, salt + 1)
-            time.sleep(gap)
-            extra.append(max(_prefill_step(engine, WAKE_TOKENS, salt + 2) - warm, 0.0))
-            salt += 3
-        samples.append({"kind": "wake", "gap_s": gap, "extra_s": statistics.median(extra)})
-    return samples
-
-
 def profile_decode(engine, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, steps: int = 6,
                    salt: int = 10_000) -> list[dict]:
     samples = []
@@ -111,12 +91,7 @@ def fit(samples: list[dict]) -> dict:
     a_dec = np.array([[1.0, s["context_sum"], s["batch"]] for s in dec])
     coef_pre = _relative_lstsq(a_pre, np.array([s["seconds"] for s in pre]))
     coef_dec = _relative_lstsq(a_dec, np.array([s["seconds"] for s in dec]))
-    wake: dict[float, list[float]] = {}
-    for s in samples:
-        if s["kind"] == "wake":
-            wake.setdefault(float(s["gap_s"]), []).append(float(s["extra_s"]))
-    return {"prefill": dict(zip("abc", map(float, coef_pre))), "decode": dict(zip("abc", map(float, coef_dec))),
-            "wake": [[gap, statistics.median(x)] for gap, x in sorted(wake.items())]}
+    return {"prefill": dict(zip("abc", map(float, coef_pre))), "decode": dict(zip("abc", map(float, coef_dec)))}
 
 
 def _relative_lstsq(a: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -127,7 +102,7 @@ def _relative_lstsq(a: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,
-                decode_contexts=DECODE_CONTEXTS, wake_gaps=WAKE_GAPS) -> dict:
+                decode_contexts=DECODE_CONTEXTS) -> dict:
     from pdserve.engine.llm import build_engine
     engine = build_engine(replace(config, enable_prefix_caching=False))
     samples = profile_prefill(engine, prefill_tokens) + profile_decode(engine, decode_batches, decode_contexts)
@@ -135,7 +110,6 @@ def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batc
         from pdserve.errors import PdserveError
         raise PdserveError("no prefill or no decode shape fits the engine's token budget and KV pool: "
                            "choose smaller --prefill-tokens / --decode-batches / --decode-contexts")
-    samples += profile_wake(engine, wake_gaps)
     return {"model": config.model or "SmolLM2-135M-Instruct (embedded)", "threads": config.num_threads or os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
             "block_size": config.block_size, "units": "seconds; tokens; context tokens; requests",

@@ -100,9 +100,9 @@ class SimEngine:
             return
         self._step(now)
 
-    def _wake_s(self, now: float) -> float:
+    def _wake_s(self, now: float, decode: bool) -> float:
         idle = now - self.last_end_s
-        return self.executor.time_model.wake_time(idle) if idle > 0 else 0.0
+        return self.executor.time_model.wake_time(idle, decode) if idle > 0 else 0.0
 
     def _step(self, now: float) -> None:
         outputs = self.engine.step()
@@ -111,7 +111,7 @@ class SimEngine:
         if scheduled.is_empty:  # nothing runnable until a message changes that
             self.busy = False
             return
-        wake = self._wake_s(now)
+        wake = self._wake_s(now, decode=self.executor.last_shape.prefill_tokens == 0)
         end = (now + wake) + duration  # the fast-forward's float operations, so both agree bit for bit
         self.num_steps += 1
         self.busy_s += end - now
@@ -125,7 +125,7 @@ class SimEngine:
 
     # ---- fast-forward -----------------------------------------------------------------------------------
     def _open_window(self, now: float) -> bool:
-        wake = self._wake_s(now)
+        wake = self._wake_s(now, decode=True)
         window = fastforward.plan(self.scheduler, self.executor.time_model, now + wake, self.executor.token_id)
         if window is None:
             return False

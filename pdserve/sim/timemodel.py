@@ -13,7 +13,9 @@ over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
   A mixed batch (colocated chunked prefill) costs the prefill part plus the decode part without its `a`.
   Optionally a wake-up table: the first step after the engine idled g seconds takes `wake_time(g)` longer
   (interpolated between measured gaps; on the shared VM this project is measured on, an engine whose
-  weights sat untouched for seconds runs its next step up to several hundred ms slower).
+  weights sat untouched for seconds runs its next step up to several hundred ms slower;
+  `benchmarks/bench_fidelity.py` measures the table on the idle real server). JSON: `"wake": [[gap_s, extra_s]]`,
+  and optionally `"wake_decode"` for pure decode steps (else they use `wake` too).
   Coefficients live in JSON (see `FittedTimeModel.to_json`); `fit_time_model` fits them with least squares.
 """
 
@@ -72,8 +74,8 @@ class StepShape:
 class TimeModel(Protocol):
     def step_time(self, shape: StepShape) -> float: ...
 
-    def wake_time(self, idle_s: float) -> float:
-        """Extra time of the first step after `idle_s` seconds without one."""
+    def wake_time(self, idle_s: float, decode: bool = False) -> float:
+        """Extra time of the first step (a pure decode step if `decode`) after `idle_s` seconds without one."""
         ...
 
 
@@ -101,7 +103,7 @@ class RooflineTimeModel:
         nbytes = self._weight_bytes + self._kv_token_bytes * (shape.decode_context + shape.prefill_context + tokens)
         return max(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * tokens + self._fixed_s
 
-    def wake_time(self, idle_s: float) -> float:
+    def wake_time(self, idle_s: float, decode: bool = False) -> float:
         return 0.0
 
     def decode_times(self, num_seqs: int, context: int, k: int) -> np.ndarray:
@@ -121,21 +123,26 @@ class Coefficients:
     c: float
 
 
+def _wake_table(entries) -> list[tuple[float, float]]:
+    table = sorted((float(g), float(x)) for g, x in (entries or []))
+    if any(g < 0 or x < 0 for g, x in table):
+        raise InvalidRequestError("wake-up table entries need gap >= 0 and extra seconds >= 0")
+    return table
+
+
 class FittedTimeModel:
     def __init__(self, prefill: Coefficients, decode: Coefficients, meta: dict | None = None,
-                 wake: list[tuple[float, float]] | None = None) -> None:
+                 wake: list[tuple[float, float]] | None = None,
+                 wake_decode: list[tuple[float, float]] | None = None) -> None:
         self.prefill, self.decode, self.meta = prefill, decode, meta or {}
-        self.wake = sorted((float(g), float(x)) for g, x in (wake or []))
-        if any(g < 0 or x < 0 for g, x in self.wake):
-            raise InvalidRequestError("wake-up table entries need gap >= 0 and extra seconds >= 0")
-        self._wake_gaps = [0.0] + [g for g, _ in self.wake]
-        self._wake_extra = [0.0] + [x for _, x in self.wake]
+        self.wake, self.wake_decode = _wake_table(wake), None if wake_decode is None else _wake_table(wake_decode)
 
-    def wake_time(self, idle_s: float) -> float:
+    def wake_time(self, idle_s: float, decode: bool = False) -> float:
         """Linear between measured gaps (0 at a gap of 0), the last value beyond the longest gap."""
-        if not self.wake or idle_s <= 0:
+        table = self.wake_decode if decode and self.wake_decode is not None else self.wake
+        if not table or idle_s <= 0:
             return 0.0
-        return float(np.interp(idle_s, self._wake_gaps, self._wake_extra))
+        return float(np.interp(idle_s, [0.0] + [g for g, _ in table], [0.0] + [x for _, x in table]))
 
     def step_time(self, shape: StepShape) -> float:
         t = 0.0
@@ -155,15 +162,19 @@ class FittedTimeModel:
 
     def to_json(self) -> str:
         return json.dumps({"kind": "fitted", "form": "distserve", **self.meta, "prefill": asdict(self.prefill),
-                           "decode": asdict(self.decode), "wake": [list(w) for w in self.wake]}, indent=1)
+                           "decode": asdict(self.decode), "wake": [list(w) for w in self.wake],
+                           **({} if self.wake_decode is None else
+                              {"wake_decode": [list(w) for w in self.wake_decode]})}, indent=1)
 
     @staticmethod
     def from_json(text: str) -> FittedTimeModel:
         d = json.loads(text)
         try:
-            meta = {k: v for k, v in d.items() if k not in ("prefill", "decode", "kind", "form", "wake", "samples")}
+            meta = {k: v for k, v in d.items()
+                    if k not in ("prefill", "decode", "kind", "form", "wake", "wake_decode", "samples")}
             return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta,
-                                   [(g, x) for g, x in d.get("wake") or []])
+                                   [(g, x) for g, x in d.get("wake") or []],
+                                   None if d.get("wake_decode") is None else [(g, x) for g, x in d["wake_decode"]])
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"fitted time model JSON needs prefill/decode {{a, b, c}} and an "
                                       f"optional wake [[gap_s, extra_s], ...]: {e}") from None
