@@ -285,3 +285,15 @@ def test_tcp_payload_split_across_polls_asks_again_where_the_rest_goes():
     finally:
         raw.close()
         receiver.close()
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(st.lists(st.integers(0, 40), max_size=30))
+def test_runs_are_maximal_and_cover_the_ids(ids):
+    from pdserve.kv.block_io import runs
+    got = runs(ids)
+    assert [b for _, first, n in got for b in range(first, first + n)] == ids
+    assert [pos for pos, _, _ in got] == [sum(n for _, _, n in got[:i]) for i in range(len(got))]
+    assert all(first + n != nxt for (_, first, n), (_, nxt, _) in zip(got, got[1:]))  # maximal

@@ -49,13 +49,18 @@ def _buffer_tensor(buf, layer: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive ids: [(position in block_ids, first id, length)]."""
+    """Maximal runs of consecutive ids: [(position in block_ids, first id, length)]. (On the delivery path,
+    once per chunk on each side, right after a copy that evicted the interpreter's data from the caches:
+    a plain index loop, no tuple rebuilt per id.)"""
     out: list[tuple[int, int, int]] = []
-    for pos, block in enumerate(block_ids):
-        if out and out[-1][1] + out[-1][2] == block:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((pos, block, 1))
+    n = len(block_ids)
+    start = 0
+    for i in range(1, n):
+        if block_ids[i] != block_ids[i - 1] + 1:
+            out.append((start, block_ids[start], i - start))
+            start = i
+    if n:
+        out.append((start, block_ids[start], n - start))
     return out
 
 
