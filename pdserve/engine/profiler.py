@@ -119,12 +119,13 @@ def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batc
 def merge_profiles(paths: list[str]) -> dict:
     """One fit over the samples of several profiles of the same model, threads and block size."""
     import json
+    from pathlib import Path
 
     from pdserve.errors import PdserveError
     profiles = []
     for path in paths:
         try:
-            profiles.append(json.loads(open(path).read()))
+            profiles.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise PdserveError(f"cannot read profile {path}: {getattr(e, 'strerror', None) or e}") from None
     keys = {(p.get("model"), p.get("threads"), p.get("block_size")) for p in profiles}

@@ -136,13 +136,15 @@ class FittedTimeModel:
                  wake_decode: list[tuple[float, float]] | None = None) -> None:
         self.prefill, self.decode, self.meta = prefill, decode, meta or {}
         self.wake, self.wake_decode = _wake_table(wake), None if wake_decode is None else _wake_table(wake_decode)
+        self._wake_points = {decode: ([0.0] + [g for g, _ in table], [0.0] + [x for _, x in table])
+                             for decode, table in ((False, self.wake), (True, self.wake_decode or []))}
 
     def wake_time(self, idle_s: float, decode: bool = False) -> float:
         """Linear between measured gaps (0 at a gap of 0), the last value beyond the longest gap."""
-        table = self.wake_decode if decode and self.wake_decode is not None else self.wake
-        if not table or idle_s <= 0:
+        gaps, extra = self._wake_points[decode and self.wake_decode is not None]
+        if len(gaps) == 1 or idle_s <= 0:
             return 0.0
-        return float(np.interp(idle_s, [0.0] + [g for g, _ in table], [0.0] + [x for _, x in table]))
+        return float(np.interp(idle_s, gaps, extra))
 
     def step_time(self, shape: StepShape) -> float:
         t = 0.0
