@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,32 +123,64 @@ def test_unsupported_tensors_fall_back_and_are_counted():
 
 def test_engine_on_cpu_fp32_never_falls_back(tiny_llama_dir):
     from pdserve import LLM
-    llm = LLM(str(tiny_llama_dir), block_size=4)  # packing counts a fallback per weight without AVX-512
-    before = kernels.fallback_count()
+    before = kernels.fallback_count()  # loading counts too: choosing MKL on some host is no fallback
+    llm = LLM(str(tiny_llama_dir), block_size=4)
     out = llm.generate([[11, 12, 13, 14, 15], [7] * 9], SamplingParams(temperature=0, max_tokens=6))
     assert all(len(o.token_ids) == 6 for o in out)
     assert kernels.fallback_count() == before, kernels.fallback_reason()
 
 
-@pytest.mark.parametrize("rows", [2, 5, 16, 17, 32])
-@pytest.mark.parametrize("n,k", [(960, 576), (40, 24), (7, 3)])
+def cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_gemm_isa_is_the_hosts():
+    """The GEMM kernel is built for what this CPU has (or what PDSERVE_KERNEL_CFLAGS leaves of it)."""
+    flags, cflags = cpu_flags(), os.environ.get("PDSERVE_KERNEL_CFLAGS", "")
+    expected = ("avx512" if "avx512f" in flags and "-mno-avx512f" not in cflags else
+                "avx2" if {"avx2", "fma"} <= flags and "-mno-avx2" not in cflags else "none")
+    assert kernels.isa() == expected
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 17, 32, 64])
+@pytest.mark.parametrize("n,k", [(960, 576), (40, 24), (7, 3), (100, 300)])
 def test_gemm_matches_linear(rows, n, k):
     from pdserve.model.linear import Linear
     g = torch.Generator().manual_seed(5)
     w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
     lin = Linear(w, b, pack=True)
     if lin.panels is None:
-        pytest.skip(f"no GEMM kernel on this CPU: {kernels.fallback_reason()}")
+        pytest.skip(f"no GEMM kernel for this CPU (isa {kernels.isa()}): MKL serves every matmul")
     torch.testing.assert_close(kernels.gemm(x, lin.panels), x @ w.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     wide = torch.randn(rows, 2 * k, generator=g)[:, :k]  # a row stride wider than k
     torch.testing.assert_close(kernels.gemm(wide, lin.panels), wide @ w.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 256, 257, 600])
+def test_linear_paths_match_f_linear(rows):
+    """Every path Linear can take (compiled GEMM, MKL's packed sgemm, F.linear) against F.linear, each
+    one counted as taken."""
+    from pdserve.model.linear import KERNEL_ROWS, PACKED_MAX_ROWS, Linear
+    g = torch.Generator().manual_seed(7)
+    w, b, x = torch.randn(200, 96, generator=g), torch.randn(200, generator=g), torch.randn(rows, 96, generator=g)
+    lin = Linear(w, b, pack=True)
+    lo, hi = KERNEL_ROWS.get(lin.isa, (1, 0))
+    path = lin.isa if lo <= rows <= hi else "mkl_packed" if rows <= PACKED_MAX_ROWS else "torch_linear"
+    before = kernels.paths_used().get("gemm", {}).get(path, 0)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert kernels.paths_used()["gemm"][path] == before + 1
+    lin.panels = None  # MKL's packed path for this same row count, which hosts without the kernel take
+    if rows <= PACKED_MAX_ROWS:
+        before = kernels.paths_used()["gemm"].get("mkl_packed", 0)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        assert kernels.paths_used()["gemm"]["mkl_packed"] == before + 1
+
+
 def test_a_failed_build_is_a_counted_fallback(tmp_path):
-    import os
-    import subprocess
-    import sys
     code = ("import torch; from pdserve.model import kernels; x = torch.ones(2, 4); "
             "h = kernels.add_rms_norm(x, None, torch.ones(4), 1e-5); "
             "print(kernels.available(), kernels.fallback_count(), kernels.fallback_reason())")
@@ -153,3 +188,52 @@ def test_a_failed_build_is_a_counted_fallback(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.startswith("False 1 ") and "no-such-cc" in out.stdout
     assert "falling back to torch" in out.stderr
+
+
+NO_GEMM_SCRIPT = """
+import sys, torch
+from pdserve import LLM, SamplingParams
+from pdserve.model import kernels
+llm = LLM(sys.argv[1], block_size=4)
+llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=4))
+print(kernels.isa(), kernels.fallback_count(), kernels.paths_used()["gemm"])
+"""
+
+
+def test_a_cpu_without_gemm_kernel_is_a_decision_not_a_fallback(tmp_path, tiny_llama_dir):
+    """Built without AVX2/FMA (as for an older CPU), every matmul runs on MKL: no fallback counted,
+    nothing on stderr, the other kernels still used."""
+    env = dict(os.environ, PDSERVE_KERNEL_CFLAGS="-mno-avx2 -mno-fma -mno-avx512f",
+               PDSERVE_KERNEL_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", NO_GEMM_SCRIPT, str(tiny_llama_dir)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    isa, fallbacks, gemm = out.stdout.split(" ", 2)
+    assert (isa, fallbacks) == ("none", "0")
+    assert "mkl_packed" in gemm and "avx2" not in gemm
+    assert out.stderr.strip() == ""
+
+
+@pytest.mark.skipif(os.environ.get("PDSERVE_KERNEL_CFLAGS") is not None, reason="already a nested build")
+@pytest.mark.parametrize("cflags,isa", [("-mno-avx512f", "avx2")])
+def test_kernels_built_for_another_isa_pass_this_module(tmp_path, cflags, isa):
+    """CI on an AVX-512 host runs the AVX2 build too (on an AVX2 host this is the native build again), so
+    neither path rots unseen: this whole module in a subprocess, against a build with `cflags`."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    env = dict(os.environ, PDSERVE_KERNEL_CFLAGS=cflags, PDSERVE_KERNEL_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+def test_the_avx512_gemm_compiles_on_any_x86_host(tmp_path):
+    """Hosts without AVX-512 cannot run that tiling, but they can compile it: a syntax or type error in
+    it fails here, not first on an AVX-512 host."""
+    from pdserve.model.kernels import build
+    for source in build.SOURCES:
+        proc = subprocess.run([build._compiler(), "-O2", "-march=skylake-avx512", "-fopenmp", "-std=gnu11",
+                               "-Werror", "-c", str(source), "-o", str(tmp_path / (source.stem + ".o"))],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr

@@ -58,9 +58,11 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     d = k_cache.shape[-1]
     v = qkv[:, (num_heads + num_kv) * d:].view(t, num_kv, d)
     if kernels.usable(qkv, cos, sin, k_cache, v_cache):
+        kernels.used("rope_write_kv", "kernel")
         q, k = qkv.new_empty(t, num_heads, d), qkv.new_empty(t, num_kv, d)
         kernels.rope_write_kv(qkv, cos, sin, q, k, k_cache, v_cache, slot_rows)
         return q, k, v
+    kernels.used("rope_write_kv", "torch")
     # q and k heads side by side: one rotary application for both
     qk = RotaryEmbedding.apply(qkv[:, :(num_heads + num_kv) * d].view(t, -1, d), cos, sin)
     q, k = qk.split([num_heads, num_kv], dim=1)
@@ -82,10 +84,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.num_decodes:
         b = meta.num_decodes
         if meta.decode_lens is not None and kernels.usable(q, k_cache, v_cache, out):
+            kernels.used("decode_attention", "kernel")
             kernels.decode_attention(q[:b], k_cache, v_cache, meta.decode_rows, meta.decode_lens, out[:b], scale)
         else:
+            kernels.used("decode_attention", "torch")
             out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta, scale).reshape(b, -1)
     for chunk in meta.prefills:
+        kernels.used("prefill_attention", "torch_sdpa")
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
     return out

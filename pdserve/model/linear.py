@@ -1,13 +1,16 @@
 """y = x @ W^T with the fastest kernel this machine has for the row count at hand.
 
 Decode steps multiply few rows (one per running request) by large weights, so they stream every weight
-once per step. On AVX-512 CPUs in fp32 the compiled skinny GEMM (`pdserve.model.kernels`, weights packed
-in column panels, software prefetch) does this fastest from 2 to `KERNEL_MAX_ROWS` rows (measured on the
-default model's 120 per-layer products, cold, 2 threads: 28 vs 35 ms at 16 rows, 42 vs 42 at 32, 21 vs 20
-at 1 row, slower from ~48 rows). Up to
-`PACKED_MAX_ROWS` rows torch's MKL build, with the weight pre-packed for its packed sgemm, runs these
-products ~1.4x faster than `F.linear`; for many rows (prefill) the packed path is slower. Elsewhere (CUDA,
-no MKL) this is plain `F.linear`.
+once per step. In fp32 on x86-64 the compiled skinny GEMM (`pdserve.model.kernels`, weights packed in
+16-column panels) does this fastest for the row counts in `KERNEL_ROWS[isa]`, a rule measured on each
+kind of CPU (BENCHMARKS.md, "Skinny GEMM: which path for which row count"):
+- AVX-512 (Intel Xeon, 2 threads, the default model's 120 per-layer products, cold): 28 vs 35 ms for
+  MKL's packed sgemm at 16 rows, equal at 32, 21 vs 20 at 1 row, slower from ~48 rows.
+- AVX2 + FMA (AMD EPYC Zen 3): see KERNEL_ROWS below.
+Outside that range, up to `PACKED_MAX_ROWS` rows, torch's MKL build with the weight pre-packed for its
+packed sgemm runs these products ~1.4x faster than `F.linear`; for many rows (prefill) plain `F.linear`
+is faster. Elsewhere (CUDA, no MKL) this is plain `F.linear`. Which path each call took is counted in
+`kernels.paths_used()["gemm"]`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch.nn.functional as F
 
 from pdserve.model import kernels
 
-KERNEL_MAX_ROWS = 32
+# Row counts the compiled GEMM serves, per instruction set (inclusive); other counts go to MKL.
+KERNEL_ROWS = {"avx512": (2, 32), "avx2": (1, 64)}
 PACKED_MAX_ROWS = 256
 # MKL packs differently for different batch hints (the buffer size does not change, the speed does).
 # Measured with the default model's weights on 2 Zen-3 cores, hint 64 is as fast as or faster than
@@ -36,13 +40,19 @@ class Linear:
         self.bias = bias
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACK_HINT_ROWS) if pack else None
         self.panels = kernels.pack_weight(self.weight) if pack else None
+        self.isa = kernels.isa() if self.panels is not None else "none"
+        self.kernel_rows = KERNEL_ROWS.get(self.isa, (1, 0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.panels is not None and 1 < rows <= KERNEL_MAX_ROWS and kernels.usable(x):
+        lo, hi = self.kernel_rows
+        if self.panels is not None and lo <= rows <= hi and kernels.usable(x):
+            kernels.used("gemm", self.isa)
             y = kernels.gemm(x, self.panels)
             return y if self.bias is None else y.add_(self.bias)
         if self.packed is not None and 0 < rows <= PACKED_MAX_ROWS:
+            kernels.used("gemm", "mkl_packed")
             # The last argument must equal the row count, or MKL falls back to the unpacked weight.
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
+        kernels.used("gemm", "torch_linear")
         return F.linear(x, self.weight, self.bias)

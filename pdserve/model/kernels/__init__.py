@@ -1,15 +1,20 @@
 """Compiled CPU kernels for the fp32 decode path, with a counted fallback to torch.
 
-What is here: a skinny GEMM for decode-sized row counts on weights packed in column panels (AVX-512
-register tiles, software prefetch; AVX2-only hosts keep MKL), paged decode attention that reads K/V
-blocks in place through the block rows (online softmax, query heads grouped by KV head), rotary +
-KV-cache write, residual add + RMSNorm, SiLU·up.
-The C source (`kernels.c`) is compiled for this CPU at first use (`build.py`, a few seconds, cached).
+What is here: a skinny GEMM for decode-sized row counts on weights packed in column panels (AVX-512 or
+AVX2 + FMA register tiles, `gemm.c`), paged decode attention that reads K/V blocks in place through the
+block rows (online softmax, query heads grouped by KV head), rotary + KV-cache write, residual add +
+RMSNorm, SiLU·up (`kernels.c`). The C sources are compiled for this CPU at first use (`build.py`, a few
+seconds, cached).
 
-The kernels run only for fp32 CPU tensors once the library has loaded. Every call that takes the torch
-path instead — no compiler, not x86-64, a build or load error, a CUDA or non-fp32 tensor, or
-`PDSERVE_KERNELS=0` in the environment — adds one to `fallback_count()`, and the first such call logs a
-warning with the reason (`fallback_reason()`). Nothing falls back silently.
+Two different things are kept apart:
+- A *decision*: the path that is fastest for this host and shape, e.g. MKL's packed sgemm for row counts
+  outside the GEMM kernel's measured range, or for every matmul on a CPU without AVX2 + FMA. Logged once
+  at INFO, never counted, never printed on a CLI user's stderr.
+- A *fallback*: the torch path taken because the better one failed or cannot serve the call: no compiler,
+  not x86-64, a build or load error, a CUDA or non-fp32 tensor, or `PDSERVE_KERNELS=0` (the kernels turned
+  off by hand). Each call adds one to `fallback_count()`, and the first logs a warning with the reason
+  (`fallback_reason()`). Nothing falls back silently.
+`paths_used()` counts the calls of each part by the path they took (what `bench_engine.py` prints).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,8 @@ _fallbacks = 0
 _FP32 = torch.float32
 _reason: str | None = None
 _warned = False
+_decided: set[str] = set()
+_paths: Counter = Counter()  # (part, path) -> calls
 
 
 def _library() -> ctypes.CDLL | None:
@@ -87,6 +95,33 @@ def _count_fallback(reason: str | None) -> None:
         log.warning("pdserve CPU kernels not used, falling back to torch: %s", _reason)
 
 
+def _decide(what: str) -> None:
+    """Logs a host-specific choice of path once, at INFO (a decision, not a fallback)."""
+    if what not in _decided:
+        _decided.add(what)
+        log.info("pdserve kernels: %s", what)
+
+
+def used(part: str, path: str) -> None:
+    """Counts one call of `part` (gemm, attention, ...) on `path` (kernel name, mkl, torch)."""
+    _paths[part, path] += 1
+
+
+def paths_used() -> dict[str, dict[str, int]]:
+    """Calls per part and path since the process started, e.g. {"gemm": {"avx2": 480, "mkl_packed": 4}}."""
+    out: dict[str, dict[str, int]] = {}
+    for (part, path), n in sorted(_paths.items()):
+        out.setdefault(part, {})[path] = n
+    return out
+
+
+def isa() -> str:
+    """The instruction set the compiled GEMM uses on this host: "avx512", "avx2" or "none" (no GEMM kernel:
+    no AVX2 + FMA, or no library)."""
+    lib = None if _disabled else _library()
+    return {512: "avx512", 2: "avx2"}.get(lib.pd_gemm_isa(), "none") if lib is not None else "none"
+
+
 @contextlib.contextmanager
 def disabled():
     """Run the torch path inside the block (for comparisons and tests); its calls count as fallbacks."""
@@ -106,10 +141,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> torch.Tensor:
     """x += residual (in place, when given), then RMSNorm(x) * weight, in Hugging Face's order."""
     if usable(x, weight, *([] if residual is None else [residual])):
+        used("add_rms_norm", "kernel")
         out = torch.empty_like(x)
         _lib.pd_add_rms_norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), x.shape[0],
                              x.shape[-1], eps)
         return out
+    used("add_rms_norm", "torch")
     if residual is not None:
         x.add_(residual)
     if x.dtype == torch.float32:
@@ -121,10 +158,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
     if usable(gate_up):
+        used("silu_mul", "kernel")
         t, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(t, n)
         _lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, n)
         return out
+    used("silu_mul", "torch")
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -160,12 +199,12 @@ class PackedWeight:
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """Packs `weight` for `gemm`, or returns None (counted as a fallback) when this host has no GEMM
-    kernel (no AVX-512, no compiler) or the weight is not a CPU fp32 tensor."""
+    """Packs `weight` for `gemm`, or returns None when this host has no GEMM kernel (no AVX2 + FMA: a
+    decision, MKL serves every matmul) or the kernels cannot serve the weight (a counted fallback)."""
     if not usable(weight):
         return None
     if _lib.pd_gemm_panel_width() == 0:
-        _count_fallback("this CPU has no AVX-512: the GEMM stays on MKL/torch")
+        _decide("this CPU has no AVX2 + FMA: every matmul runs on MKL/torch")
         return None
     return PackedWeight(weight)
 

@@ -1,4 +1,4 @@
-"""Compile kernels.c with the host's C compiler at first use and load it with ctypes.
+"""Compile kernels.c and gemm.c with the host's C compiler at first use and load it with ctypes.
 
 The shared library is built for this very CPU (`-march=native`), so it is cached under a key made of the
 source, the flags, the compiler's version and the CPU's model and feature flags: a cache directory shared
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = [Path(__file__).with_name("kernels.c"), Path(__file__).with_name("gemm.c")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11"]
 
@@ -55,7 +55,7 @@ def _flags() -> list[str]:
 
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_flags()), version, platform.machine(),
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(_flags()), version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / key / "libpdserve_kernels.so"
 
@@ -73,9 +73,9 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_flags(), *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"compiling the kernels failed:\n{proc.stderr[-2000:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, lib)
     finally:
@@ -101,5 +101,7 @@ def load() -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.pd_gemm_panel_width.argtypes, lib.pd_gemm_panel_width.restype = [], ctypes.c_int
+    for name in ("pd_gemm_panel_width", "pd_gemm_isa"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [], ctypes.c_int
     return lib

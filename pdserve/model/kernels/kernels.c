@@ -6,8 +6,7 @@
  * thread pool. Vectors are GCC vector extensions of 8 floats, lowered to AVX2 (or SSE) instructions:
  * 16-float vectors measured 3-4x slower on an AVX-512 Xeon (gcc 12 splits their unaligned loads and
  * stalls on store forwarding), and AVX2 is what the AMD hosts of this machine kind have. The attention
- * and the GEMM sums use FMA explicitly (their order differs from torch's anyway). The GEMM at the end
- * uses AVX-512 intrinsics and is compiled only where the host has AVX-512.
+ * sums use FMA explicitly (their order differs from torch's anyway). The skinny GEMM is in gemm.c.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,8 +19,18 @@ typedef int32_t vi __attribute__((vector_size(32), aligned(4)));
 static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 static inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+#ifdef __AVX__
+#include <immintrin.h>
+/* Unaligned loads and stores as single instructions. A memcpy into the vector type looks equivalent, but
+ * gcc 12 tuned for Zen 3 (-march=znver3) lowers it to two 16-byte halves stored to the stack and read
+ * back as one 32-byte value: a store-forwarding stall on every load, which made the attention and SiLU
+ * kernels 3-6x slower than torch on AMD EPYC hosts. */
+static inline vf vload(const float *p) { return (vf)_mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, (__m256)v); }
+#else
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+#endif
 
 /* a * b + c, fused where the CPU has FMA: only for the attention sums, whose order differs from torch's
  * anyway (the element-wise kernels keep torch's separate rounding). */
@@ -220,91 +229,4 @@ void pd_rope_write_kv(const float *qkv, int64_t stride, const float *cos, const 
             memcpy(v_cache + row * d, x + (hq + hkv + h) * d, d * sizeof(float));
         }
     }
-}
-
-/* ---- skinny GEMM: y[m, n] = x[m, k] @ W^T for decode-sized m, W pre-packed in column panels ------- */
-
-#include <immintrin.h>
-/* AVX-512 only: an AVX2 build of the same kernel (8-column panels, 12-row tiles) measured no faster than
- * MKL's packed sgemm, so AVX2-only hosts keep MKL (pd_gemm_panel_width() == 0). */
-#if defined(__AVX512F__)
-#define PW 16 /* panel width: output columns per vector register */
-#define MR 16 /* rows of x per register tile: MR accumulators + a weight + a broadcast fit in 32 zmm */
-typedef __m512 vp;
-#define VP_ZERO _mm512_setzero_ps
-#define VP_LOAD _mm512_loadu_ps
-#define VP_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VP_SET1 _mm512_set1_ps
-#define VP_STORE _mm512_storeu_ps
-#define HAVE_GEMM 1
-#else
-#define PW 16
-#define HAVE_GEMM 0
-#endif
-
-/* Panel width the packed weights use, or 0 when this CPU has no GEMM kernel (no AVX-512). */
-int pd_gemm_panel_width(void) { return HAVE_GEMM ? PW : 0; }
-
-/* w: [n, k] row-major -> wp: [ceil(n / PW), k, PW], zero-padded past column n. */
-void pd_gemm_pack(const float *w, float *wp, int n, int k) {
-    int64_t panels = (n + PW - 1) / PW;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int kk = 0; kk < k; kk++)
-            for (int c = 0; c < PW; c++) {
-                int64_t col = p * PW + c;
-                wp[(p * k + kk) * PW + c] = col < n ? w[col * k + kk] : 0.f;
-            }
-}
-
-#if HAVE_GEMM
-/* One register tile: rows [0, m) of x times one panel; m is a compile-time constant after inlining. */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wp, int k,
-                                                            int m, float *y, int64_t ldy, int cols) {
-    vp acc[MR];
-    for (int r = 0; r < m; r++) acc[r] = VP_ZERO();
-    for (int kk = 0; kk < k; kk++) {
-        /* the hardware prefetcher alone streams the panel at ~2/3 of this speed (measured) */
-        __builtin_prefetch((const char *)(wp + (int64_t)kk * PW) + 4096);
-        vp w = VP_LOAD(wp + (int64_t)kk * PW);
-        for (int r = 0; r < m; r++) acc[r] = VP_FMA(VP_SET1(x[r * ldx + kk]), w, acc[r]);
-    }
-    for (int r = 0; r < m; r++) {
-        if (cols == PW) {
-            VP_STORE(y + r * ldy, acc[r]);
-        } else {
-            float tmp[PW];
-            VP_STORE(tmp, acc[r]);
-            memcpy(y + r * ldy, tmp, cols * sizeof(float));
-        }
-    }
-}
-
-#define TILE_CASE(M) case M: gemm_tile(x, ldx, wp, k, M, y, ldy, cols); break;
-
-static void gemm_tile_any(const float *x, int64_t ldx, const float *wp, int k, int m, float *y, int64_t ldy,
-                          int cols) {
-    switch (m) {
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
-        TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12) TILE_CASE(13) TILE_CASE(14)
-        TILE_CASE(15) TILE_CASE(16)
-    }
-}
-#endif
-
-/* x: [m, k] (row stride ldx), wp: packed [ceil(n / PW), k, PW], y: [m, n] contiguous. Each thread
- * streams a contiguous range of panels once; all row tiles use a panel while it is in cache. */
-void pd_gemm(const float *x, int64_t ldx, const float *wp, float *y, int m, int n, int k) {
-#if HAVE_GEMM
-    int64_t panels = (n + PW - 1) / PW;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        int cols = n - p * PW < PW ? (int)(n - p * PW) : PW;
-        for (int r0 = 0; r0 < m; r0 += MR)
-            gemm_tile_any(x + r0 * ldx, ldx, wp + p * k * PW, k, m - r0 < MR ? m - r0 : MR,
-                          y + (int64_t)r0 * n + p * PW, n, cols);
-    }
-#else
-    (void)x, (void)ldx, (void)wp, (void)y, (void)m, (void)n, (void)k;
-#endif
 }
