@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.profiler import fit, run_profile
+from pdserve.sim.timemodel import FittedTimeModel, StepShape
 
 
 def test_fit_recovers_known_coefficients():
@@ -18,18 +22,44 @@ def test_fit_recovers_known_coefficients():
             assert got[kind][key] == pytest.approx(value, rel=1e-6)
 
 
+def _relative_sse(predicted, measured) -> float:
+    return float(np.sum((np.asarray(predicted) / measured - 1.0) ** 2))
+
+
+def _best_constant(measured: np.ndarray) -> float:
+    """The one step time closest to all the samples in relative squared error (the fit's own criterion)."""
+    return float(np.sum(1 / measured) / np.sum(1 / measured ** 2))
+
+
 def test_profile_of_a_real_engine(tiny_llama_dir):
+    """More shapes than coefficients (5 prefill, 8 decode for 3 each), so the fit is not an interpolation and
+    the time model the simulator reads back can miss the measured steps. Tolerances are wide: on a shared
+    2-core VM one shape's median moves by 25% and more (3x in a burst of load), and the tiny model's step is
+    mostly fixed overhead."""
     result = run_profile(EngineConfig(model=str(tiny_llama_dir), num_threads=1, max_num_batched_tokens=256),
-                         prefill_tokens=(16, 64, 256), decode_batches=(1, 4), decode_contexts=(16, 64))
-    assert len([s for s in result["samples"] if s["kind"] == "prefill"]) == 3
-    assert len([s for s in result["samples"] if s["kind"] == "decode"]) == 4
-    assert all(s["seconds"] > 0 for s in result["samples"])
-    p = result["prefill"]
-    assert p["a"] + p["b"] * 256 + p["c"] * 256 ** 2 > 0
+                         prefill_tokens=(16, 32, 64, 128, 256), decode_batches=(1, 4, 16, 32),
+                         decode_contexts=(16, 128))
+    model = FittedTimeModel.from_json(json.dumps(result))
+    samples = {kind: [s for s in result["samples"] if s["kind"] == kind] for kind in ("prefill", "decode")}
+    shapes = {"prefill": [StepShape(prefill_tokens=t, prefill_sq=t * t, sampled=1)
+                          for s in samples["prefill"] for t in s["tokens"]],
+              "decode": [StepShape.decode(s["batch"], s["context_sum"]) for s in samples["decode"]]}
+    assert [len(shapes["prefill"]), len(shapes["decode"])] == [5, 8]
+    for kind in ("prefill", "decode"):
+        measured = np.array([s["seconds"] for s in samples[kind]])
+        predicted = np.array([model.step_time(shape) for shape in shapes[kind]])
+        assert np.all(measured > 0)
+        ratio = predicted / measured
+        # The median, not every shape: a burst of load on the VM can triple one shape's median on its own.
+        assert 0.5 < np.median(ratio) < 2, (kind, ratio)
+        # Least squares over a form that includes every constant: noise cannot make it lose to one.
+        assert _relative_sse(predicted, measured) <= _relative_sse(_best_constant(measured), measured) + 1e-9, kind
+    # The per-sequence cost (lm head and sampling of each row) dominates the tiny model's decode step.
+    assert model.decode.a > 0 and model.decode.c > 0
+    assert model.step_time(StepShape.decode(32, 32 * 20)) > 1.5 * model.step_time(StepShape.decode(1, 20))
 
 
 def _profile_file(path, samples, model="m", threads=1):
-    import json
     path.write_text(json.dumps({"model": model, "threads": threads, "block_size": 16, **fit(samples),
                                 "samples": samples}))
     return str(path)
