@@ -21,6 +21,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, *args: str, env: dict | None = None, timeout_s: float = 300) -> None:
+        self.args = args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = "unused"
@@ -57,6 +58,14 @@ class Server:
     def worker_pids(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(x) for x in out.split()]
+
+    def worker_pid(self, name: str) -> int:
+        """The pid of worker `name` ("decode-0"): its spec JSON, name first, is on its command line."""
+        for pid in self.worker_pids():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f'{{"name": "{name}"'.encode() in f.read():
+                    return pid
+        raise LookupError(f"no live worker {name}")
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 30) -> int:
         if self.proc.poll() is None:

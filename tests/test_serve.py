@@ -1,9 +1,10 @@
 """`pdserve serve` end to end: real worker processes, real sockets, the official `openai` SDK as the client.
 
-Greedy outputs over HTTP must equal the single-process engine's, in PD mode over shm and tcp and in
-colocated mode. Bad input gets OpenAI-style 4xx errors and leaves the workers running; a client that
-disconnects frees its blocks on every worker; corrupted KV is never consumed; a dead prefill worker leads
-to an explicit fallback; SIGTERM leaves no process behind.
+Greedy outputs over HTTP must equal the single-process engine's, in PD mode over shm and tcp (with the KV
+really delivered) and in colocated mode. Bad input gets OpenAI-style 4xx errors and leaves the workers
+running; a client that disconnects frees its blocks on every worker, mid-prefill too; `priority` orders
+the queues; corrupted KV is never consumed; a dead prefill worker leads to an explicit fallback, a dead
+decode worker to 503 errors and a 503 /health; SIGTERM leaves no process behind.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import time
+import uuid
 
 import httpx
 import openai
@@ -41,9 +44,14 @@ def reference():
     return {"completions": texts, "chat": chat}
 
 
+# Long prompts are prefilled in chunks of 256 tokens: a prefill spans several steps (and the worker reads
+# commands, an abort among them, between steps).
+PREFILL_CHUNK = 256
+
+
 @pytest.fixture(scope="module")
 def pd_server():
-    server = Server()
+    server = Server("--max-num-batched-tokens", str(PREFILL_CHUNK))
     yield server
     server.stop()
 
@@ -143,12 +151,17 @@ def test_bad_completion_requests(pd_server, kwargs, status, param):
     with pytest.raises(openai.APIStatusError) as info:
         client(pd_server).completions.create(**body)
     assert info.value.status_code == status
-    error = info.value.body if "message" in info.value.body else info.value.body["error"]
+    error = _error(info.value)
     assert error["message"] and error["type"]
     if param:
         assert error["param"] == param
     if "prompt" in kwargs:
         assert error["code"] == "context_length_exceeded"
+
+
+def _error(e: openai.APIError) -> dict:
+    """OpenAI's error object from an SDK exception (the SDK unwraps `{"error": ...}` only sometimes)."""
+    return e.body if "message" in e.body else e.body["error"]
 
 
 @pytest.mark.parametrize("messages", [[], [{"role": "wizard", "content": "hi"}], [{"content": "hi"}],
@@ -196,6 +209,23 @@ def test_client_disconnect_frees_blocks_on_every_worker(pd_server):
     assert pd_server.metric("pdserve_requests_total", finish_reason="abort") == aborted + 1
 
 
+def test_client_disconnect_during_prefill_aborts_the_prefill(pd_server):
+    """The client leaves while its long prompt is still being prefilled: the prefill worker must stop it
+    (blocks freed, the prefill never completes), not finish work nobody will read."""
+    prefills = pd_server.metric("pdserve_request_prefill_time_seconds_count", worker_role="prefill")
+    aborted = pd_server.metric("pdserve_requests_total", finish_reason="abort")
+    rng = random.Random(uuid.uuid4().int)  # fresh tokens: nothing of it is in any prefix cache
+    # 24 chunks: still prefilling when the abort lands, even on a fast machine (the test only waits for ~2)
+    prompt = [rng.randrange(1000, 40000) for _ in range(24 * PREFILL_CHUNK)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", pd_server.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        _wait_blocks(pd_server, lambda used: used.get("prefill-0", 0) > 0)  # its first chunk is computed
+    _wait_blocks(pd_server, lambda used: all(v == 0 for v in used.values()))
+    assert pd_server.metric("pdserve_request_prefill_time_seconds_count", worker_role="prefill") == prefills
+    assert pd_server.metric("pdserve_requests_total", finish_reason="abort") == aborted + 1
+
+
 def test_non_streaming_disconnect_aborts(pd_server):
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 3000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -203,19 +233,118 @@ def test_non_streaming_disconnect_aborts(pd_server):
     _wait_blocks(pd_server, lambda used: all(v == 0 for v in used.values()))
 
 
-@pytest.mark.parametrize("args", [("--transport", "tcp", "--api-key", "s3cret"), ("--mode", "colocated")],
-                         ids=["tcp", "colocated"])
-def test_other_shapes_equal_single_engine(reference, args):
-    server = Server(*args)
-    try:
-        if "--api-key" in args:
-            with pytest.raises(openai.AuthenticationError):
-                openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
-            server.api_key = "s3cret"
-        check_completions_and_chat(server, reference, (0, 1))
-        test_eight_concurrent_streams(server, reference)
-    finally:
-        assert server.stop() == 0
+SHAPES = {"tcp": ("--transport", "tcp", "--api-key", "s3cret"), "colocated": ("--mode", "colocated")}
+# Two requests at a time per worker: enough to batch, few enough that a queue (whose order the priority
+# policy decides) forms at once.
+QUEUE_ARGS = ("--queue-policy", "priority", "--max-num-seqs", "2")
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shape_server(request):
+    server = Server(*SHAPES[request.param], *QUEUE_ARGS)
+    server.shape = request.param
+    if "--api-key" in server.args:
+        server.api_key = "s3cret"
+    yield server
+    assert server.stop() == 0
+
+
+def _eventually(read, timeout_s: float = 5.0):
+    """Poll `read()` until it is truthy (worker stats arrive every 0.25 s); return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := read()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_other_shapes_equal_single_engine(shape_server, reference):
+    server = shape_server
+    if "--api-key" in server.args:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
+    delivered = server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered")
+    check_completions_and_chat(server, reference, (0, 1))
+    if server.shape == "tcp":  # the KV travelled and was used: no recompute stood in for it
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") >= delivered + 3
+    test_eight_concurrent_streams(server, reference)
+    if server.shape == "tcp":
+        assert server.metric("pdserve_kv_transfer_failures_total") == 0
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="recompute") == 0
+        assert _eventually(lambda: server.metric("pdserve_kv_chunks_sent_total", worker="prefill-0",
+                                                 mode="payload")) > 0  # tcp: the bytes travel
+        assert server.metric("pdserve_kv_chunks_sent_total", mode="in_place") == 0
+
+
+def test_priority_serves_an_urgent_request_before_queued_ones(shape_server):
+    """Both slots busy, two priority-10 requests queue, then a priority -1 one arrives: it is served first
+    (lower value first, as in vLLM), on the decode worker in PD mode as in colocated mode."""
+    server, order = shape_server, []
+
+    async def run(c, name: str, priority: int, max_tokens: int, started: asyncio.Event | None = None):
+        async with await c.completions.create(
+                model=MODEL, prompt=f"Request {name} says", max_tokens=max_tokens, temperature=0, stream=True,
+                extra_body={"priority": priority, "ignore_eos": True}) as stream:
+            async for _ in stream:
+                if started is not None:
+                    started.set()
+        order.append(name)
+
+    async def main():
+        c = aclient(server)
+        started = [asyncio.Event(), asyncio.Event()]
+        # `short` frees a slot after a while; `long` keeps the other one until the queue has drained.
+        short = asyncio.create_task(run(c, "short", 0, 64, started[0]))
+        long = asyncio.create_task(run(c, "long", 0, 2000, started[1]))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        queued = [asyncio.create_task(run(c, f"low{i}", 10, 4)) for i in range(2)]
+        assert await asyncio.to_thread(_eventually, lambda: server.metric("pdserve_num_requests_waiting") >= 2)
+        queued.append(asyncio.create_task(run(c, "urgent", -1, 4)))
+        assert await asyncio.to_thread(_eventually, lambda: server.metric("pdserve_num_requests_waiting") >= 3)
+        assert not short.done()  # the queue formed behind both slots
+        await asyncio.wait_for(asyncio.gather(short, *queued), 120)
+        long.cancel()  # the client leaves: the request is aborted
+        await asyncio.gather(long, return_exceptions=True)
+
+    asyncio.run(main())
+    assert order[:2] == ["short", "urgent"] and sorted(order[2:]) == ["low0", "low1"]
+    _wait_blocks(server, lambda used: all(v == 0 for v in used.values()))  # `long` aborted everywhere
+
+
+def test_a_killed_worker_ends_its_requests_with_503_and_health_says_so(shape_server):
+    """SIGKILL the worker that decodes a stream and a non-streaming request: both end at once with an
+    explicit `worker_died` error (the stream as an SSE error event, the other as HTTP 503), /health turns
+    503, and new requests get 503 too. Runs last on its server: the worker stays dead."""
+    server = shape_server
+    name = "decode-0" if server.shape == "tcp" else "colocated-0"
+    body = dict(model=MODEL, max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})
+
+    async def main():
+        c = aclient(server).with_options(timeout=30)  # a hang shows as a timeout, not as `worker_died`
+        whole = asyncio.create_task(c.completions.create(prompt="Tell me a long story.", **body))
+        stream = await c.completions.create(prompt="Count to a thousand:", stream=True, **body)
+        await anext(stream)
+        assert await asyncio.to_thread(
+            _eventually, lambda: server.metric("pdserve_num_requests_running", worker=name) >= 2)
+        os.kill(server.worker_pid(name), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError) as streamed:
+            async for _ in stream:
+                pass
+        with pytest.raises(openai.APIStatusError) as whole_error:
+            await whole
+        return streamed.value, whole_error.value, time.monotonic() - killed
+
+    streamed, whole_error, seconds = asyncio.run(main())
+    assert seconds < 10
+    assert _error(streamed)["code"] == "worker_died" and name in streamed.message
+    assert whole_error.status_code == 503 and _error(whole_error)["code"] == "worker_died"
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "degraded"
+    assert health.json()["workers"][name] is False
+    assert server.metric("pdserve_worker_deaths_total", worker=name) == 1
+    with pytest.raises(openai.APIStatusError) as later:  # nothing left to serve it
+        client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert later.value.status_code == 503 and _error(later.value)["code"] == "no_worker"
 
 
 def test_faults_corrupt_kv_dead_prefill_worker_and_clean_shutdown(reference):
@@ -225,14 +354,11 @@ def test_faults_corrupt_kv_dead_prefill_worker_and_clean_shutdown(reference):
         assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_checksum",
                              outcome="recompute") >= 3
         assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 0
-        pids = server.worker_pids()
-        assert len(pids) == 2
-        prefill_pid = min(pids)  # started first
-        os.kill(prefill_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert httpx.get(server.url + "/health").json()["workers"]["prefill-0"] is False
+        assert len(server.worker_pids()) == 2
+        os.kill(server.worker_pid("prefill-0"), signal.SIGKILL)
+        _eventually(lambda: httpx.get(server.url + "/health").status_code == 503, 10)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["workers"] == {"prefill-0": False, "decode-0": True}
         check_completions_and_chat(server, reference, (2,))  # decode worker serves it whole
         assert server.metric("pdserve_fallbacks_total", kind="no_prefill_worker") >= 1
     finally:

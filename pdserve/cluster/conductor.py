@@ -44,6 +44,7 @@ class Flight:
     prompt: list[int]
     params: dict
     events: asyncio.Queue
+    priority: int = 0  # lower is served first under --queue-policy priority (vLLM's convention)
     decode: WorkerHandle | None = None
     prefill: WorkerHandle | None = None
     xfer: str = ""
@@ -93,8 +94,8 @@ class Conductor:
                 asyncio.ensure_future(self.send(flight.decode, {"type": "kv_failed", "xfer": flight.xfer}))
 
     # ---- requests ---------------------------------------------------------------------------------------
-    async def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> Flight:
-        flight = Flight(rid, prompt, _params_dict(params), asyncio.Queue())
+    async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> Flight:
+        flight = Flight(rid, prompt, _params_dict(params), asyncio.Queue(), priority)
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         if self.mode == "colocated":
             flight.decode = self._pick("colocated", hashes)
@@ -108,14 +109,15 @@ class Conductor:
         flight.decode.load.outstanding += 1
         flight.decode.load.remember(hashes)
         if self.mode == "colocated":
-            await self.send(flight.decode, {"type": "generate", "rid": rid, "prompt": prompt, "params": flight.params})
+            await self.send(flight.decode, {"type": "generate", "rid": rid, "prompt": prompt, "params": flight.params,
+                                            "priority": priority})
             return flight
         flight.xfer = f"{rid}#{next(self._xfers)}"
         if flight.prefill is not None:
             flight.prefill.load.outstanding += 1
             flight.prefill.load.remember(hashes)
         await self.send(flight.decode, {"type": "reserve", "rid": rid, "prompt": prompt, "params": flight.params,
-                                        "xfer": flight.xfer})
+                                        "xfer": flight.xfer, "priority": priority})
         return flight
 
     def _pick(self, role: str, hashes) -> WorkerHandle | None:
@@ -214,7 +216,7 @@ class Conductor:
             return
         await self.send(flight.prefill, {"type": "prefill", "rid": flight.rid, "prompt": flight.prompt,
                                          "params": flight.params, "dest": event["kv_addr"], "xfer": flight.xfer,
-                                         "first_block": event["first_block"]})
+                                         "first_block": event["first_block"], "priority": flight.priority})
 
 
 def _params_dict(params: SamplingParams) -> dict:

@@ -122,9 +122,10 @@ class Worker:
             self.engine.scheduler.add_request(req)
         elif kind == "prefill":
             self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
-                             cmd["xfer"], cmd["first_block"])
+                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0))
         elif kind == "reserve":
-            self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"])
+            self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
+                                cmd.get("priority", 0))
         elif kind == "kv_failed":
             self.decode.peer_failed(cmd["xfer"])
 

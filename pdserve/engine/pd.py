@@ -18,8 +18,9 @@ last prompt token is computed here and gives the first token.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.request import Request
@@ -69,8 +70,9 @@ class PrefillSide:
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
-    def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int) -> None:
-        req = self.engine.make_request(request_id, prompt, params, prefill_only=True)
+    def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
+            priority: int = 0) -> None:
+        req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True)
         self.engine.scheduler.add_request(req)
         self.outbound[request_id] = Outbound(dest, xfer, first_block)
 
@@ -190,25 +192,31 @@ class DecodeSide:
         self.timeout_s = timeout_s
         self.block_size = engine.block_manager.block_size
         self.inbound = InboundTransfers(len(kv_layers))
-        self.pending: deque[Reservation] = deque()  # waiting for blocks, in arrival order
+        # Waiting for blocks, in the scheduler's queue-policy order (fcfs: arrival; priority: lowest value
+        # first), so a reservation queue never undoes the order the waiting queue would keep.
+        self.pending: list[Reservation] = []
         self.stats = DecodeStats()
 
-    def reserve(self, request_id: str, prompt: list[int], params, xfer: str) -> None:
+    def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0) -> None:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
         could never be served (the caller turns that into an error for the client)."""
-        req = self.engine.make_request(request_id, prompt, params)
+        req = self.engine.make_request(request_id, prompt, params, priority)
         self.engine.scheduler.check_new(req)  # fail fast, before queueing
-        self.pending.append(Reservation(req, xfer))
+        bisect.insort(self.pending, Reservation(req, xfer), key=self._order)
+
+    def _order(self, res: Reservation) -> tuple:
+        return self.engine.scheduler.policy.sort_key(res.request)
 
     def try_reserve(self) -> list[tuple[Reservation, int]]:
-        """Grant queued reservations in order while blocks last: [(reservation, first block to deliver)]."""
+        """Grant queued reservations in policy order while blocks last: [(reservation, first block to
+        deliver)]. The head waits for room; later ones do not overtake it (as in the waiting queue)."""
         granted = []
         while self.pending:
             res = self.pending[0]
             cached = self.engine.scheduler.reserve_kv(res.request)
             if cached is None:
                 break
-            self.pending.popleft()
+            self.pending.pop(0)
             first = cached // self.block_size
             # Every prompt token but the last cached here: no prefill worker, the last one is computed here.
             needed = 0 if cached >= res.request.num_prompt_tokens - 1 else (
@@ -292,5 +300,5 @@ class DecodeSide:
         return settled
 
     def abort(self, request_id: str) -> None:
-        self.pending = deque(r for r in self.pending if r.request.request_id != request_id)
+        self.pending = [r for r in self.pending if r.request.request_id != request_id]
         self.inbound.abort_request(request_id)

@@ -142,10 +142,10 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if len(prompts) != 1:
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
-        return StreamingResponse(_sse(gateway, prompts[0], params[0], meta, chat, include_usage),
+        return StreamingResponse(_sse(gateway, prompts[0], params[0], body.priority, meta, chat, include_usage),
                                  media_type="text/event-stream")
     try:
-        results = await _collect_all(gateway, http, prompts, params)
+        results = await _collect_all(gateway, http, prompts, params, body.priority)
     except _ClientGone:
         return Response(status_code=499)
     choices, completion_tokens, cached = [], 0, 0
@@ -159,9 +159,9 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat:
             "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
-async def _collect_all(gateway: Gateway, http: Request, prompts, params):
+async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int):
     """Run every prompt to the end, unless the client leaves first: then their requests are aborted."""
-    gathered = asyncio.gather(*(_collect(gateway, p, sp) for p, sp in zip(prompts, params)))
+    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority) for p, sp in zip(prompts, params)))
     watcher = asyncio.ensure_future(_wait_disconnect(http))
     try:
         done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -178,9 +178,9 @@ async def _wait_disconnect(http: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def _collect(gateway: Gateway, prompt, params):
+async def _collect(gateway: Gateway, prompt, params, priority: int):
     text, n, reason, cached = [], 0, None, 0
-    async for d in gateway.generate(prompt, params):
+    async for d in gateway.generate(prompt, params, priority):
         text.append(d.text)
         n, reason, cached = d.num_tokens, d.finish_reason, d.cached_tokens
     return "".join(text), n, reason, cached
@@ -191,7 +191,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _sse(gateway: Gateway, prompt, params, meta: dict, chat: bool, include_usage: bool):
+async def _sse(gateway: Gateway, prompt, params, priority: int, meta: dict, chat: bool, include_usage: bool):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choice_delta: dict, reason: str | None, usage=None, choices=True) -> str:
@@ -205,7 +205,7 @@ async def _sse(gateway: Gateway, prompt, params, meta: dict, chat: bool, include
         yield event({"delta": {"role": "assistant", "content": ""}}, None)
     n, cached = 0, 0
     try:
-        async for d in gateway.generate(prompt, params):
+        async for d in gateway.generate(prompt, params, priority):
             n, cached = d.num_tokens, d.cached_tokens
             if d.text or d.finished:
                 yield event({"delta": {"content": d.text}} if chat else {"text": d.text}, d.finish_reason)

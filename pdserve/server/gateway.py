@@ -71,10 +71,11 @@ class Gateway:
                 f"max_tokens.", param="messages" if requested is None else "max_tokens")
         return room if requested is None else requested
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+                       ) -> AsyncIterator[Delta]:
         rid = uuid.uuid4().hex
         arrival = time.monotonic()
-        flight = await self.conductor.submit(rid, prompt_ids, params)
+        flight = await self.conductor.submit(rid, prompt_ids, params, priority)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         count, last, finished, cached = 0, arrival, False, 0
         try:

@@ -18,8 +18,8 @@ A request may be aborted by a TTFT timeout (the client gives up); its delivered-
 
 from __future__ import annotations
 
+import bisect
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
@@ -40,6 +40,7 @@ class Flight:
     prompt: object  # array('q') of token ids
     params: SamplingParams
     record: RequestRecord
+    priority: int = 0  # as the real conductor's: carried to both workers' schedulers
     decode: SimEngine | None = None
     prefill: SimEngine | None = None
     next_block: int = 0  # first block-table index not yet sent in full
@@ -90,13 +91,14 @@ class SimConductor(EngineHooks):
         self.engines = engines
         self.ports = {e.name: self.links.link(e.name, port_bw) for es in engines.values() for e in es}
         decode, prefill = engines.get("decode", []), engines.get("prefill", [])
-        self.pending: dict[str, deque[Flight]] = {e.name: deque() for e in decode}
+        self.pending: dict[str, list[Flight]] = {e.name: [] for e in decode}
         self.ready: dict[str, list[Flight]] = {e.name: [] for e in decode}
         self.queued_tokens: dict[str, int] = {e.name: 0 for e in prefill}
 
     # ---- intake -----------------------------------------------------------------------------------------
-    def submit(self, rid: str, prompt, output_len: int, record: RequestRecord) -> None:
-        f = Flight(rid, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), record)
+    def submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int = 0) -> None:
+        f = Flight(rid, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), record,
+                   priority)
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         if self.mode == "colocated":
             f.decode = self._pick("colocated", hashes)
@@ -115,15 +117,18 @@ class SimConductor(EngineHooks):
         self.pending_append(f)
 
     def pending_append(self, f: Flight) -> None:
-        """The decode worker makes the request when the reservation reaches it (as `DecodeSide.reserve`)."""
+        """The decode worker makes the request when the reservation reaches it and queues it in its queue
+        policy's order (as `DecodeSide.reserve`)."""
         def reserve() -> None:
             f.decode_request = self._request(f.prompt, f)
-            self.pending[f.decode.name].append(f)
+            key = f.decode.scheduler.policy.sort_key
+            bisect.insort(self.pending[f.decode.name], f, key=lambda g: key(g.decode_request))
         f.decode.post(reserve, self.control_s)
 
     def _request(self, prompt, f: Flight, prefill_only: bool = False) -> SimRequest:
         """Stamped with the simulated time it reaches its worker (the real worker stamps its own clock)."""
-        return SimRequest(f.rid, prompt, f.params, arrival_s=self.loop.now, prefill_only=prefill_only)
+        return SimRequest(f.rid, prompt, f.params, arrival_s=self.loop.now, priority=f.priority,
+                          prefill_only=prefill_only)
 
     def _pick(self, role: str, hashes) -> SimEngine:
         engines = self.engines[role]
@@ -152,17 +157,17 @@ class SimConductor(EngineHooks):
         while pending:
             f = pending[0]
             if f.finished:
-                pending.popleft()
+                pending.pop(0)
                 continue
             try:
                 cached = engine.scheduler.reserve_kv(f.decode_request)
             except PdserveError as e:
-                pending.popleft()
+                pending.pop(0)
                 self._fail(f, str(e))
                 continue
             if cached is None:
                 break
-            pending.popleft()
+            pending.pop(0)
             f.next_block = cached // bs
             needed = 0 if cached >= len(f.prompt) - 1 else -(-len(f.prompt) // bs) - f.next_block
             if needed <= 0:
