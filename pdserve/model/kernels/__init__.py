@@ -188,17 +188,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 class PackedWeight:
-    """A [N, K] weight re-laid in column panels for `gemm` (one more copy of the weight in memory)."""
+    """A [N, K] weight re-laid in column panels for `gemm` (one more copy of the weight in memory), in
+    `arena` when given (huge pages, in the order the model reads them) or a tensor of its own."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, arena=None) -> None:
         n, k = weight.shape
         width = _lib.pd_gemm_panel_width()
         self.n, self.k = n, k
-        self.panels = weight.new_empty(-(-n // width) * width * k)
+        numel = -(-n // width) * width * k
+        self.panels = arena.take(numel) if arena is not None else weight.new_empty(numel)
         _lib.pd_gemm_pack(weight.contiguous().data_ptr(), self.panels.data_ptr(), n, k)
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, arena=None) -> PackedWeight | None:
     """Packs `weight` for `gemm`, or returns None when this host has no GEMM kernel (no AVX2 + FMA: a
     decision, MKL serves every matmul) or the kernels cannot serve the weight (a counted fallback)."""
     if not usable(weight):
@@ -206,7 +208,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     if _lib.pd_gemm_panel_width() == 0:
         _decide("this CPU has no AVX2 + FMA: every matmul runs on MKL/torch")
         return None
-    return PackedWeight(weight)
+    return PackedWeight(weight, arena)
 
 
 def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -103,26 +103,70 @@ static void softmax_update(float (*s)[CHUNK + VL], int n, float *m, float *l, fl
     }
 }
 
-/* acc[g] += sum_t s[g][t] * v[t], D in vector registers (VL-multiple D) or scalar. */
+/* acc[g] += sum_t s[g][t] * v[t], D in vector registers (2 VL-multiple D) or scalar. Even and odd keys
+ * go to separate sums: one chain of FMAs would wait on the FMA latency at every key. */
 static inline __attribute__((always_inline)) void accumulate_values(
         float (*s)[CHUNK + VL], const float **vr, int n, float *restrict acc, int g_heads, int d) {
     if (d % (2 * VL) == 0) {
         for (int i = 0; i < d; i += 2 * VL)
             for (int g = 0; g < g_heads; g++) {
-                vf a0 = vload(acc + g * d + i), a1 = vload(acc + g * d + i + VL);
-                for (int t = 0; t < n; t++) {
+                vf a0 = vload(acc + g * d + i), a1 = vload(acc + g * d + i + VL), b0 = vsplat(0.f), b1 = b0;
+                int t = 0;
+                for (; t + 2 <= n; t += 2) {
+                    vf w = vsplat(s[g][t]), u = vsplat(s[g][t + 1]);
+                    a0 = vfma(w, vload(vr[t] + i), a0);
+                    a1 = vfma(w, vload(vr[t] + i + VL), a1);
+                    b0 = vfma(u, vload(vr[t + 1] + i), b0);
+                    b1 = vfma(u, vload(vr[t + 1] + i + VL), b1);
+                }
+                if (t < n) {
                     vf w = vsplat(s[g][t]);
                     a0 = vfma(w, vload(vr[t] + i), a0);
                     a1 = vfma(w, vload(vr[t] + i + VL), a1);
                 }
-                vstore(acc + g * d + i, a0);
-                vstore(acc + g * d + i + VL, a1);
+                vstore(acc + g * d + i, a0 + b0);
+                vstore(acc + g * d + i + VL, a1 + b1);
             }
         return;
     }
     for (int t = 0; t < n; t++)
         for (int g = 0; g < g_heads; g++)
             for (int i = 0; i < d; i++) acc[g * d + i] += s[g][t] * vr[t][i];
+}
+
+/* out[0..3] = the horizontal sums of a0..a3. */
+static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
+#ifdef __AVX__
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a0, (__m256)a1), _mm256_hadd_ps((__m256)a2, (__m256)a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+#endif
+}
+
+/* s[g][t] = scale * (q_g . k_t) for n keys, four keys at a time: four independent sums per query head
+ * (one sum per dot waited on the FMA latency at every step), reduced together. */
+static inline __attribute__((always_inline)) void score_keys(
+        const float *q, const float **kr, int n, float (*s)[CHUNK + VL], int g_heads, int d, float scale) {
+    int t = 0;
+    if (d % VL == 0)
+        for (; t + 4 <= n; t += 4)
+            for (int g = 0; g < g_heads; g++) {
+                const float *qg = q + g * d;
+                vf a0 = vsplat(0.f), a1 = a0, a2 = a0, a3 = a0;
+                for (int i = 0; i < d; i += VL) {
+                    vf qv = vload(qg + i);
+                    a0 = vfma(qv, vload(kr[t] + i), a0);
+                    a1 = vfma(qv, vload(kr[t + 1] + i), a1);
+                    a2 = vfma(qv, vload(kr[t + 2] + i), a2);
+                    a3 = vfma(qv, vload(kr[t + 3] + i), a3);
+                }
+                float sums[4];
+                hsum4(a0, a1, a2, a3, sums);
+                for (int j = 0; j < 4; j++) s[g][t + j] = sums[j] * scale;
+            }
+    for (; t < n; t++)
+        for (int g = 0; g < g_heads; g++) s[g][t] = dot(q + g * d, kr[t], d) * scale;
 }
 
 /* One (sequence, KV head): the G query heads sharing it attend over `len` keys read in place, CHUNK
@@ -148,8 +192,7 @@ static inline __attribute__((always_inline)) void attend_one(
             vr[t] = v_cache + rows[blk] * block_floats + (int64_t)off * d;
             if (++off == bs) off = 0, blk++;
         }
-        for (int t = 0; t < n; t++)
-            for (int g = 0; g < g_heads; g++) s[g][t] = dot(q + g * d, kr[t], d) * scale;
+        score_keys(q, kr, n, s, g_heads, d, scale);
         softmax_update(s, n, m, l, acc, g_heads, d);
         accumulate_values(s, vr, n, acc, g_heads, d);
     }
