@@ -75,7 +75,17 @@ def check_completions_and_chat(server: Server, reference, indices=(0, 1, 2)) -> 
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
-def test_kernel_fallbacks_reach_the_metrics():
+def test_kernel_fallbacks_reach_the_metrics(pd_server):
+    """Kernels on (the default): no fallback on any host (choosing MKL somewhere is no fallback), once the
+    worker that ran the prompt has reported its stats. Kernels off: every call counted."""
+    before = pd_server.metric("pdserve_prefix_cache_query_tokens_total", worker="prefill-0")
+    client(pd_server).completions.create(model=MODEL, prompt="Hi there", max_tokens=2)
+    deadline = time.monotonic() + 10
+    while (pd_server.metric("pdserve_prefix_cache_query_tokens_total", worker="prefill-0") == before
+           and time.monotonic() < deadline):
+        time.sleep(0.25)
+    assert pd_server.metric("pdserve_prefix_cache_query_tokens_total", worker="prefill-0") > before
+    assert pd_server.metric("pdserve_fallbacks_total", kind="kernel_torch_path") == 0
     server = Server("--mode", "colocated", env={"PDSERVE_KERNELS": "0"})  # every kernel call takes torch's path
     try:
         client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2)

@@ -6,9 +6,9 @@
  * - AVX-512: a tile of up to 16 rows x one 16-float register; every row tile walks the whole panel (the
  *   later ones from L2), with a software prefetch 4 KiB ahead.
  * - AVX2 + FMA: a tile of up to 6 rows x two 8-float registers (12 accumulators, 2 weight registers and
- *   a broadcast: 15 of the 16 ymm registers). The panel is walked in blocks of KC rows of k; all row
- *   tiles use a block while it is in L1, so the next block streams from memory while the FMAs run
- *   (weights are read from memory once and overlap the compute instead of preceding it).
+ *   a broadcast: 15 of the 16 ymm registers). The panel is walked in blocks of KC rows of k that all row
+ *   tiles use while the block is in L1, so each weight is read from memory once; a software prefetch of
+ *   one line per k, 4 KiB ahead, keeps the stream going while the FMAs run.
  * Anything else (no AVX2, or no FMA) has no GEMM: pd_gemm_panel_width() returns 0.
  */
 #include <immintrin.h>
