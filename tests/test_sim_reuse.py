@@ -2,7 +2,8 @@
 fast-forwarding decode steps gives exactly the result of stepping one by one.
 
 The first two tests replay the public Mooncake trace from `$PDSERVE_TRACES` (default: `shared/traces` next to
-the repository, /work/shared/traces here) and skip where it is absent."""
+the repository, else /work/shared/traces, where a clone elsewhere on this machine finds it) and skip where
+it is absent."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pdserve.sim.hardware import get_gpu, get_model
 from pdserve.sim.timemodel import RooflineTimeModel, StepShape
 from pdserve.workloads import build_prompts, load_workload
 
-TRACES = Path(os.environ.get("PDSERVE_TRACES") or Path(__file__).resolve().parents[2] / "shared" / "traces")
+_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "traces"  # a checkout next to shared/
+TRACES = Path(os.environ.get("PDSERVE_TRACES") or (_BESIDE if _BESIDE.is_dir() else "/work/shared/traces"))
 TRACE = TRACES / "mooncake_conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"no Mooncake trace at {TRACE} "
                                  "(set PDSERVE_TRACES to the directory of the public traces)")

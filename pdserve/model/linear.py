@@ -47,6 +47,9 @@ class Linear:
         self.panels = kernels.pack_weight(self.weight, arena) if pack else None
         self.isa = kernels.isa() if self.panels is not None else "none"
         self.kernel_rows = KERNEL_ROWS.get(self.isa, (1, 0))
+        if self.panels is not None:
+            kernels.decide(f"GEMM: the {self.isa} kernel for {self.kernel_rows[0]}-{self.kernel_rows[1]} rows, "
+                           f"MKL beyond (the rule measured for this instruction set)")
         # MKL's packed copy only where the kernel leaves row counts to it
         mkl_rows = pack and not (self.kernel_rows[0] <= 1 and self.kernel_rows[1] >= PACKED_MAX_ROWS)
         self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACK_HINT_ROWS) if mkl_rows

@@ -95,7 +95,7 @@ def _count_fallback(reason: str | None) -> None:
         log.warning("pdserve CPU kernels not used, falling back to torch: %s", _reason)
 
 
-def _decide(what: str) -> None:
+def decide(what: str) -> None:
     """Logs a host-specific choice of path once, at INFO (a decision, not a fallback)."""
     if what not in _decided:
         _decided.add(what)
@@ -206,7 +206,7 @@ def pack_weight(weight: torch.Tensor, arena=None) -> PackedWeight | None:
     if not usable(weight):
         return None
     if _lib.pd_gemm_panel_width() == 0:
-        _decide("this CPU has no AVX2 + FMA: every matmul runs on MKL/torch")
+        decide("this CPU has no AVX2 + FMA: every matmul runs on MKL/torch")
         return None
     return PackedWeight(weight, arena)
 
