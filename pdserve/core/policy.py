@@ -5,6 +5,8 @@ A policy is one method returning a sort key; smaller keys are served first and p
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.core.request import Request
@@ -26,6 +28,13 @@ class PriorityPolicy:
 
     def sort_key(self, request: Request) -> tuple:
         return (request.priority, request.arrival_s, request.arrival_seq)
+
+
+def insert_in_order(queue: list, item, request_of: Callable[[object], Request], policy: QueuePolicy) -> None:
+    """Insert `item` (which stands for the request `request_of(item)`) into `queue`, kept in `policy`'s
+    order: the one rule for every queue outside the scheduler that a policy orders (the decode worker's
+    reservations, real and simulated), so they never undo the order the waiting queue keeps."""
+    bisect.insort(queue, item, key=lambda it: policy.sort_key(request_of(it)))
 
 
 QUEUE_POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}

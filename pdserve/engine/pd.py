@@ -18,11 +18,11 @@ last prompt token is computed here and gives the first token.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.core.policy import insert_in_order
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
@@ -202,10 +202,7 @@ class DecodeSide:
         could never be served (the caller turns that into an error for the client)."""
         req = self.engine.make_request(request_id, prompt, params, priority)
         self.engine.scheduler.check_new(req)  # fail fast, before queueing
-        bisect.insort(self.pending, Reservation(req, xfer), key=self._order)
-
-    def _order(self, res: Reservation) -> tuple:
-        return self.engine.scheduler.policy.sort_key(res.request)
+        insert_in_order(self.pending, Reservation(req, xfer), lambda r: r.request, self.engine.scheduler.policy)
 
     def try_reserve(self) -> list[tuple[Reservation, int]]:
         """Grant queued reservations in policy order while blocks last: [(reservation, first block to

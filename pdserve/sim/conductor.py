@@ -18,13 +18,13 @@ A request may be aborted by a TTFT timeout (the client gives up); its delivered-
 
 from __future__ import annotations
 
-import bisect
 import random
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy
 from pdserve.core.block_hash import hash_blocks
+from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
@@ -121,8 +121,7 @@ class SimConductor(EngineHooks):
         policy's order (as `DecodeSide.reserve`)."""
         def reserve() -> None:
             f.decode_request = self._request(f.prompt, f)
-            key = f.decode.scheduler.policy.sort_key
-            bisect.insort(self.pending[f.decode.name], f, key=lambda g: key(g.decode_request))
+            insert_in_order(self.pending[f.decode.name], f, lambda g: g.decode_request, f.decode.scheduler.policy)
         f.decode.post(reserve, self.control_s)
 
     def _request(self, prompt, f: Flight, prefill_only: bool = False) -> SimRequest:
