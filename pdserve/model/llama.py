@@ -66,7 +66,8 @@ class LlamaModel:
         return LayerWeights(
             attn_norm=get(p + "input_layernorm.weight"), qkv=Linear(qkv, bqkv, self.pack, self.arena),
             o=Linear(get(p + "self_attn.o_proj.weight"), bo, self.pack, self.arena),
-            mlp_norm=get(p + "post_attention_layernorm.weight"), gate_up=Linear(gate_up, pack=self.pack, arena=self.arena),
+            mlp_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=Linear(gate_up, pack=self.pack, arena=self.arena),
             down=Linear(get(p + "mlp.down_proj.weight"), pack=self.pack, arena=self.arena))
 
     @torch.inference_mode()

@@ -147,7 +147,8 @@ static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
 /* s[g][t] = scale * (q_g . k_t) for n keys, four keys at a time: four independent sums per query head
  * (one sum per dot waited on the FMA latency at every step), reduced together. */
 static inline __attribute__((always_inline)) void score_keys(
-        const float *q, const float **kr, const float **vr, int n, float (*s)[CHUNK + VL], int g_heads, int d, float scale) {
+        const float *q, const float **kr, const float **vr, int n, float (*s)[CHUNK + VL], int g_heads, int d,
+        float scale) {
     int t = 0;
     if (d % VL == 0)
         for (; t + 4 <= n; t += 4) {
