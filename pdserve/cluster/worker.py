@@ -49,7 +49,7 @@ class Worker:
         # A prefill worker's KV pool in shared memory: a decode worker on this host reads delivered blocks
         # straight from it (shm transport).
         shared_kv = spec.role == "prefill" and spec.transport == "shm"
-        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv)
+        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name)
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
@@ -82,6 +82,7 @@ class Worker:
             busy = sched.num_running + sched.num_waiting > 0
             self.poller.poll(0 if busy else self.decode.wait_ms(20) if self.decode is not None else 20)
             self._drain_commands()
+            self.engine.poll_kv()
             if self.decode is not None:
                 self._decode_bookkeeping()
             if sched.num_running + sched.num_waiting > 0:
@@ -188,7 +189,7 @@ class Worker:
                "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
                "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
                "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
-               "kernel_fallbacks": kernels.fallback_count()}
+               "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report()}
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent),

@@ -11,12 +11,15 @@ first, because the tail of a sequence is the part least likely to be shared by a
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
 from pdserve.core.block_hash import BlockHash, hash_blocks
+from pdserve.core.kv_meta import (BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim,
+                                  stage_of)
 
 BlockId = NewType("BlockId", int)
 
@@ -26,6 +29,7 @@ class _Block:
     block_id: BlockId
     ref_cnt: int = 0
     block_hash: BlockHash | None = None  # set once the block is full and registered in the cache
+    meta: BlockMeta | None = None  # lifecycle metadata of a registered block
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class KVBlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_salt: bytes = b"") -> None:
+                 cache_salt: bytes = b"", eviction: EvictionPolicy | None = None,
+                 lifecycle: LifecycleConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -65,6 +70,13 @@ class KVBlockManager:
         self._tables: dict[str, list[BlockId]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
         self._memo: dict[str, list[BlockHash]] = {}  # block hashes of each live request's token sequence
+        # Which cached free block is reused first: None = least recently freed (exact LRU, O(1)); a policy
+        # chooses among the `lifecycle.eviction_sample` least recently freed.
+        self.eviction = None if isinstance(eviction, LRUPolicy) else eviction
+        self.lifecycle = lifecycle or LifecycleConfig()
+        self.clock = clock
+        # (block id, hash) of blocks registered since the owner last took them (the tiers copy them down)
+        self.newly_cached: list[tuple[BlockId, BlockHash]] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -155,6 +167,10 @@ class KVBlockManager:
             if parent not in self._cached and block.block_hash is None:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id
+                now = self.clock()
+                block.meta = BlockMeta(parent, Tier.DEVICE, block.block_id, now, now, 1, 1.0, now)
+                if self.newly_cached is not None:
+                    self.newly_cached.append((block.block_id, parent))
 
     def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
@@ -175,11 +191,14 @@ class KVBlockManager:
 
     def _take_refs(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
         """One more reference to each block (off the free queue if it was free); the ids, as a list."""
+        now = self.clock() if block_ids else 0.0
         for block_id in block_ids:
             block = self._blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
             block.ref_cnt += 1
+            if block.meta is not None:
+                block.meta.touch(now, self.lifecycle.heat_half_life_s)
         return list(block_ids)
 
     def forget(self, request_id: str) -> None:
@@ -205,11 +224,46 @@ class KVBlockManager:
         self._cached.clear()
 
     def _pop_free(self) -> BlockId:
-        block_id, _ = self._free.popitem(last=False)
+        block_id = self._victim()
+        del self._free[block_id]
         block = self._blocks[block_id]
         if block.block_hash is not None:  # evict from the prefix cache as the block is reused
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
             block.block_hash = None
+            block.meta = None
         block.ref_cnt = 1
         return block_id
+
+    def _victim(self) -> BlockId:
+        first = next(iter(self._free))
+        if self.eviction is None or self._blocks[first].meta is None:
+            return first
+        metas = []
+        for block_id in self._free:
+            meta = self._blocks[block_id].meta
+            if meta is None:  # holds nothing anyone could hit: the cheapest block to reuse
+                return block_id
+            metas.append(meta)
+            if len(metas) >= self.lifecycle.eviction_sample:
+                break
+        victim = pick_victim(metas, self.eviction, self.clock(), len(metas))
+        return first if victim is None else BlockId(victim.slot)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def meta(self, block_id: BlockId) -> BlockMeta | None:
+        return self._blocks[block_id].meta
+
+    def cached_block(self, block_hash: BlockHash) -> BlockId | None:
+        return self._cached.get(block_hash)
+
+    def stage_counts(self, now: float) -> Counter:
+        """Device blocks by lifecycle stage: registered blocks by their metadata; unregistered blocks held by
+        a request (being filled) are ACTIVE; free unregistered blocks are not counted."""
+        counts: Counter = Counter()
+        for block in self._blocks:
+            if block.meta is not None:
+                counts[stage_of(block.meta, now, block.ref_cnt > 0, self.lifecycle)] += 1
+            elif block.ref_cnt > 0:
+                counts[Stage.ACTIVE] += 1
+        return counts

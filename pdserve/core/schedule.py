@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import BlockId
+from pdserve.core.kv_tiers import KVLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 
@@ -48,6 +49,7 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     finished_request_ids: tuple[str, ...] = ()  # ended since the last step; executors drop their state
     preempted_request_ids: tuple[str, ...] = ()  # preempted during this schedule() call
+    kv_loads: tuple[KVLoad, ...] = ()  # host tier -> device blocks, done before this step's forward
 
     @property
     def num_batched_tokens(self) -> int:

@@ -22,7 +22,8 @@ import heapq
 import time
 from dataclasses import dataclass
 
-from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.block_manager import KVBlockManager, PrefixHit
+from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
@@ -34,6 +35,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
+
+
+_NO_TIER_HIT = TierHit()
 
 
 class Scheduler:
@@ -50,6 +54,11 @@ class Scheduler:
         self._num_waiting = 0
         self._finished_ids: list[str] = []
         self._num_reserved = 0  # requests in WAITING_FOR_KV
+        # Host and disk tiers below the block pool (set by the engine when it has them): a prefix hit goes
+        # on through them, and the host blocks it finds are loaded before the step that reads them.
+        self.tiers: TieredKV | None = None
+        self._step_loads: list[KVLoad] = []
+        self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next step
         self.stats = SchedulerStats()
 
     # ---- intake ----------------------------------------------------------------------------------------
@@ -80,16 +89,23 @@ class Scheduler:
         if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
             return None
         prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)
-        if self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix) is None:
+        lower = self._tier_hit(prefix)
+        if lower.waiting:
             return None
+        ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix)
+        if ids is None:
+            return None
+        if lower.host:
+            self._pending_loads[request.request_id] = self._load(lower, prefix, ids, count=True)
+        hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
         self.requests[request.request_id] = request
         self._num_reserved += 1
         request.scheduled_s = time.monotonic()
         request.status = RequestStatus.WAITING_FOR_KV
-        request.num_cached_prompt_tokens = prefix.num_tokens
+        request.num_cached_prompt_tokens = hit_tokens
         self.stats.num_prompt_tokens += request.num_prompt_tokens
-        self.stats.num_prefix_hit_tokens += prefix.num_tokens
-        return prefix.num_tokens
+        self.stats.num_prefix_hit_tokens += hit_tokens
+        return hit_tokens
 
     def kv_delivered(self, request_id: str, first_token: int | None = None) -> Request:
         """The prompt's KV is in the reserved blocks. With `first_token` (sampled by the prefill worker) the
@@ -111,6 +127,7 @@ class Scheduler:
     def kv_failed(self, request_id: str) -> None:
         """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""
         req = self._reserved(request_id)
+        self._drop_pending_loads(request_id)
         self.blocks.free(request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -155,12 +172,16 @@ class Scheduler:
         if not preempted:  # admitting new work in a step that had to preempt would only thrash
             budget = self._admit_waiting(budget, chunks)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(chunks), finished, tuple(preempted))
+        loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
+        self._pending_loads, self._step_loads = {}, []
+        return SchedulerOutput(tuple(chunks), finished, tuple(preempted), tuple(loads))
 
     def update(self, scheduled: SchedulerOutput, result: ExecutorOutput) -> list[Request]:
         """Advance requests by what the step computed and sampled; return the requests that finished."""
         now = time.monotonic()
         finished: list[Request] = []
+        if scheduled.kv_loads:
+            self.tiers.loads_done(scheduled.kv_loads)
         for chunk in scheduled.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.is_finished or req.status is RequestStatus.PREEMPTED:
@@ -211,21 +232,43 @@ class Scheduler:
             if req is None:
                 break
             prefix = self.blocks.find_prefix(req.all_token_ids, req.request_id)
-            n = min(req.num_tokens - prefix.num_tokens, budget)
-            if self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix) is None:
+            lower = self._tier_hit(prefix)
+            if lower.waiting:
+                break  # its prefix is being fetched from disk: it goes first once that is in host
+            hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
+            n = min(req.num_tokens - hit_tokens, budget)
+            ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
+            if ids is None:
                 break  # head of line waits for blocks; later requests do not overtake it
             self._pop_waiting()
+            if lower.host:
+                self._step_loads += self._load(lower, prefix, ids, count=req.num_preemptions == 0)
             if req.num_preemptions == 0:
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
-                self.stats.num_prefix_hit_tokens += prefix.num_tokens
-                req.num_cached_prompt_tokens = prefix.num_tokens
-            req.num_computed_tokens = prefix.num_tokens
+                self.stats.num_prefix_hit_tokens += hit_tokens
+                req.num_cached_prompt_tokens = hit_tokens
+            req.num_computed_tokens = hit_tokens
             req.status = RequestStatus.PREFILLING
             req.scheduled_s = req.scheduled_s or time.monotonic()
             bisect.insort(self.running, req, key=self.policy.sort_key)
             chunks.append(self._chunk(req, n))
             budget -= n
         return budget
+
+    def _tier_hit(self, prefix: PrefixHit) -> TierHit:
+        if self.tiers is None:
+            return _NO_TIER_HIT
+        return self.tiers.extend(prefix.block_hashes[len(prefix.block_ids):])
+
+    def _load(self, lower: TierHit, prefix: PrefixHit, ids: list, count: bool) -> list[KVLoad]:
+        """Loads of the host hits into the fresh blocks `allocate` appended right after the device hit."""
+        first = len(prefix.block_ids)
+        return self.tiers.load(lower.host, ids[first:first + len(lower.host)], count)
+
+    def _drop_pending_loads(self, request_id: str) -> None:
+        loads = self._pending_loads.pop(request_id, None)
+        if loads:
+            self.tiers.loads_done(loads)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -257,6 +300,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING_FOR_KV:
             self._num_reserved -= 1
+            self._drop_pending_loads(req.request_id)
         elif not req.is_finished:
             self._num_waiting -= 1  # its heap entry is skipped when reached
         req.status = status

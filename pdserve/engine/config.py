@@ -27,6 +27,15 @@ class EngineConfig:
     """Token budget per step; longer prompts are prefilled in chunks of this size."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    kv_host_gb: float = 4.0
+    """Host-memory KV tier per worker, in GiB (0: none). Full blocks are copied there as they are produced
+    (on a background thread), so a block evicted from the device pool is loaded back instead of recomputed."""
+    kv_disk_dir: str | None = None
+    """Disk KV tier directory (none: no disk tier). Blocks in host are copied there too; it survives restarts."""
+    kv_disk_gb: float = 16.0
+    """Disk KV tier size per worker, in GiB (with --kv-disk-dir)."""
+    kv_eviction_policy: str = "lru"
+    """Which cached KV block leaves a full tier first: lru or heat (decayed use count)."""
     queue_policy: str = "fcfs"
     """Waiting-queue and preemption order: fcfs or priority."""
     seed: int | None = None
@@ -44,6 +53,24 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        from pdserve.core.kv_meta import EVICTION_POLICIES
+        from pdserve.errors import InvalidRequestError
+        if not self.kv_host_gb >= 0:
+            raise InvalidRequestError(f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", param="kv_host_gb")
+        if not self.kv_disk_gb > 0:
+            raise InvalidRequestError(f"kv_disk_gb must be positive, got {self.kv_disk_gb!r}", param="kv_disk_gb")
+        if self.kv_eviction_policy not in EVICTION_POLICIES:
+            raise InvalidRequestError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from "
+                                      f"{sorted(EVICTION_POLICIES)}", param="kv_eviction_policy")
+        if self.kv_disk_dir is not None:
+            if self.kv_host_gb == 0:
+                raise InvalidRequestError("a disk KV tier (kv_disk_dir) needs a host tier: set kv_host_gb > 0",
+                                          param="kv_disk_dir")
+            from pdserve.kv.disk_store import check_writable
+            check_writable(self.kv_disk_dir)
 
 
 def field_help(cls) -> dict[str, str]:

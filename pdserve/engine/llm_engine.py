@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.kv_meta import LifecycleConfig, make_eviction_policy
+from pdserve.core.kv_tiers import TieredKV, build_tiered_kv
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.schedule import SchedulerConfig
@@ -44,11 +47,22 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, executor: Executor, scheduler_config: SchedulerConfig, num_kv_blocks: int,
                  tokenizer: Tokenizer | None = None, enable_prefix_caching: bool = True,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), kv_eviction_policy: str = "lru",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
-        self.block_manager = KVBlockManager(num_kv_blocks, executor.block_size, enable_prefix_caching)
+        lifecycle = LifecycleConfig()
+        eviction = make_eviction_policy(kv_eviction_policy, lifecycle)
+        self.block_manager = KVBlockManager(num_kv_blocks, executor.block_size, enable_prefix_caching,
+                                            eviction=eviction, lifecycle=lifecycle, clock=clock)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        # Host and disk tiers, when the executor has them (`kv_io` moves their bytes)
+        self.kv_io = getattr(executor, "kv_io", None)
+        self.tiers: TieredKV | None = None
+        if self.kv_io is not None and enable_prefix_caching:
+            self.tiers = build_tiered_kv(self.block_manager, self.kv_io.capacity, eviction, lifecycle,
+                                         self.kv_io.restored())
+            self.scheduler.tiers = self.tiers
         self.eos_token_ids = eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -81,9 +95,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got a new token or finished."""
+        self.poll_kv()
         scheduled = self.scheduler.schedule()
         result = self.executor.execute(scheduled)
         finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
+        if self.tiers is not None:
+            self.kv_io.submit(self.tiers.after_step())
         outputs = []
         for chunk in scheduled.chunks:
             req = finished.get(chunk.request_id) or self.scheduler.requests.get(chunk.request_id)
@@ -92,6 +109,27 @@ class LLMEngine:
             elif req is not None and req.is_finished:  # ended without sampling (a prefill-only request)
                 outputs.append(self._output(req, None))
         return outputs
+
+    def poll_kv(self) -> None:
+        """Take in the tier operations the I/O runner finished (also called by an idle worker loop)."""
+        if self.tiers is not None:
+            for op_id, failures in self.kv_io.poll():
+                self.tiers.complete(op_id, failures)
+
+    def kv_report(self) -> dict:
+        """Blocks per tier and lifecycle stage, capacities, prefix-hit tokens per tier, bytes moved per tier
+        and direction, corrupt blocks dropped: what a worker's stats carry to the metrics."""
+        blocks, hits = self.block_manager, self.scheduler.stats.num_prefix_hit_tokens
+        if self.tiers is None:
+            stages = {"device": {s.value: n for s, n in blocks.stage_counts(blocks.clock()).items()}}
+            return {"stages": stages, "capacity": {"device": blocks.num_blocks}, "hits": {"device": hits},
+                    "bytes_in": {}, "bytes_out": {}, "corrupt": {}, "disk_full": 0}
+        st = self.tiers.stats
+        lower = {t.value: n for t, n in st.hit_tokens.items()}
+        as_dict = lambda c: {t.value: n for t, n in c.items()}  # noqa: E731
+        return {"stages": self.tiers.stage_counts(), "capacity": self.tiers.capacities(),
+                "hits": {"device": hits - sum(lower.values()), **lower}, "bytes_in": as_dict(st.bytes_in),
+                "bytes_out": as_dict(st.bytes_out), "corrupt": as_dict(st.corrupt), "disk_full": st.disk_full}
 
     def _output(self, req: Request, new_token: int | None) -> RequestOutput:
         detok = self._detok.get(req.request_id)

@@ -13,6 +13,7 @@ from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
+from pdserve.kv.tier_io import build_tier_io
 from pdserve.model.config import ModelConfig
 from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
 from pdserve.model.llama import LlamaModel
@@ -41,7 +42,7 @@ def pick_device(name: str) -> torch.device:
 
 class ModelExecutor:
     def __init__(self, model_dir: Path, model_config: ModelConfig, config: EngineConfig,
-                 shared_kv: bool = False) -> None:
+                 shared_kv: bool = False, worker: str = "llm") -> None:
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
@@ -54,6 +55,8 @@ class ModelExecutor:
             model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.dtype)
         self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device,
                                     shared=shared_kv)
+        # host and disk tiers below the pool (`worker` names this worker's folder in the disk tier)
+        self.kv_io = build_tier_io(config, model_config, model_dir, self.kv_pool.layers, self.dtype, worker)
         self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
         # Called as `layer_observer(scheduled, layer_index)` once a layer's KV of the step is in the pool
@@ -65,6 +68,8 @@ class ModelExecutor:
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         for request_id in scheduled.finished_request_ids:
             self.sampler.release(request_id)
+        if scheduled.kv_loads:  # host tier hits, into the blocks this step reads
+            self.kv_io.load(scheduled.kv_loads)
         if scheduled.is_empty:
             return ExecutorOutput()
         batch = build_input_batch(order_chunks(scheduled.chunks), self.layout, self.device, self.dtype)

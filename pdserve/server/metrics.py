@@ -48,8 +48,16 @@ class Metrics:
         self.blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks held by live requests (cached-but-free "
                                  "blocks count as free)", ["worker"], registry=r)
         self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", ["worker"], registry=r)
-        self.prefix_hits = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                   ["worker"], registry=r)
+        self.prefix_hits = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache, "
+                                   "by the KV tier they were found in", ["worker", "tier"], registry=r)
+        self.tier_blocks = Gauge("pdserve_kv_tier_blocks", "KV blocks per tier and lifecycle stage",
+                                 ["worker", "tier", "stage"], registry=r)
+        self.tier_capacity = Gauge("pdserve_kv_tier_capacity_blocks", "KV blocks each tier can hold",
+                                   ["worker", "tier"], registry=r)
+        self.tier_bytes = Counter("pdserve_kv_tier_bytes", "KV bytes written into (in) or read out of (out) a "
+                                  "tier", ["worker", "tier", "direction"], registry=r)
+        self.tier_corrupt = Counter("pdserve_kv_tier_corrupt", "KV blocks found damaged in a tier and dropped "
+                                    "(never served)", ["worker", "tier"], registry=r)
         self.prefix_queries = Counter("pdserve_prefix_cache_query_tokens", "Prompt tokens looked up in the "
                                       "prefix cache", ["worker"], registry=r)
         self.preemptions = Counter("pdserve_preemptions", "Requests preempted (recompute)", ["worker"], registry=r)
@@ -69,7 +77,7 @@ class Metrics:
         self.waiting.labels(worker=w).set(s["waiting"] + s.get("waiting_for_kv", 0) + s.get("pending_reservations", 0))
         self.blocks_used.labels(worker=w).set(s["blocks_used"])
         self.blocks_total.labels(worker=w).set(s["blocks_total"])
-        self._inc_total(self.prefix_hits, (w, "hits"), s["prefix_hit_tokens"], worker=w)
+        self._observe_tiers(w, s.get("kv"))
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.preemptions, (w, "preempt"), s["preemptions"], worker=w)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
@@ -79,6 +87,26 @@ class Metrics:
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
+
+    def _observe_tiers(self, w: str, kv: dict | None) -> None:
+        if not kv:
+            return
+        for tier, stages in kv["stages"].items():
+            for stage, n in stages.items():
+                self.tier_blocks.labels(worker=w, tier=tier, stage=stage).set(n)
+        for tier, n in kv["capacity"].items():
+            self.tier_capacity.labels(worker=w, tier=tier).set(n)
+            self.prefix_hits.labels(worker=w, tier=tier)  # every tier's series exists from the start
+            self.tier_corrupt.labels(worker=w, tier=tier)
+        for tier, n in kv["hits"].items():
+            self._inc_total(self.prefix_hits, (w, f"hits:{tier}"), n, worker=w, tier=tier)
+        for direction in ("in", "out"):
+            for tier, n in kv[f"bytes_{direction}"].items():
+                self._inc_total(self.tier_bytes, (w, f"bytes:{tier}:{direction}"), n, worker=w, tier=tier,
+                                direction=direction)
+        for tier, n in kv["corrupt"].items():
+            self._inc_total(self.tier_corrupt, (w, f"corrupt:{tier}"), n, worker=w, tier=tier)
+        self._inc_total(self.fallbacks, (w, "kv_disk_full"), kv["disk_full"], kind="kv_disk_full")
 
     def observe_prefill(self, e: dict) -> None:
         if e.get("queue_s") is not None:

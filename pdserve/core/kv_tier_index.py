@@ -1,0 +1,133 @@
+"""Bookkeeping of one lower KV tier (host memory or disk): which block hashes it holds, where, and their
+metadata. Pure Python: the bytes live in `pdserve.kv` (a host tensor, files) and move on an I/O thread.
+
+Two-phase stores: `reserve` books a slot for a hash (the entry exists but is not `ready`, so no lookup
+hits it), the bytes are written, then `commit` makes it visible or `discard` drops it. Eviction happens in
+two places: when usage passes `high_watermark`, `reclaim(now)` marks the lowest-scoring blocks RECLAIM
+down to `low_watermark` (still servable: a hit takes one back); `reserve` takes its slot from a marked block
+first, then from the policy's pick. Blocks being read (`busy`), being written, or pinned are never taken.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+
+from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Tier, pick_victim, stage_of
+
+
+class TierIndex:
+    def __init__(self, tier: Tier, capacity_blocks: int, policy: EvictionPolicy,
+                 config: LifecycleConfig | None = None, high_watermark: float = 0.95,
+                 low_watermark: float = 0.90) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"{tier.value} tier needs a positive capacity, got {capacity_blocks} blocks")
+        self.tier = tier
+        self.capacity = capacity_blocks
+        self.policy = policy
+        self.config = config or LifecycleConfig()
+        self.high = max(1, int(capacity_blocks * high_watermark))
+        self.low = max(0, int(capacity_blocks * low_watermark))
+        self.entries: OrderedDict[int, BlockMeta] = OrderedDict()  # least recently used first
+        self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+        self._reclaiming: OrderedDict[int, None] = OrderedDict()
+        self.evicted: list[BlockMeta] = []  # dropped entries whose bytes the owner may delete (disk files)
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[BlockMeta]:
+        return iter(self.entries.values())
+
+    def get(self, block_hash: int) -> BlockMeta | None:
+        return self.entries.get(block_hash)
+
+    def ready(self, block_hash: int) -> BlockMeta | None:
+        meta = self.entries.get(block_hash)
+        return meta if meta is not None and meta.ready else None
+
+    def touch(self, block_hash: int, now: float) -> None:
+        meta = self.entries[block_hash]
+        meta.touch(now, self.config.heat_half_life_s)
+        self.entries.move_to_end(block_hash)
+        if meta.reclaiming:  # wanted again: no longer on its way out
+            meta.reclaiming = False
+            self._reclaiming.pop(block_hash, None)
+
+    def reserve(self, block_hash: int, now: float, template: BlockMeta | None = None) -> BlockMeta | None:
+        """Book a slot for `block_hash` (not ready until `commit`); None when it is already here (ready or
+        being written) or every block is pinned or busy. `template` carries metadata from the tier above."""
+        if block_hash in self.entries:
+            return None
+        if not self._free_slots and not self._evict_one(now):
+            return None
+        meta = BlockMeta(block_hash, self.tier, self._free_slots.pop(), now, now, heat_at_s=now, ready=False)
+        if template is not None:
+            meta.produced_at_s, meta.last_use_s = template.produced_at_s, max(template.last_use_s, 0.0)
+            meta.use_count, meta.heat, meta.heat_at_s = template.use_count, template.heat, template.heat_at_s
+            meta.expected_use_at_s, meta.pinned_until_s = template.expected_use_at_s, template.pinned_until_s
+            meta.codec, meta.sla_class = template.codec, template.sla_class
+        self.entries[block_hash] = meta
+        return meta
+
+    def commit(self, block_hash: int) -> None:
+        meta = self.entries.get(block_hash)
+        if meta is not None:
+            meta.ready = True
+
+    def discard(self, block_hash: int) -> BlockMeta | None:
+        """Drop an entry (a failed write, corrupt bytes, a deleted file); its slot is free again."""
+        meta = self.entries.pop(block_hash, None)
+        if meta is not None:
+            self._reclaiming.pop(block_hash, None)
+            self._free_slots.append(meta.slot)
+        return meta
+
+    def restore(self, meta: BlockMeta) -> bool:
+        """Re-index a block found at start (disk files of an earlier run); False when the tier is full."""
+        if meta.block_hash in self.entries or not self._free_slots:
+            return False
+        meta.slot, meta.tier, meta.ready = self._free_slots.pop(), self.tier, True
+        self.entries[meta.block_hash] = meta
+        self.entries.move_to_end(meta.block_hash)
+        return True
+
+    def reclaim(self, now: float) -> int:
+        """Above the high watermark, mark the lowest-scoring blocks RECLAIM until only `low` would remain.
+        Returns how many are marked now."""
+        if len(self.entries) < self.high:
+            return len(self._reclaiming)
+        want = len(self.entries) - self.low
+        candidates = (m for m in self.entries.values() if not m.reclaiming)
+        while len(self._reclaiming) < want:
+            victim = pick_victim(candidates, self.policy, now, self.config.eviction_sample)
+            if victim is None:
+                break
+            victim.reclaiming = True
+            self._reclaiming[victim.block_hash] = None
+        return len(self._reclaiming)
+
+    def _evict_one(self, now: float) -> bool:
+        for block_hash in list(self._reclaiming):
+            meta = self.entries[block_hash]
+            if not meta.busy and not meta.pinned(now):
+                return self._drop(meta)
+        victim = pick_victim(self.entries.values(), self.policy, now, self.config.eviction_sample)
+        return victim is not None and self._drop(victim)
+
+    def _drop(self, meta: BlockMeta) -> bool:
+        meta.reclaiming = True
+        self.discard(meta.block_hash)
+        self.evicted.append(meta)
+        self.num_evicted += 1
+        return True
+
+    def stage_counts(self, now: float) -> Counter:
+        counts: Counter = Counter()
+        for meta in self.entries.values():
+            counts[stage_of(meta, now, meta.busy > 0, self.config)] += 1
+        return counts
+
+    def num_free(self) -> int:
+        return len(self._free_slots)

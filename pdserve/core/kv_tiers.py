@@ -1,0 +1,302 @@
+"""The KV store of one worker across tiers: device blocks (the `KVBlockManager`), a host tier and a disk
+tier (`TierIndex` each), and the I/O between them as explicit operations. Pure Python: the scheduler and
+the engine call it on one thread; an I/O runner (`pdserve.kv.tier_io`, or the simulator's) moves the
+bytes and reports each operation's end. The real worker and the simulator run this same code.
+
+Placement (write-through, as SGLang HiCache's default): a block is copied device -> host as soon as it
+is full and registered (`offload`), and host -> disk once it is in host (`flush`), so a block evicted from
+a tier above is already below and eviction never waits for a copy. While its copy runs, the device block is
+held (not reusable) and the host entry is `busy`; nothing unready is ever served.
+
+Lookup continues a device prefix hit block by block through host, then disk. Host hits are loaded into
+fresh device blocks by the executor before the step's forward (`KVLoad`s in the scheduler's output). Disk
+hits are first prefetched into host by the I/O runner (`prefetch`); the request waits for them, never
+for a miss. A disk file whose checksum or header does not match is dropped and counted, never served.
+
+Operations (`KVOp.kind`): offload (device blocks -> host slots), flush (host slots -> disk files),
+prefetch (disk files -> host slots), delete (disk files of evicted entries).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.core.block_hash import BlockHash
+from pdserve.core.block_manager import BlockId, KVBlockManager
+from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
+from pdserve.core.kv_tier_index import TierIndex
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Copy host slot `host_slot` into device block `block_id` before the step's forward."""
+
+    block_id: int
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class KVOp:
+    op_id: int
+    kind: str  # offload | flush | prefetch | delete
+    hashes: tuple[int, ...]
+    src: tuple[int, ...] = ()  # offload: device block ids; flush: host slots
+    dst: tuple[int, ...] = ()  # offload, prefetch: host slots
+
+    @property
+    def holder(self) -> str:
+        return f"kvop:{self.op_id}"
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """A device prefix hit continued through the lower tiers."""
+
+    host: tuple[BlockHash, ...] = ()  # ready in host, right after the device hit, in order
+    waiting: bool = False  # more of the prefix is on disk and being prefetched: ask again later
+
+
+@dataclass
+class TierStats:
+    hit_tokens: Counter = field(default_factory=Counter)  # by Tier
+    bytes_in: Counter = field(default_factory=Counter)  # by Tier: written into that tier
+    bytes_out: Counter = field(default_factory=Counter)  # by Tier: read out of it
+    corrupt: Counter = field(default_factory=Counter)  # by Tier: blocks found damaged, dropped
+    failed_ops: Counter = field(default_factory=Counter)  # by kind
+    disk_full: int = 0  # writes refused for lack of space (the disk tier then stops writing)
+
+
+class TieredKV:
+    def __init__(self, blocks: KVBlockManager, host: TierIndex | None, disk: TierIndex | None,
+                 block_bytes: int) -> None:
+        if disk is not None and host is None:
+            raise ValueError("a disk KV tier needs a host tier to stage through")
+        self.blocks = blocks
+        self.host = host
+        self.disk = disk
+        self.block_bytes = block_bytes
+        self.disk_writable = disk is not None
+        self.stats = TierStats()
+        self._ids = itertools.count()
+        self._ops: dict[int, KVOp] = {}
+        self._new_ops: list[KVOp] = []
+        self._loading: dict[tuple[int, int], BlockHash] = {}  # (device block, host slot) -> hash
+        self.stale: list[BlockHash] = []  # disk files found at start that this run will not index
+        blocks.newly_cached = [] if host is not None else None
+
+    def tiers(self) -> list[TierIndex]:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    # ---- scheduler side ---------------------------------------------------------------------------------
+    def extend(self, hashes: Sequence[BlockHash]) -> TierHit:
+        """Continue a prefix through host and disk: `hashes` are the block hashes right after the device
+        hit. Starts prefetching the disk part (once); the request should wait while any is in flight."""
+        if self.host is None:
+            return TierHit()
+        host_run: list[BlockHash] = []
+        to_fetch: list[BlockHash] = []
+        in_flight = False
+        for h in hashes:
+            meta = self.host.get(h)
+            if meta is not None:
+                if not meta.ready:
+                    in_flight = True
+                    break
+                if not to_fetch:
+                    host_run.append(h)
+                continue
+            if self.disk is None or self.disk.ready(h) is None:
+                break
+            to_fetch.append(h)
+        if to_fetch:
+            self._prefetch(to_fetch)
+            in_flight = True
+        return TierHit(tuple(host_run), in_flight)
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[BlockId], count: bool = True
+             ) -> list[KVLoad]:
+        """Loads of host entries `hashes` into fresh device blocks `block_ids`; each entry stays busy until
+        `loads_done`. With `count`, the hit tokens are counted by the tier each block was found in."""
+        now = self.blocks.clock()
+        loads = []
+        for h, block_id in zip(hashes, block_ids):
+            meta = self.host.entries[h]
+            meta.busy += 1
+            if count:
+                self.stats.hit_tokens[meta.from_tier or Tier.HOST] += self.blocks.block_size
+            meta.from_tier = None
+            self.host.touch(h, now)
+            loads.append(KVLoad(block_id, meta.slot))
+            self._loading[(block_id, meta.slot)] = h
+        self.stats.bytes_out[Tier.HOST] += len(loads) * self.block_bytes
+        self.stats.bytes_in[Tier.DEVICE] += len(loads) * self.block_bytes
+        return loads
+
+    def loads_done(self, loads: Sequence[KVLoad]) -> None:
+        for load in loads:
+            h = self._loading.pop((load.block_id, load.host_slot), None)
+            meta = self.host.get(h) if h is not None else None
+            if meta is not None and meta.busy:
+                meta.busy -= 1
+
+    # ---- engine side: after each step, the runner's results in, new operations out -----------------------
+    def after_step(self) -> list[KVOp]:
+        """Copy newly registered device blocks down; reclaim above the watermarks. Returns new operations."""
+        if self.host is not None and self.blocks.newly_cached:
+            cached, self.blocks.newly_cached = self.blocks.newly_cached, []
+            self._offload(cached)
+        now = self.blocks.clock()
+        for tier in self.tiers():
+            tier.reclaim(now)
+        if self.disk is not None and (self.disk.evicted or self.stale):
+            evicted, self.disk.evicted = self.disk.evicted, []
+            self._submit("delete", tuple(m.block_hash for m in evicted) + tuple(self.stale))
+            self.stale = []
+        if self.host is not None:
+            self.host.evicted.clear()  # host bytes need no deleting: the slot is simply reused
+        new, self._new_ops = self._new_ops, []
+        return new
+
+    def complete(self, op_id: int, failures: Mapping[int, str] | None = None) -> None:
+        """The runner finished operation `op_id`; `failures` maps each hash that failed to why: "corrupt"
+        (prefetch: a damaged file), "missing" (prefetch: the file is gone), "disk_full" (flush), or any
+        other text. Hashes not in it succeeded."""
+        op = self._ops.pop(op_id)
+        failures = failures or {}
+        done = getattr(self, f"_done_{op.kind}")
+        for h in op.hashes:
+            done(h, failures.get(h))
+        if op.kind == "offload":
+            self.blocks.free(op.holder)
+            self._flush([h for h in op.hashes if h not in failures])
+        for reason in failures.values():
+            self.stats.failed_ops[op.kind] += 1
+            if reason == "corrupt":
+                self.stats.corrupt[Tier.DISK] += 1
+            elif reason == "disk_full":
+                self.stats.disk_full += 1
+                self.disk_writable = False  # stop writing; keep serving what is there
+
+    def _done_offload(self, h: BlockHash, failed: str | None) -> None:
+        if failed:
+            self.host.discard(h)
+            return
+        self.host.commit(h)
+        self._moved(Tier.DEVICE, Tier.HOST)
+
+    def _done_flush(self, h: BlockHash, failed: str | None) -> None:
+        meta = self.host.get(h)
+        if meta is not None and meta.busy:
+            meta.busy -= 1
+        if failed:
+            self.disk.discard(h)
+            return
+        self.disk.commit(h)
+        self._moved(Tier.HOST, Tier.DISK)
+
+    def _done_prefetch(self, h: BlockHash, failed: str | None) -> None:
+        if failed:
+            self.host.discard(h)
+            if failed in ("corrupt", "missing"):
+                self.disk.discard(h)  # never offered again
+            return
+        self.host.commit(h)
+        self.host.get(h).from_tier = Tier.DISK
+        self._moved(Tier.DISK, Tier.HOST)
+
+    def _done_delete(self, h: BlockHash, failed: str | None) -> None:
+        pass
+
+    def _moved(self, src: Tier, dst: Tier) -> None:
+        self.stats.bytes_out[src] += self.block_bytes
+        self.stats.bytes_in[dst] += self.block_bytes
+
+    # ---- operations ---------------------------------------------------------------------------------------
+    def _submit(self, kind: str, hashes: tuple, src: tuple = (), dst: tuple = ()) -> KVOp:
+        op = KVOp(next(self._ids), kind, hashes, src, dst)
+        self._ops[op.op_id] = op
+        self._new_ops.append(op)
+        return op
+
+    def _offload(self, cached: list[tuple[BlockId, BlockHash]]) -> None:
+        now = self.blocks.clock()
+        hashes, src, dst, present = [], [], [], []
+        for block_id, h in cached:
+            if self.blocks.cached_block(h) != block_id:
+                continue  # already reused for something else
+            meta = self.host.reserve(h, now, self.blocks.meta(block_id))
+            if meta is None:
+                present.append(h)  # in host already (e.g. loaded from there): make sure disk has it
+                continue
+            hashes.append(h)
+            src.append(block_id)
+            dst.append(meta.slot)
+        if hashes:
+            op = self._submit("offload", tuple(hashes), tuple(src), tuple(dst))
+            self.blocks.hold(op.holder, src)
+        self._flush(present)
+
+    def _flush(self, hashes: Sequence[BlockHash]) -> None:
+        if self.disk is None or not self.disk_writable:
+            return
+        now = self.blocks.clock()
+        todo, slots = [], []
+        for h in hashes:
+            host_meta = self.host.ready(h)
+            if host_meta is None or self.disk.reserve(h, now, host_meta) is None:
+                continue
+            host_meta.busy += 1
+            todo.append(h)
+            slots.append(host_meta.slot)
+        if todo:
+            self._submit("flush", tuple(todo), tuple(slots))
+
+    def _prefetch(self, hashes: list[BlockHash]) -> None:
+        now = self.blocks.clock()
+        todo, slots = [], []
+        for h in hashes:
+            meta = self.host.reserve(h, now, self.disk.get(h))
+            if meta is None:
+                break  # host full of busy or pinned blocks: fetch the rest later
+            todo.append(h)
+            slots.append(meta.slot)
+        if todo:
+            self._submit("prefetch", tuple(todo), dst=tuple(slots))
+
+    # ---- what the metrics show --------------------------------------------------------------------------
+    def stage_counts(self) -> dict[str, dict[str, int]]:
+        now = self.blocks.clock()
+        out = {Tier.DEVICE.value: self.blocks.stage_counts(now)}
+        for tier in self.tiers():
+            out[tier.tier.value] = tier.stage_counts(now)
+        return {t: {s.value: int(c.get(s, 0)) for s in Stage} for t, c in out.items()}
+
+    def capacities(self) -> dict[str, int]:
+        out = {Tier.DEVICE.value: self.blocks.num_blocks}
+        out.update({t.tier.value: t.capacity for t in self.tiers()})
+        return out
+
+    @property
+    def num_ops_in_flight(self) -> int:
+        return len(self._ops)
+
+
+def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, lifecycle: LifecycleConfig,
+                    restored: Sequence[tuple[int, float, float]] = (), wall_now: float | None = None) -> TieredKV:
+    """Tiers sized by `capacity` (`host_blocks`, `disk_blocks`, `block_bytes`), the disk tier re-indexing
+    `restored` blocks [(hash, produced-at, last use) in wall-clock seconds] from an earlier run."""
+    host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle)
+    disk = TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle) if capacity.disk_blocks else None
+    tiers = TieredKV(blocks, host, disk, capacity.block_bytes)
+    if disk is not None and restored:
+        now, wall_now = blocks.clock(), time.time() if wall_now is None else wall_now
+        for block_hash, produced, used in restored:
+            age_produced, age_used = max(wall_now - produced, 0.0), max(wall_now - used, 0.0)
+            meta = BlockMeta(block_hash, Tier.DISK, -1, now - age_produced, now - age_used, heat_at_s=now)
+            if not disk.restore(meta):
+                tiers.stale.append(block_hash)  # over this run's capacity: deleted by the first step
+    return tiers

@@ -1,0 +1,138 @@
+"""The disk KV tier's bytes: one file per block, `<dir>/<identity>/<worker>/<hash:016x>.kv`.
+
+`identity` is a digest of everything that makes KV bytes mean something: the model's config and weights
+(names, sizes and the first and last MiB of each weight file), dtype, block size and layout. A server of
+another model, dtype or block size never reads these files, because it looks in another folder.
+
+File: a 64-byte header (magic, format version, block hash, payload length, xxh3-64 of the payload,
+produced-at wall time) then the payload (one host slot: every layer of the block). A file is written to a
+temporary name and renamed into place, so a kill mid-write leaves a stray temporary (removed at the next
+start), never a file under a block's name with half its bytes; a file damaged later (torn, truncated,
+overwritten) fails the header or checksum check on read and is deleted, never served.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import time
+from pathlib import Path
+
+import xxhash
+
+from pdserve.errors import InvalidRequestError
+
+MAGIC = b"PDKVBLK1"
+HEADER = struct.Struct("<8sQQQd24x")  # magic, block hash, payload bytes, xxh3-64 of payload, produced-at
+assert HEADER.size == 64
+
+
+class CorruptBlock(Exception):
+    pass
+
+
+def model_identity(model_dir: Path, dtype: str, block_size: int, layout: str) -> str:
+    h = xxhash.xxh3_128()
+    h.update(f"{dtype}|{block_size}|{layout}|".encode())
+    config = model_dir / "config.json"
+    if config.exists():
+        h.update(config.read_bytes())
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        size = weights.stat().st_size
+        h.update(f"{weights.name}|{size}|".encode())
+        with open(weights, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(size - (1 << 20), 0))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:24]
+
+
+def check_writable(directory: str) -> Path:
+    """Create `directory` if needed and prove a file can be written there; a clear error if not."""
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise InvalidRequestError(f"--kv-disk-dir {directory}: not a writable directory ({e.strerror or e})",
+                                  param="kv_disk_dir") from None
+    return path
+
+
+class DiskKVStore:
+    def __init__(self, root: str, identity: str, worker: str, payload_nbytes: int) -> None:
+        self.dir = check_writable(root) / identity / worker
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.payload_nbytes = payload_nbytes
+        for stray in self.dir.glob("*.tmp*"):  # a write killed half way in an earlier run
+            stray.unlink(missing_ok=True)
+
+    def path(self, block_hash: int) -> Path:
+        return self.dir / f"{block_hash:016x}.kv"
+
+    def scan(self) -> list[tuple[int, float, float]]:
+        """Blocks present from earlier runs: [(hash, produced-at wall time, last use wall time)], oldest use
+        first. Only names and sizes are checked here; contents are verified when read."""
+        found = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if not name.endswith(".kv") or len(name) != 19:
+                continue
+            try:
+                st = entry.stat()
+                block_hash = int(name[:16], 16)
+            except (OSError, ValueError):
+                continue
+            if st.st_size == HEADER.size + self.payload_nbytes:
+                found.append((block_hash, st.st_mtime, st.st_atime))
+        found.sort(key=lambda t: t[2])
+        return found
+
+    def write(self, block_hash: int, payload: memoryview, produced_at: float | None = None) -> None:
+        """Write one block atomically. Raises OSError (errno ENOSPC when the disk is full)."""
+        header = HEADER.pack(MAGIC, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload),
+                             time.time() if produced_at is None else produced_at)
+        final = self.path(block_hash)
+        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def read_into(self, block_hash: int, out: memoryview) -> None:
+        """Read one block into `out`, verified. Raises CorruptBlock (the file is deleted) or FileNotFoundError."""
+        path = self.path(block_hash)
+        with open(path, "rb") as f:
+            header = f.read(HEADER.size)
+            n = f.readinto(out) if len(header) == HEADER.size else 0
+            extra = f.read(1)
+        problem = self._check(header, n, extra, block_hash, out)
+        if problem:
+            path.unlink(missing_ok=True)
+            raise CorruptBlock(f"{path.name}: {problem}")
+
+    def _check(self, header: bytes, n: int, extra: bytes, block_hash: int, out: memoryview) -> str:
+        if len(header) < HEADER.size:
+            return "truncated header"
+        magic, stored_hash, nbytes, checksum, _ = HEADER.unpack(header)
+        if magic != MAGIC or stored_hash != block_hash or nbytes != len(out):
+            return "header does not match"
+        if n != nbytes or extra:
+            return f"payload has {n}{'+' if extra else ''} bytes, header says {nbytes}"
+        if xxhash.xxh3_64_intdigest(out) != checksum:
+            return "checksum mismatch"
+        return ""
+
+    def delete(self, block_hash: int) -> None:
+        self.path(block_hash).unlink(missing_ok=True)
+
+
+def is_disk_full(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -1,0 +1,150 @@
+"""Moves KV bytes between a worker's tiers for `pdserve.core.kv_tiers.TieredKV`.
+
+Copies down (offload: device -> host; flush: host -> disk), prefetches (disk -> host) and deletes run on
+one background thread, so a step never waits for them: the engine `submit`s the operations its tier
+bookkeeping produced after a step and `poll`s the finished ones before the next. Loads (host -> device)
+run on the engine's thread, right before the forward that reads them (`load`): a memory copy, far
+cheaper than recomputing the blocks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.core.kv_tiers import KVLoad, KVOp
+from pdserve.kv.disk_store import CorruptBlock, DiskKVStore, is_disk_full
+from pdserve.kv.host_store import HostKVStore
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """What the engine's tier bookkeeping is sized from."""
+
+    host_blocks: int
+    disk_blocks: int
+    block_bytes: int
+
+
+class TierIO:
+    def __init__(self, device_layers: Sequence[torch.Tensor], host: HostKVStore, disk: DiskKVStore | None,
+                 disk_blocks: int = 0) -> None:
+        self.layers = device_layers
+        self.host = host
+        self.disk = disk
+        self.capacity = TierCapacity(host.num_slots, disk_blocks if disk is not None else 0, host.slot_nbytes)
+        self.busy_s = collections.Counter()  # seconds spent per operation kind (bandwidth = bytes / time)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: collections.deque = collections.deque()
+        self._submitted = self._finished = 0
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-io", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # stop the thread before the interpreter tears torch down
+
+    def restored(self) -> list[tuple[int, float, float]]:
+        """Blocks on disk from earlier runs: [(hash, produced-at, last use)] in wall-clock seconds."""
+        return self.disk.scan() if self.disk is not None else []
+
+    def submit(self, ops: Sequence[KVOp]) -> None:
+        for op in ops:
+            self._submitted += 1
+            self._queue.put(op)
+
+    def poll(self) -> list[tuple[int, dict[int, str]]]:
+        """Finished operations since the last poll: [(op id, {hash: why it failed})]."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def load(self, loads: Sequence[KVLoad]) -> None:
+        if loads:
+            start = time.perf_counter()
+            self.host.load(self.layers, [ld.host_slot for ld in loads], [ld.block_id for ld in loads])
+            self.busy_s["load"] += time.perf_counter() - start
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until every submitted operation has finished (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._finished < self._submitted:
+            if time.monotonic() > deadline:
+                raise TimeoutError("KV tier I/O did not finish")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            start = time.perf_counter()
+            try:
+                failures = getattr(self, f"_{op.kind}")(op)
+            except Exception as e:  # noqa: BLE001 - every failure ends the operation, explicitly
+                failures = {h: f"{type(e).__name__}: {e}" for h in op.hashes}
+            self.busy_s[op.kind] += time.perf_counter() - start
+            self._done.append((op.op_id, failures))
+            self._finished += 1
+
+    def _offload(self, op: KVOp) -> dict[int, str]:
+        self.host.store(self.layers, op.src, op.dst)
+        return {}
+
+    def _flush(self, op: KVOp) -> dict[int, str]:
+        failures = {}
+        for h, slot in zip(op.hashes, op.src):
+            if failures:  # the disk refused one: do not hammer it with the rest
+                failures[h] = next(iter(failures.values()))
+                continue
+            try:
+                self.disk.write(h, self.host.slot_bytes(slot))
+            except OSError as e:
+                failures[h] = "disk_full" if is_disk_full(e) else f"write failed: {e.strerror or e}"
+        return failures
+
+    def _prefetch(self, op: KVOp) -> dict[int, str]:
+        failures = {}
+        for h, slot in zip(op.hashes, op.dst):
+            try:
+                self.disk.read_into(h, self.host.slot_bytes(slot))
+            except CorruptBlock:
+                failures[h] = "corrupt"
+            except FileNotFoundError:
+                failures[h] = "missing"
+            except OSError as e:
+                failures[h] = f"read failed: {e.strerror or e}"
+        return failures
+
+    def _delete(self, op: KVOp) -> dict[int, str]:
+        for h in op.hashes:
+            self.disk.delete(h)
+        return {}
+
+
+def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor], dtype: torch.dtype,
+                  worker: str) -> TierIO | None:
+    """The host (and disk) tiers `config` asks for, around the device pool `layers`; None without a host tier."""
+    if not config.kv_host_gb:
+        return None
+    block_bytes = model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+    num_slots = max(int(config.kv_host_gb * 2**30) // block_bytes, 1)
+    host = HostKVStore(num_slots, model_config.num_layers, model_config.num_kv_heads, config.block_size,
+                       model_config.head_dim, dtype, pin=layers[0].device.type == "cuda")
+    disk, disk_blocks = None, 0
+    if config.kv_disk_dir:
+        from pdserve.kv.disk_store import HEADER, model_identity
+        identity = model_identity(model_dir, str(dtype).removeprefix("torch."), config.block_size, "L2HBD")
+        disk = DiskKVStore(config.kv_disk_dir, identity, worker, host.slot_nbytes)
+        disk_blocks = max(int(config.kv_disk_gb * 2**30) // (block_bytes + HEADER.size), 1)
+    return TierIO(layers, host, disk, disk_blocks)
