@@ -32,7 +32,20 @@ class ModelNotFoundError(PdserveError):
     code = "model_not_found"
 
 
+class NotFoundError(PdserveError):
+    error_type = "not_found_error"
+    status_code = 404
+    code = "not_found"
+
+
 class UnsupportedModelError(PdserveError):
     """The weights exist but describe an architecture, tokenizer or format pdserve does not run."""
 
     code = "unsupported_model"
+
+
+def check_ttl(ttl_s) -> float:
+    """A prewarm's time to live: a positive number of seconds, at most a day."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= 86400:
+        raise InvalidRequestError(f"ttl_s must be a number of seconds in (0, 86400], got {ttl_s!r}", param="ttl_s")
+    return float(ttl_s)

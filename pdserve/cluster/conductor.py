@@ -45,6 +45,7 @@ class Flight:
     params: dict
     events: asyncio.Queue
     priority: int = 0  # lower is served first under --queue-policy priority (vLLM's convention)
+    pin: tuple[str, float] | None = None  # a prewarm: (id, ttl_s)
     decode: WorkerHandle | None = None
     prefill: WorkerHandle | None = None
     xfer: str = ""
@@ -94,8 +95,10 @@ class Conductor:
                 asyncio.ensure_future(self.send(flight.decode, {"type": "kv_failed", "xfer": flight.xfer}))
 
     # ---- requests ---------------------------------------------------------------------------------------
-    async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> Flight:
-        flight = Flight(rid, prompt, _params_dict(params), asyncio.Queue(), priority)
+    async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
+                     pin: tuple[str, float] | None = None) -> Flight:
+        """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks."""
+        flight = Flight(rid, prompt, _params_dict(params), asyncio.Queue(), priority, pin)
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         if self.mode == "colocated":
             flight.decode = self._pick("colocated", hashes)
@@ -110,20 +113,24 @@ class Conductor:
         flight.decode.load.remember(hashes)
         if self.mode == "colocated":
             await self.send(flight.decode, {"type": "generate", "rid": rid, "prompt": prompt, "params": flight.params,
-                                            "priority": priority})
+                                            "priority": priority, "pin": pin})
             return flight
         flight.xfer = f"{rid}#{next(self._xfers)}"
         if flight.prefill is not None:
             flight.prefill.load.outstanding += 1
             flight.prefill.load.remember(hashes)
         await self.send(flight.decode, {"type": "reserve", "rid": rid, "prompt": prompt, "params": flight.params,
-                                        "xfer": flight.xfer, "priority": priority})
+                                        "xfer": flight.xfer, "priority": priority, "pin": pin})
         return flight
 
     def _pick(self, role: str, hashes) -> WorkerHandle | None:
         workers = self.role(role)
         load = self.policy.pick([w.load for w in workers], hashes)
         return None if load is None else self.workers[load.name]
+
+    async def unpin(self, pin_id: str, workers: list[str]) -> None:
+        for name in workers:
+            await self.send(self.workers[name], {"type": "unpin", "id": pin_id})
 
     async def abort(self, rid: str) -> None:
         flight = self.flights.get(rid)
@@ -216,7 +223,8 @@ class Conductor:
             return
         await self.send(flight.prefill, {"type": "prefill", "rid": flight.rid, "prompt": flight.prompt,
                                          "params": flight.params, "dest": event["kv_addr"], "xfer": flight.xfer,
-                                         "first_block": event["first_block"], "priority": flight.priority})
+                                         "first_block": event["first_block"], "priority": flight.priority,
+                                         "pin": flight.pin})
 
 
 def _params_dict(params: SamplingParams) -> dict:

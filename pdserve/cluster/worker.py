@@ -119,14 +119,16 @@ class Worker:
                 self.prefill.finish(cmd["rid"], prefilled=False)
         elif kind == "generate":
             req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
-                                           cmd.get("priority", 0))
+                                           cmd.get("priority", 0), pin=_pin(cmd))
             self.engine.scheduler.add_request(req)
         elif kind == "prefill":
             self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
-                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0))
+                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd))
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
-                                cmd.get("priority", 0))
+                                cmd.get("priority", 0), _pin(cmd))
+        elif kind == "unpin":
+            self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
         elif kind == "kv_failed":
             self.decode.peer_failed(cmd["xfer"])
 
@@ -189,7 +191,8 @@ class Worker:
                "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
                "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
                "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
-               "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report()}
+               "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report(),
+               "pinned_blocks": blocks.num_pinned_blocks}
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent),
@@ -208,6 +211,11 @@ class Worker:
                 side.close()
         self.cmds.close(linger=0)
         self.events.close(linger=1000)
+
+
+def _pin(cmd: dict) -> tuple[str, float] | None:
+    pin = cmd.get("pin")
+    return None if pin is None else (str(pin[0]), float(pin[1]))
 
 
 def _diff(a: float | None, b: float | None) -> float | None:

@@ -77,6 +77,7 @@ class KVBlockManager:
         self.clock = clock
         # (block id, hash) of blocks registered since the owner last took them (the tiers copy them down)
         self.newly_cached: list[tuple[BlockId, BlockHash]] | None = None
+        self._pins: dict[str, float] = {}  # prewarm holders -> pinned until (clock seconds)
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -200,6 +201,39 @@ class KVBlockManager:
             if block.meta is not None:
                 block.meta.touch(now, self.lifecycle.heat_half_life_s)
         return list(block_ids)
+
+    def pin(self, holder: str, request_id: str, until_s: float) -> int:
+        """Keep `request_id`'s registered (full, cached) blocks on the device until `until_s` or `unpin`,
+        marked as prewarmed; returns how many. Call before the request's blocks are freed."""
+        table = self._tables.get(request_id, [])
+        ids = [b for b in table[:len(self._hashes.get(request_id, ()))] if self._blocks[b].meta is not None]
+        self.hold(holder, ids)
+        for block_id in ids:
+            meta = self._blocks[block_id].meta
+            meta.pinned_until_s = max(meta.pinned_until_s, until_s)
+            meta.prewarmed = True
+        self._pins[holder] = until_s
+        return len(ids)
+
+    def unpin(self, holder: str) -> bool:
+        if self._pins.pop(holder, None) is None:
+            return False
+        for block_id in self._tables.get(holder, ()):
+            meta = self._blocks[block_id].meta
+            if meta is not None:
+                meta.pinned_until_s = 0.0
+        self.free(holder)
+        return True
+
+    def expire_pins(self, now: float) -> list[str]:
+        expired = [h for h, until in self._pins.items() if until <= now]
+        for holder in expired:
+            self.unpin(holder)
+        return expired
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(self._tables.get(h, ())) for h in self._pins)
 
     def forget(self, request_id: str) -> None:
         """The request ended for good: drop its memoized hashes (call after its last `free`)."""

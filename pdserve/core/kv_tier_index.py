@@ -10,6 +10,7 @@ first, then from the policy's pick. Blocks being read (`busy`), being written, o
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
@@ -99,11 +100,17 @@ class TierIndex:
         if len(self.entries) < self.high:
             return len(self._reclaiming)
         want = len(self.entries) - self.low
-        candidates = (m for m in self.entries.values() if not m.reclaiming)
-        while len(self._reclaiming) < want:
-            victim = pick_victim(candidates, self.policy, now, self.config.eviction_sample)
-            if victim is None:
-                break
+        if len(self._reclaiming) >= want:
+            return len(self._reclaiming)
+        # Each mark is the lowest-scoring of the first `eviction_sample` evictable unmarked candidates (least
+        # recently used first): a window over the LRU order that moves on by one after each mark.
+        candidates = (m for m in self.entries.values()
+                      if not (m.reclaiming or m.busy or not m.ready or m.pinned(now)))
+        window = list(itertools.islice(candidates, self.config.eviction_sample))
+        while window and len(self._reclaiming) < want:
+            victim = pick_victim(window, self.policy, now, len(window))
+            window.remove(victim)
+            window.extend(itertools.islice(candidates, 1))
             victim.reclaiming = True
             self._reclaiming[victim.block_hash] = None
         return len(self._reclaiming)

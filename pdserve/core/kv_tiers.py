@@ -99,6 +99,7 @@ class TieredKV:
             return TierHit()
         host_run: list[BlockHash] = []
         to_fetch: list[BlockHash] = []
+        in_host: list[BlockMeta] = []  # ready host entries of this prefix: a prefetch for it must not evict them
         in_flight = False
         for h in hashes:
             meta = self.host.get(h)
@@ -106,15 +107,15 @@ class TieredKV:
                 if not meta.ready:
                     in_flight = True
                     break
+                in_host.append(meta)
                 if not to_fetch:
                     host_run.append(h)
                 continue
             if self.disk is None or self.disk.ready(h) is None:
                 break
             to_fetch.append(h)
-        if to_fetch:
-            self._prefetch(to_fetch)
-            in_flight = True
+        if to_fetch and self._prefetch(to_fetch, in_host):
+            in_flight = True  # else no host slot could be had: serve the host run, recompute the rest
         return TierHit(tuple(host_run), in_flight)
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[BlockId], count: bool = True
@@ -154,10 +155,17 @@ class TieredKV:
             tier.reclaim(now)
         if self.disk is not None and (self.disk.evicted or self.stale):
             evicted, self.disk.evicted = self.disk.evicted, []
-            self._submit("delete", tuple(m.block_hash for m in evicted) + tuple(self.stale))
+            # not a hash indexed again since: its new file is written by a flush queued before this delete
+            gone = [h for h in [m.block_hash for m in evicted] + self.stale if h not in self.disk.entries]
+            if gone:
+                self._submit("delete", tuple(dict.fromkeys(gone)))
             self.stale = []
         if self.host is not None:
             self.host.evicted.clear()  # host bytes need no deleting: the slot is simply reused
+        return self.take_ops()
+
+    def take_ops(self) -> list[KVOp]:
+        """Operations created since the last call (a lookup outside a step may start a prefetch)."""
         new, self._new_ops = self._new_ops, []
         return new
 
@@ -255,17 +263,25 @@ class TieredKV:
         if todo:
             self._submit("flush", tuple(todo), tuple(slots))
 
-    def _prefetch(self, hashes: list[BlockHash]) -> None:
+    def _prefetch(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = ()) -> int:
+        """Start fetching `hashes` into host without evicting the host entries `keep`; how many started."""
         now = self.blocks.clock()
         todo, slots = [], []
-        for h in hashes:
-            meta = self.host.reserve(h, now, self.disk.get(h))
-            if meta is None:
-                break  # host full of busy or pinned blocks: fetch the rest later
-            todo.append(h)
-            slots.append(meta.slot)
+        for meta in keep:
+            meta.busy += 1
+        try:
+            for h in hashes:
+                meta = self.host.reserve(h, now, self.disk.get(h))
+                if meta is None:
+                    break  # host full of busy or pinned blocks: fetch the rest later
+                todo.append(h)
+                slots.append(meta.slot)
+        finally:
+            for meta in keep:
+                meta.busy -= 1
         if todo:
             self._submit("prefetch", tuple(todo), dst=tuple(slots))
+        return len(todo)
 
     # ---- what the metrics show --------------------------------------------------------------------------
     def stage_counts(self) -> dict[str, dict[str, int]]:
@@ -294,7 +310,10 @@ def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, 
     tiers = TieredKV(blocks, host, disk, capacity.block_bytes)
     if disk is not None and restored:
         now, wall_now = blocks.clock(), time.time() if wall_now is None else wall_now
-        for block_hash, produced, used in restored:
+        restored = sorted(restored, key=lambda r: r[2])  # least recently used first, as the index keeps them
+        over = max(len(restored) - disk.capacity, 0)
+        tiers.stale.extend(block_hash for block_hash, _, _ in restored[:over])  # the least recently used go
+        for block_hash, produced, used in restored[over:]:
             age_produced, age_used = max(wall_now - produced, 0.0), max(wall_now - used, 0.0)
             meta = BlockMeta(block_hash, Tier.DISK, -1, now - age_produced, now - age_used, heat_at_s=now)
             if not disk.restore(meta):

@@ -69,6 +69,7 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     priority: int = 0
     prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample the first token, stop
+    pin: tuple[str, float] | None = None  # prewarm (id, ttl_s): keep the prompt's full blocks on the device
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first scheduling, for metrics

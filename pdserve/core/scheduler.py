@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
@@ -35,9 +35,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
+    num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
 
 
 _NO_TIER_HIT = TierHit()
+_PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_PREFILLED)
 
 
 class Scheduler:
@@ -305,6 +307,10 @@ class Scheduler:
             self._num_waiting -= 1  # its heap entry is skipped when reached
         req.status = status
         req.finished_s = time.monotonic()
+        if req.pin is not None and status in _PINNABLE:
+            pin_id, ttl_s = req.pin
+            self.stats.num_pinned_blocks[pin_id] = self.blocks.pin(f"prewarm:{pin_id}", req.request_id,
+                                                                   self.blocks.clock() + ttl_s)
         self.blocks.free(req.request_id)
         self.blocks.forget(req.request_id)
         del self.requests[req.request_id]

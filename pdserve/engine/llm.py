@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.worker_engine import build_engine_at
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, check_ttl
 from pdserve.model.loader import resolve_model_dir
 
 Prompt = str | list[int]
@@ -46,6 +47,20 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
         return self.generate(prompts, params)
+
+    def prewarm(self, prompt: Prompt, ttl_s: float) -> dict:
+        """Compute `prompt`'s KV now and keep its full blocks on the device for `ttl_s` seconds (or until
+        `unpin`), so requests that start with it skip that prefill. Returns {"id", "tokens", "blocks"}."""
+        check_ttl(ttl_s)
+        pin_id = uuid.uuid4().hex
+        rid = self.engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), pin=(pin_id, ttl_s))
+        out = self._run([rid])[0]
+        blocks = self.engine.scheduler.stats.num_pinned_blocks.pop(pin_id, 0)
+        return {"id": pin_id, "tokens": len(out.prompt_token_ids), "blocks": blocks}
+
+    def unpin(self, prewarm_id: str) -> bool:
+        """End a prewarm's pin early; False for an unknown (or already expired) id."""
+        return self.engine.block_manager.unpin(f"prewarm:{prewarm_id}")
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -68,10 +68,10 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, prefill_only: bool = False) -> str:
+                    priority: int = 0, prefill_only: bool = False, pin: tuple[str, float] | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids = self._prompt_ids(prompt)
-        req = self.make_request(request_id, token_ids, params, priority, prefill_only)
+        req = self.make_request(request_id, token_ids, params, priority, prefill_only, pin)
         self.scheduler.add_request(req)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
@@ -79,12 +79,12 @@ class LLMEngine:
         return request_id
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                     prefill_only: bool = False) -> Request:
+                     prefill_only: bool = False, pin: tuple[str, float] | None = None) -> Request:
         vocab = self.executor.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
-                       arrival_s=time.monotonic(), priority=priority, prefill_only=prefill_only)
+                       arrival_s=time.monotonic(), priority=priority, prefill_only=prefill_only, pin=pin)
 
     def abort(self, request_ids: list[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
@@ -111,10 +111,13 @@ class LLMEngine:
         return outputs
 
     def poll_kv(self) -> None:
-        """Take in the tier operations the I/O runner finished (also called by an idle worker loop)."""
+        """Take in the tier operations the I/O runner finished, and let expired prewarm pins go (also called
+        by an idle worker loop)."""
+        self.block_manager.expire_pins(self.block_manager.clock())
         if self.tiers is not None:
             for op_id, failures in self.kv_io.poll():
                 self.tiers.complete(op_id, failures)
+            self.kv_io.submit(self.tiers.take_ops())
 
     def kv_report(self) -> dict:
         """Blocks per tier and lifecycle stage, capacities, prefix-hit tokens per tier, bytes moved per tier

@@ -71,8 +71,8 @@ class PrefillSide:
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
-            priority: int = 0) -> None:
-        req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True)
+            priority: int = 0, pin: tuple[str, float] | None = None) -> None:
+        req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin)
         self.engine.scheduler.add_request(req)
         self.outbound[request_id] = Outbound(dest, xfer, first_block)
 
@@ -197,10 +197,11 @@ class DecodeSide:
         self.pending: list[Reservation] = []
         self.stats = DecodeStats()
 
-    def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0) -> None:
+    def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
+                pin: tuple[str, float] | None = None) -> None:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
         could never be served (the caller turns that into an error for the client)."""
-        req = self.engine.make_request(request_id, prompt, params, priority)
+        req = self.engine.make_request(request_id, prompt, params, priority, pin=pin)
         self.engine.scheduler.check_new(req)  # fail fast, before queueing
         insert_in_order(self.pending, Reservation(req, xfer), lambda r: r.request, self.engine.scheduler.policy)
 

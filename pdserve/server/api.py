@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.server.gateway import Gateway
-from pdserve.server.protocol import (ChatRequest, CompletionRequest, chat_messages, check_supported,
-                                     completion_prompts, sampling_params)
+from pdserve.server.protocol import (ChatRequest, CompletionRequest, PrewarmRequest, chat_messages,
+                                     check_supported, completion_prompts, sampling_params)
 
 
 def error_body(message: str, etype: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -125,6 +125,22 @@ def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, gateway.max_tokens_for(prompt, requested))
         return await _respond(gateway, http, body, [prompt], [params], chat=True)
+
+    @app.post("/v1/kv/prewarm")
+    async def prewarm(body: PrewarmRequest):
+        _check_model(gateway, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            prompt = gateway.tokenizer.encode_chat(chat_messages(body))
+        else:
+            prompt = gateway.encode(body.prompt)
+        gateway.max_tokens_for(prompt, 1)
+        return {"object": "kv.prewarm", **await gateway.prewarm(prompt, body.ttl_s)}
+
+    @app.delete("/v1/kv/prewarm/{prewarm_id}")
+    async def unpin(prewarm_id: str):
+        return await gateway.unpin(prewarm_id)
 
     return app
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.cluster.conductor import Conductor
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.errors import ContextLengthExceededError, InvalidRequestError, PdserveError
+from pdserve.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError, PdserveError, check_ttl
 from pdserve.server.metrics import Metrics
 from pdserve.tokenizer import Tokenizer
 
@@ -27,6 +27,15 @@ class WorkerError(PdserveError):
         super().__init__(event.get("message", "worker error"), param=event.get("param"), code=event.get("code"))
         self.status_code = event.get("status", 500)
         self.error_type = event.get("etype", "server_error")
+
+
+@dataclass
+class Pin:
+    pin_id: str
+    ttl_s: float
+    blocks: int
+    workers: list[str] = field(default_factory=list)
+    expires_s: float = 0.0
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Gateway:
         self.metrics = metrics
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.pins: dict[str, Pin] = {}  # live prewarms
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -71,11 +81,42 @@ class Gateway:
                 f"max_tokens.", param="messages" if requested is None else "max_tokens")
         return room if requested is None else requested
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-                       ) -> AsyncIterator[Delta]:
+    async def prewarm(self, prompt_ids: list[int], ttl_s) -> dict:
+        """Compute the prompt's KV on the workers a request with it would be routed to and pin its full
+        blocks there for `ttl_s` seconds: {"id", "tokens", "blocks", "workers"}."""
+        ttl_s = check_ttl(ttl_s)
+        now = time.monotonic()
+        self.pins = {k: p for k, p in self.pins.items() if p.expires_s > now}
+        blocks = len(prompt_ids) // self.conductor.block_size
+        room = min((w.info.get("num_blocks", 0) for w in self.conductor.role(
+            "colocated" if self.conductor.mode == "colocated" else "decode")), default=0) // 2
+        pinned = sum(p.blocks for p in self.pins.values())
+        if pinned + blocks > room:
+            raise InvalidRequestError(f"prewarm would pin {blocks} KV blocks with {pinned} pinned already; at "
+                                      f"most {room} (half a worker's device pool) may be pinned", param="prompt",
+                                      code="prewarm_capacity")
+        pin = Pin(uuid.uuid4().hex, ttl_s, blocks)
+        async for _ in self.generate(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0), pin=pin):
+            pass
+        self.pins[pin.pin_id] = pin
+        return {"id": pin.pin_id, "tokens": len(prompt_ids), "blocks": blocks, "workers": pin.workers}
+
+    async def unpin(self, pin_id: str) -> dict:
+        pin = self.pins.pop(pin_id, None)
+        if pin is None or pin.expires_s <= time.monotonic():
+            raise NotFoundError(f"no live prewarm with id {pin_id!r}", param="id", code="prewarm_not_found")
+        await self.conductor.unpin(pin_id, pin.workers)
+        return {"id": pin_id, "object": "kv.prewarm", "deleted": True}
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                       pin: Pin | None = None) -> AsyncIterator[Delta]:
         rid = uuid.uuid4().hex
         arrival = time.monotonic()
-        flight = await self.conductor.submit(rid, prompt_ids, params, priority)
+        flight = await self.conductor.submit(rid, prompt_ids, params, priority,
+                                             None if pin is None else (pin.pin_id, pin.ttl_s))
+        if pin is not None:
+            pin.workers = [w.name for w in (flight.decode, flight.prefill) if w is not None]
+            pin.expires_s = time.monotonic() + pin.ttl_s
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         count, last, finished, cached = 0, arrival, False, 0
         try:

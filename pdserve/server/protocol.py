@@ -57,6 +57,15 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
 
 
+class PrewarmRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    ttl_s: float
+
+
 def check_supported(req: _Common) -> None:
     if req.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n")

@@ -52,7 +52,19 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-latency-ms", type=float, default=0.0,
                    help="each gateway <-> worker message (command, reply, token event); measure it on the real "
                         "system, e.g. as benchmarks/bench_fidelity.py does")
-    p.add_argument("--host-kv-gb", type=float, default=512.0, help="host KV tier per engine")
+    p.add_argument("--host-kv-gb", type=float, default=512.0,
+                   help="host-memory KV tier per engine, GiB (0: none): the real tier code, sized in blocks as "
+                        "the worker's --kv-host-gb")
+    p.add_argument("--disk-kv-gb", type=float, default=0.0,
+                   help="disk KV tier per engine, GiB (0: none; needs a host tier), as the worker's --kv-disk-gb")
+    p.add_argument("--kv-eviction-policy", default="lru", choices=["lru", "heat"],
+                   help="which cached KV block leaves a full tier first: lru or heat (decayed use count)")
+    p.add_argument("--host-link-gb-s", type=float, default=None,
+                   help="GPU <-> host copy bandwidth per GPU, GB/s each way (default: the GPU preset's PCIe rate)")
+    p.add_argument("--disk-read-gb-s", type=float, default=None,
+                   help="disk tier read bandwidth per GPU, GB/s (default: the preset's NVMe rate)")
+    p.add_argument("--disk-write-gb-s", type=float, default=None,
+                   help="disk tier write bandwidth per GPU, GB/s (default: the preset's NVMe rate)")
     p.add_argument("--ttft-timeout-s", type=float, default=None, help="clients abort without a first token by then")
     p.add_argument("--transfer-failure-rate", type=float, default=0.0, help="share of KV transfers that fail")
     p.add_argument("--no-fast-forward", action="store_true", help="step every decode step one by one")
@@ -85,6 +97,9 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                        prefill_budget=args.prefill_budget, decode_budget=args.decode_budget, routing=args.routing,
                        link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.host_kv_gb,
+                       disk_kv_gb=args.disk_kv_gb, kv_eviction_policy=args.kv_eviction_policy,
+                       host_link_gb_s=args.host_link_gb_s, disk_read_gb_s=args.disk_read_gb_s,
+                       disk_write_gb_s=args.disk_write_gb_s,
                        control_latency_s=args.control_latency_ms * 1e-3,
                        fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
                        transfer_failure_rate=args.transfer_failure_rate, seed=args.seed)

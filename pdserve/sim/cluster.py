@@ -4,7 +4,9 @@
     run = simulate(workload, spec, get_model("llama-3-70b"), get_gpu("h100"), time_model)
 
 Each engine is a real `LLMEngine` on `tp` GPUs whose KV pool holds what fits after the weights
-(`hardware.kv_pool_blocks`). Each engine has one network port of `tp x net_bw` bytes/s; KV flows from a
+(`hardware.kv_pool_blocks`), with a host KV tier of `host_kv_gb` GiB (and a disk tier of `disk_kv_gb`) below
+it: the real tier code, whose copies take the time the GPU's host link and the node's NVMe drives need
+(`hardware.GPUSpec`, `tp` times per engine; `pdserve.sim.tier_io`). Each engine has one network port of `tp x net_bw` bytes/s; KV flows from a
 prefill engine's port to a decode engine's. Requests arrive at their workload times; the prompts are built
 one at a time by the workloads package (Mooncake `hash_ids` become shared token blocks, so prefix hits are
 real hits in the real block managers).
@@ -19,14 +21,16 @@ from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.routing import make_routing_policy
+from pdserve.core.kv_meta import EVICTION_POLICIES
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import MESSAGE, EventLoop
-from pdserve.sim.hardware import GPUSpec, ModelSpec, kv_pool_blocks
+from pdserve.sim.hardware import GB, GPUSpec, ModelSpec, kv_pool_blocks
 from pdserve.sim.link import LinkModel
 from pdserve.sim.predict import QueueModelPredictor
+from pdserve.sim.tier_io import TierSpec, tier_spec
 from pdserve.sim.timemodel import TimeModel
 from pdserve.workloads import Workload
 from pdserve.workloads.prompts import iter_prompt_arrays
@@ -49,7 +53,12 @@ class ClusterSpec:
     routing: str = "prefix-affinity"
     link_latency_s: float = 20e-6
     control_latency_s: float = 0.0  # each gateway <-> worker message (command, reply, token event)
-    host_kv_gb: float = 512.0  # host tier per engine
+    host_kv_gb: float = 512.0  # host KV tier per engine, GiB (0: none)
+    disk_kv_gb: float = 0.0  # disk KV tier per engine, GiB (0: none; needs a host tier)
+    kv_eviction_policy: str = "lru"  # lru | heat, in every tier
+    host_link_gb_s: float | None = None  # per GPU, GB/s each way; None: the GPU preset's
+    disk_read_gb_s: float | None = None  # per GPU; None: the GPU preset's
+    disk_write_gb_s: float | None = None  # per GPU; None: the GPU preset's
     fast_forward: bool = True
     ttft_timeout_s: float | None = None
     transfer_failure_rate: float = 0.0
@@ -61,6 +70,17 @@ class ClusterSpec:
         counts = (self.num_prefill, self.num_decode) if self.mode == "pd" else (self.num_instances,)
         if min(counts) < 1 or self.tp < 1 or self.block_size < 1:
             raise InvalidRequestError("engine counts, tp and block size must be positive")
+        if not (self.host_kv_gb >= 0 and self.disk_kv_gb >= 0):
+            raise InvalidRequestError("host and disk KV tier sizes must be >= 0")
+        if self.disk_kv_gb and not self.host_kv_gb:
+            raise InvalidRequestError("a disk KV tier needs a host tier: set host_kv_gb > 0", param="disk_kv_gb")
+        if self.kv_eviction_policy not in EVICTION_POLICIES:
+            raise InvalidRequestError(f"unknown KV eviction policy {self.kv_eviction_policy!r}; choose from "
+                                      f"{sorted(EVICTION_POLICIES)}", param="kv_eviction_policy")
+        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
 
     @property
     def num_engines(self) -> int:
@@ -83,12 +103,22 @@ class SimRun:
     num_events: int = 0
 
 
+def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, block_bytes: int) -> TierSpec | None:
+    """One engine's host and disk tiers: sizes from the spec, bandwidths from the GPU preset (or the spec's
+    overrides) times `tp` (each GPU has its own host link and, as in a DGX node, its own NVMe drive)."""
+    def bw(override: float | None, preset: float) -> float:
+        return spec.tp * (override * GB if override is not None else preset)
+    return tier_spec(spec.host_kv_gb, spec.disk_kv_gb, block_bytes, bw(spec.host_link_gb_s, gpu.host_link_bw),
+                     bw(spec.disk_read_gb_s, gpu.disk_read_bw), bw(spec.disk_write_gb_s, gpu.disk_write_bw))
+
+
 def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel
           ) -> tuple[EventLoop, SimConductor, list[SimEngine]]:
     loop = EventLoop()
     links = LinkModel(loop, spec.link_latency_s)
     block_bytes = model.kv_bytes_per_token * spec.block_size
     blocks = spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size)
+    tiers = engine_tiers(spec, gpu, block_bytes)
     roles = {"prefill": spec.num_prefill, "decode": spec.num_decode} if spec.mode == "pd" else {
         "colocated": spec.num_instances}
     engines: dict[str, list[SimEngine]] = {}
@@ -102,8 +132,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,
                               max_model_len=model.max_model_len)
         engines[role] = [SimEngine(f"{role}-{i}", role, loop, time_model, cfg, blocks, spec.block_size,
-                                   block_bytes, spec.host_kv_gb * 1e9, conductor, spec.fast_forward,
-                                   vocab_size=max(model.vocab, 1024))
+                                   block_bytes, tiers, conductor, spec.fast_forward,
+                                   vocab_size=max(model.vocab, 1024), kv_eviction_policy=spec.kv_eviction_policy)
                          for i in range(n)]
     conductor.attach(engines, port_bw)
     return loop, conductor, [e for es in engines.values() for e in es]
@@ -141,10 +171,30 @@ def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSp
                   conductor.links.stats(duration), [_engine_stats(e, duration) for e in engines], loop.num_events)
 
 
+TIERS = ("device", "host", "disk")
+
+
+def kv_tier_stats(e: SimEngine, duration_s: float) -> dict:
+    """Per tier: capacity, peak use, prefix-hit tokens, bytes written in and read out; lifecycle stages; the
+    tier links' use. From the real engine's `kv_report` (what a real worker's stats carry)."""
+    rep = e.engine.kv_report()
+    bb = e.block_bytes
+    capacity = {t: rep["capacity"].get(t, 0) for t in TIERS}
+    peak = {"device": e.device.peak_blocks, **e.peak_tier_blocks}
+    return {"block_bytes": bb, "capacity_blocks": capacity,
+            "capacity_bytes": {t: n * bb for t, n in capacity.items()},
+            "peak_bytes": {t: peak[t] * bb for t in TIERS},
+            "hit_tokens": {t: rep["hits"].get(t, 0) for t in TIERS},
+            "bytes_in": {t: rep["bytes_in"].get(t, 0) for t in TIERS},
+            "bytes_out": {t: rep["bytes_out"].get(t, 0) for t in TIERS},
+            "stages": rep["stages"],
+            "io": e.kv_io.stats(duration_s) if e.kv_io is not None else None}
+
+
 def _engine_stats(e: SimEngine, duration_s: float) -> dict:
     s = e.scheduler.stats
-    return {"name": e.name, "role": e.role, "num_blocks": e.engine.block_manager.num_blocks, "steps": e.num_steps, "fast_forward_steps": e.num_ff_steps,
-            "busy_fraction": e.busy_s / duration_s, "preemptions": s.num_preemptions,
-            "prompt_tokens": s.num_prompt_tokens, "prefix_hit_tokens": s.num_prefix_hit_tokens,
-            "device_kv": e.device.stats(duration_s), "host_kv": e.host.stats(),
-            "kv_series": e.device.series}
+    return {"name": e.name, "role": e.role, "num_blocks": e.engine.block_manager.num_blocks, "steps": e.num_steps,
+            "fast_forward_steps": e.num_ff_steps, "busy_fraction": e.busy_s / duration_s,
+            "preemptions": s.num_preemptions, "prompt_tokens": s.num_prompt_tokens,
+            "prefix_hit_tokens": s.num_prefix_hit_tokens, "device_kv": e.device.stats(duration_s),
+            "kv_tiers": kv_tier_stats(e, duration_s), "kv_series": e.device.series}

@@ -143,6 +143,9 @@ class SimConductor(EngineHooks):
             self._fail(f, str(e))
 
     # ---- decode side: reservations and settlement (before each decode step) ------------------------------
+    def has_pending(self, engine: SimEngine) -> bool:
+        return bool(self.pending.get(engine.name))
+
     def before_step(self, engine: SimEngine) -> None:
         if engine.role != "decode":
             return
@@ -277,7 +280,6 @@ class SimConductor(EngineHooks):
         if finished:
             rec.output_tokens = len(token_ids)
             rec.end_s = at_s
-            engine.host.store(f.rid, len(f.prompt) * self.block_bytes // self.block_size)
             self._finish(f)
 
     def on_decode_run(self, engine: SimEngine, requests, ends: list[float], start_s: float) -> None:

@@ -10,6 +10,14 @@ the engine sat idle also takes the time model's `wake_time(idle seconds)`.
 A pure decode batch may be fast-forwarded (`pdserve.sim.fastforward`): the window's steps are applied
 lazily, when the window ends or a message cuts it at the next boundary.
 
+KV tiers: with a `TierSpec`, the engine's executor carries a `SimTierIO` and the real `LLMEngine` builds its
+real `TieredKV` (host, and disk) on it; the engine's clock is the simulated time, so block lifecycle metadata
+is in simulated seconds. Like the real worker loop, a boundary takes in the finished tier operations before
+its bookkeeping; the operations a step produces start when it ends. An engine whose work waits on an
+operation (a prompt prefix being copied into host or prefetched from disk, a reservation that cannot be
+granted meanwhile) wakes when the next one ends. A fast-forwarded window replays each step's tier work at
+that step's time when it is applied, so the result stays the same as stepping.
+
 `SimRequest` stores token ids in `array('q')`: the same values (hence the same block hashes and prefix hits)
 in an eighth of the memory, and hashed without converting every int.
 """
@@ -28,7 +36,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim import fastforward
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.executor import SimExecutor
-from pdserve.sim.tiers import DeviceTier, HostTier
+from pdserve.sim.tier_io import SimTierIO, TierSpec
+from pdserve.sim.tiers import DeviceTier
 from pdserve.sim.timemodel import TimeModel
 
 
@@ -41,6 +50,9 @@ class EngineHooks:
     """What the cluster does around an engine's steps (all optional)."""
 
     def before_step(self, engine: SimEngine) -> None: ...
+    def has_pending(self, engine: SimEngine) -> bool:
+        """Work for `engine` outside its scheduler that a boundary may start (a reservation to grant)."""
+        return False
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None: ...
     def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None: ...
     def on_decode_run(self, engine: SimEngine, requests: list[Request], ends: list[float],
@@ -49,15 +61,21 @@ class EngineHooks:
 
 class SimEngine:
     def __init__(self, name: str, role: str, loop: EventLoop, time_model: TimeModel, config: SchedulerConfig,
-                 num_blocks: int, block_size: int, block_bytes: int, host_bytes: float, hooks: EngineHooks,
-                 fast_forward: bool = True, vocab_size: int = 32000) -> None:
+                 num_blocks: int, block_size: int, block_bytes: int, tiers: TierSpec | None, hooks: EngineHooks,
+                 fast_forward: bool = True, vocab_size: int = 32000, kv_eviction_policy: str = "lru") -> None:
         self.name, self.role, self.loop, self.hooks = name, role, loop, hooks
-        self.executor = SimExecutor(time_model, block_size, vocab_size)
-        self.engine = LLMEngine(self.executor, config, num_blocks)
+        self._clock_s: float | None = None  # set while a fast-forward window's steps are replayed
+        self.kv_io = SimTierIO(tiers, self.clock) if tiers is not None else None
+        self.executor = SimExecutor(time_model, block_size, vocab_size, kv_io=self.kv_io)
+        self.engine = LLMEngine(self.executor, config, num_blocks, kv_eviction_policy=kv_eviction_policy,
+                                clock=self.clock)
+        self.tiers = self.engine.tiers  # the real TieredKV (None without a host tier)
         self.scheduler = self.engine.scheduler
         self.load = WorkerLoad(name, role)
         self.device = DeviceTier(self.engine.block_manager, block_bytes)
-        self.host = HostTier(host_bytes)
+        self.block_bytes = block_bytes
+        self.peak_tier_blocks = {"host": 0, "disk": 0}
+        self._kv_wake_s: float | None = None
         self.fast_forward = fast_forward
         self.inbox: list[Callable[[], None]] = []
         self.busy = False  # a step (or a wake-up) is scheduled
@@ -70,6 +88,10 @@ class SimEngine:
         self.num_steps = 0
         self.num_ff_steps = 0
         self.busy_s = 0.0
+
+    def clock(self) -> float:
+        """The engine's clock (the `LLMEngine`'s): simulated seconds."""
+        return self.loop.now if self._clock_s is None else self._clock_s
 
     # ---- messages ---------------------------------------------------------------------------------------
     def post(self, fn: Callable[[], None], delay_s: float = 0.0) -> None:
@@ -90,13 +112,22 @@ class SimEngine:
         inbox, self.inbox = self.inbox, []
         for fn in inbox:
             fn()
+        if self.tiers is not None:
+            self.engine.poll_kv()  # as the real worker loop, before its reservations' bookkeeping
         self.hooks.before_step(self)
         sched = self.scheduler
         if sched.num_running + sched.num_waiting == 0:
             self.busy = False
             self.device.observe(now)
+            if self.tiers is not None:
+                # A reservation's lookup may have started a prefetch; no step will submit it. (The real
+                # worker's idle loop must do the same, or a reservation waiting on disk waits for a step.)
+                self.kv_io.submit(self.tiers.after_step())
+                self.kv_io.start(now)
+                if self.hooks.has_pending(self):
+                    self._arm_kv_wake()
             return
-        if self.fast_forward and self._open_window(now):
+        if self.fast_forward and self._may_fast_forward() and self._open_window(now):
             return
         self._step(now)
 
@@ -108,11 +139,18 @@ class SimEngine:
         outputs = self.engine.step()
         scheduled, duration = self.executor.last, self.executor.last_duration
         self.device.observe(now)
-        if scheduled.is_empty:  # nothing runnable until a message changes that
+        if scheduled.is_empty and not scheduled.kv_loads:  # nothing runnable until a message or a tier op
+            if self.kv_io is not None:
+                self._observe_tiers()
+                self.kv_io.start(now)
+                self._arm_kv_wake()
             self.busy = False
             return
         wake = self._wake_s(now, decode=self.executor.last_shape.prefill_tokens == 0)
         end = (now + wake) + duration  # the fast-forward's float operations, so both agree bit for bit
+        if self.kv_io is not None:
+            self._observe_tiers()
+            self.kv_io.start(end)  # what the step produced is copied once its forward is done
         self.num_steps += 1
         self.busy_s += end - now
         self.step_end_s = self.last_end_s = end
@@ -122,6 +160,32 @@ class SimEngine:
     def _step_end(self, scheduled, outputs) -> None:
         self.hooks.on_step_end(self, scheduled, outputs, self.loop.now)
         self._boundary()
+
+    # ---- KV tiers ---------------------------------------------------------------------------------------
+    def _observe_tiers(self) -> None:
+        for tier in self.tiers.tiers():
+            name = tier.tier.value
+            if len(tier) > self.peak_tier_blocks[name]:
+                self.peak_tier_blocks[name] = len(tier)
+
+    def _arm_kv_wake(self) -> None:
+        """Wake when the next tier operation ends: work may be waiting for it."""
+        t = self.kv_io.next_done_s() if self.kv_io is not None else None
+        if t is None:
+            return
+        t = max(t, self.loop.now)
+        if self._kv_wake_s is not None and self._kv_wake_s <= t:
+            return
+        self._kv_wake_s = t
+        self.loop.at(t, self._kv_wake, t, prio=MESSAGE)
+
+    def _kv_wake(self, t: float) -> None:
+        if t != self._kv_wake_s:
+            return  # an earlier wake-up took its place
+        self._kv_wake_s = None
+        if not self.busy and (self.scheduler.num_waiting or self.hooks.has_pending(self)):
+            self.busy = True
+            self.loop.at(self.loop.now, self._boundary)
 
     # ---- fast-forward -----------------------------------------------------------------------------------
     def _open_window(self, now: float) -> bool:
@@ -135,6 +199,15 @@ class SimEngine:
         self.last_end_s = window.ends[-1]
         self.loop.at(window.ends[-1], self._window_end, self._current_window)
         return True
+
+    def _may_fast_forward(self) -> bool:
+        """With KV tiers, a reservation waiting for blocks or for a tier operation (a prefix being copied into
+        host, or prefetched from disk) may be granted at any step boundary, as operations end: step one by
+        one then. One waiting for a decode slot cannot be granted before a request ends, which ends a window."""
+        if self.tiers is None or not self.hooks.has_pending(self):
+            return True
+        sched = self.scheduler
+        return len(sched.running) + sched.num_waiting_for_kv >= sched.config.max_num_seqs
 
     def _window_end(self, version: int) -> None:
         if version != self._current_window:
@@ -153,8 +226,23 @@ class SimEngine:
 
     def _close_window(self, j: int) -> None:
         window, self.window = self.window, None
-        used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
         starts = [self._window_open_s] + window.ends[:j - 1]
+        if self.tiers is None:
+            used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
+        else:  # each step's tier work at its own time, as stepping does it
+            def before(i: int) -> None:
+                self._clock_s = starts[i - 1]
+                self.engine.poll_kv()
+
+            def after(i: int) -> None:
+                self.kv_io.submit(self.tiers.after_step())
+                self._observe_tiers()
+                self.kv_io.start(window.ends[i - 1])
+
+            try:
+                used = fastforward.apply(self.scheduler, window, j, self.executor.token_id, before, after)
+            finally:
+                self._clock_s = None
         for t, u in zip(starts, used):
             self.device.observe(t, u)
         self.num_steps += j

@@ -1,35 +1,42 @@
 """`SimExecutor`: the model runtime's stand-in. Implements the engine's `Executor` protocol.
 
 It computes nothing: every chunk that samples gets the same valid token id (requests run with
-`ignore_eos`, so they produce exactly `max_tokens` tokens), and the step's duration comes from a time model.
-The simulator reads `last_duration` (and `last_shape`) after each `LLMEngine.step()`.
+`ignore_eos`, so they produce exactly `max_tokens` tokens), and the step's duration comes from a time model,
+plus the time of the step's host -> device KV loads when the engine has KV tiers (`kv_io`, a
+`pdserve.sim.tier_io.SimTierIO`; the real executor makes those copies before the forward too). The simulator
+reads `last_duration` (and `last_shape`, `last_load_s`) after each `LLMEngine.step()`.
 """
 
 from __future__ import annotations
 
 from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.sim.tier_io import SimTierIO
 from pdserve.sim.timemodel import StepShape, TimeModel
 
 
 class SimExecutor:
     def __init__(self, time_model: TimeModel, block_size: int = 16, vocab_size: int = 32000,
-                 token_id: int = 13) -> None:
+                 token_id: int = 13, kv_io: SimTierIO | None = None) -> None:
         if not 0 <= token_id < vocab_size:
             raise ValueError("token_id must be a valid id")
         self.time_model = time_model
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.token_id = token_id
+        self.kv_io = kv_io  # read by LLMEngine: with it, the engine has host (and disk) KV tiers
         self.last: SchedulerOutput | None = None
         self.last_shape = StepShape()
         self.last_duration = 0.0
+        self.last_load_s = 0.0
         self.num_steps = 0
         self.history: list[SchedulerOutput] | None = None  # set to a list to record every step (tests)
 
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         self.last = scheduled
         self.last_shape = StepShape.of(scheduled)
-        self.last_duration = self.time_model.step_time(self.last_shape)
+        self.last_load_s = self.kv_io.load(scheduled.kv_loads) if scheduled.kv_loads else 0.0
+        compute = self.time_model.step_time(self.last_shape) if scheduled.chunks else 0.0
+        self.last_duration = compute + self.last_load_s if self.last_load_s else compute
         self.num_steps += 1
         if self.history is not None:
             self.history.append(scheduled)

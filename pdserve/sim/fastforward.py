@@ -9,10 +9,14 @@ preemption can happen inside). `apply` then performs the first j steps' effects 
 in the order the real `schedule()`/`update()` calls would: allocations of step i in running order, then
 registrations of step i, then step i+1. Nothing in the window touches the scheduler until it is applied, so
 a message arriving mid-window cuts it at the next step boundary and the result is the same as stepping.
+With KV tiers, `apply` calls `before(i)` and `after(i)` around step i so the engine can replay what each
+real step does with them at that step's time (take in finished tier operations; copy new blocks down).
+A step with host -> device loads pending (a reservation's host hits) is never fast-forwarded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +45,8 @@ def _steps_left(sched: Scheduler, req: Request) -> int:
 def eligible(sched: Scheduler, token_id: int) -> bool:
     running = sched.running
     if not running or sched.num_waiting or len(running) > sched.config.max_num_batched_tokens:
+        return False
+    if sched._pending_loads:  # noqa: SLF001 - the next step loads a reservation's host hits: it is no plain decode
         return False
     for req in running:
         p = req.sampling_params
@@ -83,8 +89,10 @@ def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max
     return Window(running, now, ends, allocs)
 
 
-def apply(sched: Scheduler, window: Window, j: int, token_id: int) -> list[int]:
-    """Perform steps 1..j of the window; return the used-block count after each step's scheduling."""
+def apply(sched: Scheduler, window: Window, j: int, token_id: int, before: Callable[[int], None] | None = None,
+          after: Callable[[int], None] | None = None) -> list[int]:
+    """Perform steps 1..j of the window; return the used-block count after each step (as the engine observes
+    it after a real step). `before(i)` runs before step i's allocations, `after(i)` after its registrations."""
     blocks, bs, reqs = sched.blocks, sched.blocks.block_size, window.requests
     base = [r.num_computed_tokens for r in reqs]
     for r in reqs:
@@ -92,15 +100,19 @@ def apply(sched: Scheduler, window: Window, j: int, token_id: int) -> list[int]:
     used_after: list[int] = []
     a = 0
     for i in range(1, j + 1):
+        if before is not None:
+            before(i)
         while a < len(window.allocs) and window.allocs[a][0] == i:
             idx = window.allocs[a][1]
             if blocks.allocate(reqs[idx].request_id, base[idx] + i) is None:
                 raise AssertionError("fast-forward allocation failed; the window was planned wrong")
             a += 1
-        used_after.append(blocks.num_used_blocks)
         for idx, r in enumerate(reqs):
             if (base[idx] + i) % bs == 0:
                 blocks.cache_full_blocks(r.request_id, r.all_token_ids, base[idx] + i)
+        if after is not None:
+            after(i)  # may hold blocks (copies down), as the real step's end does
+        used_after.append(blocks.num_used_blocks)
     for idx, r in enumerate(reqs):
         r.num_computed_tokens = base[idx] + j
     return used_after

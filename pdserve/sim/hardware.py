@@ -2,9 +2,11 @@
 
 Numbers are public datasheet values (dense bf16 tensor FLOP/s, HBM bandwidth, memory, NVLink and per-GPU
 network bandwidth) with an efficiency factor per GPU: the share of peak compute (`mfu`) and of memory
-bandwidth (`mbu`) a good serving engine reaches. Prices are indicative on-demand cloud rates in USD per
-GPU-hour; pass your own with `--price-per-gpu-hour`. Model presets hold only what the time model needs;
-any Hugging Face `config.json` path works too.
+bandwidth (`mbu`) a good serving engine reaches. The KV tiers below the device pool move bytes over the
+GPU's host link and the node's NVMe drives (`host_link_bw`, `disk_read_bw`, `disk_write_bw`; sources and
+assumptions next to the table). Prices are indicative on-demand cloud rates in USD per GPU-hour; pass your
+own with `--price-per-gpu-hour`. Model presets hold only what the time model needs; any Hugging Face
+`config.json` path works too.
 """
 
 from __future__ import annotations
@@ -29,14 +31,29 @@ class GPUSpec:
     mfu: float = 0.5  # reachable share of peak FLOP/s
     mbu: float = 0.8  # reachable share of memory bandwidth
     price_per_hour: float = 2.0  # USD per GPU-hour
+    # KV tiers (`pdserve.sim.tier_io`), per GPU; an engine on `tp` GPUs has `tp` times these.
+    host_link_bw: float = 25 * GB  # bytes/s each way, GPU <-> pinned host memory (PCIe)
+    disk_read_bw: float = 6 * GB  # bytes/s, NVMe sequential read (the disk tier's prefetches)
+    disk_write_bw: float = 3.5 * GB  # bytes/s, NVMe sequential write (the disk tier's flushes)
+
+
+# Host link: the effective bandwidth of a pinned-memory copy (cudaMemcpyAsync, as `bandwidthTest` measures it),
+# about 80% of the PCIe x16 link's theoretical rate per direction: Gen4 x16 (A100, A800, L40S) is 31.5 GB/s
+# theoretical, ~25 GB/s measured; Gen5 x16 (H100 SXM, H200) is 63 GB/s theoretical, ~50-55 GB/s measured.
+# Disk: one datacenter Gen4 NVMe drive per GPU (a DGX A100/H100 node has 8 U.2 drives for 8 GPUs), e.g.
+# Samsung PM1733 / Micron 7450 class: ~6-7 GB/s sequential read and ~3.5-4 GB/s sequential write on the
+# datasheets; we take 6 and 3.5 GB/s (KV blocks are MB-sized, so sequential rates apply). These are
+# assumptions of this table, not measurements of a given server: override them with --host-link-gb-s,
+# --disk-read-gb-s and --disk-write-gb-s.
+GEN4_LINK, GEN5_LINK = 25 * GB, 50 * GB
 
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    GPUSpec("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB, 0.55, 0.80, 1.80),
-    GPUSpec("a800", 312e12, 2.039e12, 80 * GB, 200 * GB, 25 * GB, 0.55, 0.80, 1.50),
-    GPUSpec("h100", 989e12, 3.35e12, 80 * GB, 450 * GB, 50 * GB, 0.45, 0.80, 2.90),
-    GPUSpec("h200", 989e12, 4.8e12, 141 * GB, 450 * GB, 50 * GB, 0.45, 0.80, 3.70),
-    GPUSpec("l40s", 362e12, 0.864e12, 48 * GB, 32 * GB, 12.5 * GB, 0.50, 0.75, 1.00),
+    GPUSpec("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB, 0.55, 0.80, 1.80, host_link_bw=GEN4_LINK),
+    GPUSpec("a800", 312e12, 2.039e12, 80 * GB, 200 * GB, 25 * GB, 0.55, 0.80, 1.50, host_link_bw=GEN4_LINK),
+    GPUSpec("h100", 989e12, 3.35e12, 80 * GB, 450 * GB, 50 * GB, 0.45, 0.80, 2.90, host_link_bw=GEN5_LINK),
+    GPUSpec("h200", 989e12, 4.8e12, 141 * GB, 450 * GB, 50 * GB, 0.45, 0.80, 3.70, host_link_bw=GEN5_LINK),
+    GPUSpec("l40s", 362e12, 0.864e12, 48 * GB, 32 * GB, 12.5 * GB, 0.50, 0.75, 1.00, host_link_bw=GEN4_LINK),
 )}
 GPU_ALIASES = {"a100": "a100-80g", "h100-80g": "h100", "h100-sxm": "h100", "h200-141g": "h200"}
 

@@ -2,7 +2,12 @@
 
 `SimResult` is a `BenchResult` (so `pdserve bench compare` can read it) with the cluster description; each
 run carries a `sim` block next to its bench `summary`:
-* `kv`: device KV pool use per role (peak / mean bytes and fractions) and the host tier's accounting;
+* `kv`: per role, device KV pool use (peak / mean bytes and fractions) and the KV tiers (the real tier code on
+  simulated links): prompt tokens, prefix-hit tokens per tier (`hit_tokens`: device, host, disk), bytes
+  written into (`bytes_in`) and read out of (`bytes_out`) each tier, tier capacities and peak use, and the
+  busiest engine's share of time each tier link was busy (`link_busy_fraction`: host_link, disk_read,
+  disk_write) and seconds spent loading host hits inside steps (`load_s`); each engine's own numbers are
+  under `engines[i].kv_tiers`;
 * `transfer`: bytes sent / delivered, per-link utilization over the run and effective utilization while busy;
 * `lifecycle`: schedule predictability (share of delivered KV blocks first consumed within +-5 ms of the
   conductor's prediction), effective link bandwidth utilization, P99 inter-token jitter (|gap - the
@@ -60,17 +65,42 @@ def lifecycle(run: SimRun) -> dict:
     }
 
 
+TIERS = ("device", "host", "disk")
+LINKS = ("host_link", "disk_read", "disk_write")
+
+
+def _sum(es, key: str) -> dict:
+    return {t: sum(e["kv_tiers"][key][t] for e in es) for t in TIERS}
+
+
 def _kv(run: SimRun) -> dict:
     out = {}
     for role in sorted({e["role"] for e in run.engines}):
         es = [e for e in run.engines if e["role"] == role]
+        tiers = [e["kv_tiers"] for e in es]
+        ios = [t["io"] for t in tiers if t["io"] is not None]
         out[role] = {"engines": len(es),
                      "device_peak_fraction": max(e["device_kv"]["peak_fraction"] for e in es),
                      "device_mean_fraction": float(np.mean([e["device_kv"]["mean_fraction"] for e in es])),
                      "device_capacity_bytes": es[0]["device_kv"]["capacity_bytes"],
-                     "host_peak_bytes": max(e["host_kv"]["peak_bytes"] for e in es),
-                     "host_written_bytes": sum(e["host_kv"]["written_bytes"] for e in es)}
+                     "host_capacity_bytes": tiers[0]["capacity_bytes"]["host"],
+                     "disk_capacity_bytes": tiers[0]["capacity_bytes"]["disk"],
+                     "host_peak_bytes": max(t["peak_bytes"]["host"] for t in tiers),
+                     "disk_peak_bytes": max(t["peak_bytes"]["disk"] for t in tiers),
+                     "host_written_bytes": sum(t["bytes_in"]["host"] for t in tiers),
+                     "prompt_tokens": sum(e["prompt_tokens"] for e in es),
+                     "hit_tokens": _sum(es, "hit_tokens"),
+                     "bytes_in": _sum(es, "bytes_in"), "bytes_out": _sum(es, "bytes_out"),
+                     "link_busy_fraction": {k: max(io["utilization"][k] for io in ios) for k in LINKS} if ios
+                     else None,
+                     "load_s": sum(io["load_s"] for io in ios)}
     return out
+
+
+def hit_shares(kv_role: dict) -> dict:
+    """Prefix-hit tokens per tier as shares of the role's prompt tokens."""
+    n = kv_role["prompt_tokens"]
+    return {t: kv_role["hit_tokens"][t] / n if n else 0.0 for t in TIERS}
 
 
 def sim_metrics(run: SimRun, num_gpus: int, price_per_gpu_hour: float) -> dict:
@@ -121,7 +151,31 @@ def print_sim_table(result: SimResult, console: Console | None = None) -> None:
                       _pct(life["effective_link_utilization"]), _pct(life["schedule_predictability"]),
                       "-" if jit is None else f"{jit:.1f}", _pct(life["wasted_transfer_rate"]),
                       "-" if usd is None else f"{usd:.4f}", f"{s['simulator']['speedup']:.0f}x")
-    (console or Console(width=max(Console().width, 120))).print(table)
+    console = console or Console(width=max(Console().width, 120))
+    console.print(table)
+    console.print(_tier_table(result))
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def _tier_table(result: SimResult) -> Table:
+    """Per rate and role: prefix hits by tier (share of prompt tokens), peak / capacity of host and disk, and
+    how busy the busiest engine's tier links were."""
+    table = Table(title=f"KV tiers: {result.label}")
+    for col in ("rate", "role", "hits device", "hits host", "hits disk", "host GB peak/cap", "disk GB peak/cap",
+                "PCIe busy", "disk rd/wr busy"):
+        table.add_column(col, justify="right")
+    for run in result.runs:
+        for role, v in run["sim"]["kv"].items():
+            share, busy = hit_shares(v), v["link_busy_fraction"]
+            table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", role, *(_pct(share[t]) for t in TIERS),
+                          f"{_gb(v['host_peak_bytes'])}/{_gb(v['host_capacity_bytes'])}",
+                          f"{_gb(v['disk_peak_bytes'])}/{_gb(v['disk_capacity_bytes'])}",
+                          "-" if busy is None else _pct(busy["host_link"]),
+                          "-" if busy is None else f"{_pct(busy['disk_read'])}/{_pct(busy['disk_write'])}")
+    return table
 
 
 def write_sim_result(result: SimResult, out: Path) -> Path:

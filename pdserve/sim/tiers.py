@@ -1,14 +1,11 @@
-"""Storage tier accounting: the device KV pool of each engine, and a host (CPU memory) tier.
+"""Device KV pool usage of each engine over simulated time.
 
 The device tier is the engine's real `KVBlockManager`; `DeviceTier` only observes it after each step and
-keeps time-weighted usage, the peak and a coarse time series (one point per `sample_s`). `HostTier` is an
-LRU of requests' prompt KV written back to host memory when they finish there, bounded by its capacity: it
-accounts bytes written, resident and evicted (it does not feed hits back into scheduling).
+keeps time-weighted usage, the peak and a coarse time series (one point per `sample_s`). The host and disk
+tiers are the real `pdserve.core.kv_tiers.TieredKV` on a `pdserve.sim.tier_io.SimTierIO`.
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 from pdserve.core.block_manager import KVBlockManager
 
@@ -41,29 +38,3 @@ class DeviceTier:
         return {"capacity_bytes": total * self.block_bytes, "peak_bytes": self.peak_blocks * self.block_bytes,
                 "mean_bytes": mean * self.block_bytes, "peak_fraction": self.peak_blocks / total,
                 "mean_fraction": mean / total}
-
-
-class HostTier:
-    def __init__(self, capacity_bytes: float) -> None:
-        self.capacity = capacity_bytes
-        self.resident: OrderedDict[str, int] = OrderedDict()
-        self.used = 0
-        self.peak = 0
-        self.written = 0
-        self.evicted = 0
-
-    def store(self, key: str, nbytes: int) -> None:
-        if nbytes <= 0 or nbytes > self.capacity:
-            return
-        while self.used + nbytes > self.capacity:
-            _, size = self.resident.popitem(last=False)
-            self.used -= size
-            self.evicted += size
-        self.resident[key] = nbytes
-        self.used += nbytes
-        self.written += nbytes
-        self.peak = max(self.peak, self.used)
-
-    def stats(self) -> dict:
-        return {"capacity_bytes": self.capacity, "used_bytes": self.used, "peak_bytes": self.peak,
-                "written_bytes": self.written, "evicted_bytes": self.evicted}

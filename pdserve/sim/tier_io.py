@@ -1,0 +1,143 @@
+"""`SimTierIO`: the simulator's KV tier I/O runner, on simulated time.
+
+It implements the contract `pdserve.engine.llm_engine.LLMEngine` expects of `executor.kv_io` (as
+`pdserve.kv.tier_io.TierIO` does for the real worker): `capacity`, `restored()`, `submit(ops)`, `poll()`,
+`load(loads)`. The tier bookkeeping itself (what is copied where, hits, eviction, lifecycle) is the real
+`pdserve.core.kv_tiers.TieredKV`, driven by the real engine; this module only decides when each operation
+ends. No bytes move and nothing fails.
+
+Links (each a FIFO queue: an operation starts when the one before it on its link has ended):
+* `host_link` (GPU -> host, PCIe): offloads, each `len(hashes) x block_bytes` at `host_link_bw`;
+* `disk_write`: flushes (host -> disk) at `disk_write_bw`;
+* `disk_read`: prefetches (disk -> host) at `disk_read_bw`;
+* deletes of disk files take no time.
+Loads (host -> device, the other direction of PCIe) are synchronous in the real executor, before the step's
+forward: `load` returns their time and the `SimExecutor` adds it to the step.
+
+Operations a step produces start when that step ends (the real engine submits them after the forward): the
+`SimEngine` calls `start(step_end_s)` after each `LLMEngine.step()`. `poll()` returns those whose end is at
+or before the engine's clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.core.kv_tiers import KVLoad, KVOp
+
+GIB = 2**30  # tier sizes are in GiB, as the real worker's --kv-host-gb and --kv-disk-gb
+LINKS = ("host_link", "disk_read", "disk_write")
+LINK_OF = {"offload": "host_link", "flush": "disk_write", "prefetch": "disk_read"}  # delete: no link
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """What the engine's tier bookkeeping is sized from (the fields of `pdserve.kv.tier_io.TierCapacity`)."""
+
+    host_blocks: int
+    disk_blocks: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One engine's lower tiers: capacities in blocks and the bandwidths (bytes/s) of its links."""
+
+    host_blocks: int
+    disk_blocks: int
+    block_bytes: int
+    host_link_bw: float
+    disk_read_bw: float
+    disk_write_bw: float
+
+    @property
+    def capacity(self) -> TierCapacity:
+        return TierCapacity(self.host_blocks, self.disk_blocks, self.block_bytes)
+
+
+def tier_spec(host_gb: float, disk_gb: float, block_bytes: int, host_link_bw: float, disk_read_bw: float,
+              disk_write_bw: float) -> TierSpec | None:
+    """Tiers sized as the real worker sizes them (`pdserve.kv.tier_io.build_tier_io`): host slots of one
+    block each, disk files of one block plus the file header; None without a host tier."""
+    if not host_gb:
+        return None
+    from pdserve.kv.disk_store import HEADER  # the real file format's header (pure Python, no torch)
+    host_blocks = max(int(host_gb * GIB) // block_bytes, 1)
+    disk_blocks = max(int(disk_gb * GIB) // (block_bytes + HEADER.size), 1) if disk_gb else 0
+    return TierSpec(host_blocks, disk_blocks, block_bytes, host_link_bw, disk_read_bw, disk_write_bw)
+
+
+class SimTierIO:
+    def __init__(self, spec: TierSpec, clock: Callable[[], float]) -> None:
+        self.spec = spec
+        self.capacity = spec.capacity
+        self.clock = clock
+        self._bw = {"host_link": spec.host_link_bw, "disk_read": spec.disk_read_bw,
+                    "disk_write": spec.disk_write_bw}
+        self._free_at = dict.fromkeys(LINKS, 0.0)  # when each link's queue empties
+        self._unstarted: list[KVOp] = []
+        self._in_flight: list[tuple[float, int]] = []  # heap of (end, op id)
+        self.ops: Counter = Counter()  # by kind
+        self.bytes: Counter = Counter()  # by link
+        self.busy_s: Counter = Counter()  # by link: seconds transferring
+        self.queued_s: Counter = Counter()  # by link: seconds operations waited for the link
+        self.load_s = 0.0  # host -> device, inside steps
+        self.loaded_blocks = 0
+
+    # ---- the kv_io contract -----------------------------------------------------------------------------
+    def restored(self) -> list[tuple[int, float, float]]:
+        return []  # a simulated disk starts empty
+
+    def submit(self, ops: Sequence[KVOp]) -> None:
+        self._unstarted.extend(ops)
+
+    def poll(self) -> list[tuple[int, dict[int, str]]]:
+        now, heap, out = self.clock(), self._in_flight, []
+        while heap and heap[0][0] <= now:
+            out.append((heapq.heappop(heap)[1], {}))
+        return out
+
+    def load(self, loads: Sequence[KVLoad]) -> float:
+        """Seconds the step spends copying `loads` host -> device before its forward."""
+        if not loads:
+            return 0.0
+        seconds = len(loads) * self.spec.block_bytes / self.spec.host_link_bw
+        self.load_s += seconds
+        self.loaded_blocks += len(loads)
+        return seconds
+
+    # ---- simulated time -----------------------------------------------------------------------------------
+    def start(self, at_s: float) -> None:
+        """The operations submitted so far begin at `at_s` (or when their link is free), in submission order."""
+        ops, self._unstarted = self._unstarted, []
+        for op in ops:
+            self.ops[op.kind] += 1
+            link = LINK_OF.get(op.kind)
+            end = at_s
+            if link is not None:
+                nbytes = len(op.hashes) * self.spec.block_bytes
+                begin = max(at_s, self._free_at[link])
+                end = begin + nbytes / self._bw[link]
+                self._free_at[link] = end
+                self.bytes[link] += nbytes
+                self.busy_s[link] += end - begin
+                self.queued_s[link] += begin - at_s
+            heapq.heappush(self._in_flight, (end, op.op_id))
+
+    def next_done_s(self) -> float | None:
+        """When the next operation in flight ends (None when none is)."""
+        return self._in_flight[0][0] if self._in_flight else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight) + len(self._unstarted)
+
+    def stats(self, duration_s: float) -> dict:
+        return {"bandwidth": dict(self._bw), "ops": dict(self.ops), "bytes": {k: self.bytes[k] for k in LINKS},
+                "busy_s": {k: self.busy_s[k] for k in LINKS},
+                "utilization": {k: self.busy_s[k] / duration_s if duration_s > 0 else 0.0 for k in LINKS},
+                "queued_s": {k: self.queued_s[k] for k in LINKS},
+                "load_s": self.load_s, "loaded_blocks": self.loaded_blocks}

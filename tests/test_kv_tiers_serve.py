@@ -1,0 +1,141 @@
+"""KV tiers with real processes: `pdserve serve` (PD mode, a small device pool), the OpenAI SDK as client.
+
+A prompt evicted from the device pool is served from the host tier; after a restart on the same
+`--kv-disk-dir`, from the disk tier; a corrupted disk file is skipped and counted; greedy output is always
+the reference's. Prewarm pins a prefix and later requests report it as cached; DELETE unpins it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from serve_util import Server
+
+pytestmark = pytest.mark.slow
+
+# Distinct long prompts (~100 tokens each) so a few of them overflow a 24-block device pool.
+PROMPTS = [f"Report {i}. " + " ".join(f"The {w} of item {i} is noted in the ledger." for w in
+                                          ("colour", "weight", "price", "origin", "owner", "shape", "age",
+                                           "state", "label"))
+           for i in range(6)]
+SMALL_POOL = ["--num-kv-blocks", "24", "--max-num-seqs", "4", "--block-size", "16"]
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=float(__import__("os").environ.get("T_TIMEOUT", 120)))
+
+
+def _complete(server: Server, prompt: str):
+    r = _client(server).completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6,
+                                           temperature=0)
+    return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+
+def _hits(server: Server, tier: str) -> float:
+    return server.metric("pdserve_prefix_cache_hit_tokens_total", tier=tier, worker="decode-0")
+
+
+def _wait_metric(read, predicate, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while not predicate(value) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = read()
+    return value
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    server = Server("--kv-host-gb", "0", "--num-kv-blocks", "512")
+    try:
+        return [_complete(server, p)[0] for p in PROMPTS]
+    finally:
+        server.stop()
+
+
+def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, reference):
+    disk = tmp_path / "kv"
+    tiers = ["--kv-host-gb", "0.25", "--kv-disk-dir", str(disk), *SMALL_POOL]
+    server = Server(*tiers)
+    try:
+        assert [_complete(server, p)[0] for p in PROMPTS] == reference  # fills and overflows the pool
+        text, cached = _complete(server, PROMPTS[0])  # evicted from the device long ago
+        assert text == reference[0] and cached >= 96
+        assert _wait_metric(lambda: _hits(server, "host"), lambda v: v > 0) > 0
+        assert server.metric("pdserve_kv_tier_capacity_blocks", tier="host", worker="decode-0") > 0
+        assert server.metric("pdserve_kv_tier_blocks", tier="disk") > 0
+        assert server.metric("pdserve_kv_tier_bytes_total", tier="disk", direction="in") > 0
+    finally:
+        server.stop()
+    files = sorted(disk.glob("*/decode-0/*.kv"))
+    assert files, "the decode worker's blocks should be on disk"
+
+    server = Server(*tiers)  # a restart: the device pool and the host tier are empty, the disk is not
+    try:
+        text, cached = _complete(server, PROMPTS[1])
+        assert text == reference[1] and cached >= 96
+        assert _wait_metric(lambda: _hits(server, "disk"), lambda v: v > 0) > 0
+        # Damage every file of prompt 2's blocks on both workers: they must be skipped, counted, recomputed.
+        damaged = _damage_files_of(disk, PROMPTS[2])
+        assert damaged
+        text, _ = _complete(server, PROMPTS[2])
+        assert text == reference[2]
+        assert _wait_metric(lambda: server.metric("pdserve_kv_tier_corrupt_total", tier="disk"),
+                            lambda v: v > 0) > 0
+    finally:
+        server.stop()
+
+
+def _damage_files_of(disk: Path, prompt: str) -> list[Path]:
+    """Flip a payload byte in the disk files of `prompt`'s blocks (found by hashing its tokens the way the
+    workers do)."""
+    from pdserve.core.block_hash import hash_blocks
+    from pdserve.model.loader import resolve_model_dir
+    from pdserve.tokenizer import Tokenizer
+    ids = Tokenizer.from_dir(resolve_model_dir(None)).encode(prompt)
+    damaged = []
+    for h in hash_blocks(ids, 16):
+        for path in disk.glob(f"*/*/{h:016x}.kv"):
+            data = bytearray(path.read_bytes())
+            data[-7] ^= 0xFF
+            path.write_bytes(bytes(data))
+            damaged.append(path)
+    return damaged
+
+
+def test_prewarm_pins_and_unpins(reference):
+    server = Server("--kv-host-gb", "0", *SMALL_POOL)
+    try:
+        r = httpx.post(server.url + "/v1/kv/prewarm", timeout=60,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[3], "ttl_s": 600})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["tokens"] > 96 and body["blocks"] == body["tokens"] // 16
+        assert sorted(body["workers"]) == ["decode-0", "prefill-0"]
+        assert _wait_metric(lambda: server.metric("pdserve_kv_tier_blocks", stage="prewarm", worker="decode-0"),
+                            lambda v: v >= body["blocks"]) >= body["blocks"]
+        for p in PROMPTS[:3] + PROMPTS[4:]:  # enough traffic to evict anything that is not pinned
+            _complete(server, p)
+        text, cached = _complete(server, PROMPTS[3])
+        assert text == reference[3] and cached >= (body["blocks"] - 1) * 16  # (the last token is computed)
+        _, cached = _complete(server, PROMPTS[3] + " A later question about it follows here.")
+        assert cached == body["blocks"] * 16
+        assert httpx.delete(f"{server.url}/v1/kv/prewarm/{body['id']}", timeout=10).status_code == 200
+        assert httpx.delete(f"{server.url}/v1/kv/prewarm/{body['id']}", timeout=10).status_code == 404
+        assert _wait_metric(lambda: server.metric("pdserve_kv_tier_blocks", stage="prewarm"),
+                            lambda v: v == 0) == 0
+        for bad in ({"prompt": "x", "ttl_s": 0}, {"prompt": "x", "ttl_s": -5}, {"ttl_s": 10},
+                    {"prompt": "x", "messages": [{"role": "user", "content": "y"}], "ttl_s": 10},
+                    {"prompt": "x"}):
+            r = httpx.post(server.url + "/v1/kv/prewarm", timeout=10, json=bad)
+            assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+        r = httpx.post(server.url + "/v1/kv/prewarm", timeout=60,
+                       json={"messages": [{"role": "system", "content": PROMPTS[5]}], "ttl_s": 1})
+        assert r.status_code == 200 and r.json()["blocks"] > 0
+    finally:
+        server.stop()
