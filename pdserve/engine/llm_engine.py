@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager
-from pdserve.core.kv_meta import LifecycleConfig, make_eviction_policy
+from pdserve.core.kv_meta import LifecycleConfig, Stage, make_eviction_policy
 from pdserve.core.kv_tiers import TieredKV, build_tiered_kv
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
@@ -124,7 +124,8 @@ class LLMEngine:
         and direction, corrupt blocks dropped: what a worker's stats carry to the metrics."""
         blocks, hits = self.block_manager, self.scheduler.stats.num_prefix_hit_tokens
         if self.tiers is None:
-            stages = {"device": {s.value: n for s, n in blocks.stage_counts(blocks.clock()).items()}}
+            counts = blocks.stage_counts(blocks.clock())
+            stages = {"device": {s.value: counts.get(s, 0) for s in Stage}}  # zeros too: gauges must drop
             return {"stages": stages, "capacity": {"device": blocks.num_blocks}, "hits": {"device": hits},
                     "bytes_in": {}, "bytes_out": {}, "corrupt": {}, "disk_full": 0}
         st = self.tiers.stats
