@@ -25,7 +25,7 @@ from pdserve.core.block_manager import KVBlockManager
 from pdserve.core.kv_meta import (BlockMeta, HeatPolicy, LifecycleConfig, LRUPolicy, Stage, Tier,
                                   make_eviction_policy, pick_victim, stage_of)
 from pdserve.core.kv_tier_index import TierIndex
-from pdserve.core.kv_tiers import KVLoad, KVOp, TieredKV, build_tiered_kv
+from pdserve.core.kv_tiers import KVLoad, KVOp, TieredKV, TierHit, build_tiered_kv
 from pdserve.core.request import RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.schedule import SchedulerConfig
@@ -289,6 +289,24 @@ def test_reclaim_watermarks_mark_then_reserve_takes_marked_first():
     tier.reserve(300, 103.0)
     assert tier.get(1) is not None and [m.block_hash for m in tier.evicted] == [2]
     check_index(tier)
+
+
+@pytest.mark.parametrize("sample", [1, 4, 16, 1000])
+def test_reclaim_marks_the_least_recently_used_whatever_the_sample(sample):
+    tier = filled(100, 95, config=LifecycleConfig(eviction_sample=sample))
+    assert tier.reclaim(100.0) == 5
+    assert sorted(tier._reclaiming) == [0, 1, 2, 3, 4]
+
+
+def test_reclaim_with_heat_marks_the_coldest_of_each_window():
+    tier = filled(20, 20, HeatPolicy(120.0), LifecycleConfig(eviction_sample=4))
+    for h in (0, 1, 2):
+        for _ in range(3):
+            tier.touch(h, 30.0)  # hot, and now the most recently used
+    tier.entries.move_to_end(0, last=False)  # 0 is hot but least recently used: never the coldest of a window
+    tier.high, tier.low = 19, 17  # mark 3
+    assert tier.reclaim(31.0) == 3
+    assert sorted(tier._reclaiming) == [3, 4, 5]
 
 
 def test_reclaim_skips_busy_and_pinned():
@@ -877,7 +895,7 @@ def test_a_prefetch_never_evicts_the_prefix_it_continues():
     assert tiers.host.get(1) is not None and tiers.host.get(50) is None  # 50 went, not the prefix's head
     assert tiers.host.entries[1].busy == 0
     tiers.complete(op.op_id)
-    assert tiers.extend([1, 2, 3]) == type(hit)((1, 2, 3), False)
+    assert tiers.extend([1, 2, 3]) == TierHit((1, 2, 3), False)
     check_index(tiers.host)
 
 
@@ -935,18 +953,48 @@ class Driver:
         self.heads = [root + [rng.randrange(VOCAB) for _ in range(8)] for _ in range(4)]
         self.head_hashes = [KVBlockManager(1, BS).find_prefix(h + [0]).block_hashes for h in self.heads]
         self.reqs: dict[str, tuple[list[int], int]] = {}
+        self.reserved: dict[str, int] = {}  # WAITING_FOR_KV request -> prompt tokens it had here
         self.ended: set[str] = set()
         self.n = 0
 
-    def add(self, head: int, tail: int, max_tokens: int, suffix_seed: int) -> None:
+    def add(self, head: int, tail: int, max_tokens: int, suffix_seed: int, reserve: bool = False) -> None:
         """A prompt: 2, 3 or 4 blocks of head `head` then `tail` tokens; head 4 and up: fresh tokens only."""
         rng = random.Random(suffix_seed)
         start = self.heads[head][:8 + 4 * (suffix_seed % 3)] if head < len(self.heads) else []
         p = start + [rng.randrange(VOCAB) for _ in range(tail if start else 8 + tail)]
         rid = f"r{self.n}"
         self.n += 1
-        self.reqs[rid] = (p, max_tokens)
-        self.engine.add_request(p, greedy(max_tokens), request_id=rid)
+        if not reserve:
+            self.reqs[rid] = (p, max_tokens)
+            self.engine.add_request(p, greedy(max_tokens), request_id=rid)
+            return
+        hit = self.engine.scheduler.reserve_kv(self.engine.make_request(rid, p, greedy(max_tokens)))
+        if hit is not None:
+            assert hit % BS == 0 and hit < len(p)
+            self.reqs[rid] = (p, max_tokens)
+            self.reserved[rid] = hit
+
+    def reserve(self, head: int, tail: int, max_tokens: int, suffix_seed: int) -> None:
+        """The decode side of PD: reserve blocks for a request whose KV another worker delivers."""
+        self.add(head, tail, max_tokens, suffix_seed, reserve=True)
+
+    def deliver(self, which: int, with_first_token: bool, fail: bool = False) -> None:
+        """The prefill worker delivers a reserved request's KV (all but what was a hit here), or fails."""
+        if not self.reserved:
+            return
+        rid = sorted(self.reserved)[which % len(self.reserved)]
+        hit = self.reserved.pop(rid)
+        if fail:
+            self.engine.scheduler.kv_failed(rid)
+            return
+        p, n = self.reqs[rid]
+        table = self.engine.block_manager.block_ids(rid)
+        for pos in range(hit, len(p) - (not with_first_token)):
+            self.engine.executor._slots[table[pos // BS] * BS + pos % BS] = (pos, p[pos])
+        req = self.engine.scheduler.kv_delivered(rid, expected(p, 1)[0] if with_first_token else None)
+        if req.is_finished:  # its one token came with the KV
+            assert req.output_token_ids == expected(p, n)
+            self.ended.add(rid)
 
     def abort(self, which: int) -> None:
         live = sorted(self.engine.scheduler.requests)
@@ -954,6 +1002,7 @@ class Driver:
             rid = live[which % len(live)]
             self.engine.abort([rid])
             self.ended.add(rid)
+            self.reserved.pop(rid, None)
 
     def step(self) -> None:
         for o in self.engine.step():
@@ -981,6 +1030,8 @@ class Driver:
     def finish(self) -> None:
         self.io.hold = False
         self.heal()
+        while self.reserved:
+            self.deliver(0, with_first_token=len(self.reserved) % 2 == 0)
         for _ in range(3000):
             if not self.engine.has_unfinished():
                 break
@@ -1014,6 +1065,10 @@ def test_random_load_never_serves_wrong_kv_and_leaks_nothing(seed):
             d.heal()
         elif x < 0.50:
             d.damage(rng.randrange(100))
+        elif x < 0.55:
+            d.reserve(rng.randrange(6), rng.randrange(10), rng.randrange(1, 7), rng.randrange(1000))
+        elif x < 0.58:
+            d.deliver(rng.randrange(100), rng.random() < 0.5, fail=rng.random() < 0.2)
         else:
             d.step()
     d.finish()
@@ -1029,6 +1084,15 @@ class TieredEngineMachine(RuleBasedStateMachine):
           suffix_seed=st.integers(0, 1000))
     def add(self, head, tail, max_tokens, suffix_seed):
         self.d.add(head, tail, max_tokens, suffix_seed)
+
+    @rule(head=st.integers(0, 5), tail=st.integers(0, 9), max_tokens=st.integers(1, 6),
+          suffix_seed=st.integers(0, 1000))
+    def reserve(self, head, tail, max_tokens, suffix_seed):
+        self.d.reserve(head, tail, max_tokens, suffix_seed)
+
+    @rule(which=st.integers(0, 100), with_first_token=st.booleans(), fail=st.booleans())
+    def deliver(self, which, with_first_token, fail):
+        self.d.deliver(which, with_first_token, fail)
 
     @rule(which=st.integers(0, 100))
     def abort(self, which):

@@ -139,3 +139,25 @@ def test_prewarm_pins_and_unpins(reference):
         assert r.status_code == 200 and r.json()["blocks"] > 0
     finally:
         server.stop()
+
+
+LONG = "Ledger of the mill. " + " ".join(f"Line {i}: the river carried stone number {i * 7} past the mill."
+                                         for i in range(240))
+
+
+def test_a_context_four_times_the_device_pool_matches_the_reference():
+    """64 device blocks (1,024 tokens) and a 512-token hot window; the prompt is ~4,100 tokens: its older
+    blocks are read from the host tier layer by layer. Same greedy tokens as a pool that holds it all."""
+    from pdserve import LLM, SamplingParams
+    ref = LLM(num_kv_blocks=600, kv_host_gb=0).generate(LONG, SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(ref.prompt_token_ids) >= 4 * 64 * 16
+    server = Server("--mode", "colocated", "--num-kv-blocks", "64", "--kv-host-gb", "0.5",
+                    "--kv-hot-window-tokens", "512", "--max-num-batched-tokens", "512")
+    try:
+        r = _client(server).completions.create(model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=8,
+                                               temperature=0)
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.choices[0].text == ref.text
+        assert server.metric("pdserve_kv_tier_bytes_total", tier="host", direction="in") > 0
+    finally:
+        server.stop()

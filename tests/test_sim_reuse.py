@@ -72,7 +72,8 @@ def _key(steps):
 def test_colocated_schedule_is_the_real_engines(num_blocks):
     wl = _workload()
     spec = ClusterSpec(mode="colocated", num_instances=1, block_size=16, num_kv_blocks=num_blocks,
-                       max_num_seqs=8, decode_budget=256, fast_forward=False, host_kv_gb=0)  # the reference has no tiers
+                       max_num_seqs=8, decode_budget=256, fast_forward=False,
+                       host_kv_gb=0)  # the reference engine has no KV tiers
     tm = RooflineTimeModel(MODEL, GPU, 1)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MODEL.max_model_len)
     ref = _reference(wl, build_prompts(wl, 32000), cfg, num_blocks, 16, tm)

@@ -49,7 +49,8 @@ class Worker:
         # A prefill worker's KV pool in shared memory: a decode worker on this host reads delivered blocks
         # straight from it (shm transport).
         shared_kv = spec.role == "prefill" and spec.transport == "shm"
-        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name)
+        self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name,
+                                                           long_context=spec.role == "colocated")
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":

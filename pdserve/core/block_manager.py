@@ -78,6 +78,7 @@ class KVBlockManager:
         # (block id, hash) of blocks registered since the owner last took them (the tiers copy them down)
         self.newly_cached: list[tuple[BlockId, BlockHash]] | None = None
         self._pins: dict[str, float] = {}  # prewarm holders -> pinned until (clock seconds)
+        self._cold: dict[str, int] = {}  # long contexts: leading blocks a request moved off the device
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -139,7 +140,7 @@ class KVBlockManager:
         hit = prefix.block_ids if prefix else ()
         if hit and table:
             raise ValueError(f"prefix hit given for {request_id!r}, which already holds blocks")
-        num_new = self.blocks_needed(num_tokens) - len(table) - len(hit)
+        num_new = self.blocks_needed(num_tokens) - self._cold.get(request_id, 0) - len(table) - len(hit)
         revived = sum(1 for b in hit if self._blocks[b].ref_cnt == 0)
         if max(num_new, 0) + revived > len(self._free):
             return None
@@ -157,14 +158,15 @@ class KVBlockManager:
             return
         table = self._tables[request_id]
         hashes = self._hashes.setdefault(request_id, [])
-        num_full = min(num_computed_tokens // self.block_size, len(table))
+        cold = self._cold.get(request_id, 0)  # logical block i is table[i - cold]
+        num_full = min(num_computed_tokens // self.block_size, len(table) + cold)
         if num_full <= len(hashes):
             return
         sequence = self._sequence_hashes(request_id, token_ids, num_full)
         for i in range(len(hashes), num_full):
             parent = sequence[i]
             hashes.append(parent)
-            block = self._blocks[table[i]]
+            block = self._blocks[table[i - cold]]
             if parent not in self._cached and block.block_hash is None:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id
@@ -201,6 +203,25 @@ class KVBlockManager:
             if block.meta is not None:
                 block.meta.touch(now, self.lifecycle.heat_half_life_s)
         return list(block_ids)
+
+    def registered_hashes(self, request_id: str) -> list[BlockHash]:
+        """Hashes of the request's registered (full, computed) blocks, from its first block on."""
+        return self._hashes.get(request_id, [])
+
+    def num_cold_blocks(self, request_id: str) -> int:
+        return self._cold.get(request_id, 0)
+
+    def spill(self, request_id: str, count: int) -> None:
+        """Drop the request's `count` oldest device blocks (registered ones: their KV now lives in a lower
+        tier); its table then starts at logical block `num_cold_blocks`. The blocks stay cached here until
+        reused, like any freed block."""
+        table = self._tables[request_id]
+        if count > len(table) or len(self._hashes.get(request_id, ())) < self._cold.get(request_id, 0) + count:
+            raise ValueError(f"{request_id!r}: only registered blocks can leave the device")
+        for block_id in table[:count]:
+            self._release(block_id)
+        del table[:count]
+        self._cold[request_id] = self._cold.get(request_id, 0) + count
 
     def pin(self, holder: str, request_id: str, until_s: float) -> int:
         """Keep `request_id`'s registered (full, cached) blocks on the device until `until_s` or `unpin`,
@@ -243,13 +264,17 @@ class KVBlockManager:
         """Release every block of `request_id` (finish, abort or preemption). Unknown ids are ignored."""
         table = self._tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
+        self._cold.pop(request_id, None)
         for block_id in reversed(table):
-            block = self._blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
-                raise AssertionError(f"block {block_id} ref count went negative")
-            if block.ref_cnt == 0:
-                self._free[block_id] = None
+            self._release(block_id)
+
+    def _release(self, block_id: BlockId) -> None:
+        block = self._blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt < 0:
+            raise AssertionError(f"block {block_id} ref count went negative")
+        if block.ref_cnt == 0:
+            self._free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change). Blocks in use are untouched."""

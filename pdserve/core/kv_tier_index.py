@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Tier, pick_victim, stage_of
 
 
+RECLAIM_INTERVAL_S = 1.0  # watermark marking runs at most this often (it walks the LRU order)
+
+
 class TierIndex:
     def __init__(self, tier: Tier, capacity_blocks: int, policy: EvictionPolicy,
                  config: LifecycleConfig | None = None, high_watermark: float = 0.95,
@@ -32,6 +35,7 @@ class TierIndex:
         self.entries: OrderedDict[int, BlockMeta] = OrderedDict()  # least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self._reclaiming: OrderedDict[int, None] = OrderedDict()
+        self._next_reclaim_s = float("-inf")
         self.evicted: list[BlockMeta] = []  # dropped entries whose bytes the owner may delete (disk files)
         self.num_evicted = 0
 
@@ -97,8 +101,9 @@ class TierIndex:
     def reclaim(self, now: float) -> int:
         """Above the high watermark, mark the lowest-scoring blocks RECLAIM until only `low` would remain.
         Returns how many are marked now."""
-        if len(self.entries) < self.high:
+        if len(self.entries) < self.high or now < self._next_reclaim_s:
             return len(self._reclaiming)
+        self._next_reclaim_s = now + RECLAIM_INTERVAL_S
         want = len(self.entries) - self.low
         if len(self._reclaiming) >= want:
             return len(self._reclaiming)
@@ -116,7 +121,7 @@ class TierIndex:
         return len(self._reclaiming)
 
     def _evict_one(self, now: float) -> bool:
-        for block_hash in list(self._reclaiming):
+        for block_hash in self._reclaiming:  # (returns before the drop changes the dict)
             meta = self.entries[block_hash]
             if not meta.busy and not meta.pinned(now):
                 return self._drop(meta)

@@ -31,6 +31,9 @@ from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Sta
 from pdserve.core.kv_tier_index import TierIndex
 
 
+PREFETCH_HOLD_S = 5.0  # a block prefetched from disk stays in host at least this long, or until loaded
+
+
 @dataclass(frozen=True)
 class KVLoad:
     """Copy host slot `host_slot` into device block `block_id` before the step's forward."""
@@ -50,6 +53,15 @@ class KVOp:
     @property
     def holder(self) -> str:
         return f"kvop:{self.op_id}"
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """What a worker's tier bookkeeping is sized from (its I/O runner's `capacity`)."""
+
+    host_blocks: int
+    disk_blocks: int
+    block_bytes: int
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,8 @@ class TieredKV:
             meta.busy += 1
             if count:
                 self.stats.hit_tokens[meta.from_tier or Tier.HOST] += self.blocks.block_size
+            if meta.from_tier is Tier.DISK:
+                meta.pinned_until_s = 0.0  # the prefetch hold: it has been used
             meta.from_tier = None
             self.host.touch(h, now)
             loads.append(KVLoad(block_id, meta.slot))
@@ -143,6 +157,28 @@ class TieredKV:
             meta = self.host.get(h) if h is not None else None
             if meta is not None and meta.busy:
                 meta.busy -= 1
+
+    # ---- long contexts: a request's oldest blocks read from host ---------------------------------------------
+    def hold_cold(self, hashes: Sequence[BlockHash]) -> tuple[int, bool]:
+        """Keep the leading host-ready blocks of `hashes` in host for a request that reads them from there
+        (busy until `release_cold`). Returns (how many, whether the next one is still being copied)."""
+        count = 0
+        for h in hashes:
+            meta = self.host.ready(h)
+            if meta is None:
+                return count, self.host.get(h) is not None
+            meta.busy += 1
+            count += 1
+        return count, False
+
+    def release_cold(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            meta = self.host.get(h)
+            if meta is not None and meta.busy:
+                meta.busy -= 1
+
+    def cold_slots(self, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        return tuple(self.host.entries[h].slot for h in hashes)
 
     # ---- engine side: after each step, the runner's results in, new operations out -----------------------
     def after_step(self) -> list[KVOp]:
@@ -213,7 +249,11 @@ class TieredKV:
                 self.disk.discard(h)  # never offered again
             return
         self.host.commit(h)
-        self.host.get(h).from_tier = Tier.DISK
+        meta = self.host.get(h)
+        meta.from_tier = Tier.DISK
+        # Held until the waiting request loads it (or PREFETCH_HOLD_S passes): two lookups prefetching into
+        # a small host tier must not evict each other's blocks forever.
+        meta.pinned_until_s = max(meta.pinned_until_s, self.blocks.clock() + PREFETCH_HOLD_S)
         self._moved(Tier.DISK, Tier.HOST)
 
     def _done_delete(self, h: BlockHash, failed: str | None) -> None:

@@ -70,6 +70,8 @@ class Request:
     priority: int = 0
     prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample the first token, stop
     pin: tuple[str, float] | None = None  # prewarm (id, ttl_s): keep the prompt's full blocks on the device
+    # long contexts: hashes of the leading blocks whose KV lives in the host tier only (read from there)
+    cold_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first scheduling, for metrics

@@ -38,6 +38,9 @@ class ScheduledChunk:
     block_ids: tuple[BlockId, ...]  # the whole block table, covering start_pos + len(token_ids) tokens
     sample: bool  # True when the chunk reaches the last known token, so a new token is sampled
     sampling_params: SamplingParams
+    # Long contexts: host slots holding the first len(cold_slots) blocks; `block_ids` then starts at that
+    # logical block (position p is in block_ids[p // block_size - len(cold_slots)])
+    cold_slots: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

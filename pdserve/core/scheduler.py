@@ -36,6 +36,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
     num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
+    num_window_overflows: int = 0  # long contexts grown past the hot window (host tier could not take blocks)
 
 
 _NO_TIER_HIT = TierHit()
@@ -61,6 +62,7 @@ class Scheduler:
         self.tiers: TieredKV | None = None
         self._step_loads: list[KVLoad] = []
         self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next step
+        self.hot_window_blocks: int | None = None  # long contexts (see `enable_long_context`)
         self.stats = SchedulerStats()
 
     # ---- intake ----------------------------------------------------------------------------------------
@@ -79,6 +81,14 @@ class Scheduler:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{request.num_prompt_tokens} tokens, which leaves no room for output.", param="prompt")
+
+    def enable_long_context(self, hot_window_tokens: int) -> None:
+        """Let a request's context outgrow the device pool: it keeps at most `hot_window_tokens` (rounded to
+        blocks, at least 2, at most half the pool) on the device; its older blocks are read from the host
+        tier. Needs `tiers`. Not for prefill-only requests (their blocks are delivered from the pool)."""
+        bs = self.blocks.block_size
+        self.hot_window_blocks = max(2, min(hot_window_tokens // bs, self.blocks.num_blocks // 2))
+        self.max_model_len = min(self.config.max_model_len, self.tiers.host.capacity * bs)
 
     # ---- KV delivered by another worker (decode side of PD) ------------------------------------------------
     def reserve_kv(self, request: Request) -> int | None:
@@ -143,6 +153,11 @@ class Scheduler:
         return req
 
     @property
+    def has_pending_loads(self) -> bool:
+        """Host tier hits of reservations wait to be loaded by the next step."""
+        return bool(self._pending_loads)
+
+    @property
     def num_waiting(self) -> int:
         return self._num_waiting
 
@@ -166,6 +181,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.hot_window_blocks is not None and not req.prefill_only:
+                n = min(n, self.hot_window_blocks * self.blocks.block_size - req.num_computed_tokens
+                        % self.blocks.block_size)
+                if not self._make_room_in_window(req, n):
+                    i += 1
+                    continue  # its oldest blocks are still being copied to host: it runs next step
             if not self._grow_or_preempt(req, n, preempted):
                 break  # `req` itself was the lowest priority and got preempted
             chunks.append(self._chunk(req, n))
@@ -237,8 +258,11 @@ class Scheduler:
             lower = self._tier_hit(prefix)
             if lower.waiting:
                 break  # its prefix is being fetched from disk: it goes first once that is in host
+            prefix, lower = self._cap_hits(req, prefix, lower)
             hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
             n = min(req.num_tokens - hit_tokens, budget)
+            if self.hot_window_blocks is not None and not req.prefill_only:
+                n = min(n, self.hot_window_blocks * self.blocks.block_size - hit_tokens)
             ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
             if ids is None:
                 break  # head of line waits for blocks; later requests do not overtake it
@@ -256,6 +280,36 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
         return budget
+
+    def _make_room_in_window(self, req: Request, n: int) -> bool:
+        """Move the request's oldest blocks off the device so that computing `n` more tokens keeps it within
+        the hot window. False when that must wait for blocks still being copied to host."""
+        rid = req.request_id
+        cold = self.blocks.num_cold_blocks(rid)
+        excess = self.blocks.blocks_needed(req.num_computed_tokens + n) - cold - self.hot_window_blocks
+        if excess <= 0:
+            return True
+        hashes = self.blocks.registered_hashes(rid)[cold:cold + excess]
+        count, pending = self.tiers.hold_cold(hashes)
+        if count:
+            self.blocks.spill(rid, count)
+            req.cold_hashes.extend(hashes[:count])
+        if count == excess:
+            return True
+        if not pending:  # the host tier could not take them: grow past the window while the pool allows
+            self.stats.num_window_overflows += 1
+            return True
+        return False
+
+    def _cap_hits(self, req: Request, prefix: PrefixHit, lower: TierHit) -> tuple[PrefixHit, TierHit]:
+        """A long-context request starts with at most the hot window's worth of hits (minus one block of
+        room); blocks past that are recomputed (they move to host as the window slides)."""
+        if self.hot_window_blocks is None or req.prefill_only:
+            return prefix, lower
+        room = self.hot_window_blocks - 1
+        device = prefix.block_ids[:room]
+        host = lower.host[:max(room - len(device), 0)]
+        return PrefixHit(device, prefix.block_hashes, prefix.block_size), TierHit(host, lower.waiting)
 
     def _tier_hit(self, prefix: PrefixHit) -> TierHit:
         if self.tiers is None:
@@ -278,7 +332,13 @@ class Scheduler:
             request_id=req.request_id, token_ids=tuple(req.all_token_ids[start:start + n]), start_pos=start,
             block_ids=self.blocks.block_ids(req.request_id),
             sample=start + n == req.num_tokens,
-            sampling_params=req.sampling_params)
+            sampling_params=req.sampling_params,
+            cold_slots=self.tiers.cold_slots(req.cold_hashes) if req.cold_hashes else ())
+
+    def _drop_cold(self, req: Request) -> None:
+        if req.cold_hashes:
+            self.tiers.release_cold(req.cold_hashes)
+            req.cold_hashes = []
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
         token = req.all_token_ids[-1]
@@ -291,6 +351,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.request_id)
+        self._drop_cold(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -312,6 +373,7 @@ class Scheduler:
             self.stats.num_pinned_blocks[pin_id] = self.blocks.pin(f"prewarm:{pin_id}", req.request_id,
                                                                    self.blocks.clock() + ttl_s)
         self.blocks.free(req.request_id)
+        self._drop_cold(req)
         self.blocks.forget(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)

@@ -34,6 +34,10 @@ class EngineConfig:
     """Disk KV tier directory (none: no disk tier). Blocks in host are copied there too; it survives restarts."""
     kv_disk_gb: float = 16.0
     """Disk KV tier size per worker, in GiB (with --kv-disk-dir)."""
+    kv_hot_window_tokens: int = 4096
+    """Long contexts: the most KV tokens one request keeps on the device (at most half the pool); its older
+    blocks are read from the host tier layer by layer, so a context may outgrow the device pool (needs a
+    host tier; colocated workers and LLM only)."""
     kv_eviction_policy: str = "lru"
     """Which cached KV block leaves a full tier first: lru or heat (decayed use count)."""
     queue_policy: str = "fcfs"
@@ -49,7 +53,7 @@ class EngineConfig:
         positive = {"block_size": self.block_size, "kv_cache_gb": self.kv_cache_gb,
                     "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                     "num_kv_blocks": self.num_kv_blocks, "max_model_len": self.max_model_len,
-                    "num_threads": self.num_threads}
+                    "num_threads": self.num_threads, "kv_hot_window_tokens": self.kv_hot_window_tokens}
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)

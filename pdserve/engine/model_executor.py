@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ class ModelExecutor:
                                     shared=shared_kv)
         # host and disk tiers below the pool (`worker` names this worker's folder in the disk tier)
         self.kv_io = build_tier_io(config, model_config, model_dir, self.kv_pool.layers, self.dtype, worker)
+        if self.kv_io is not None:  # its thread (and the host tier's memory) ends with this executor
+            weakref.finalize(self, self.kv_io.close)
         self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
         # Called as `layer_observer(scheduled, layer_index)` once a layer's KV of the step is in the pool
@@ -72,7 +75,8 @@ class ModelExecutor:
             self.kv_io.load(scheduled.kv_loads)
         if scheduled.is_empty:
             return ExecutorOutput()
-        batch = build_input_batch(order_chunks(scheduled.chunks), self.layout, self.device, self.dtype)
+        host_kv = self.kv_io.host.data if self.kv_io is not None else None
+        batch = build_input_batch(order_chunks(scheduled.chunks), self.layout, self.device, self.dtype, host_kv)
         observer = self.layer_observer
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta,
                                     None if observer is None else lambda i: observer(scheduled, i))

@@ -3,21 +3,28 @@
 Block-major, so one slot is one contiguous record of every layer (what a disk file holds, written and
 read in one call). Device pool layers are `[2, Hkv, num_blocks, block_size, D]`; copies between the two
 move a batch of blocks with one indexed copy per layer. On CUDA the tensor is pinned host memory; on CPU
-it is plain memory whose pages cost nothing until a slot is first written.
+an anonymous mapping (huge pages where available) whose pages cost nothing until a slot is first written,
+so `--kv-host-gb` is a bound, not an up-front allocation.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
+
+from pdserve.model.hugepages import huge_zeros
 
 
 class HostKVStore:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, pin: bool = False) -> None:
         shape = (num_slots, num_layers, 2, num_kv_heads, block_size, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        if pin:  # CUDA: page-locked, so copies to the device run at full speed (allocated up front)
+            self.data = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        else:  # an anonymous mapping: a slot's pages cost memory only once a block is written there
+            self.data = huge_zeros(math.prod(shape), dtype).view(shape)
         self.num_slots = num_slots
         self.num_layers = num_layers
 

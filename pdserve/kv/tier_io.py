@@ -9,7 +9,6 @@ cheaper than recomputing the blocks.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import queue
 import threading
@@ -19,18 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.kv_tiers import KVLoad, KVOp
+from pdserve.core.kv_tiers import KVLoad, KVOp, TierCapacity
 from pdserve.kv.disk_store import CorruptBlock, DiskKVStore, is_disk_full
 from pdserve.kv.host_store import HostKVStore
-
-
-@dataclass(frozen=True)
-class TierCapacity:
-    """What the engine's tier bookkeeping is sized from."""
-
-    host_blocks: int
-    disk_blocks: int
-    block_bytes: int
 
 
 class TierIO:
@@ -46,7 +36,6 @@ class TierIO:
         self._submitted = self._finished = 0
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-io", daemon=True)
         self._thread.start()
-        atexit.register(self.close)  # stop the thread before the interpreter tears torch down
 
     def restored(self) -> list[tuple[int, float, float]]:
         """Blocks on disk from earlier runs: [(hash, produced-at, last use)] in wall-clock seconds."""

@@ -30,6 +30,7 @@ class PrefillChunk:
     start_pos: int  # tokens already in the cache before this chunk (prefix hit or earlier chunks)
     kv_rows: torch.Tensor | None  # [Hkv * num_ctx_blocks] block rows to read, None when start_pos == 0
     causal_mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool, None when start_pos == 0
+    cold_slots: torch.Tensor | None = None  # long context: host tier slots of the oldest blocks (kv_rows: the rest)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None  # [B, 1, L] 0 for real slots, -inf for padding
     prefills: tuple[PrefillChunk, ...]
     decode_lens: torch.Tensor | None = None  # [B] int64 context length of each decode (for the kernel)
+    host_kv: torch.Tensor | None = None  # the host tier [slots, layers, 2, Hkv, bs, D] (long contexts)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -77,7 +79,7 @@ def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: int = 0) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] (this step's new tokens, already written to the cache) -> [T, H*D]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -92,7 +94,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in meta.prefills:
         kernels.used("prefill_attention", "torch_sdpa")
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        cold = None if chunk.cold_slots is None else _cold_kv(meta.host_kv, chunk.cold_slots, layer, q.device)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, cold)
     return out
 
 
@@ -109,14 +112,27 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return torch.matmul(probs, values).transpose(0, 1)  # [B, Hkv, G, D]
 
 
+def _cold_kv(host_kv: torch.Tensor, slots: torch.Tensor, layer: int, device: torch.device):
+    """One layer's K and V of a long context's oldest blocks, from the host tier: [Hkv, n * bs, D] each.
+    Read layer by layer, right before that layer's attention, so the device holds one layer of them at once."""
+    blocks = host_kv[slots, layer].to(device, non_blocking=True)  # [n, 2, Hkv, bs, D]
+    n, _, num_kv, bs, d = blocks.shape
+    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, num_kv, n * bs, d)
+    kernels.used("cold_kv", "host_tier")
+    return kv[0], kv[1]
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float, cold=None) -> torch.Tensor:
     # SDPA wants [1, H, S, D]
     qh = q.transpose(0, 1).unsqueeze(0)
     if chunk.kv_rows is not None:  # earlier context lives in the cache: read it all back
         ctx = chunk.start_pos + chunk.q_len
-        kh = _gather_blocks(k_cache, chunk.kv_rows)[:, :ctx].unsqueeze(0)
-        vh = _gather_blocks(v_cache, chunk.kv_rows)[:, :ctx].unsqueeze(0)
+        kh = _gather_blocks(k_cache, chunk.kv_rows)
+        vh = _gather_blocks(v_cache, chunk.kv_rows)
+        if cold is not None:  # the oldest blocks come from the host tier
+            kh, vh = torch.cat([cold[0], kh], dim=1), torch.cat([cold[1], vh], dim=1)
+        kh, vh = kh[:, :ctx].unsqueeze(0), vh[:, :ctx].unsqueeze(0)
     else:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(

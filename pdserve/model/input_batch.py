@@ -19,9 +19,14 @@ class InputBatch:
     sample_chunks: tuple[ScheduledChunk, ...]  # the chunks behind those rows, same order
 
 
+def _batched_decode(c: ScheduledChunk) -> bool:
+    return c.num_tokens == 1 and not c.cold_slots
+
+
 def order_chunks(chunks: tuple[ScheduledChunk, ...]) -> list[ScheduledChunk]:
-    """Single-token chunks first (they share one batched attention call), then prefill chunks."""
-    return [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+    """Single-token chunks first (they share one batched attention call), then prefill chunks and the
+    decode tokens of long contexts (their oldest KV is read from the host tier)."""
+    return [c for c in chunks if _batched_decode(c)] + [c for c in chunks if not _batched_decode(c)]
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class CacheLayout:
 
 
 def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device: torch.device,
-                      dtype: torch.dtype = torch.float32) -> InputBatch:
+                      dtype: torch.dtype = torch.float32, host_kv: torch.Tensor | None = None) -> InputBatch:
+    """`host_kv`: the host tier's tensor, which long-context chunks (`cold_slots`) read their oldest KV from."""
     block_size = layout.block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -56,10 +62,11 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
         ids.extend(c.token_ids)
         pos = range(c.start_pos, c.start_pos + c.num_tokens)
         positions.extend(pos)
-        slots.extend(c.block_ids[p // block_size] * block_size + p % block_size for p in pos)
+        cold = len(c.cold_slots)
+        slots.extend(c.block_ids[p // block_size - cold] * block_size + p % block_size for p in pos)
         if c.sample:
             sample_rows.append(len(ids) - 1)
-    decodes = [c for c in chunks if c.num_tokens == 1]
+    decodes = [c for c in chunks if _batched_decode(c)]
     decode_rows, decode_bias, decode_lens = _decode_tensors(decodes, layout, device, dtype)
     prefills, row = [], len(decodes)
     for c in chunks[len(decodes):]:
@@ -67,7 +74,7 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
         row += c.num_tokens
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
-                             decode_bias, tuple(prefills), decode_lens)
+                             decode_bias, tuple(prefills), decode_lens, host_kv)
     return InputBatch(as_long(ids).to(device), as_long(positions).to(device), meta,
                       as_long(sample_rows).to(device), tuple(c for c in chunks if c.sample))
 
@@ -91,8 +98,10 @@ def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: tor
     if c.start_pos == 0:
         return PrefillChunk(row, c.num_tokens, 0, None, None)
     ctx = c.start_pos + c.num_tokens
-    num_blocks = -(-ctx // layout.block_size)
+    cold = len(c.cold_slots)
+    num_blocks = -(-ctx // layout.block_size) - cold
     rows = layout.block_rows(torch.tensor(c.block_ids[:num_blocks], dtype=torch.long))
     q_pos = torch.arange(c.start_pos, ctx)
     mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, ctx]: keys at or before the query
-    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device))
+    cold_slots = torch.tensor(c.cold_slots, dtype=torch.long) if cold else None
+    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device), cold_slots)

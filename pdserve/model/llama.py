@@ -87,7 +87,7 @@ class LlamaModel:
                                     cfg.num_kv_heads)
             if layer_done is not None:
                 layer_done(i)
-            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale))
+            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, i))
             h = kernels.add_rms_norm(x, attn, layer.mlp_norm, cfg.rms_norm_eps)  # x += attn, in place
             x.add_(layer.down(kernels.silu_mul(layer.gate_up(h))))
         return rms_norm(x, self.norm, cfg.rms_norm_eps)

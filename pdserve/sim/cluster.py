@@ -6,8 +6,8 @@
 Each engine is a real `LLMEngine` on `tp` GPUs whose KV pool holds what fits after the weights
 (`hardware.kv_pool_blocks`), with a host KV tier of `host_kv_gb` GiB (and a disk tier of `disk_kv_gb`) below
 it: the real tier code, whose copies take the time the GPU's host link and the node's NVMe drives need
-(`hardware.GPUSpec`, `tp` times per engine; `pdserve.sim.tier_io`). Each engine has one network port of `tp x net_bw` bytes/s; KV flows from a
-prefill engine's port to a decode engine's. Requests arrive at their workload times; the prompts are built
+(`hardware.GPUSpec`, `tp` times per engine; `pdserve.sim.tier_io`). Each engine has one network port of
+`tp x net_bw` bytes/s; KV flows from a prefill engine's port to a decode engine's. Requests arrive at their workload times; the prompts are built
 one at a time by the workloads package (Mooncake `hash_ids` become shared token blocks, so prefix hits are
 real hits in the real block managers).
 """
@@ -141,8 +141,9 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
 
 def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel, *,
              vocab_size: int = 32000, block_tokens: int = 512, prompt_seed: int = 0,
-             progress: Callable[[int, float], None] | None = None) -> SimRun:
-    """Replay `workload`; `progress(num_finished, sim_time)` is called now and then."""
+             progress: Callable[[int, float], None] | None = None, until_s: float = float("inf")) -> SimRun:
+    """Replay `workload`; `progress(num_finished, sim_time)` is called now and then. The simulation stops at
+    simulated time `until_s`; requests not finished by then are marked unfinished."""
     wall0 = time.perf_counter()
     loop, conductor, engines = build(spec, model, gpu, time_model)
     prompts = iter_prompt_arrays(workload, vocab_size, block_tokens=block_tokens, seed=prompt_seed)
@@ -161,7 +162,7 @@ def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSp
 
     if reqs:
         loop.at(reqs[0].arrival_s, arrive, 0, prio=MESSAGE)
-    loop.run(on_tick=(lambda t: progress(conductor.num_finished, t)) if progress else None)
+    loop.run(until_s, on_tick=(lambda t: progress(conductor.num_finished, t)) if progress else None)
     end = max([r.end_s or 0.0 for r in records] + [loop.now])
     duration = max(end - (reqs[0].arrival_s if reqs else 0.0), 1e-9)
     for r in records:

@@ -13,7 +13,8 @@ lazily, when the window ends or a message cuts it at the next boundary.
 KV tiers: with a `TierSpec`, the engine's executor carries a `SimTierIO` and the real `LLMEngine` builds its
 real `TieredKV` (host, and disk) on it; the engine's clock is the simulated time, so block lifecycle metadata
 is in simulated seconds. Like the real worker loop, a boundary takes in the finished tier operations before
-its bookkeeping; the operations a step produces start when it ends. An engine whose work waits on an
+its bookkeeping; operations submitted then (or by the step's own poll, before its forward) start at once,
+those the step produces after its forward start when it ends. An engine whose work waits on an
 operation (a prompt prefix being copied into host or prefetched from disk, a reservation that cannot be
 granted meanwhile) wakes when the next one ends. A fast-forwarded window replays each step's tier work at
 that step's time when it is applied, so the result stays the same as stepping.
@@ -112,17 +113,18 @@ class SimEngine:
         inbox, self.inbox = self.inbox, []
         for fn in inbox:
             fn()
-        if self.tiers is not None:
-            self.engine.poll_kv()  # as the real worker loop, before its reservations' bookkeeping
+        if self.tiers is not None:  # as the real worker loop, before its reservations' bookkeeping
+            self.engine.poll_kv()
+            self.kv_io.start(now)
         self.hooks.before_step(self)
         sched = self.scheduler
         if sched.num_running + sched.num_waiting == 0:
             self.busy = False
             self.device.observe(now)
             if self.tiers is not None:
-                # A reservation's lookup may have started a prefetch; no step will submit it. (The real
-                # worker's idle loop must do the same, or a reservation waiting on disk waits for a step.)
-                self.kv_io.submit(self.tiers.after_step())
+                # No step follows: the idle worker loop's next poll submits what a reservation's lookup
+                # started (a prefetch), and the engine wakes when an operation ends if a reservation waits.
+                self.engine.poll_kv()
                 self.kv_io.start(now)
                 if self.hooks.has_pending(self):
                     self._arm_kv_wake()
@@ -230,9 +232,10 @@ class SimEngine:
         if self.tiers is None:
             used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
         else:  # each step's tier work at its own time, as stepping does it
-            def before(i: int) -> None:
+            def before(i: int) -> None:  # LLMEngine.step's poll_kv; SimExecutor.execute starts what it submits
                 self._clock_s = starts[i - 1]
                 self.engine.poll_kv()
+                self.kv_io.start(starts[i - 1])
 
             def after(i: int) -> None:
                 self.kv_io.submit(self.tiers.after_step())

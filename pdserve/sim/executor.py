@@ -34,6 +34,8 @@ class SimExecutor:
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         self.last = scheduled
         self.last_shape = StepShape.of(scheduled)
+        if self.kv_io is not None:  # what the step's poll submitted starts now, before the forward
+            self.kv_io.start(self.kv_io.clock())
         self.last_load_s = self.kv_io.load(scheduled.kv_loads) if scheduled.kv_loads else 0.0
         compute = self.time_model.step_time(self.last_shape) if scheduled.chunks else 0.0
         self.last_duration = compute + self.last_load_s if self.last_load_s else compute

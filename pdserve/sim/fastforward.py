@@ -46,7 +46,7 @@ def eligible(sched: Scheduler, token_id: int) -> bool:
     running = sched.running
     if not running or sched.num_waiting or len(running) > sched.config.max_num_batched_tokens:
         return False
-    if sched._pending_loads:  # noqa: SLF001 - the next step loads a reservation's host hits: it is no plain decode
+    if sched.has_pending_loads:  # the next step loads a reservation's host hits: it is no plain decode
         return False
     for req in running:
         p = req.sampling_params

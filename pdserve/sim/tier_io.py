@@ -14,9 +14,11 @@ Links (each a FIFO queue: an operation starts when the one before it on its link
 Loads (host -> device, the other direction of PCIe) are synchronous in the real executor, before the step's
 forward: `load` returns their time and the `SimExecutor` adds it to the step.
 
-Operations a step produces start when that step ends (the real engine submits them after the forward): the
-`SimEngine` calls `start(step_end_s)` after each `LLMEngine.step()`. `poll()` returns those whose end is at
-or before the engine's clock.
+Submitted operations wait for `start(at_s)`: those `LLMEngine.poll_kv` submits (flushes of finished copies,
+prefetches a lookup started) start right away (the `SimExecutor` starts them before the forward, the
+`SimEngine` after its own poll at a step boundary); those a step produces after its forward start when that
+step ends (the `SimEngine` calls `start(step_end_s)` after each `LLMEngine.step()`). `poll()` returns the
+operations whose end is at or before the engine's clock.
 """
 
 from __future__ import annotations
@@ -26,20 +28,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.core.kv_tiers import KVLoad, KVOp
+from pdserve.core.kv_tiers import KVLoad, KVOp, TierCapacity
 
 GIB = 2**30  # tier sizes are in GiB, as the real worker's --kv-host-gb and --kv-disk-gb
 LINKS = ("host_link", "disk_read", "disk_write")
 LINK_OF = {"offload": "host_link", "flush": "disk_write", "prefetch": "disk_read"}  # delete: no link
-
-
-@dataclass(frozen=True)
-class TierCapacity:
-    """What the engine's tier bookkeeping is sized from (the fields of `pdserve.kv.tier_io.TierCapacity`)."""
-
-    host_blocks: int
-    disk_blocks: int
-    block_bytes: int
 
 
 @dataclass(frozen=True)
