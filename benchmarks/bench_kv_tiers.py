@@ -6,6 +6,10 @@
 
     smoke run (a minute or two per part):  .venv/bin/python benchmarks/bench_kv_tiers.py --quick
 
+Expected run time of the defaults on 2 cores: serving ~8 min per mode (two replays of ~200 s plus starts),
+context ~10 min (prefills of 4k-8k-token prompts run at ~120-130 tokens/s here, on both the tiered and the
+reference engine), bandwidth ~1 min.
+
 Prints the host CPU and one table per part, and writes every number to bench_results/kv_tiers.json (with
 --quick: bench_results/kv_tiers_quick.json) with the CPU model (lscpu "Model name"), the flags and the date.
 Running some parts only updates those parts' entries of an existing file. Servers log to
@@ -30,7 +34,8 @@ ttft + hits (one replay per server; two servers, started one after the other, ne
               smaller than the working set, larger than the pool it copies)
             + --kv-disk-dir <tmp> --kv-disk-gb (--disk-fraction x: the rest fits on disk).
   Reported per mode and config: median / p90 TTFT of later turns and of all requests (from result.json's
-  per-request timelines, workload order), failed requests, and the ratio device / tiers.
+  per-request timelines, workload order), median TPOT of all requests (a check that the tiers' background
+  copies do not slow decoding), failed requests, and the ratio device / tiers.
   Mode: colocated by default (one worker, both cores): there the one worker both computes prompts and holds
   the tiers, so a tier hit is compute saved on the TTFT path. In PD mode (`--modes pd`, 1 prefill + 1 decode,
   one core each) TTFT hits are the prefill worker's; the decode worker's hits only shorten the KV delivery
@@ -50,10 +55,11 @@ context (in-process, pdserve.LLM, greedy, ignore_eos):
   1,024 - out tokens runs; 1,024 and 2,048 are rejected with context_length_exceeded (shown). With a host
   tier (1 GiB) and the default hot window (4,096 tokens, capped at half the pool): prompts of 4x, 6x, 8x the
   pool minus out (8x = the model's 8,192 limit), each compared token for token with a big-pool device-only
-  reference (every multiple; --quick: 4x only). TPOT penalty: for a context 4x the pool, decode time per
-  output token ((last token - first token) / (n - 1), n = --context-out-tokens, 32) with tiers (cold blocks
-  read from host every step, torch attention path) vs the big pool (device only), --context-repeats
-  distinct prompts (3) run side by side in the same process, medians.
+  reference (every multiple; --quick: 4x only). Each LLM first runs one short untimed request.
+  TPOT penalty: for a context 4x the pool, decode time per output token ((last token - first token) /
+  (n - 1), n = --context-out-tokens, 32) with tiers (cold blocks read from host every step, torch attention
+  path) vs the big pool (device only), --context-repeats distinct prompts (3; the first is the 4x prompt
+  above) on both, in the same process, medians. TTFT of each is printed too (prefill of the long prompt).
 
 bandwidth (in-process, pdserve.kv.tier_io.TierIO on the default model's KV shape: 30 layers, 3 KV heads,
   head_dim 64, fp32, block 16 = 737,280 bytes per block; --io-blocks blocks (1,024 = 755 MB) moved in
@@ -65,7 +71,9 @@ bandwidth (in-process, pdserve.kv.tier_io.TierIO on the default model's KV shape
              the page cache absorbs it);
     prefetch files -> host slots, verified (header + xxh3-64), warm (files in the page cache) and cold
              (page cache dropped: `echo 3 > /proc/sys/vm/drop_caches` when allowed, else fsync +
-             posix_fadvise(DONTNEED) per file; the method is recorded); bytes checked equal to the source.
+             posix_fadvise(DONTNEED) per file; the method is recorded; drop_caches empties the whole
+             machine's page cache, mind other jobs); bytes checked equal to the source after offload and
+             after each prefetch.
   Ceilings, same run, same total size: memcpy (torch copy_ of one region into another, one call; and the
   same walked in block-sized pieces), sequential file write (plain Python, block-sized writes to one file;
   without and with fsync), sequential read (warm, cold), plus the per-file pattern alone (one plain file
@@ -298,13 +306,15 @@ def replay(mode: str, config: str, server_args: list[str], trace: Path, facts: d
         raise RuntimeError(f"bench serve failed ({rc}) for {mode}/{config}")
     result = json.loads((run_dir / "result.json").read_text())
     reqs = result["runs"][0]["requests"]
-    ttft_all, ttft_later, errors = [], [], []
+    ttft_all, ttft_later, tpot_all, errors = [], [], [], []
     for r, is_later in zip(reqs, facts["later"]):
         if r["error"] is not None or r["first_token_s"] is None:
             errors.append(r["error"])
             continue
         t = r["first_token_s"] - r["start_s"]
         ttft_all.append(t)
+        if r["output_tokens"] > 1 and r["token_times"]:
+            tpot_all.append((r["token_times"][-1] - r["first_token_s"]) / (r["output_tokens"] - 1))
         if is_later:
             ttft_later.append(t)
 
@@ -333,6 +343,7 @@ def replay(mode: str, config: str, server_args: list[str], trace: Path, facts: d
             "errors": len(errors), "error_samples": sorted(set(map(str, errors)))[:3],
             "ttft_s": {"later": {"n": len(ttft_later), "p50": pct(ttft_later, 50), "p90": pct(ttft_later, 90)},
                        "all": {"n": len(ttft_all), "p50": pct(ttft_all, 50), "p90": pct(ttft_all, 90)}},
+            "tpot_s": {"n": len(tpot_all), "p50": pct(tpot_all, 50), "p90": pct(tpot_all, 90)},
             "workers": per_worker, "result_json": str(run_dir / "result.json")}
 
 
@@ -383,13 +394,14 @@ def print_serving(rep: dict, parts: set) -> None:
     if "ttft" in parts:
         print("\n== later-turn TTFT: device pool only vs + host + disk tiers (ms) ==")
         print(f"{'mode':10} {'config':7} {'later n':>7} {'later p50':>9} {'later p90':>9} {'all n':>6} "
-              f"{'all p50':>8} {'all p90':>8} {'errors':>6} {'wall s':>7}")
+              f"{'all p50':>8} {'all p90':>8} {'tpot p50':>8} {'errors':>6} {'wall s':>7}")
         for mode, m in rep["modes"].items():
             for cfg in ("device", "tiers"):
                 r = m[cfg]
                 lt, al = r["ttft_s"]["later"], r["ttft_s"]["all"]
                 print(f"{mode:10} {cfg:7} {lt['n']:>7} {ms(lt['p50']):>9} {ms(lt['p90']):>9} {al['n']:>6} "
-                      f"{ms(al['p50']):>8} {ms(al['p90']):>8} {r['errors']:>6} {r['wall_s']:>7}")
+                      f"{ms(al['p50']):>8} {ms(al['p90']):>8} {ms(r['tpot_s']['p50']):>8} {r['errors']:>6} "
+                      f"{r['wall_s']:>7}")
             rt = m["ttft_ratio_device_over_tiers"]
             fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
             print(f"{mode:10} {'ratio':7} {'':>7} {fmt(rt['later_p50']):>9} {fmt(rt['later_p90']):>9} {'':>6} "
@@ -431,6 +443,10 @@ def part_context(args) -> dict:
     def prompt(n: int) -> list[int]:
         return rng.randint(100, 31900, size=n).tolist()
 
+    def warm(llm) -> None:  # first calls pay one-time costs; not part of any number
+        llm.generate([np.random.RandomState(99).randint(100, 31900, size=200).tolist()],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
     def run(llm, p: list[int]) -> dict:
         t0 = time.monotonic()
         try:
@@ -446,6 +462,7 @@ def part_context(args) -> dict:
     rep: dict = {"pool_blocks": pool, "pool_tokens": pool_tokens, "out_tokens": out_n, "model_limit": limit}
     print(f"\n[context] device only, pool {pool} blocks = {pool_tokens} tokens", flush=True)
     dev = LLM(num_kv_blocks=pool, kv_host_gb=0)
+    warm(dev)
     rep["device_only"] = [run(dev, prompt(n)) for n in (pool_tokens - out_n, pool_tokens, 2 * pool_tokens)]
     del dev
     big_blocks = limit // BLOCK + 8
@@ -453,13 +470,15 @@ def part_context(args) -> dict:
           f"{args.context_host_gb} GiB, hot window default", flush=True)
     tiers = LLM(num_kv_blocks=pool, kv_host_gb=args.context_host_gb)
     ref = LLM(num_kv_blocks=big_blocks, kv_host_gb=0)
+    warm(tiers)
+    warm(ref)
     hot = tiers.engine.scheduler.hot_window_blocks
     rep["hot_window_blocks"] = hot
     rep["tiers_max_model_len"] = tiers.engine.scheduler.max_model_len
     rep["tiers"] = []
     multiples = [4] if args.quick else [4, 6, 8]
     tpot_prompts = [prompt(4 * pool_tokens - out_n) for _ in range(args.context_repeats)]
-    cold_before = dict(kernels.paths_used()).get("cold_kv")
+    cold_before = kernels.paths_used().get("cold_kv")
     for m in multiples:
         p = tpot_prompts[0] if m == 4 else prompt(min(m * pool_tokens, limit) - out_n)
         t = run(tiers, p)
@@ -474,12 +493,13 @@ def part_context(args) -> dict:
         rep["tiers"].append(t)
         if m == 4:
             rep["tpot_runs"] = [{"tiers": t["tpot_s"], "big_pool": r["tpot_s"], "equal": t["tokens_equal_reference"]}]
-        print(f"  {m}x: tiers ok={t['ok']} equal={t['tokens_equal_reference']} wall {t.get('wall_s')} s", flush=True)
+        print(f"  {m}x: tiers ok={t['ok']} ttft {t.get('ttft_s')} s, equal to reference={t['tokens_equal_reference']} "
+              f"(reference ttft {r.get('ttft_s')} s)", flush=True)
     for p in tpot_prompts[1:]:
         t, r = run(tiers, p), run(ref, p)
         rep["tpot_runs"].append({"tiers": t.get("tpot_s"), "big_pool": r.get("tpot_s"),
                                  "equal": bool(t["ok"] and r["ok"] and t["token_ids"] == r["token_ids"])})
-    rep["cold_kv_calls"] = dict(kernels.paths_used()).get("cold_kv"), cold_before
+    rep["cold_kv_calls"] = {"before": cold_before, "after": kernels.paths_used().get("cold_kv")}
     tt = [x["tiers"] for x in rep["tpot_runs"] if x["tiers"]]
     bb = [x["big_pool"] for x in rep["tpot_runs"] if x["big_pool"]]
     rep["tpot_s"] = {"context_tokens": 4 * pool_tokens, "tiers_median": statistics.median(tt) if tt else None,
@@ -498,17 +518,15 @@ def print_context(rep: dict) -> None:
     print(f"\n== longest context: pool {rep['pool_blocks']} blocks x {BLOCK} = {rep['pool_tokens']} tokens, "
           f"{rep['out_tokens']} output tokens ==")
     print(f"{'config':22} {'prompt':>6} {'ctx/pool':>8} {'ok':>3} {'ttft s':>7} {'tpot ms':>8} {'= ref':>5}  note")
-    for x in rep["device_only"]:
-        note = x.get("error", x.get("finish_reason", ""))
-        print(f"{'device only':22} {x['prompt_tokens']:>6} {(x['prompt_tokens'] + rep['out_tokens']) / rep['pool_tokens']:>8.2f} "
-              f"{'yes' if x['ok'] else 'no':>3} {x.get('ttft_s', '-'):>7} {ms(x.get('tpot_s')):>8} {'':>5}  {note[:70]}")
-    for x in rep["tiers"]:
-        note = x.get("error", x.get("finish_reason", ""))
-        if "first_difference_at" in x:
-            note += f"; differs from token {x['first_difference_at']}"
-        print(f"{'host tier + hot window':22} {x['prompt_tokens']:>6} {(x['prompt_tokens'] + rep['out_tokens']) / rep['pool_tokens']:>8.2f} "
-              f"{'yes' if x['ok'] else 'no':>3} {x.get('ttft_s', '-'):>7} {ms(x.get('tpot_s')):>8} "
-              f"{'yes' if x['tokens_equal_reference'] else 'NO':>5}  {note[:70]}")
+    for label, runs in (("device only", rep["device_only"]), ("host tier + hot window", rep["tiers"])):
+        for x in runs:
+            note = x.get("error", x.get("finish_reason", ""))
+            if "first_difference_at" in x:
+                note += f"; differs from token {x['first_difference_at']}"
+            equal = "" if "tokens_equal_reference" not in x else "yes" if x["tokens_equal_reference"] else "NO"
+            ratio = (x["prompt_tokens"] + rep["out_tokens"]) / rep["pool_tokens"]
+            print(f"{label:22} {x['prompt_tokens']:>6} {ratio:>8.2f} {'yes' if x['ok'] else 'no':>3} "
+                  f"{x.get('ttft_s', '-'):>7} {ms(x.get('tpot_s')):>8} {equal:>5}  {note[:70]}")
     print(f"hot window {rep['hot_window_blocks']} blocks; tiers max context {rep['tiers_max_model_len']} tokens")
     t = rep["tpot_s"]
     pen = f"{t['penalty']:.2f}x" if t.get("penalty") else "-"
@@ -764,7 +782,8 @@ def main() -> int:
     report = json.loads(output.read_text()) if output.exists() else {}
     cpu = host_cpu()
     print(f"host: {cpu}, {os.cpu_count()} cores, python {platform.python_version()}", flush=True)
-    report.update({"host_cpu": cpu, "cores": os.cpu_count(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    report.update({"host_cpu": cpu, "cores": os.cpu_count(),
+                   "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "flags": vars(args)})
     report.setdefault("parts", {})
 

@@ -23,6 +23,7 @@ PROMPTS = [f"Report {i}. " + " ".join(f"The {w} of item {i} is noted in the ledg
                                           ("colour", "weight", "price", "origin", "owner", "shape", "age",
                                            "state", "label"))
            for i in range(6)]
+AGAIN = [p + " Again." for p in PROMPTS[4:]]  # in flight when the workers are killed
 SMALL_POOL = ["--num-kv-blocks", "24", "--max-num-seqs", "4", "--block-size", "16"]
 
 
@@ -53,7 +54,7 @@ def _wait_metric(read, predicate, timeout_s: float = 10.0) -> float:
 def reference() -> list[str]:
     server = Server("--kv-host-gb", "0", "--num-kv-blocks", "512")
     try:
-        return [_complete(server, p)[0] for p in PROMPTS]
+        return [_complete(server, p)[0] for p in PROMPTS + AGAIN]
     finally:
         server.stop()
 
@@ -63,13 +64,14 @@ def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, referenc
     tiers = ["--kv-host-gb", "0.25", "--kv-disk-dir", str(disk), *SMALL_POOL]
     server = Server(*tiers)
     try:
-        assert [_complete(server, p)[0] for p in PROMPTS] == reference  # fills and overflows the pool
+        assert [_complete(server, p)[0] for p in PROMPTS] == reference[:len(PROMPTS)]  # overflows the pool
         text, cached = _complete(server, PROMPTS[0])  # evicted from the device long ago
         assert text == reference[0] and cached >= 96
         assert _wait_metric(lambda: _hits(server, "host"), lambda v: v > 0) > 0
         assert server.metric("pdserve_kv_tier_capacity_blocks", tier="host", worker="decode-0") > 0
         assert server.metric("pdserve_kv_tier_blocks", tier="disk") > 0
         assert server.metric("pdserve_kv_tier_bytes_total", tier="disk", direction="in") > 0
+        _kill_mid_write(server)
     finally:
         server.stop()
     files = sorted(disk.glob("*/decode-0/*.kv"))
@@ -79,6 +81,8 @@ def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, referenc
     try:
         text, cached = _complete(server, PROMPTS[1])
         assert text == reference[1] and cached >= 96
+        # the prompts in flight when the workers were killed: whatever reached the disk is served right
+        assert [_complete(server, p)[0] for p in AGAIN] == reference[len(PROMPTS):]
         assert _wait_metric(lambda: _hits(server, "disk"), lambda v: v > 0) > 0
         # Damage every file of prompt 2's blocks on both workers: they must be skipped, counted, recomputed.
         damaged = _damage_files_of(disk, PROMPTS[2])
@@ -89,6 +93,27 @@ def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, referenc
                             lambda v: v > 0) > 0
     finally:
         server.stop()
+
+
+def _kill_mid_write(server: Server) -> None:
+    """SIGKILL both workers while new prompts are being prefilled (their blocks are being flushed to disk)."""
+    import os
+    import signal
+    import threading
+    pids = [server.worker_pid("prefill-0"), server.worker_pid("decode-0")]
+    threads = [threading.Thread(target=_complete_quietly, args=(server, p), daemon=True) for p in AGAIN]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _complete_quietly(server: Server, prompt: str) -> None:
+    try:
+        _complete(server, prompt)
+    except openai.APIError:
+        pass
 
 
 def _damage_files_of(disk: Path, prompt: str) -> list[Path]:

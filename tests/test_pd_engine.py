@@ -22,7 +22,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _engine(model_dir, shared_kv=False, **kw):
-    cfg = dict(block_size=4, num_kv_blocks=256, num_threads=1, max_num_batched_tokens=64)
+    # No host tier unless a test asks for one: its copies hold blocks for a while, which the block
+    # accounting of the delivery tests would see.
+    cfg = dict(block_size=4, num_kv_blocks=256, num_threads=1, max_num_batched_tokens=64, kv_host_gb=0)
     cfg.update(kw)
     return build_engine_at(model_dir, EngineConfig(**cfg), detokenize=False, shared_kv=shared_kv)
 
@@ -140,8 +142,9 @@ def pair_factory(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("transport,by_reference", [("shm", True), ("shm", False), ("tcp", False)])
 def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport, by_reference):
     prompts = _prompts()
-    pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=8),  # chunked prefill on P
-                        by_reference=by_reference)
+    tiers = dict(kv_host_gb=0.01)  # with host tiers on both sides: delivery and tier copies side by side
+    pair = pair_factory(transport, prefill_kw=dict(max_num_batched_tokens=8, **tiers),  # chunked prefill on P
+                        decode_kw=tiers, by_reference=by_reference)
     assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
     assert pair.outcomes == ["delivered"] * len(prompts)
     assert pair.decode.stats.bytes_received > 0
