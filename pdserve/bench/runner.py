@@ -49,7 +49,9 @@ def discover_model(endpoint: str, model: str | None, timeout_s: float = 10.0) ->
 
 
 async def _run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, label: str):
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    # Idle pooled connections are dropped after 2 s, before a server's keep-alive timeout (uvicorn's and
+    # vLLM's: 5 s) closes them under a request just sent on one (it failed as a ReadError).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
     sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
     records: list[RequestRecord | None] = [None] * len(prompts)
     with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

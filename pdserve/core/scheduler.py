@@ -88,7 +88,9 @@ class Scheduler:
         tier. Needs `tiers`. Not for prefill-only requests (their blocks are delivered from the pool)."""
         bs = self.blocks.block_size
         self.hot_window_blocks = max(2, min(hot_window_tokens // bs, self.blocks.num_blocks // 2))
-        self.max_model_len = min(self.config.max_model_len, self.tiers.host.capacity * bs)
+        # the hot window on the device, the rest held in host: never less than what the pool alone allows
+        room = max(self.blocks.num_blocks, self.hot_window_blocks + self.tiers.host.capacity)
+        self.max_model_len = min(self.config.max_model_len, room * bs)
 
     # ---- KV delivered by another worker (decode side of PD) ------------------------------------------------
     def reserve_kv(self, request: Request) -> int | None:
