@@ -73,6 +73,9 @@ class TierIO:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        # One thread for this thread's torch ops (a per-thread setting): an OpenMP team of its own would
+        # spin on the cores the engine's step runs on.
+        torch.set_num_threads(1)
         while True:
             op = self._queue.get()
             if op is None:
