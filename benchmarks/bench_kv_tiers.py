@@ -39,7 +39,7 @@ ttft + hits (one replay per server; two servers, started one after the other, ne
   Mode: colocated by default (one worker, both cores): there the one worker both computes prompts and holds
   the tiers, so a tier hit is compute saved on the TTFT path. In PD mode (`--modes pd`, 1 prefill + 1 decode,
   one core each) TTFT hits are the prefill worker's; the decode worker's hits only shorten the KV delivery
-  (shm, a copy), and PD workers keep whole prompts on the device (no long contexts).
+  (shm, a copy).
   hits: after each replay, from /metrics (counter deltas over the replay, warmup excluded):
   pdserve_prefix_cache_hit_tokens_total{worker,tier} / pdserve_prefix_cache_query_tokens_total{worker} on
   the worker that computes prompts (colocated: its one worker; PD: the prefill worker, decode shown too),
@@ -472,7 +472,7 @@ def part_context(args) -> dict:
     ref = LLM(num_kv_blocks=big_blocks, kv_host_gb=0)
     warm(tiers)
     warm(ref)
-    hot = tiers.engine.scheduler.hot_window_blocks
+    hot = tiers.engine.scheduler.window.window
     rep["hot_window_blocks"] = hot
     rep["tiers_max_model_len"] = tiers.engine.scheduler.max_model_len
     rep["tiers"] = []

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.kv_meta import Tier
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.pd import DecodeSide, PrefillSide
 from pdserve.engine.worker_engine import build_engine_at
@@ -312,3 +313,21 @@ def test_done_without_a_valid_first_token_is_recomputed(tiny_llama_dir, pair_fac
     assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
     assert pair.outcomes == ["recompute"] and pair.decode.stats.failures["failed_incomplete"] == 1
     pair.assert_no_leak()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_pd_prompts_longer_than_both_pools(tiny_llama_dir, pair_factory, transport):
+    """24-block pools (96 tokens) with host tiers: prompts of ~150-250 tokens. The prefill worker slides its
+    window (older blocks leave its pool once sent and copied to host); the decode worker receives each
+    prompt's head straight into its host tier and only the last window's blocks into its pool. Same tokens
+    as one engine with a pool that holds everything; nothing leaked."""
+    prompts = [[(53 * (i + 1) + 11 * j) % 4000 + 10 for j in range(150 + 50 * i)] for i in range(3)]
+    small = dict(num_kv_blocks=24, kv_host_gb=0.02, max_num_batched_tokens=32)
+    pair = pair_factory(transport, prefill_kw=small, decode_kw=small)
+    assert pair.d_engine.scheduler.max_model_len > 24 * 4
+    assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
+    assert pair.outcomes == ["delivered"] * len(prompts)
+    assert pair.d_engine.tiers.stats.bytes_in[Tier.HOST] > 0
+    pair.assert_no_leak()
+    for engine in (pair.p_engine, pair.d_engine):
+        assert all(m.busy == 0 and m.ready for m in engine.tiers.host)

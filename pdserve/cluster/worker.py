@@ -50,7 +50,7 @@ class Worker:
         # straight from it (shm transport).
         shared_kv = spec.role == "prefill" and spec.transport == "shm"
         self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name,
-                                                           long_context=spec.role == "colocated")
+                                                           long_context=_long_context(spec))
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
@@ -212,6 +212,13 @@ class Worker:
                 side.close()
         self.cmds.close(linger=0)
         self.events.close(linger=1000)
+
+
+def _long_context(spec: WorkerSpec) -> bool:
+    """Contexts may outgrow the device pool everywhere but on a decode worker whose pool is not in host
+    memory (its long prompts' heads are received straight into the host tier; CPU pools only)."""
+    from pdserve.engine.model_executor import pick_device
+    return spec.role != "decode" or pick_device(spec.engine.get("device", "auto")).type == "cpu"
 
 
 def _pin(cmd: dict) -> tuple[str, float] | None:

@@ -211,6 +211,14 @@ class KVBlockManager:
     def num_cold_blocks(self, request_id: str) -> int:
         return self._cold.get(request_id, 0)
 
+    def start_cold(self, request_id: str, head: Sequence[BlockHash]) -> None:
+        """A request that holds no blocks starts with `head` (the hashes of its first blocks) in a lower tier:
+        its table will begin at logical block len(head)."""
+        if self._tables.get(request_id):
+            raise ValueError(f"{request_id!r} already holds blocks")
+        self._cold[request_id] = len(head)
+        self._hashes[request_id] = list(head)
+
     def spill(self, request_id: str, count: int) -> None:
         """Drop the request's `count` oldest device blocks (registered ones: their KV now lives in a lower
         tier); its table then starts at logical block `num_cold_blocks`. The blocks stay cached here until

@@ -145,6 +145,8 @@ class TieredKV:
                 meta.pinned_until_s = 0.0  # the prefetch hold: it has been used
             meta.from_tier = None
             self.host.touch(h, now)
+            if self.disk is not None and h in self.disk.entries:
+                self.disk.touch(h, now)  # in use: not the disk tier's next victim either
             loads.append(KVLoad(block_id, meta.slot))
             self._loading[(block_id, meta.slot)] = h
         self.stats.bytes_out[Tier.HOST] += len(loads) * self.block_bytes
@@ -159,23 +161,60 @@ class TieredKV:
                 meta.busy -= 1
 
     # ---- long contexts: a request's oldest blocks read from host ---------------------------------------------
-    def hold_cold(self, hashes: Sequence[BlockHash]) -> tuple[int, bool]:
+    def hold_cold(self, hashes: Sequence[BlockHash], count_hits: bool = False) -> tuple[int, bool]:
         """Keep the leading host-ready blocks of `hashes` in host for a request that reads them from there
-        (busy until `release_cold`). Returns (how many, whether the next one is still being copied)."""
+        (busy until `release_cold`). Returns (how many, whether the next one is still being copied).
+        `count_hits`: they are prefix hits (a prompt's head found in host), counted by tier."""
         count = 0
         for h in hashes:
             meta = self.host.ready(h)
             if meta is None:
                 return count, self.host.get(h) is not None
             meta.busy += 1
+            if count_hits:
+                self.stats.hit_tokens[meta.from_tier or Tier.HOST] += self.blocks.block_size
+                if meta.from_tier is Tier.DISK:
+                    meta.pinned_until_s = 0.0  # the prefetch hold: it has been used
+                meta.from_tier = None
             count += 1
         return count, False
 
     def release_cold(self, hashes: Sequence[BlockHash]) -> None:
+        """The request no longer reads these; entries it was receiving (never completed) are dropped."""
         for h in hashes:
             meta = self.host.get(h)
-            if meta is not None and meta.busy:
+            if meta is None:
+                continue
+            if not meta.ready:
+                self.host.discard(h)
+            elif meta.busy:
                 meta.busy -= 1
+
+    def expect_cold(self, hashes: Sequence[BlockHash]) -> bool:
+        """Book host entries for blocks a delivery writes straight into host (a long prompt's head on a
+        decode worker): unready, held for the request. All or nothing; False when host has no room now or
+        one of them is already there or on its way."""
+        now, booked = self.blocks.clock(), []
+        for h in hashes:
+            meta = self.host.reserve(h, now)
+            if meta is None:
+                for b in booked:
+                    self.host.discard(b)
+                return False
+            meta.busy = 1
+            booked.append(h)
+        return True
+
+    def commit_cold(self, hashes: Sequence[BlockHash]) -> None:
+        """The delivery into the entries `expect_cold` booked completed (verified): they are servable."""
+        arrived = [h for h in hashes if (m := self.host.get(h)) is not None and not m.ready]
+        for h in arrived:
+            self.host.commit(h)
+        self.stats.bytes_in[Tier.HOST] += len(arrived) * self.block_bytes
+        self._flush(arrived)
+
+    def host_slot(self, block_hash: BlockHash) -> int:
+        return self.host.entries[block_hash].slot
 
     def cold_slots(self, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
         return tuple(self.host.entries[h].slot for h in hashes)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager, PrefixHit
+from pdserve.core.hot_window import HotWindow
 from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
@@ -36,7 +37,6 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
     num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
-    num_window_overflows: int = 0  # long contexts grown past the hot window (host tier could not take blocks)
 
 
 _NO_TIER_HIT = TierHit()
@@ -62,7 +62,7 @@ class Scheduler:
         self.tiers: TieredKV | None = None
         self._step_loads: list[KVLoad] = []
         self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next step
-        self.hot_window_blocks: int | None = None  # long contexts (see `enable_long_context`)
+        self.window: HotWindow | None = None  # long contexts (see `enable_long_context`)
         self.stats = SchedulerStats()
 
     # ---- intake ----------------------------------------------------------------------------------------
@@ -85,12 +85,9 @@ class Scheduler:
     def enable_long_context(self, hot_window_tokens: int) -> None:
         """Let a request's context outgrow the device pool: it keeps at most `hot_window_tokens` (rounded to
         blocks, at least 2, at most half the pool) on the device; its older blocks are read from the host
-        tier. Needs `tiers`. Not for prefill-only requests (their blocks are delivered from the pool)."""
-        bs = self.blocks.block_size
-        self.hot_window_blocks = max(2, min(hot_window_tokens // bs, self.blocks.num_blocks // 2))
-        # the hot window on the device, the rest held in host: never less than what the pool alone allows
-        room = max(self.blocks.num_blocks, self.hot_window_blocks + self.tiers.host.capacity)
-        self.max_model_len = min(self.config.max_model_len, room * bs)
+        tier (`pdserve.core.hot_window`). Needs `tiers`."""
+        self.window = HotWindow(self.blocks, self.tiers, hot_window_tokens)
+        self.max_model_len = self.window.max_model_len(self.config.max_model_len)
 
     # ---- KV delivered by another worker (decode side of PD) ------------------------------------------------
     def reserve_kv(self, request: Request) -> int | None:
@@ -103,15 +100,21 @@ class Scheduler:
         if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
             return None
         prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)
-        lower = self._tier_hit(prefix)
-        if lower.waiting:
-            return None
-        ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix)
-        if ids is None:
-            return None
-        if lower.host:
-            self._pending_loads[request.request_id] = self._load(lower, prefix, ids, count=True)
-        hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
+        if self.window is not None and self.blocks.blocks_needed(request.num_prompt_tokens) > self.window.window:
+            hit_blocks = self._reserve_long(request, prefix)  # device hits unused: its head goes to host
+            if hit_blocks is None:
+                return None
+            hit_tokens = hit_blocks * self.blocks.block_size
+        else:
+            lower = self._tier_hit(prefix)
+            if lower.waiting:
+                return None
+            ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix)
+            if ids is None:
+                return None
+            if lower.host:
+                self._pending_loads[request.request_id] = self._load(lower, prefix, ids, count=True)
+            hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
         self.requests[request.request_id] = request
         self._num_reserved += 1
         request.scheduled_s = time.monotonic()
@@ -121,11 +124,25 @@ class Scheduler:
         self.stats.num_prefix_hit_tokens += hit_tokens
         return hit_tokens
 
+    def _reserve_long(self, request: Request, prefix: PrefixHit) -> int | None:
+        lower = self.tiers.extend(prefix.block_hashes)
+        if lower.waiting:
+            return None
+        reserved = self.window.reserve(request, prefix.block_hashes, lower)
+        if reserved is None:
+            return None
+        _, loads, hit_blocks = reserved
+        if loads:
+            self._pending_loads[request.request_id] = loads
+        return hit_blocks
+
     def kv_delivered(self, request_id: str, first_token: int | None = None) -> Request:
         """The prompt's KV is in the reserved blocks. With `first_token` (sampled by the prefill worker) the
         request decodes from there, or ends if that token stops it (check `is_finished`); without one, only
         the last prompt token's KV is missing and is computed here, giving the first token."""
         req = self._reserved(request_id)
+        if req.cold_hashes:  # its head arrived in host entries: now servable (and copied to disk)
+            self.tiers.commit_cold(req.cold_hashes)
         req.num_computed_tokens = req.num_prompt_tokens - (first_token is None)
         self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
         req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
@@ -143,6 +160,7 @@ class Scheduler:
         req = self._reserved(request_id)
         self._drop_pending_loads(request_id)
         self.blocks.free(request_id)
+        self._drop_cold(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self._push_waiting(req)
@@ -183,10 +201,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.hot_window_blocks is not None and not req.prefill_only:
-                n = min(n, self.hot_window_blocks * self.blocks.block_size - req.num_computed_tokens
-                        % self.blocks.block_size)
-                if not self._make_room_in_window(req, n):
+            if self.window is not None:
+                n = self.window.chunk_limit(req, n)
+                if not self.window.make_room(req, n):
                     i += 1
                     continue  # its oldest blocks are still being copied to host: it runs next step
             if not self._grow_or_preempt(req, n, preempted):
@@ -260,11 +277,12 @@ class Scheduler:
             lower = self._tier_hit(prefix)
             if lower.waiting:
                 break  # its prefix is being fetched from disk: it goes first once that is in host
-            prefix, lower = self._cap_hits(req, prefix, lower)
+            if self.window is not None:
+                prefix, lower = self.window.cap_hits(prefix, lower)
             hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
             n = min(req.num_tokens - hit_tokens, budget)
-            if self.hot_window_blocks is not None and not req.prefill_only:
-                n = min(n, self.hot_window_blocks * self.blocks.block_size - hit_tokens)
+            if self.window is not None:
+                n = min(n, self.window.window * self.blocks.block_size - hit_tokens)
             ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
             if ids is None:
                 break  # head of line waits for blocks; later requests do not overtake it
@@ -282,36 +300,6 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
         return budget
-
-    def _make_room_in_window(self, req: Request, n: int) -> bool:
-        """Move the request's oldest blocks off the device so that computing `n` more tokens keeps it within
-        the hot window. False when that must wait for blocks still being copied to host."""
-        rid = req.request_id
-        cold = self.blocks.num_cold_blocks(rid)
-        excess = self.blocks.blocks_needed(req.num_computed_tokens + n) - cold - self.hot_window_blocks
-        if excess <= 0:
-            return True
-        hashes = self.blocks.registered_hashes(rid)[cold:cold + excess]
-        count, pending = self.tiers.hold_cold(hashes)
-        if count:
-            self.blocks.spill(rid, count)
-            req.cold_hashes.extend(hashes[:count])
-        if count == excess:
-            return True
-        if not pending:  # the host tier could not take them: grow past the window while the pool allows
-            self.stats.num_window_overflows += 1
-            return True
-        return False
-
-    def _cap_hits(self, req: Request, prefix: PrefixHit, lower: TierHit) -> tuple[PrefixHit, TierHit]:
-        """A long-context request starts with at most the hot window's worth of hits (minus one block of
-        room); blocks past that are recomputed (they move to host as the window slides)."""
-        if self.hot_window_blocks is None or req.prefill_only:
-            return prefix, lower
-        room = self.hot_window_blocks - 1
-        device = prefix.block_ids[:room]
-        host = lower.host[:max(room - len(device), 0)]
-        return PrefixHit(device, prefix.block_hashes, prefix.block_size), TierHit(host, lower.waiting)
 
     def _tier_hit(self, prefix: PrefixHit) -> TierHit:
         if self.tiers is None:

@@ -26,7 +26,7 @@ from pdserve.core.policy import insert_in_order
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks, scatter_blocks
+from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks, mixed_pieces, scatter_blocks
 from pdserve.transfer.base import KVReceiver, KVSender, TransferError, TransferState
 from pdserve.transfer.inbound import Inbound, InboundTransfers
 
@@ -39,6 +39,7 @@ class Outbound:
     num_chunks: int = 0
     failed: str | None = None
     held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it has
+    by_copy: bool = False  # a prompt longer than the hot window: its blocks leave the pool as it goes
 
     @property
     def holder(self) -> str:
@@ -74,7 +75,11 @@ class PrefillSide:
             priority: int = 0, pin: tuple[str, float] | None = None) -> None:
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin)
         self.engine.scheduler.add_request(req)
-        self.outbound[request_id] = Outbound(dest, xfer, first_block)
+        window = self.engine.scheduler.window
+        # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
+        # the pool sends copies instead.
+        long = window is not None and self.engine.block_manager.blocks_needed(len(prompt)) > window.window
+        self.outbound[request_id] = Outbound(dest, xfer, first_block, by_copy=long)
 
     def on_layer(self, scheduled: SchedulerOutput, layer: int) -> None:
         last = layer == len(self.layers) - 1
@@ -83,13 +88,15 @@ class PrefillSide:
             if out is None or out.failed:
                 continue
             end = chunk.start_pos + chunk.num_tokens
-            first, full = out.next_block, end // self.block_size
+            # a long prompt's oldest blocks left the pool (`cold_slots`): they were sent when computed
+            cold = len(chunk.cold_slots)
+            first, full = max(out.next_block, cold), end // self.block_size
             if first < full:
-                self._push(out, layer, first, list(chunk.block_ids[first:full]))
+                self._push(out, layer, first, list(chunk.block_ids[first - cold:full - cold]), out.by_copy)
             if end % self.block_size and first <= full:
                 # A block only partly filled now: its bytes as they are now (a copy: the next step writes
                 # more tokens into it), sent again, complete, with the next chunk.
-                self._push(out, layer, full, [chunk.block_ids[full]], snapshot=True)
+                self._push(out, layer, full, [chunk.block_ids[full - cold]], snapshot=True)
             if last:
                 out.next_block = max(out.next_block, end // self.block_size)
 
@@ -245,10 +252,17 @@ class DecodeSide:
         if inbound is None:
             return None
         table = self.engine.block_manager.block_ids(inbound.request_id)
-        ids = list(table[header["first"]:header["first"] + header["count"]])
+        first, count = header["first"], header["count"]
         layer = self.layers[header["layer"]]
-        if chunk_nbytes(layer, len(ids)) != header.get("nbytes"):
+        if chunk_nbytes(layer, count) != header.get("nbytes"):
             return None  # not this pool's block format: booked as a bad chunk below
+        cold = self.engine.scheduler.requests[inbound.request_id].cold_hashes
+        if first < len(cold):  # a long prompt's head goes into host tier entries (CPU pools only)
+            tiers = self.engine.tiers
+            targets = [("host", tiers.host_slot(cold[i])) if i < len(cold) else ("device", table[i - len(cold)])
+                       for i in range(first, first + count)]
+            return mixed_pieces(layer, self.engine.kv_io.host.data, header["layer"], targets)
+        ids = list(table[first - len(cold):first - len(cold) + count])
         if layer.device.type == "cpu":
             return block_pieces(layer, ids)
         return [memoryview(bytearray(header["nbytes"]))]  # staged; scattered once verified
@@ -268,7 +282,8 @@ class DecodeSide:
             if layer.device.type != "cpu":
                 table = self.engine.block_manager.block_ids(inbound.request_id)
                 first, count = header["first"], header["count"]
-                scatter_blocks(layer, list(table[first:first + count]), msg.views[0])
+                cold = len(self.engine.scheduler.requests[inbound.request_id].cold_hashes)
+                scatter_blocks(layer, list(table[first - cold:first - cold + count]), msg.views[0])
             self.stats.chunks_received += 1
             self.stats.bytes_received += header["nbytes"]
         elif kind == "done":

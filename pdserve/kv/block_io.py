@@ -94,3 +94,17 @@ def _copy_blocks(pool: torch.Tensor, wire: torch.Tensor, block_ids: list[int], t
         torch.index_select(pool, 1, index, out=wire)
     else:
         wire.copy_(pool.index_select(1, index))
+
+
+def mixed_pieces(layer: torch.Tensor, host: torch.Tensor, layer_index: int, targets: list) -> list[memoryview]:
+    """The chunk payload's places in wire order when some of its blocks go to the host tier: `targets` is
+    one ("host", slot) or ("device", block id) per block; `host` the host tier `[slots, layers, 2, Hkv, bs,
+    D]`. One piece per k/v head row per block (CPU tensors)."""
+    two, num_kv = layer.shape[:2]
+    pieces = []
+    for kv in range(two):
+        for head in range(num_kv):
+            for kind, i in targets:
+                block = host[i, layer_index, kv, head] if kind == "host" else layer[kv, head, i]
+                pieces.append(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+    return pieces
