@@ -170,13 +170,21 @@ LONG = "Ledger of the mill. " + " ".join(f"Line {i}: the river carried stone num
                                          for i in range(240))
 
 
-def test_a_context_four_times_the_device_pool_matches_the_reference():
-    """64 device blocks (1,024 tokens) and a 512-token hot window; the prompt is ~4,100 tokens: its older
-    blocks are read from the host tier layer by layer. Same greedy tokens as a pool that holds it all."""
+@pytest.fixture(scope="module")
+def long_reference():
     from pdserve import LLM, SamplingParams
-    ref = LLM(num_kv_blocks=600, kv_host_gb=0).generate(LONG, SamplingParams(temperature=0, max_tokens=8))[0]
+    return LLM(num_kv_blocks=600, kv_host_gb=0).generate(LONG, SamplingParams(temperature=0, max_tokens=8))[0]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_a_context_four_times_the_device_pool_matches_the_reference(long_reference, mode):
+    """64 device blocks (1,024 tokens) per worker and a 512-token hot window; the prompt is ~4,500 tokens:
+    its older blocks are read from the host tier layer by layer (PD: the prefill worker slides its window,
+    the decode worker receives the prompt's head into its host tier). Same greedy tokens as a pool that
+    holds it all."""
+    ref = long_reference
     assert len(ref.prompt_token_ids) >= 4 * 64 * 16
-    server = Server("--mode", "colocated", "--num-kv-blocks", "64", "--kv-host-gb", "0.5",
+    server = Server("--mode", mode, "--num-kv-blocks", "64", "--kv-host-gb", "0.5",
                     "--kv-hot-window-tokens", "512", "--max-num-batched-tokens", "512")
     try:
         r = _client(server).completions.create(model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=8,
