@@ -11,8 +11,11 @@ from pdserve.engine.config import EngineConfig, field_help
 from pdserve.errors import PdserveError
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, EngineConfig)
+def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    add_config_args(parser, EngineConfig, skip | {"service_tiers"})
+    parser.add_argument("--service-tier", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,share=Z]",
+                        help="a service tier's SLOs (priority, default, flex) and the priority tier's reserved "
+                             "share of each worker (repeatable); tiers without an SLO are best effort")
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls, skip: frozenset[str] = frozenset()) -> None:
@@ -33,7 +36,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: frozenset[str] =
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)})
+    from pdserve.core.service_tiers import ServiceTiers
+    values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
+    values["service_tiers"] = tuple(ServiceTiers.from_specs(getattr(args, "service_tier", None) or ()).specs())
+    return EngineConfig(**values)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -145,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.server.launch import ServeConfig
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API with prefill/decode workers")
     add_config_args(srv, ServeConfig)
-    add_config_args(srv, EngineConfig, skip=frozenset({"model"}))
+    add_engine_args(srv, skip=frozenset({"model"}))
     srv.set_defaults(func=cmd_serve)
     exp = sub.add_parser("export-hf", help="write the served model as a Hugging Face directory (for peers)")
     exp.add_argument("--output", required=True, help="directory to write")

@@ -37,6 +37,12 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--temperature", type=float, default=0.0)
     srv.add_argument("--slo-ttft-ms", type=float, default=None)
     srv.add_argument("--slo-tpot-ms", type=float, default=None)
+    srv.add_argument("--tier-mix", default=None, metavar="NAME=FRACTION[,...]",
+                     help="send each request with a service_tier drawn from this mix (seeded by --seed), e.g. "
+                          "priority=0.2,default=0.6,flex=0.2; default: send none")
+    srv.add_argument("--service-tier", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y",
+                     help="a service tier's SLOs, as `pdserve serve` takes them (repeatable): the report's "
+                          "per-tier attainment uses them; a limit not given falls back to --slo-ttft-ms/--slo-tpot-ms")
     srv.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     srv.add_argument("--label", default=None, help="name of this run in comparisons; default: the output dir name")
     srv.add_argument("--output", default=None, help="directory for result.json and the plots")
@@ -89,22 +95,26 @@ def _mean_rate(workload) -> float:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from pdserve.bench.report import BenchResult, print_table, write_result
     from pdserve.bench.runner import RunConfig, discover_model, run
+    from pdserve.bench.tier_mix import tier_flags, workload_tiers
     from pdserve.workloads import build_prompts
 
     rates = _rates(args)
+    mix, _ = tier_flags(args)
     workloads = [_workload_at(args, r) for r in rates]  # all checked before any traffic
     model = discover_model(args.endpoint, args.model)
     cfg = RunConfig(args.endpoint, model, args.concurrency, args.temperature, args.timeout_s, not args.no_progress)
     result = BenchResult(endpoint=args.endpoint, model=model, workload=args.workload,
                          label=args.label or (Path(args.output).name if args.output else args.workload),
                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                         workload_description=workloads[0].description)
+                         workload_description=workloads[0].description, service_tiers=list(args.service_tier),
+                         tier_mix=mix)
     for i, (rate, workload) in enumerate(zip(rates, workloads)):
         # Fresh token content per rate (same lengths, same sharing structure), so a sweep's later runs do
         # not hit the prefix cache that earlier runs filled.
         prompts = build_prompts(workload, PROMPT_VOCAB, block_tokens=args.block_tokens, seed=args.seed + 7919 * i)
         label = f"rate {rate:g}/s" if rate else "requests"
-        records, duration, start = run(workload, prompts, cfg, label)
+        tiers = workload_tiers(mix, len(workload.requests), args.seed)  # the same tags at every rate
+        records, duration, start = run(workload, prompts, cfg, label, tiers)
         result.add_run(rate, records, duration, start)
     print_table(result)
     if args.output:

@@ -13,6 +13,19 @@ Definitions (all times in seconds on one monotonic clock; summaries report milli
   TTFT <= slo_ttft_ms and TPOT <= slo_tpot_ms; a request with fewer than two output tokens has no TPOT and meets
   that SLO, and a successful request without any token misses the TTFT SLO.
 * Goodput is the highest swept rate whose attainment (and that of every lower swept rate) is >= the threshold.
+* Rejected requests (HTTP 429: refused on arrival, `rejected=True`) are counted in `num_rejected` and neither in
+  `num_ok` nor in `num_errors` (nor in `errors`); num_requests = num_ok + num_errors + num_rejected. They count
+  as SLO misses like failures.
+
+Per service tier (`per_tier`, present when any record has a `service_tier`; tiers in `TIERS` order, then any
+other name sorted): counts as above, TTFT/TPOT stats over that tier's successful requests, and `slo`:
+* the tier's SLO is `tier_slos[tier]`, each of its two limits falling back to the global `slo_ttft_ms` /
+  `slo_tpot_ms` when None or when the tier is not in `tier_slos`;
+* `attainment` = that tier's requests meeting its SLO / ALL that tier's requests (rejected and failed ones
+  count as misses); `attainment_accepted` = the same over the tier's non-rejected requests only (None if all
+  were rejected), i.e. how well the requests the server took on were served;
+* `goodput_rps` = that tier's requests meeting its SLO / `duration_s`.
+All three are None when the tier has no SLO at all (neither its own nor a global one).
 """
 
 from __future__ import annotations
@@ -22,9 +35,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.core.service_tiers import TIERS
+
 PERCENTILES = (50, 90, 99)
 PERCENTILE_METHOD = "linear"
 MAX_ERROR_GROUPS = 5
+TIER_ORDER = TIERS  # the per-tier rows' order; names outside it follow, sorted
+
+TierSlos = dict[str, tuple[float | None, float | None]]
 
 
 @dataclass
@@ -39,6 +57,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    service_tier: str | None = None  # the tier it was sent in (`--tier-mix`); None: none asked for
+    rejected: bool = False  # refused on arrival (HTTP 429): `error` says why; counted apart from errors
 
     @property
     def ok(self) -> bool:
@@ -98,16 +118,17 @@ def meets_slo(rec: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float 
 
 
 def _error_groups(records: list[RequestRecord]) -> list[dict]:
-    counts = Counter(r.error for r in records if not r.ok)
+    counts = Counter(r.error for r in records if not r.ok and not r.rejected)
     return [{"message": m, "count": c} for m, c in counts.most_common(MAX_ERROR_GROUPS)]
 
 
 def summarize(records: list[RequestRecord], *, duration_s: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict:
+              slo_tpot_ms: float | None = None, tier_slos: TierSlos | None = None) -> dict:
     """Counts, throughput over `duration_s`, TTFT/TPOT/ITL/E2E stats (ms) and SLO attainment (see module doc).
 
-    `errors` lists the most frequent error messages (at most MAX_ERROR_GROUPS) with their counts;
-    `slo.attainment` is None when no SLO is given or there are no requests.
+    `errors` lists the most frequent error messages (at most MAX_ERROR_GROUPS) with their counts, rejections
+    apart; `slo.attainment` is None when no SLO is given or there are no requests. `per_tier` (only when a
+    record has a service tier) holds the same per tier, judged by `tier_slos` (tier -> (ttft_ms, tpot_ms)).
     """
     if not duration_s > 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
@@ -117,8 +138,10 @@ def summarize(records: list[RequestRecord], *, duration_s: float, slo_ttft_ms: f
     has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     attainment = (sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records) / len(records)
                   if has_slo and records else None)
-    return {
-        "num_requests": len(records), "num_ok": len(ok), "num_errors": len(records) - len(ok),
+    num_rejected = sum(r.rejected for r in records)
+    out = {
+        "num_requests": len(records), "num_ok": len(ok), "num_errors": len(records) - len(ok) - num_rejected,
+        "num_rejected": num_rejected,
         "errors": _error_groups(records),
         "duration_s": duration_s,
         "request_throughput": len(ok) / duration_s,
@@ -131,6 +154,48 @@ def summarize(records: list[RequestRecord], *, duration_s: float, slo_ttft_ms: f
         "e2e_ms": latency_stats([v for r in ok if (v := r.e2e_s) is not None]),
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment": attainment},
         "percentile_method": f"numpy {PERCENTILE_METHOD} interpolation",
+    }
+    if any(r.service_tier is not None for r in records):
+        out["per_tier"] = per_tier(records, duration_s=duration_s, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                                   tier_slos=tier_slos)
+    return out
+
+
+def tier_slo(tier: str, tier_slos: TierSlos | None, slo_ttft_ms: float | None,
+             slo_tpot_ms: float | None) -> tuple[float | None, float | None]:
+    """The (ttft_ms, tpot_ms) a tier is judged by: its own limits, each falling back to the global one."""
+    own_ttft, own_tpot = (tier_slos or {}).get(tier, (None, None))
+    return (own_ttft if own_ttft is not None else slo_ttft_ms, own_tpot if own_tpot is not None else slo_tpot_ms)
+
+
+def _tier_order(name: str) -> tuple[int, str]:
+    return (TIER_ORDER.index(name), "") if name in TIER_ORDER else (len(TIER_ORDER), name)
+
+
+def per_tier(records: list[RequestRecord], *, duration_s: float, slo_ttft_ms: float | None = None,
+             slo_tpot_ms: float | None = None, tier_slos: TierSlos | None = None) -> dict[str, dict]:
+    """{tier: counts, TTFT/TPOT stats and SLO attainment} over the records tagged with a tier (module doc)."""
+    names = sorted({r.service_tier for r in records if r.service_tier is not None}, key=_tier_order)
+    return {name: _tier_summary([r for r in records if r.service_tier == name], duration_s,
+                                *tier_slo(name, tier_slos, slo_ttft_ms, slo_tpot_ms)) for name in names}
+
+
+def _tier_summary(records: list[RequestRecord], duration_s: float, ttft_ms: float | None,
+                  tpot_ms: float | None) -> dict:
+    ok = [r for r in records if r.ok]
+    rejected = sum(r.rejected for r in records)
+    accepted = len(records) - rejected
+    has_slo = ttft_ms is not None or tpot_ms is not None
+    met = sum(meets_slo(r, ttft_ms, tpot_ms) for r in records)
+    return {
+        "num_requests": len(records), "num_ok": len(ok), "num_rejected": rejected,
+        "num_errors": len(records) - len(ok) - rejected,
+        "ttft_ms": latency_stats([v for r in ok if (v := r.ttft_s) is not None]),
+        "tpot_ms": latency_stats([v for r in ok if (v := r.tpot_s) is not None]),
+        "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms,
+                "attainment": met / len(records) if has_slo and records else None,
+                "attainment_accepted": met / accepted if has_slo and accepted else None},
+        "goodput_rps": met / duration_s if has_slo else None,
     }
 
 

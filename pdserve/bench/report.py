@@ -2,7 +2,9 @@
 
 `result.json` holds the run configuration, the workload description (every scaling applied), per rate the
 summary (`pdserve.bench.metrics.summarize`) and every request's timeline relative to that run's start, and
-the goodput when a rate sweep and SLOs were given. Plots next to it: `ttft_cdf.png`, `tpot_cdf.png`,
+the goodput when a rate sweep and SLOs were given. With service tiers (`--tier-mix`), each summary has a
+`per_tier` block (see `pdserve.bench.metrics`), judged by the `--service-tier` SLOs kept in `service_tiers`,
+and the printed report adds a per-tier table. Plots next to it: `ttft_cdf.png`, `tpot_cdf.png`,
 `throughput.png` (output tokens/s per second of the run), and `attainment.png` for a sweep.
 """
 
@@ -16,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdserve.bench.metrics import RequestRecord, goodput, summarize
+from pdserve.bench.tier_mix import tier_slos
 from pdserve.errors import InvalidRequestError
 
 
@@ -29,10 +32,12 @@ class BenchResult:
     slo_tpot_ms: float | None = None
     workload_description: dict = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)
+    service_tiers: list[str] = field(default_factory=list)  # `--service-tier` specs: per-tier SLOs
+    tier_mix: dict[str, float] | None = None  # `--tier-mix`, parsed
 
     def add_run(self, rate: float | None, records: list[RequestRecord], duration_s: float, start_s: float) -> None:
         summary = summarize(records, duration_s=max(duration_s, 1e-9), slo_ttft_ms=self.slo_ttft_ms,
-                            slo_tpot_ms=self.slo_tpot_ms)
+                            slo_tpot_ms=self.slo_tpot_ms, tier_slos=tier_slos(self.service_tiers))
         self.runs.append({"rate": rate, "summary": summary, "requests": [_relative(r, start_s) for r in records]})
 
     @property
@@ -63,18 +68,23 @@ def _ms(stats: dict, key: str) -> str:
 
 def print_table(result: BenchResult, console: Console | None = None) -> None:
     table = Table(title=f"{result.label}: {result.workload} -> {result.endpoint} ({result.model})")
-    for col in ("rate", "ok/err", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+    for col in ("rate", "ok/err/429", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                 "ITL p99", "SLO met"):
         table.add_column(col, justify="right")
     for run in result.runs:
         s = run["summary"]
         att = s["slo"]["attainment"]
-        table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", f"{s['num_ok']}/{s['num_errors']}",
+        counts = f"{s['num_ok']}/{s['num_errors']}/{s.get('num_rejected', 0)}"
+        table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", counts,
                       f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
                       _ms(s["ttft_ms"], "p50"), _ms(s["ttft_ms"], "p99"), _ms(s["tpot_ms"], "p50"),
                       _ms(s["tpot_ms"], "p99"), _ms(s["itl_ms"], "p99"), "-" if att is None else f"{att:.0%}")
     console = console or Console(width=max(Console().width, 120))
     console.print(table)
+    tiers = tier_table(result)
+    if tiers is not None:
+        console.print(tiers)
+        console.print("tiers: 429 = refused on arrival (a miss in 'met'); 'met acc' = SLO met among accepted ones")
     for run in result.runs:
         for err in run["summary"]["errors"]:
             console.print(f"  errors at rate {run['rate']}: {err['count']} x {err['message']}")
@@ -82,6 +92,36 @@ def print_table(result: BenchResult, console: Console | None = None) -> None:
         console.print(f"SLOs: TTFT <= {result.slo_ttft_ms} ms, TPOT <= {result.slo_tpot_ms} ms; "
                       f"goodput (>= 90% meet both): {result.goodput if result.goodput is not None else '-'} req/s")
     console.print("latencies in ms; percentiles are numpy linear interpolation over successful requests")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _slo(slo: dict) -> str:
+    return "/".join("-" if v is None else f"{v:g}" for v in (slo["ttft_ms"], slo["tpot_ms"]))
+
+
+def tier_table(result: BenchResult) -> Table | None:
+    """Per rate and service tier: requests, 429 refusals, errors, TTFT/TPOT p50/p90 (ms), the SLO used (ttft/tpot
+    ms), attainment over all the tier's requests and over the accepted (non-429) ones ("met acc"), goodput
+    (requests meeting the SLO per second). None when no run has `per_tier`."""
+    runs = [r for r in result.runs if r["summary"].get("per_tier")]
+    if not runs:
+        return None
+    table = Table(title=f"service tiers: {result.label}")
+    for col in ("rate", "tier", "reqs", "429", "err", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90",
+                "SLO ms", "met", "met acc", "good/s"):
+        table.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
+    for run in runs:
+        for tier, t in run["summary"]["per_tier"].items():
+            slo, good = t["slo"], t["goodput_rps"]
+            table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", tier, str(t["num_requests"]),
+                          str(t["num_rejected"]), str(t["num_errors"]), _ms(t["ttft_ms"], "p50"),
+                          _ms(t["ttft_ms"], "p90"), _ms(t["tpot_ms"], "p50"), _ms(t["tpot_ms"], "p90"), _slo(slo),
+                          _pct(slo["attainment"]), _pct(slo["attainment_accepted"]),
+                          "-" if good is None else f"{good:.2f}")
+    return table
 
 
 def write_result(result: BenchResult, out: Path) -> Path:

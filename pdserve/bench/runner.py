@@ -1,7 +1,8 @@
 """Open-loop replay of a workload against an endpoint, and the rate sweep behind goodput.
 
 Each request is sent at its arrival time whatever happened to earlier ones (open loop: a slow server does
-not slow the arrivals down), unless a concurrency limit is given (closed loop, for fixed workloads).
+not slow the arrivals down), unless a concurrency limit is given (closed loop, for fixed workloads). Requests
+may each carry a service tier (`tiers`, from `pdserve.bench.tier_mix.workload_tiers`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def discover_model(endpoint: str, model: str | None, timeout_s: float = 10.0) ->
         raise InvalidRequestError(f"endpoint {endpoint} lists no models", param="endpoint") from e
 
 
-async def _run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, label: str):
+async def _run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, label: str,
+               tiers: list[str | None]):
     # Idle pooled connections are dropped after 2 s, before a server's keep-alive timeout (uvicorn's and
     # vLLM's: 5 s) closes them under a request just sent on one (it failed as a ReadError).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
@@ -64,10 +66,10 @@ async def _run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, lab
                 spec = workload.requests[i]
                 await asyncio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
                 if sem is None:
-                    records[i] = await _send(client, cfg, prompts[i], spec.output_len)
+                    records[i] = await _send(client, cfg, prompts[i], spec.output_len, tiers[i])
                 else:
                     async with sem:
-                        records[i] = await _send(client, cfg, prompts[i], spec.output_len)
+                        records[i] = await _send(client, cfg, prompts[i], spec.output_len, tiers[i])
                 bar.advance(task)
 
             await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -75,10 +77,17 @@ async def _run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, lab
     return [r for r in records if r is not None], duration, start
 
 
-async def _send(client, cfg: RunConfig, prompt: list[int], max_tokens: int) -> RequestRecord:
-    return await send_request(client, cfg.endpoint, cfg.model, prompt, max_tokens, cfg.temperature)
+async def _send(client, cfg: RunConfig, prompt: list[int], max_tokens: int, tier: str | None) -> RequestRecord:
+    return await send_request(client, cfg.endpoint, cfg.model, prompt, max_tokens, cfg.temperature,
+                              service_tier=tier)
 
 
-def run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, label: str = "requests"):
-    """Replay; returns (records in workload order, duration in s, start time on the monotonic clock)."""
-    return asyncio.run(_run(workload, prompts, cfg, label))
+def run(workload: Workload, prompts: list[list[int]], cfg: RunConfig, label: str = "requests",
+        tiers: list[str | None] | None = None):
+    """Replay; returns (records in workload order, duration in s, start time on the monotonic clock).
+    `tiers[i]` is the service tier request i asks for (None: send none)."""
+    if tiers is None:
+        tiers = [None] * len(prompts)
+    if len(tiers) != len(prompts):
+        raise ValueError(f"{len(tiers)} tiers for {len(prompts)} requests")
+    return asyncio.run(_run(workload, prompts, cfg, label, tiers))

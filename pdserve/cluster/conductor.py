@@ -1,33 +1,34 @@
-"""The conductor: the gateway's view of every worker, and the life of each request across them.
+"""The conductor in the gateway: drives the sans-I/O `ConductorCore` with ZeroMQ and the wall clock.
 
-For each request it picks workers (routing policy), then in PD mode asks the decode worker to reserve KV
-blocks and, once they are reserved, tells the prefill worker where to deliver the prompt's KV; in colocated
-mode it sends the request to one worker. Token events stream back into the request's queue. It reacts to
-failures with explicit outcomes: a dead decode worker fails its requests with an error; a dead prefill
-worker makes the decode worker recompute the requests it was prefilling; with no prefill worker left,
-requests go to a decode worker whole (a counted fallback).
+Every decision (route, admit or reject, reserve then dispatch the prefill, react to a dead worker or a failed
+delivery) is the core's (`pdserve.cluster.conductor_core`), the same code the simulator drives. This module
+only does the I/O: it turns worker events (msgpack over the event socket) into core events, carries out the
+core's actions (a command to a worker's socket, an error into a request's stream, a metric), and streams
+token events into each request's queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import msgpack
 import zmq
 import zmq.asyncio
 
+from pdserve.cluster.admission import Admission
+from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
-from pdserve.cluster.routing import AFFINITY_BLOCKS
-from pdserve.core.block_hash import hash_blocks
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.service_tiers import ServiceTiers
 
 
 @dataclass
 class WorkerHandle:
     load: WorkerLoad
-    socket: zmq.asyncio.Socket
+    socket: zmq.Socket
     info: dict = field(default_factory=dict)  # its `ready` event
     stats: dict = field(default_factory=dict)  # its latest `stats` event
 
@@ -38,39 +39,45 @@ class WorkerHandle:
 
 @dataclass
 class Flight:
-    """One request in the cluster."""
+    """One request's stream in the gateway."""
 
     rid: str
-    prompt: list[int]
-    params: dict
     events: asyncio.Queue
-    priority: int = 0  # lower is served first under --queue-policy priority (vLLM's convention)
-    pin: tuple[str, float] | None = None  # a prewarm: (id, ttl_s)
-    decode: WorkerHandle | None = None
-    prefill: WorkerHandle | None = None
-    xfer: str = ""
-    done: bool = False
+    tier: str = "default"
+    workers: list[str] = field(default_factory=list)  # where it runs (decode or colocated first)
+    arrival_s: float = field(default_factory=time.monotonic)
 
 
 class Conductor:
     def __init__(self, ctx: zmq.asyncio.Context, event_socket: zmq.asyncio.Socket, mode: str,
-                 policy: RoutingPolicy, metrics=None) -> None:
+                 policy: RoutingPolicy, metrics=None, tiers: ServiceTiers | None = None,
+                 admission: Admission | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.ctx = ctx
         self.events = event_socket
         self.mode = mode
-        self.policy = policy
         self.metrics = metrics
+        self.core = ConductorCore(mode, policy, tiers, admission)
+        self.clock = clock
         self.workers: dict[str, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}
-        self._xfers = itertools.count()
-        self.block_size = 16
+
+    @property
+    def block_size(self) -> int:
+        return self.core.block_size
+
+    @property
+    def tiers(self) -> ServiceTiers:
+        return self.core.tiers
 
     # ---- workers ----------------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, cmd_addr: str) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
+        # A plain (blocking-API) socket: the core's actions are carried out synchronously; with no
+        # high-water mark a command is queued, never dropped and never waited for.
+        sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.connect(cmd_addr)
-        self.workers[name] = WorkerHandle(WorkerLoad(name, role), sock)
+        self.workers[name] = WorkerHandle(self.core.add_worker(name, role), sock)
 
     def role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.load.role == role]
@@ -79,155 +86,102 @@ class Conductor:
     def ready(self) -> bool:
         return all(w.info for w in self.workers.values())
 
-    async def send(self, worker: WorkerHandle, cmd: dict) -> None:
-        if worker.load.alive:
-            await worker.socket.send(msgpack.packb(cmd))
-
     def worker_died(self, name: str) -> None:
-        worker = self.workers[name]
-        worker.load.alive = False
-        if self.metrics:
-            self.metrics.worker_deaths.labels(worker=name).inc()
-        for flight in list(self.flights.values()):
-            if flight.decode is worker:
-                self._fail(flight, 503, f"worker {name} died while serving this request", "worker_died")
-            elif flight.prefill is worker and flight.decode is not None:
-                asyncio.ensure_future(self.send(flight.decode, {"type": "kv_failed", "xfer": flight.xfer}))
+        self._act(self.core.worker_died(name))
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                     pin: tuple[str, float] | None = None) -> Flight:
-        """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks."""
-        flight = Flight(rid, prompt, _params_dict(params), asyncio.Queue(), priority, pin)
-        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        if self.mode == "colocated":
-            flight.decode = self._pick("colocated", hashes)
-        else:
-            flight.decode = self._pick("decode", hashes)
-            flight.prefill = self._pick("prefill", hashes)
-        if flight.decode is None:
-            self._fail(flight, 503, "no live worker can serve this request", "no_worker")
-            return flight
+                     pin: tuple[str, float] | None = None, tier: str = "default") -> Flight:
+        """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks. A refused
+        request's stream holds just its error."""
+        flight = Flight(rid, asyncio.Queue(), tier)
         self.flights[rid] = flight
-        flight.decode.load.outstanding += 1
-        flight.decode.load.remember(hashes)
-        if self.mode == "colocated":
-            await self.send(flight.decode, {"type": "generate", "rid": rid, "prompt": prompt, "params": flight.params,
-                                            "priority": priority, "pin": pin})
-            return flight
-        flight.xfer = f"{rid}#{next(self._xfers)}"
-        if flight.prefill is not None:
-            flight.prefill.load.outstanding += 1
-            flight.prefill.load.remember(hashes)
-        await self.send(flight.decode, {"type": "reserve", "rid": rid, "prompt": prompt, "params": flight.params,
-                                        "xfer": flight.xfer, "priority": priority, "pin": pin})
+        actions = self.core.arrive(rid, prompt, params_dict(params), self.clock(), tier=tier, priority=priority,
+                                   pin=pin)
+        state = self.core.flights.get(rid)
+        if state is not None:
+            flight.workers = [w for w in (state.decode, state.prefill) if w is not None]
+        self._act(actions)
         return flight
-
-    def _pick(self, role: str, hashes) -> WorkerHandle | None:
-        workers = self.role(role)
-        load = self.policy.pick([w.load for w in workers], hashes)
-        return None if load is None else self.workers[load.name]
 
     async def unpin(self, pin_id: str, workers: list[str]) -> None:
         for name in workers:
-            await self.send(self.workers[name], {"type": "unpin", "id": pin_id})
+            self._send(name, {"type": "unpin", "id": pin_id})
 
     async def abort(self, rid: str) -> None:
-        flight = self.flights.get(rid)
-        if flight is None:
-            return
-        self._finish(flight)
-        for worker in (flight.decode, flight.prefill):
-            if worker is not None:
-                await self.send(worker, {"type": "abort", "rid": rid})
+        self.flights.pop(rid, None)
+        self._act(self.core.abort(rid))
 
-    def _finish(self, flight: Flight) -> None:
-        if flight.done:
-            return
-        flight.done = True
-        self.flights.pop(flight.rid, None)
-        for worker in (flight.decode, flight.prefill):
-            if worker is not None:
-                worker.load.outstanding -= 1
+    # ---- actions ----------------------------------------------------------------------------------------
+    def _act(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action.worker, action.cmd)
+            elif isinstance(action, Fail):
+                flight = self.flights.pop(action.rid, None)
+                if flight is not None:
+                    flight.events.put_nowait(action.event)
+            elif isinstance(action, Count) and self.metrics:
+                self.metrics.count(action.metric, action.labels)
 
-    def _release_prefill(self, flight: Flight) -> None:
-        if flight.prefill is not None and not flight.done:
-            flight.prefill.load.outstanding -= 1
-            flight.prefill = None
-
-    def _fail(self, flight: Flight, status: int, message: str, code: str) -> None:
-        flight.events.put_nowait({"type": "error", "status": status, "message": message, "code": code,
-                                  "etype": "server_error" if status >= 500 else "invalid_request_error"})
-        self._finish(flight)
+    def _send(self, name: str, cmd: dict) -> None:
+        worker = self.workers[name]
+        if worker.load.alive:
+            worker.socket.send(msgpack.packb(cmd), zmq.NOBLOCK)
 
     # ---- events -----------------------------------------------------------------------------------------
     async def run_events(self) -> None:
         while True:
             event = msgpack.unpackb(await self.events.recv())
             try:
-                await self._on_event(event)
+                self.on_event(event)
             except Exception:  # noqa: BLE001 - one bad event must not stop the gateway
                 if self.metrics:
                     self.metrics.fallbacks.labels(kind="bad_event").inc()
 
-    async def _on_event(self, event: dict) -> None:
-        kind = event["type"]
-        if kind == "ready":
-            worker = self.workers[event["worker"]]
-            worker.info = event
-            self.block_size = event["block_size"]
-        elif kind == "stats":
-            self.workers[event["worker"]].stats = event
-            if self.metrics:
-                self.metrics.observe_worker_stats(event)
-        elif kind == "tokens":
+    def on_event(self, event: dict) -> None:
+        kind, now, core = event["type"], self.clock(), self.core
+        if kind == "tokens":
             for item in event["items"]:
                 flight = self.flights.get(item["rid"])
                 if flight is not None:
                     flight.events.put_nowait(item)
                     if item["fin"]:
-                        self._finish(flight)
+                        self.flights.pop(item["rid"], None)
+                self._act(core.token(item["rid"], item["i"], bool(item["fin"]), now))
         elif kind == "reserved":
-            await self._on_reserved(event)
+            self._act(core.reserved(event["rid"], event["xfer"], event["needs_prefill"], event["kv_addr"],
+                                    event["first_block"]))
         elif kind == "prefilled":
-            flight = self.flights.get(event["rid"])
             if self.metrics:
                 self.metrics.observe_prefill(event)
-            if flight is not None:
-                self._release_prefill(flight)
+            self._act(core.prefilled(event["rid"], now))
         elif kind == "transfer":
             if self.metrics:
                 self.metrics.observe_transfer(event)
-            flight = self.flights.get(event["rid"])
-            if event["outcome"] == "recompute" and flight is not None and flight.prefill is not None:
-                await self.send(flight.prefill, {"type": "abort", "rid": flight.rid})  # its work is moot now
-                self._release_prefill(flight)
+            self._act(core.transfer_outcome(event["rid"], event["outcome"]))
         elif kind == "error":
-            flight = self.flights.get(event.get("rid"))
+            flight = self.flights.pop(event.get("rid"), None)
             if flight is not None:
                 flight.events.put_nowait(event)
-                await self.abort(flight.rid)
+            self._act(core.worker_error(event.get("rid")))
+        else:
+            self._on_worker_event(kind, event)
 
-    async def _on_reserved(self, event: dict) -> None:
-        flight = self.flights.get(event["rid"])
-        if flight is None or flight.xfer != event["xfer"]:
-            return
-        if not event["needs_prefill"]:
-            self._release_prefill(flight)
-            return
-        if flight.prefill is None or not flight.prefill.load.alive:
+    def _on_worker_event(self, kind: str, event: dict) -> None:
+        worker = self.workers[event["worker"]]
+        if kind == "ready":
+            worker.info = event
+            self.core.worker_ready(worker.name, event)
+        elif kind == "stats":
+            worker.stats = event
+            self.core.worker_steps(worker.name, event.get("steps"))
             if self.metrics:
-                self.metrics.fallbacks.labels(kind="no_prefill_worker").inc()
-            self._release_prefill(flight)
-            await self.send(flight.decode, {"type": "kv_failed", "xfer": flight.xfer})
-            return
-        await self.send(flight.prefill, {"type": "prefill", "rid": flight.rid, "prompt": flight.prompt,
-                                         "params": flight.params, "dest": event["kv_addr"], "xfer": flight.xfer,
-                                         "first_block": event["first_block"], "priority": flight.priority,
-                                         "pin": flight.pin})
+                self.metrics.observe_worker_stats(event)
+                self.metrics.observe_backlog(self.core.backlog)
 
 
-def _params_dict(params: SamplingParams) -> dict:
+def params_dict(params: SamplingParams) -> dict:
     d = asdict(params)
     d["stop"] = []  # stop strings are the gateway's business (it detokenizes)
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

@@ -21,7 +21,8 @@ import zmq
 
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.errors import PdserveError
+from pdserve.core.service_tiers import TIERS
+from pdserve.errors import InvalidRequestError, PdserveError
 
 STATS_INTERVAL_S = 0.25
 
@@ -68,6 +69,7 @@ class Worker:
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
         self._last_stats = 0.0
+        self._steps: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
 
     def emit(self, event: dict) -> None:
         self.events.send(msgpack.packb(event))
@@ -77,7 +79,8 @@ class Worker:
         self.emit({"type": "ready", "worker": self.spec.name, "role": self.spec.role, "pid": os.getpid(),
                    "kv_addr": self.decode.receiver.address if self.decode else "",
                    "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
-                   "max_model_len": self.engine.scheduler.max_model_len})
+                   "max_model_len": self.engine.scheduler.max_model_len,
+                   "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens})
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0
@@ -87,7 +90,10 @@ class Worker:
             if self.decode is not None:
                 self._decode_bookkeeping()
             if sched.num_running + sched.num_waiting > 0:
-                self._report(self.engine.step())
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                self._log_step(time.perf_counter() - start)
+                self._report(outputs)
             if self.prefill is not None:
                 self._cancel_failed_deliveries()
                 self.prefill.release_lent()
@@ -120,14 +126,14 @@ class Worker:
                 self.prefill.finish(cmd["rid"], prefilled=False)
         elif kind == "generate":
             req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
-                                           cmd.get("priority", 0), pin=_pin(cmd))
+                                           cmd.get("priority", 0), pin=_pin(cmd), service_tier=_tier(cmd))
             self.engine.scheduler.add_request(req)
         elif kind == "prefill":
             self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
-                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd))
+                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd), _tier(cmd))
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
-                                cmd.get("priority", 0), _pin(cmd))
+                                cmd.get("priority", 0), _pin(cmd), _tier(cmd))
         elif kind == "unpin":
             self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
         elif kind == "kv_failed":
@@ -177,12 +183,27 @@ class Worker:
             failed = self.prefill.finish(rid, prefilled=False)
             self.emit({"type": "prefilled", "rid": rid, "failed": failed, "queue_s": None, "prefill_s": None})
 
+    def _log_step(self, seconds: float) -> None:
+        """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
+        scheduled = self.engine.last_scheduled
+        if scheduled is None or len(self._steps) >= 64:
+            return
+        pt = sq = ds = ctx = 0
+        for c in scheduled.chunks:
+            n = len(c.token_ids)
+            if n == 1:
+                ds, ctx = ds + 1, ctx + c.start_pos + 1
+            else:
+                pt, sq = pt + n, sq + n * n
+        self._steps.append([pt, sq, ds, ctx, seconds])
+
     def _maybe_stats(self) -> None:
         now = time.monotonic()
         if now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
         self.emit(self.stats())
+        self._steps = []
 
     def stats(self) -> dict:
         from pdserve.model import kernels
@@ -192,6 +213,7 @@ class Worker:
                "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
                "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
                "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
+               "preemptions_by_tier": dict(sched.stats.preemptions_by_tier), "steps": self._steps,
                "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report(),
                "pinned_blocks": blocks.num_pinned_blocks}
         if self.prefill is not None:
@@ -224,6 +246,13 @@ def _long_context(spec: WorkerSpec) -> bool:
 def _pin(cmd: dict) -> tuple[str, float] | None:
     pin = cmd.get("pin")
     return None if pin is None else (str(pin[0]), float(pin[1]))
+
+
+def _tier(cmd: dict) -> str:
+    tier = cmd.get("tier") or "default"
+    if tier not in TIERS:
+        raise InvalidRequestError(f"unknown service tier {tier!r}", param="service_tier")
+    return tier
 
 
 def _diff(a: float | None, b: float | None) -> float | None:

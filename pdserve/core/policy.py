@@ -1,5 +1,8 @@
 """Queue policies: which waiting request goes first, and which running request is preempted first.
 
+`tiered` (the default) orders by service tier (`pdserve.core.service_tiers`); `fcfs` ignores tiers;
+`priority` orders by the request's integer `priority` (vLLM's `--scheduling-policy priority`).
+
 A policy is one method returning a sort key; smaller keys are served first and preempted last.
 """
 
@@ -10,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.core.request import Request
+from pdserve.core.service_tiers import ServiceTiers
 
 
 class QueuePolicy(Protocol):
@@ -37,11 +41,23 @@ def insert_in_order(queue: list, item, request_of: Callable[[object], Request], 
     bisect.insort(queue, item, key=lambda it: policy.sort_key(request_of(it)))
 
 
-QUEUE_POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+class TieredPolicy:
+    """Service tiers (`pdserve.core.service_tiers`): priority first, then default and flex by earliest virtual
+    deadline (arrival + the tier's TTFT horizon / weight). With every request in one tier it is FCFS."""
+
+    def __init__(self, tiers: ServiceTiers | None = None) -> None:
+        self.tiers = tiers or ServiceTiers()
+        self._keys = {name: (t.rank, t.horizon_s) for name, t in self.tiers.tiers.items()}
+
+    def sort_key(self, request: Request) -> tuple:
+        rank, horizon_s = self._keys[request.service_tier]
+        return (rank, request.arrival_s + horizon_s, request.arrival_seq)
 
 
-def make_queue_policy(name: str) -> QueuePolicy:
-    try:
-        return QUEUE_POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown queue policy {name!r}; choose from {sorted(QUEUE_POLICIES)}") from None
+QUEUE_POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "tiered": TieredPolicy}
+
+
+def make_queue_policy(name: str, tiers: ServiceTiers | None = None) -> QueuePolicy:
+    if name not in QUEUE_POLICIES:
+        raise ValueError(f"unknown queue policy {name!r}; choose from {sorted(QUEUE_POLICIES)}")
+    return TieredPolicy(tiers) if name == "tiered" else QUEUE_POLICIES[name]()

@@ -68,6 +68,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_s: float = field(default_factory=time.monotonic)
     priority: int = 0
+    service_tier: str = "default"  # priority | default | flex (`pdserve.core.service_tiers`)
     prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample the first token, stop
     pin: tuple[str, float] | None = None  # prewarm (id, ttl_s): keep the prompt's full blocks on the device
     # long contexts: hashes of the leading blocks whose KV lives in the host tier only (read from there)

@@ -18,8 +18,11 @@ class SchedulerConfig:
     """Token budget of one step: decode tokens plus prefill chunks (chunked prefill splits longer prompts)."""
     max_model_len: int = 8192
     """Longest sequence (prompt + output) a request may reach."""
-    queue_policy: str = "fcfs"
-    """Order of the waiting queue and of preemption: fcfs | priority."""
+    queue_policy: str = "tiered"
+    """Order of the waiting queue and of preemption: tiered (by service tier; FCFS within one) | fcfs |
+    priority (the request's integer priority, lowest first)."""
+    service_tiers: tuple[str, ...] = ()
+    """`--service-tier` specs (`pdserve.core.service_tiers`): SLOs, the guaranteed share, weights."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

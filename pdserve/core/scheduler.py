@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager, PrefixHit
@@ -28,12 +29,16 @@ from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
+from pdserve.core.service_tiers import ServiceTiers
+from pdserve.core.tier_share import ReservedShare
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError
 
 
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    preemptions_by_tier: Counter = field(default_factory=Counter)  # service tier -> preemptions
+    num_share_preemptions: int = 0  # of them, to take the guaranteed tier's share back
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
     num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
@@ -48,7 +53,10 @@ class Scheduler:
                  policy: QueuePolicy | None = None) -> None:
         self.config = config
         self.blocks = block_manager
-        self.policy = policy or make_queue_policy(config.queue_policy)
+        tiers = ServiceTiers.from_specs(config.service_tiers)
+        self.policy = policy or make_queue_policy(config.queue_policy, tiers)
+        self.share = ReservedShare(tiers.reserved_share, config.max_num_seqs, block_manager.num_blocks)
+        self._taken_back: list[str] = []  # preempted outside a step (for a reservation): reported by the next
         # A request alone must always fit in the pool, or preemption could never make progress.
         self.max_model_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.requests: dict[str, Request] = {}
@@ -97,6 +105,7 @@ class Scheduler:
         need not deliver those. Raises like `add_request` for a request that could never be served.
         """
         self.check_new(request)
+        self._take_back(request, self.blocks.blocks_needed(request.num_prompt_tokens), self._taken_back)
         if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
             return None
         prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)
@@ -197,6 +206,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        taken, self._taken_back = self._taken_back, []
+        head = self._peek_waiting()
+        if head is not None:
+            self._take_back(head, self.blocks.blocks_needed(min(head.num_tokens, budget)), taken)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -216,7 +229,7 @@ class Scheduler:
         finished, self._finished_ids = tuple(self._finished_ids), []
         loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
         self._pending_loads, self._step_loads = {}, []
-        return SchedulerOutput(tuple(chunks), finished, tuple(preempted), tuple(loads))
+        return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads))
 
     def update(self, scheduled: SchedulerOutput, result: ExecutorOutput) -> list[Request]:
         """Advance requests by what the step computed and sampled; return the requests that finished."""
@@ -259,6 +272,15 @@ class Scheduler:
         return ended
 
     # ---- helpers ---------------------------------------------------------------------------------------
+    def _take_back(self, head: Request, need_blocks: int, preempted: list[str]) -> None:
+        """The guaranteed tier's lent share comes back for `head` (`pdserve.core.tier_share`)."""
+        for victim in self.share.victims(head, need_blocks, self.running, self._num_reserved,
+                                         self.blocks.num_free_blocks, lambda r: len(self.blocks.block_ids(r.request_id))):
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.stats.num_share_preemptions += 1
+            preempted.append(victim.request_id)
+
     def _grow_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         while self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
             victim = self.running.pop()
@@ -346,6 +368,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.stats.num_preemptions += 1
+        self.stats.preemptions_by_tier[req.service_tier] += 1
         self._push_waiting(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

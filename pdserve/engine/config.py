@@ -40,8 +40,12 @@ class EngineConfig:
     host tier; colocated workers and LLM only)."""
     kv_eviction_policy: str = "lru"
     """Which cached KV block leaves a full tier first: lru or heat (decayed use count)."""
-    queue_policy: str = "fcfs"
-    """Waiting-queue and preemption order: fcfs or priority."""
+    queue_policy: str = "tiered"
+    """Waiting-queue and preemption order: tiered (by service tier, FCFS within one), fcfs or priority (the
+    request's integer priority, lowest first)."""
+    service_tiers: tuple[str, ...] = ()
+    """Service tiers (`--service-tier NAME:ttft_ms=X,tpot_ms=Y[,share=Z]`, repeatable): their SLOs and the
+    priority tier's reserved share of every worker."""
     seed: int | None = None
     """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = None

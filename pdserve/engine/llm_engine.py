@@ -19,7 +19,7 @@ from pdserve.core.kv_meta import LifecycleConfig, Stage, make_eviction_policy
 from pdserve.core.kv_tiers import TieredKV, build_tiered_kv
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.schedule import SchedulerConfig, SchedulerOutput
 from pdserve.core.scheduler import Scheduler
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor
@@ -66,12 +66,14 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.last_scheduled: SchedulerOutput | None = None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, prefill_only: bool = False, pin: tuple[str, float] | None = None) -> str:
+                    priority: int = 0, prefill_only: bool = False, pin: tuple[str, float] | None = None,
+                    service_tier: str = "default") -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids = self._prompt_ids(prompt)
-        req = self.make_request(request_id, token_ids, params, priority, prefill_only, pin)
+        req = self.make_request(request_id, token_ids, params, priority, prefill_only, pin, service_tier)
         self.scheduler.add_request(req)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
@@ -79,12 +81,14 @@ class LLMEngine:
         return request_id
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                     prefill_only: bool = False, pin: tuple[str, float] | None = None) -> Request:
+                     prefill_only: bool = False, pin: tuple[str, float] | None = None,
+                     service_tier: str = "default") -> Request:
         vocab = self.executor.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
-                       arrival_s=time.monotonic(), priority=priority, prefill_only=prefill_only, pin=pin)
+                       arrival_s=time.monotonic(), priority=priority, prefill_only=prefill_only, pin=pin,
+                       service_tier=service_tier)
 
     def abort(self, request_ids: list[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
@@ -96,7 +100,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got a new token or finished."""
         self.poll_kv()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.last_scheduled = self.scheduler.schedule()
         result = self.executor.execute(scheduled)
         finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
         if self.tiers is not None:

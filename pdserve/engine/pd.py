@@ -72,8 +72,9 @@ class PrefillSide:
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
-            priority: int = 0, pin: tuple[str, float] | None = None) -> None:
-        req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin)
+            priority: int = 0, pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
+        req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
+                                       service_tier=service_tier)
         self.engine.scheduler.add_request(req)
         window = self.engine.scheduler.window
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
@@ -205,10 +206,10 @@ class DecodeSide:
         self.stats = DecodeStats()
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
-                pin: tuple[str, float] | None = None) -> None:
+                pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
         could never be served (the caller turns that into an error for the client)."""
-        req = self.engine.make_request(request_id, prompt, params, priority, pin=pin)
+        req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier)
         self.engine.scheduler.check_new(req)  # fail fast, before queueing
         insert_in_order(self.pending, Reservation(req, xfer), lambda r: r.request, self.engine.scheduler.policy)
 

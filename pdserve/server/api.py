@@ -24,7 +24,10 @@ def error_body(message: str, etype: str, param: str | None = None, code: str | i
 
 
 def _error_response(e: PdserveError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.error_type, e.param, e.code), status_code=e.status_code)
+    retry = getattr(e, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, int(retry)))} if retry is not None else None
+    return JSONResponse(error_body(e.message, e.error_type, e.param, e.code), status_code=e.status_code,
+                        headers=headers)
 
 
 class BodyLimit:
@@ -152,16 +155,19 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 
 async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat: bool):
+    tier = gateway.conductor.tiers.resolve(body.service_tier)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-            "model": gateway.model_name}
+            "model": gateway.model_name, "service_tier": tier}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if len(prompts) != 1:
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
-        return StreamingResponse(_sse(gateway, prompts[0], params[0], body.priority, meta, chat, include_usage),
+        # Admitted (or refused with a 4xx/5xx status) before the stream starts.
+        flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier)
+        return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, chat, include_usage),
                                  media_type="text/event-stream")
     try:
-        results = await _collect_all(gateway, http, prompts, params, body.priority)
+        results = await _collect_all(gateway, http, prompts, params, body.priority, tier)
     except _ClientGone:
         return Response(status_code=499)
     choices, completion_tokens, cached = [], 0, 0
@@ -175,9 +181,9 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat:
             "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
-async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int):
+async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int, tier: str):
     """Run every prompt to the end, unless the client leaves first: then their requests are aborted."""
-    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority) for p, sp in zip(prompts, params)))
+    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority, tier) for p, sp in zip(prompts, params)))
     watcher = asyncio.ensure_future(_wait_disconnect(http))
     try:
         done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -194,9 +200,9 @@ async def _wait_disconnect(http: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def _collect(gateway: Gateway, prompt, params, priority: int):
+async def _collect(gateway: Gateway, prompt, params, priority: int, tier: str):
     text, n, reason, cached = [], 0, None, 0
-    async for d in gateway.generate(prompt, params, priority):
+    async for d in gateway.generate(prompt, params, priority, tier=tier):
         text.append(d.text)
         n, reason, cached = d.num_tokens, d.finish_reason, d.cached_tokens
     return "".join(text), n, reason, cached
@@ -207,7 +213,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _sse(gateway: Gateway, prompt, params, priority: int, meta: dict, chat: bool, include_usage: bool):
+async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, chat: bool, include_usage: bool):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choice_delta: dict, reason: str | None, usage=None, choices=True) -> str:
@@ -221,7 +227,7 @@ async def _sse(gateway: Gateway, prompt, params, priority: int, meta: dict, chat
         yield event({"delta": {"role": "assistant", "content": ""}}, None)
     n, cached = 0, 0
     try:
-        async for d in gateway.generate(prompt, params, priority):
+        async for d in gateway.stream(flight, prompt, params):
             n, cached = d.num_tokens, d.cached_tokens
             if d.text or d.finished:
                 yield event({"delta": {"content": d.text}} if chat else {"text": d.text}, d.finish_reason)

@@ -10,7 +10,9 @@ from pathlib import Path
 import uvicorn
 import zmq.asyncio
 
+from pdserve.cluster.admission import Admission
 from pdserve.cluster.conductor import Conductor
+from pdserve.core.service_tiers import ServiceTiers
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.errors import PdserveError
 from pdserve.model.config import ModelConfig
@@ -25,11 +27,15 @@ class StartupError(PdserveError):
 
 
 async def run_gateway(cfg, procs, model_dir: str) -> int:
+    engine_fields = procs.specs[0].engine
     ctx = zmq.asyncio.Context()
     events = ctx.socket(zmq.PULL)
     events.bind(procs.specs[0].event_addr)
     metrics = Metrics()
-    conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics)
+    tiers = ServiceTiers.from_specs(engine_fields.get("service_tiers") or ())
+    predict = cfg.admission == "predict" or (cfg.admission is None and tiers.any_slo)
+    admission = Admission(cfg.admission_margin, cfg.max_outstanding, predict)
+    conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics, tiers, admission)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
     procs.start()

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.cluster.conductor import Conductor
+from pdserve.cluster.conductor import Conductor, Flight
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError, PdserveError, check_ttl
@@ -27,6 +27,7 @@ class WorkerError(PdserveError):
         super().__init__(event.get("message", "worker error"), param=event.get("param"), code=event.get("code"))
         self.status_code = event.get("status", 500)
         self.error_type = event.get("etype", "server_error")
+        self.retry_after_s = event.get("retry_after_s")  # a refusal on arrival (429): when to try again
 
 
 @dataclass
@@ -108,15 +109,29 @@ class Gateway:
         await self.conductor.unpin(pin_id, pin.workers)
         return {"id": pin_id, "object": "kv.prewarm", "deleted": True}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       pin: Pin | None = None) -> AsyncIterator[Delta]:
-        rid = uuid.uuid4().hex
-        arrival = time.monotonic()
-        flight = await self.conductor.submit(rid, prompt_ids, params, priority,
-                                             None if pin is None else (pin.pin_id, pin.ttl_s))
+    async def start(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0, pin: Pin | None = None,
+                    tier: str = "default") -> Flight:
+        """Submit a request; raises `WorkerError` at once if the conductor refused it on arrival (no worker,
+        a full queue, a predicted SLO miss: 429 with `retry_after_s`), before any response has started."""
+        flight = await self.conductor.submit(uuid.uuid4().hex, prompt_ids, params, priority,
+                                             None if pin is None else (pin.pin_id, pin.ttl_s), tier)
+        if flight.rid not in self.conductor.flights:  # refused on arrival: its stream holds just the error
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            raise WorkerError(flight.events.get_nowait())
         if pin is not None:
-            pin.workers = [w.name for w in (flight.decode, flight.prefill) if w is not None]
+            pin.workers = flight.workers
             pin.expires_s = time.monotonic() + pin.ttl_s
+        return flight
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                       pin: Pin | None = None, tier: str = "default") -> AsyncIterator[Delta]:
+        flight = await self.start(prompt_ids, params, priority, pin, tier)
+        async for delta in self.stream(flight, prompt_ids, params):
+            yield delta
+
+    async def stream(self, flight: Flight, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """The deltas of a started request; it is aborted in the workers if the consumer stops early."""
+        rid, tier, arrival = flight.rid, flight.tier, flight.arrival_s
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         count, last, finished, cached = 0, arrival, False, 0
         try:
@@ -127,7 +142,7 @@ class Gateway:
                 if item["i"] != count:
                     continue  # a duplicate (never ahead: a worker's stream is ordered)
                 now = time.monotonic()
-                (self.metrics.ttft if count == 0 else self.metrics.itl).observe(now - last)
+                (self.metrics.ttft if count == 0 else self.metrics.itl).labels(service_tier=tier).observe(now - last)
                 if count == 0:
                     self.metrics.observe_first_token(item, "decode" if self.conductor.mode == "pd" else "colocated")
                 count, last, cached = count + 1, now, item.get("cached", cached)
@@ -136,11 +151,11 @@ class Gateway:
                 reason = "stop" if stopped else item["fin"]
                 yield Delta(detok.take_new_text(final=finished), count, finished, reason, cached)
             self.metrics.e2e.observe(time.monotonic() - arrival)
-            self.metrics.requests.labels(finish_reason=reason).inc()
+            self.metrics.requests.labels(finish_reason=reason, service_tier=tier).inc()
         finally:
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self.metrics.generation_tokens.inc(count)
             if rid in self.conductor.flights:  # ended early here: stop string, client gone, error
                 if not finished:
-                    self.metrics.requests.labels(finish_reason="abort").inc()
+                    self.metrics.requests.labels(finish_reason="abort", service_tier=tier).inc()
                 await self.conductor.abort(rid)

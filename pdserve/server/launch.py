@@ -54,6 +54,13 @@ class ServeConfig:
     """A KV delivery with no progress for this long fails; the decode worker then recomputes the prompt."""
     ready_timeout_s: float = 600.0
     """How long to wait for every worker to load its model."""
+    admission: str | None = None
+    """Prediction-based admission: predict (refuse at once, with 429 slo_unattainable, a request whose
+    predicted TTFT or TPOT misses its service tier's SLO) or off; default: predict when any tier has an SLO."""
+    admission_margin: float = 0.1
+    """How far (a fraction of the SLO) a prediction may exceed the SLO before the request is refused."""
+    max_outstanding: int = 4096
+    """Most requests one worker may have in flight; more are refused (429 queue_full), whatever their tier."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -63,6 +70,10 @@ class ServeConfig:
         for name in ("prefill", "decode", "instances", "max_body_bytes"):
             if getattr(self, name) < (0 if name == "prefill" else 1):
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive", param=name)
+        if self.admission not in (None, "predict", "off"):
+            raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
+        if not self.admission_margin >= 0 or self.max_outstanding < 1:
+            raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
 

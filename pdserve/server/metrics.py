@@ -17,10 +17,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", ["service_tier"],
+                              registry=r, buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens",
-                             registry=r, buckets=_LATENCY_BUCKETS)
+                             ["service_tier"], registry=r, buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request arrival to last token", registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.queue = Histogram("pdserve_request_queue_time_seconds", "Time waiting before first scheduled",
@@ -39,7 +39,17 @@ class Metrics:
                                  ["worker", "mode"], registry=r)
         self.kv_lent = Gauge("pdserve_kv_transfers_lent", "Transfers whose blocks a prefill worker still holds "
                              "for a reader", ["worker"], registry=r)
-        self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason", "service_tier"],
+                                registry=r)
+        self.slo_attained = Counter("pdserve_slo_attained", "Requests that met their service tier's TTFT and "
+                                    "TPOT SLOs (tiers without an SLO: every finished request)", ["service_tier"],
+                                    registry=r)
+        self.admission_rejected = Counter("pdserve_admission_rejected", "Requests refused on arrival: "
+                                          "slo_ttft / slo_tpot (predicted SLO miss), queue_full, no_worker",
+                                          ["service_tier", "reason"], registry=r)
+        self.backlog = Gauge("pdserve_prefill_backlog_tokens", "Prompt tokens routed to a worker and not yet "
+                             "prefilled (the conductor's view; admission's queueing input), by tier class",
+                             ["worker", "tier_class"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens served", registry=r)
         self.running = Gauge("pdserve_num_requests_running", "Requests in the running batch", ["worker"], registry=r)
@@ -60,7 +70,9 @@ class Metrics:
                                     "(never served)", ["worker", "tier"], registry=r)
         self.prefix_queries = Counter("pdserve_prefix_cache_query_tokens", "Prompt tokens looked up in the "
                                       "prefix cache", ["worker"], registry=r)
-        self.preemptions = Counter("pdserve_preemptions", "Requests preempted (recompute)", ["worker"], registry=r)
+        self.preemptions = Counter("pdserve_preemptions", "Requests preempted (recompute): a running request "
+                                   "that could not grow, or the priority tier taking its share back",
+                                   ["worker", "service_tier"], registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
         self._totals: dict[tuple[str, str], float] = {}
@@ -79,7 +91,8 @@ class Metrics:
         self.blocks_total.labels(worker=w).set(s["blocks_total"])
         self._observe_tiers(w, s.get("kv"))
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
-        self._inc_total(self.preemptions, (w, "preempt"), s["preemptions"], worker=w)
+        for tier, n in s.get("preemptions_by_tier", {}).items():
+            self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
         if "kv_transfers_lent" in s:  # a prefill worker
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
@@ -107,6 +120,15 @@ class Metrics:
         for tier, n in kv["corrupt"].items():
             self._inc_total(self.tier_corrupt, (w, f"corrupt:{tier}"), n, worker=w, tier=tier)
         self._inc_total(self.fallbacks, (w, "kv_disk_full"), kv["disk_full"], kind="kv_disk_full")
+
+    def count(self, metric: str, labels: tuple) -> None:
+        """A `Count` action of the conductor core."""
+        getattr(self, metric).labels(**dict(labels)).inc()
+
+    def observe_backlog(self, backlog: dict) -> None:
+        for worker, b in backlog.items():
+            for rank, name in ((0, "guaranteed"), (1, "elastic")):
+                self.backlog.labels(worker=worker, tier_class=name).set(b.tokens[rank])
 
     def observe_prefill(self, e: dict) -> None:
         if e.get("queue_s") is not None:

@@ -36,6 +36,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = 0.0
     logprobs: bool | int | None = None
     priority: int = 0  # extension (vLLM): lower runs first under the priority queue policy
+    service_tier: str | None = None  # OpenAI: auto | priority | default | flex (`pdserve.core.service_tiers`)
 
 
 class CompletionRequest(_Common):

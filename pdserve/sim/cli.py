@@ -19,7 +19,7 @@ from pdserve.errors import InvalidRequestError
 # `pdserve bench serve` flags that describe the workload and the report; shared, not redefined.
 WORKLOAD_FLAGS = ("workload", "rate", "rates", "arrival", "cv", "num_requests", "length_scale", "time_scale",
                   "max_requests", "max_input_len", "max_output_len", "block_tokens", "seed", "slo_ttft_ms",
-                  "slo_tpot_ms", "label", "output", "no_progress")
+                  "slo_tpot_ms", "label", "output", "no_progress", "tier_mix", "service_tier")
 
 
 def _bench_actions() -> dict[str, argparse.Action]:
@@ -69,6 +69,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-failure-rate", type=float, default=0.0, help="share of KV transfers that fail")
     p.add_argument("--no-fast-forward", action="store_true", help="step every decode step one by one")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; default: the GPU table's")
+    p.add_argument("--admission", default=None, choices=["predict", "off"],
+                   help="as `pdserve serve --admission`: default predict when any --service-tier has an SLO")
+    p.add_argument("--admission-margin", type=float, default=0.1, help="as `pdserve serve --admission-margin`")
 
 
 def add_sim_parsers(sub) -> None:
@@ -102,13 +105,16 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        disk_write_gb_s=args.disk_write_gb_s,
                        control_latency_s=args.control_latency_ms * 1e-3,
                        fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
-                       transfer_failure_rate=args.transfer_failure_rate, seed=args.seed)
+                       transfer_failure_rate=args.transfer_failure_rate, seed=args.seed,
+                       service_tiers=tuple(args.service_tier or ()), admission=args.admission,
+                       admission_margin=args.admission_margin)
 
 
 def run_spec(args, spec, workloads: list, rates: list, label: str):
     """Simulate `spec` on each workload; returns the `SimResult`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from pdserve.bench.tier_mix import tier_flags, workload_tiers
     from pdserve.sim.cluster import simulate
     from pdserve.sim.hardware import get_gpu, get_model
     from pdserve.sim.report import SimResult, add_run
@@ -117,7 +123,9 @@ def run_spec(args, spec, workloads: list, rates: list, label: str):
     model, gpu = get_model(args.model), get_gpu(args.gpu)
     time_model = make_time_model(args.time_model, model, gpu, spec.tp)
     price = args.price_per_gpu_hour if args.price_per_gpu_hour is not None else gpu.price_per_hour
+    mix, _ = tier_flags(args)
     result = SimResult(endpoint="simulator", model=model.name, workload=args.workload, label=label,
+                       service_tiers=list(args.service_tier or ()), tier_mix=mix,
                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                        workload_description=workloads[0].description,
                        cluster={**vars(spec), "gpu": gpu.name, "num_gpus": spec.num_gpus,
@@ -128,7 +136,8 @@ def run_spec(args, spec, workloads: list, rates: list, label: str):
             task = bar.add_task("sim", total=len(wl))
             run = simulate(wl, spec, model, gpu, time_model, block_tokens=args.block_tokens,
                            prompt_seed=args.seed + 7919 * i,
-                           progress=lambda n, t: bar.update(task, completed=n))
+                           progress=lambda n, t: bar.update(task, completed=n),
+                           tiers=workload_tiers(mix, len(wl), args.seed) if mix else None)
             bar.update(task, completed=len(wl))
         add_run(result, rate, run, spec.num_gpus, price)
     return result
@@ -144,6 +153,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench.report import print_table
     from pdserve.sim.report import print_sim_table, write_sim_result
 
+    from pdserve.bench.tier_mix import tier_flags
+    tier_flags(args)  # bad tier flags fail before any work
     rates, workloads = _workloads(args)
     spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)
     label = args.label or (Path(args.output).name if args.output else f"{args.mode} {spec.num_gpus}x{args.gpu}")

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.admission import Admission
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.core.kv_meta import EVICTION_POLICIES
 from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
@@ -63,6 +65,9 @@ class ClusterSpec:
     ttft_timeout_s: float | None = None
     transfer_failure_rate: float = 0.0
     seed: int = 0
+    service_tiers: tuple[str, ...] = ()  # `--service-tier` specs, as the server's
+    admission: str | None = None  # predict | off; None: predict when any tier has an SLO (as the server)
+    admission_margin: float = 0.1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +82,9 @@ class ClusterSpec:
         if self.kv_eviction_policy not in EVICTION_POLICIES:
             raise InvalidRequestError(f"unknown KV eviction policy {self.kv_eviction_policy!r}; choose from "
                                       f"{sorted(EVICTION_POLICIES)}", param="kv_eviction_policy")
+        ServiceTiers.from_specs(self.service_tiers)  # a bad spec fails here, in one line
+        if self.admission not in (None, "predict", "off"):
+            raise InvalidRequestError(f"admission must be predict or off, got {self.admission!r}", param="admission")
         for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -124,13 +132,16 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     engines: dict[str, list[SimEngine]] = {}
     port_bw = spec.tp * gpu.net_bw
     predictor = QueueModelPredictor(time_model, spec.prefill_budget, port_bw, spec.link_latency_s)
+    service_tiers = ServiceTiers.from_specs(spec.service_tiers)
+    predict = spec.admission == "predict" or (spec.admission is None and service_tiers.any_slo)
     conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links,
                              predictor if spec.mode == "pd" else None, spec.block_size, block_bytes,
-                             spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s)
+                             spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s,
+                             service_tiers, Admission(spec.admission_margin, predict=predict))
     for role, n in roles.items():
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,
-                              max_model_len=model.max_model_len)
+                              max_model_len=model.max_model_len, service_tiers=tuple(spec.service_tiers))
         engines[role] = [SimEngine(f"{role}-{i}", role, loop, time_model, cfg, blocks, spec.block_size,
                                    block_bytes, tiers, conductor, spec.fast_forward,
                                    vocab_size=max(model.vocab, 1024), kv_eviction_policy=spec.kv_eviction_policy)
@@ -141,9 +152,11 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
 
 def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel, *,
              vocab_size: int = 32000, block_tokens: int = 512, prompt_seed: int = 0,
-             progress: Callable[[int, float], None] | None = None, until_s: float = float("inf")) -> SimRun:
+             progress: Callable[[int, float], None] | None = None, until_s: float = float("inf"),
+             tiers: list[str] | None = None) -> SimRun:
     """Replay `workload`; `progress(num_finished, sim_time)` is called now and then. The simulation stops at
-    simulated time `until_s`; requests not finished by then are marked unfinished."""
+    simulated time `until_s`; requests not finished by then are marked unfinished. `tiers`: each request's
+    service tier (`pdserve bench serve --tier-mix`'s assignment), else none."""
     wall0 = time.perf_counter()
     loop, conductor, engines = build(spec, model, gpu, time_model)
     prompts = iter_prompt_arrays(workload, vocab_size, block_tokens=block_tokens, seed=prompt_seed)
@@ -156,7 +169,7 @@ def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSp
         prompt.frombytes(next(prompts).astype("int64", copy=False).tobytes())
         rec = RequestRecord(start_s=loop.now, prompt_tokens=spec_i.input_len)
         records.append(rec)
-        conductor.submit(f"r{i}", prompt, spec_i.output_len, rec)
+        conductor.submit(f"r{i}", prompt, spec_i.output_len, rec, tier=tiers[i] if tiers else None)
         if i + 1 < len(reqs):
             loop.at(reqs[i + 1].arrival_s, arrive, i + 1, prio=MESSAGE)
 

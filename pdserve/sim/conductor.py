@@ -1,12 +1,13 @@
-"""The simulated conductor: the real conductor's flow, driving real engines, on simulated time.
+"""The simulated cluster around the conductor: the real `ConductorCore` decides, on simulated time.
 
-Per request (as `pdserve.cluster.conductor.Conductor.submit` does): hash the prompt's blocks, pick workers
-with the real routing policy over `WorkerLoad`s (outstanding counts and remembered prefixes), then
-* colocated: the worker runs the whole request;
-* pd: the decode worker queues a reservation; at a step boundary it grants reservations in order while
-  blocks last (`Scheduler.reserve_kv`, as `DecodeSide.try_reserve`); the conductor then dispatches the
-  prompt to the prefill worker as a `prefill_only` request (as `PrefillSide.add`), predicting when the
-  blocks will be consumed. Each prefill step pushes the chunk's new blocks over the link while it computes
+Every conductor decision (route, admit or reject, dispatch the prefill once blocks are reserved, abort) is
+made by `pdserve.cluster.conductor_core.ConductorCore`, the same object the gateway drives; this module
+carries out its actions on simulated workers and models what the real workers do with them:
+* colocated: `generate` — the worker runs the whole request;
+* pd: `reserve` — the decode worker queues a reservation; at a step boundary it grants reservations in
+  order while blocks last (`Scheduler.reserve_kv`, as `DecodeSide.try_reserve`) and reports `reserved` to
+  the core, whose `prefill` command puts the prompt on the prefill worker as a `prefill_only` request (as
+  `PrefillSide.add`); the consumption of its blocks is predicted then. Each prefill step pushes the chunk's new blocks over the link while it computes
   (a partly filled block goes again, complete, with the next chunk, as `on_layer` does); the last one
   samples the first token. When the prefill is done and every flow has landed, the decode worker settles
   the transfer (`kv_delivered` with that token, which is the request's first output, or `kv_failed` for an
@@ -21,15 +22,21 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from collections import Counter
+
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy
-from pdserve.core.block_hash import hash_blocks
+from pdserve.cluster.admission import Admission
+from pdserve.cluster.conductor import params_dict
+from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Send
+from pdserve.cluster.routing import RoutingPolicy
 from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.link import LinkModel
 from pdserve.sim.predict import ConsumptionPredictor
+from pdserve.sim.timemodel import StepShape
 
 CONSUME_TOLERANCE_S = 0.005
 
@@ -41,6 +48,7 @@ class Flight:
     params: SamplingParams
     record: RequestRecord
     priority: int = 0  # as the real conductor's: carried to both workers' schedulers
+    tier: str = "default"
     decode: SimEngine | None = None
     prefill: SimEngine | None = None
     next_block: int = 0  # first block-table index not yet sent in full
@@ -74,8 +82,13 @@ class SimConductor(EngineHooks):
     def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel,
                  predictor: ConsumptionPredictor | None, block_size: int, block_bytes: int,
                  failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
-                 control_latency_s: float = 0.0) -> None:
-        self.mode, self.policy, self.links = mode, policy, links
+                 control_latency_s: float = 0.0, tiers: ServiceTiers | None = None,
+                 admission: Admission | None = None) -> None:
+        self.mode, self.links = mode, links
+        self.core = ConductorCore(mode, policy, tiers, admission, block_size)
+        self.counts: Counter = Counter()  # the core's Count actions: (metric, labels) -> n
+        self.decisions: list | None = None  # set to [] to record (event, actions) pairs
+        self.observe_steps = admission is not None and admission.predict
         self.control_s = control_latency_s  # one gateway <-> worker message
         self.loop = links.loop
         self.predictor, self.block_size, self.block_bytes = predictor, block_size, block_bytes
@@ -89,6 +102,11 @@ class SimConductor(EngineHooks):
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
         self.engines = engines
+        self.by_name = {e.name: e for es in engines.values() for e in es}
+        for e in self.by_name.values():
+            e.load = self.core.add_worker(e.name, e.role, e.load)
+            self.core.worker_ready(e.name, {"block_size": self.block_size,
+                                            "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens})
         self.ports = {e.name: self.links.link(e.name, port_bw) for es in engines.values() for e in es}
         decode, prefill = engines.get("decode", []), engines.get("prefill", [])
         self.pending: dict[str, list[Flight]] = {e.name: [] for e in decode}
@@ -96,25 +114,71 @@ class SimConductor(EngineHooks):
         self.queued_tokens: dict[str, int] = {e.name: 0 for e in prefill}
 
     # ---- intake -----------------------------------------------------------------------------------------
-    def submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int = 0) -> None:
+    def submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int = 0,
+               tier: str | None = None) -> None:
         f = Flight(rid, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), record,
-                   priority)
-        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        if self.mode == "colocated":
-            f.decode = self._pick("colocated", hashes)
-        else:
-            f.decode, f.prefill = self._pick("decode", hashes), self._pick("prefill", hashes)
+                   priority, tier or "default")
+        record.service_tier = tier
+        actions = self._core("arrive", rid, prompt, params_dict(f.params), self.loop.now, tier=f.tier,
+                             priority=priority)
+        state = self.core.flights.get(rid)
+        if state is None:  # refused on arrival
+            f.finished = True
+            self._ended(f, actions)
+            return
+        f.decode, f.prefill = self.by_name[state.decode], self.by_name.get(state.prefill)
         self.flights[rid] = f
-        f.decode.load.outstanding += 1
-        f.decode.load.remember(hashes)
         if self.ttft_timeout_s is not None:
             self.loop.at(self.loop.now + self.ttft_timeout_s, self._timeout, f)
-        if self.mode == "colocated":
-            f.decode.post(lambda: self._add(f.decode, f, self._request(f.prompt, f)), self.control_s)
-            return
-        f.prefill.load.outstanding += 1
-        f.prefill.load.remember(hashes)
-        self.pending_append(f)
+        self._act(actions)
+
+    # ---- the core's actions -------------------------------------------------------------------------------
+    def _core(self, event: str, *args, **kwargs) -> list:
+        actions = getattr(self.core, event)(*args, **kwargs)
+        if self.decisions is not None:
+            self.decisions.append((event, args, kwargs, actions))
+        return actions
+
+    def _act(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._command(self.by_name[action.worker], action.cmd)
+            elif isinstance(action, Count):
+                self.counts[(action.metric, action.labels)] += 1
+            elif isinstance(action, Fail) and action.rid in self.flights:
+                f = self.flights[action.rid]
+                self._finish(f)
+                self._ended(f, [action])
+
+    def _ended(self, f: Flight, actions: list) -> None:
+        """A request refused or failed by the core: its record says why."""
+        for action in actions:
+            if isinstance(action, Count):
+                self.counts[(action.metric, action.labels)] += 1
+            elif isinstance(action, Fail):
+                rec = f.record
+                rec.error = f"HTTP {action.status}: {action.message}"
+                rec.end_s, rec.rejected = self.loop.now, action.status == 429
+
+    def _command(self, engine: SimEngine, cmd: dict) -> None:
+        """What a worker does with a command (as `pdserve.cluster.worker.Worker._handle`)."""
+        kind, rid = cmd["type"], cmd.get("rid")
+        f = self.flights.get(rid)
+        if kind == "generate":
+            engine.post(lambda: self._add(engine, f, self._request(f.prompt, f)), self.control_s)
+        elif kind == "reserve":
+            self.pending_append(f)
+        elif kind == "prefill":
+            self._dispatch(f, engine, -(-len(f.prompt) // self.block_size) - cmd["first_block"])
+        elif kind == "abort":
+            engine.post(lambda: engine.engine.abort([rid]), self.control_s)
+        elif kind == "kv_failed":
+            engine.post(lambda: self._kv_failed(engine, rid), self.control_s)
+
+    def _kv_failed(self, engine: SimEngine, rid: str) -> None:
+        req = engine.scheduler.requests.get(rid)
+        if req is not None and req.status.name == "WAITING_FOR_KV":
+            engine.scheduler.kv_failed(rid)
 
     def pending_append(self, f: Flight) -> None:
         """The decode worker makes the request when the reservation reaches it and queues it in its queue
@@ -127,12 +191,7 @@ class SimConductor(EngineHooks):
     def _request(self, prompt, f: Flight, prefill_only: bool = False) -> SimRequest:
         """Stamped with the simulated time it reaches its worker (the real worker stamps its own clock)."""
         return SimRequest(f.rid, prompt, f.params, arrival_s=self.loop.now, priority=f.priority,
-                          prefill_only=prefill_only)
-
-    def _pick(self, role: str, hashes) -> SimEngine:
-        engines = self.engines[role]
-        load = self.policy.pick([e.load for e in engines], hashes)
-        return next(e for e in engines if e.load is load)
+                          prefill_only=prefill_only, service_tier=f.tier)
 
     def _add(self, engine: SimEngine, f: Flight, req: SimRequest) -> None:
         if f.finished:
@@ -171,15 +230,14 @@ class SimConductor(EngineHooks):
                 break
             pending.pop(0)
             f.next_block = cached // bs
-            needed = 0 if cached >= len(f.prompt) - 1 else -(-len(f.prompt) // bs) - f.next_block
-            if needed <= 0:
-                self._release_prefill(f)
+            needs_prefill = cached < len(f.prompt) - 1
+            if not needs_prefill:
                 self.ready[engine.name].append(f)
-            else:
-                self._dispatch(f, needed)
+            xfer = self.core.flights[f.rid].xfer
+            self._act(self._core("reserved", f.rid, xfer, needs_prefill, engine.name, f.next_block))
 
-    def _dispatch(self, f: Flight, needed_blocks: int) -> None:
-        p, tokens = f.prefill, len(f.prompt)
+    def _dispatch(self, f: Flight, p: SimEngine, needed_blocks: int) -> None:
+        tokens = len(f.prompt)
         if self.predictor is not None:
             f.predicted_s = self.predictor.predict(self.loop.now, p, f.decode, tokens, self._backlog(p),
                                                    min(needed_blocks, 512) * self.block_bytes)
@@ -211,6 +269,10 @@ class SimConductor(EngineHooks):
 
     # ---- prefill side: layer-by-layer push ---------------------------------------------------------------
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
+        if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
+            shape = StepShape.of(scheduled)
+            self._core("worker_steps", engine.name, [(shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,
+                                                      shape.decode_context, duration_s)])
         if engine.role == "prefill":
             for chunk in scheduled.chunks:
                 f = self.flights.get(chunk.request_id)
@@ -266,7 +328,7 @@ class SimConductor(EngineHooks):
             if out.finish_reason == "prefilled":
                 f.prefilled = True
                 f.first_token = out.token_ids[-1] if out.token_ids else None
-                self._release_prefill(f)
+                self._act(self._core("prefilled", f.rid, end_s + self.control_s))
                 self._maybe_done(f, self.links.latency_s)
                 continue
             self._token(engine, f, out.token_ids, out.finished, end_s)
@@ -277,6 +339,8 @@ class SimConductor(EngineHooks):
         rec.token_times.append(at_s)
         if rec.first_token_s is None:
             rec.first_token_s = at_s
+        if rec.first_token_s == at_s or finished:  # the core hears of the first and the last token
+            self._act(self._core("token", f.rid, len(token_ids) - 1, finished, at_s))
         if finished:
             rec.output_tokens = len(token_ids)
             rec.end_s = at_s
@@ -292,17 +356,11 @@ class SimConductor(EngineHooks):
                 self._consumed(f, start_s)
 
     # ---- endings ----------------------------------------------------------------------------------------
-    def _release_prefill(self, f: Flight) -> None:
-        if f.prefill is not None and not f.finished:
-            f.prefill.load.outstanding -= 1
-            f.prefill = None
-
     def _finish(self, f: Flight) -> None:
+        """The simulator's own bookkeeping of an ended request (the core keeps its own)."""
         if f.finished:
             return
-        self._release_prefill(f)
         f.finished = True
-        f.decode.load.outstanding -= 1
         del self.flights[f.rid]
         self.awaiting.pop(f.rid, None)
         self.num_finished += 1
@@ -319,7 +377,5 @@ class SimConductor(EngineHooks):
         self._fail(f, f"aborted: no first token within {self.ttft_timeout_s} s")
 
     def _abort_everywhere(self, f: Flight) -> None:
-        for engine in (f.decode, f.prefill):
-            if engine is not None:
-                engine.post(lambda e=engine: e.engine.abort([f.rid]))
+        self._act(self._core("abort", f.rid))
         self._finish(f)

@@ -15,6 +15,12 @@ run carries a `sim` block next to its bench `summary`:
 * `cost`: GPU-hours and USD per 1k output tokens and per 1k tokens (prompt + output);
 * `engines`: steps, fast-forwarded steps, busy share, prefix hits and preemptions per engine.
 Per-request token times are cut to the first and last in result.json (the summary used all of them).
+
+Service tiers: records tagged with a `service_tier` (and `rejected` for refusals) give each summary a
+`per_tier` block, judged by the SLOs in `SimResult.service_tiers` (the `--service-tier` specs, inherited from
+`BenchResult`; pass `service_tiers=args.service_tier, tier_mix=...` when building the result). The per-tier
+table is printed by `pdserve.bench.report.print_table` (which `pdserve simulate` prints before the simulator
+tables), built by `pdserve.bench.report.tier_table(result)`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""Prediction-based admission: refuse at once a request whose service tier's SLO it would miss.
+
+Per worker, an online fit of step time in the family the simulator's fitted time model uses (DistServe's:
+prefill `a + b * tokens + c * tokens^2` per chunk, decode `a + b * context + c * batch`,
+`pdserve.sim.timemodel.FittedTimeModel`), refreshed from the worker's live step times (real workers report
+their recent steps in their `stats` events; the simulator reports every simulated step). From it:
+
+    TTFT = half a step (the worker's current one) when it has a backlog
+         + prefill of (the backlog ahead of this request on its prefill worker + its own uncached tokens),
+           in chunks of the worker's token budget, the last one topped up with the backlog behind it (lower
+           tiers batched into the same step); each chunk also carries the decode batch of a colocated worker
+         + the delivery tail (prefill done -> first token at the gateway, a moving average of live ones)
+    TPOT = one decode step of the decode worker's batch with this request in it
+
+"Backlog ahead" counts the prompt tokens routed to that worker and not yet prefilled, of the request's own
+tier rank or better (priority goes before default and flex; `pdserve.core.service_tiers`). A request is
+rejected (HTTP 429, code `slo_unattainable`, `Retry-After`) when a prediction exceeds its tier's SLO by more
+than `margin` (a fraction). A tier without an SLO is never rejected by prediction; every tier is rejected
+(`queue_full`) when its worker has `max_outstanding` requests already. Until a worker has reported
+`MIN_SAMPLES` steps of a kind, nothing is predicted from them (everything is admitted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.core.service_tiers import ServiceTier
+
+MIN_SAMPLES = 8
+WINDOW = 256  # recent steps of each kind kept per worker
+REFIT_EVERY = 16  # new samples between two least-squares fits
+DELIVERY_EWMA = 0.2
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # slo_ttft | slo_tpot | queue_full
+    message: str
+    retry_after_s: float
+    code: str = "slo_unattainable"
+
+
+class _Fit:
+    """Least squares `seconds ~ x @ coef` over a sliding window; coefficients clipped at zero."""
+
+    def __init__(self, width: int) -> None:
+        self.rows: deque = deque(maxlen=WINDOW)
+        self.coef: np.ndarray | None = None
+        self.width = width
+        self._new = 0
+
+    def add(self, x: tuple, seconds: float) -> None:
+        self.rows.append((*x, seconds))
+        self._new += 1
+
+    def predict(self, x: tuple) -> float | None:
+        if len(self.rows) < MIN_SAMPLES:
+            return None
+        if self.coef is None or self._new >= REFIT_EVERY:
+            data = np.asarray(self.rows, dtype=float)
+            coef, *_ = np.linalg.lstsq(data[:, :self.width], data[:, self.width], rcond=None)
+            self.coef, self._new = np.clip(coef, 0.0, None), 0
+        return float(np.dot(self.coef, x))
+
+
+@dataclass
+class WorkerModel:
+    budget: int = 2048  # the worker's max_num_batched_tokens
+    prefill: _Fit = field(default_factory=lambda: _Fit(3))  # [1, tokens, tokens^2]
+    decode: _Fit = field(default_factory=lambda: _Fit(3))  # [1, context, batch]
+    mean_context: float = 0.0  # per decoding request, a moving average
+    delivery_s: float | None = None
+
+    def observe(self, prefill_tokens: int, prefill_sq: int, decode_seqs: int, decode_context: int,
+                seconds: float) -> None:
+        if decode_seqs and not prefill_tokens:
+            self.decode.add((1.0, decode_context, decode_seqs), seconds)
+            self.mean_context += 0.05 * (decode_context / decode_seqs - self.mean_context)
+        elif prefill_tokens and not decode_seqs:
+            self.prefill.add((1.0, prefill_tokens, prefill_sq), seconds)
+
+    def decode_s(self, batch: int) -> float | None:
+        return self.decode.predict((1.0, batch * self.mean_context, batch)) if batch else 0.0
+
+    def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0) -> float | None:
+        """`tokens` in budget-sized chunks; the last one is topped up with `fill` more tokens (lower tiers'
+        prompts batched into the same step); each chunk of a colocated worker also carries its decode batch."""
+        full, rest = divmod(max(tokens, 0), self.budget)
+        rest = min(rest + fill, self.budget) if rest else 0
+        one = self.prefill.predict((1.0, self.budget, self.budget ** 2)) if full else 0.0
+        last = self.prefill.predict((1.0, rest, rest * rest)) if rest else 0.0
+        if one is None or last is None:
+            return None
+        t = full * one + last
+        if decode_batch:
+            per_step = self.decode_s(decode_batch)
+            t += (full + (rest > 0)) * (per_step or 0.0)
+        return t
+
+
+class Admission:
+    def __init__(self, margin: float = 0.1, max_outstanding: int = 4096, predict: bool = True) -> None:
+        self.margin, self.max_outstanding, self.predict = margin, max_outstanding, predict
+        self.models: dict[str, WorkerModel] = {}
+
+    def model(self, worker: str) -> WorkerModel:
+        if worker not in self.models:
+            self.models[worker] = WorkerModel()
+        return self.models[worker]
+
+    def observe_steps(self, worker: str, steps) -> None:
+        """`steps`: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)]."""
+        model = self.model(worker)
+        for step in steps:
+            model.observe(*step)
+
+    def observe_delivery(self, worker: str, seconds: float) -> None:
+        model = self.model(worker)
+        model.delivery_s = seconds if model.delivery_s is None else (
+            model.delivery_s + DELIVERY_EWMA * (seconds - model.delivery_s))
+
+    def predict_ttft_s(self, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
+                       decoding: int) -> float | None:
+        """`ahead`: backlog tokens of the request's tier rank or better; `behind`: the rest of the backlog
+        (they share the request's last step). A busy worker's current step is half done on average."""
+        colocated = producer == decoder
+        model = self.model(producer)
+        t = model.prefill_s(ahead + tokens, decoding if colocated else 0, behind)
+        if t is None:
+            return None
+        if ahead + behind:
+            t += 0.5 * (model.prefill_s(model.budget) or 0.0)
+        return t + (0.0 if colocated else (self.model(decoder).delivery_s or 0.0))
+
+    def check(self, tier: ServiceTier, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
+              decoding: int, outstanding: int, now: float) -> Rejection | None:
+        if outstanding >= self.max_outstanding:
+            return Rejection("queue_full", f"worker {decoder} has {outstanding} requests queued; try again later",
+                             1.0, code="queue_full")
+        if not self.predict or not tier.has_slo:
+            return None
+        slack = 1.0 + self.margin
+        if tier.ttft_ms is not None:
+            ttft = self.predict_ttft_s(producer, decoder, tokens, ahead, behind, decoding)
+            if ttft is not None and ttft * 1000.0 > tier.ttft_ms * slack:
+                return Rejection("slo_ttft", f"predicted time to first token {ttft * 1000:.0f} ms exceeds the "
+                                 f"{tier.name} tier's {tier.ttft_ms:g} ms SLO", _retry(ttft - tier.ttft_ms / 1000))
+        if tier.tpot_ms is not None:
+            tpot = self.model(decoder).decode_s(decoding + 1)
+            if tpot is not None and tpot * 1000.0 > tier.tpot_ms * slack:
+                return Rejection("slo_tpot", f"predicted time per output token {tpot * 1000:.0f} ms exceeds the "
+                                 f"{tier.name} tier's {tier.tpot_ms:g} ms SLO", _retry(1.0))
+        return None
+
+
+def _retry(seconds: float) -> float:
+    """Retry-After: whole seconds, at least one."""
+    return float(max(1, math.ceil(seconds)))

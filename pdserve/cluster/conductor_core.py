@@ -1,0 +1,265 @@
+"""The conductor's decisions, sans I/O: events in, actions out; one copy for the gateway and the simulator.
+
+No asyncio, sockets or wall clock here (the caller passes `now`). The gateway (`cluster/conductor.py`) drives
+it with ZeroMQ events and the real clock; the simulator (`sim/conductor.py`) with its event loop and
+simulated time. What it decides:
+
+* **route** a request (the routing policy over `WorkerLoad`s: outstanding counts, remembered prefixes);
+* **admit or reject** it: no live worker (503), a full queue or a predicted SLO miss (429 with Retry-After,
+  `pdserve.cluster.admission`);
+* in PD mode, ask the decode worker to **reserve** KV blocks, then **dispatch** the prefill to the prefill
+  worker once they are reserved (or not at all, when the decode worker has every prompt token but the last);
+* react to **failures**: a dead decode worker fails its requests; a dead prefill worker (or none left) makes
+  the decode worker recompute (`kv_failed`, a counted fallback); a failed delivery aborts the moot prefill;
+* track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`).
+
+Actions: `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the request with an error the
+client sees), `Count(metric, labels)` (a counted event for the metrics).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pdserve.cluster.admission import Admission, Rejection
+from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.core.block_hash import hash_blocks
+from pdserve.core.service_tiers import ServiceTiers
+
+
+@dataclass(frozen=True)
+class Send:
+    worker: str
+    cmd: dict
+
+
+@dataclass(frozen=True)
+class Fail:
+    rid: str
+    status: int
+    message: str
+    code: str
+    retry_after_s: float | None = None
+
+    @property
+    def event(self) -> dict:
+        """The error event a request's stream ends with."""
+        return {"type": "error", "status": self.status, "message": self.message, "code": self.code,
+                "etype": "server_error" if self.status >= 500 else (
+                    "rate_limit_error" if self.status == 429 else "invalid_request_error"),
+                "retry_after_s": self.retry_after_s}
+
+
+@dataclass(frozen=True)
+class Count:
+    metric: str
+    labels: tuple = ()  # ((name, value), ...)
+
+
+@dataclass
+class FlightState:
+    rid: str
+    prompt: list
+    params: dict
+    tier: str
+    arrival_s: float
+    priority: int = 0
+    pin: tuple | None = None
+    decode: str | None = None
+    prefill: str | None = None
+    xfer: str = ""
+    queued_tokens: int = 0  # prompt tokens it adds to its prefill worker's backlog until prefilled
+    prefilled_s: float | None = None  # PD: when the prefill worker reported the prompt done
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Backlog:
+    """The conductor's own view of one worker's queue: prompt tokens routed there and not yet prefilled, by
+    tier rank; requests decoding there."""
+    tokens: dict = field(default_factory=lambda: {0: 0, 1: 0})
+    decoding: int = 0
+
+
+class ConductorCore:
+    def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
+                 admission: Admission | None = None, block_size: int = 16) -> None:
+        self.mode, self.policy = mode, policy
+        self.tiers = tiers or ServiceTiers()
+        self.admission = admission
+        self.block_size = block_size
+        self.workers: dict[str, WorkerLoad] = {}
+        self.backlog: dict[str, Backlog] = {}
+        self.flights: dict[str, FlightState] = {}
+        self._xfers = itertools.count()
+
+    # ---- workers ----------------------------------------------------------------------------------------
+    def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
+        self.workers[name] = load or WorkerLoad(name, role)
+        self.backlog[name] = Backlog()
+        return self.workers[name]
+
+    def role(self, role: str) -> list[WorkerLoad]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def worker_ready(self, name: str, info: dict) -> None:
+        self.block_size = info.get("block_size", self.block_size)
+        if self.admission is not None:
+            self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
+
+    def worker_steps(self, name: str, steps) -> list:
+        """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)]."""
+        if self.admission is not None and steps:
+            self.admission.observe_steps(name, steps)
+        return []
+
+    def worker_died(self, name: str) -> list:
+        load = self.workers[name]
+        load.alive = False
+        actions: list = [Count("worker_deaths", (("worker", name),))]
+        for f in list(self.flights.values()):
+            if f.decode == name:
+                actions += self._fail(f, 503, f"worker {name} died while serving this request", "worker_died")
+            elif f.prefill == name:
+                actions.append(Send(f.decode, {"type": "kv_failed", "xfer": f.xfer}))
+        return actions
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
+               priority: int = 0, pin: tuple | None = None) -> list:
+        f = FlightState(rid, prompt, params, tier, now, priority, pin)
+        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        first = self._pick("colocated" if self.mode == "colocated" else "decode", hashes)
+        second = self._pick("prefill", hashes) if self.mode == "pd" else None
+        if first is None:
+            return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
+                    Fail(rid, 503, "no live worker can serve this request", "no_worker")]
+        rejection = self._admit(f, first, second, hashes, now)
+        if rejection is not None:
+            return [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
+                    Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
+        self.flights[rid] = f
+        f.decode = first.name
+        first.outstanding += 1
+        first.remember(hashes)
+        producer = second if second is not None else first
+        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)
+        self.backlog[producer.name].tokens[self.tiers[tier].rank] += f.queued_tokens
+        if self.mode == "colocated":
+            return [Send(first.name, {"type": "generate", **self._request_fields(f)})]
+        f.xfer = f"{rid}#{next(self._xfers)}"
+        if second is not None:
+            f.prefill = second.name
+            second.outstanding += 1
+            second.remember(hashes)
+        return [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
+
+    def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
+               ) -> Rejection | None:
+        if self.admission is None:
+            return None
+        producer = second if second is not None else first
+        cached = producer.prefix_blocks(hashes) * self.block_size
+        rank = self.tiers[f.tier].rank
+        tokens = self.backlog[producer.name].tokens
+        ahead = sum(n for r, n in tokens.items() if r <= rank)
+        return self.admission.check(self.tiers[f.tier], producer.name, first.name, len(f.prompt) - cached, ahead,
+                                    sum(tokens.values()) - ahead, self.backlog[first.name].decoding,
+                                    first.outstanding, now)
+
+    def _request_fields(self, f: FlightState) -> dict:
+        return {"rid": f.rid, "prompt": f.prompt, "params": f.params, "priority": f.priority, "pin": f.pin,
+                "tier": f.tier}
+
+    def _pick(self, role: str, hashes) -> WorkerLoad | None:
+        return self.policy.pick(self.role(role), hashes)
+
+    def abort(self, rid: str) -> list:
+        """The client is gone (or a stop string ended it): stop it everywhere."""
+        f = self.flights.get(rid)
+        if f is None:
+            return []
+        self._finish(f)
+        return [Send(w, {"type": "abort", "rid": rid}) for w in (f.decode, f.prefill) if w is not None]
+
+    # ---- worker events ----------------------------------------------------------------------------------
+    def reserved(self, rid: str, xfer: str, needs_prefill: bool, kv_addr: str, first_block: int) -> list:
+        f = self.flights.get(rid)
+        if f is None or f.xfer != xfer:
+            return []
+        if not needs_prefill:
+            self._prefill_done(f)
+            return []
+        if f.prefill is None or not self.workers[f.prefill].alive:
+            self._prefill_done(f)
+            return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
+                    Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+        return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "xfer": f.xfer,
+                                 "first_block": first_block})]
+
+    def prefilled(self, rid: str, now: float) -> list:
+        f = self.flights.get(rid)
+        if f is not None:
+            f.prefilled_s = now
+            self._prefill_done(f)
+        return []
+
+    def transfer_outcome(self, rid: str, outcome: str) -> list:
+        f = self.flights.get(rid)
+        if outcome != "recompute" or f is None or f.prefill is None:
+            return []
+        prefill = f.prefill
+        self._prefill_done(f)  # its work is moot now: the decode worker recomputes
+        return [Send(prefill, {"type": "abort", "rid": rid})]
+
+    def token(self, rid: str, index: int, finished: bool, now: float) -> list:
+        f = self.flights.get(rid)
+        if f is None or index < f.num_tokens:
+            return []  # a duplicate (a simulator may report only some tokens: the first and the last)
+        f.num_tokens = index + 1
+        if f.first_token_s is None:
+            f.first_token_s = now
+            if f.prefilled_s is not None and self.admission is not None:
+                self.admission.observe_delivery(f.decode, now - f.prefilled_s)
+            self._prefill_done(f)
+            self.backlog[f.decode].decoding += 1
+        f.last_token_s = now
+        if not finished:
+            return []
+        self._finish(f)
+        return [Count("slo_attained", (("service_tier", f.tier),))] if self._attained(f) else []
+
+    def worker_error(self, rid: str) -> list:
+        """A worker reported an error for this request: the caller ends its stream with it; abort the rest."""
+        return self.abort(rid)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def _attained(self, f: FlightState) -> bool:
+        tier = self.tiers[f.tier]
+        ttft_ms = (f.first_token_s - f.arrival_s) * 1000.0
+        tpot_ms = (f.last_token_s - f.first_token_s) * 1000.0 / max(f.num_tokens - 1, 1)
+        return (tier.ttft_ms is None or ttft_ms <= tier.ttft_ms) and (tier.tpot_ms is None or tpot_ms <= tier.tpot_ms)
+
+    def _prefill_done(self, f: FlightState) -> None:
+        if f.queued_tokens:
+            producer = f.prefill or f.decode
+            self.backlog[producer].tokens[self.tiers[f.tier].rank] -= f.queued_tokens
+            f.queued_tokens = 0
+        if f.prefill is not None:
+            self.workers[f.prefill].outstanding -= 1
+            f.prefill = None
+
+    def _finish(self, f: FlightState) -> None:
+        if self.flights.pop(f.rid, None) is None:
+            return
+        self._prefill_done(f)
+        if f.first_token_s is not None:
+            self.backlog[f.decode].decoding -= 1
+        self.workers[f.decode].outstanding -= 1
+
+    def _fail(self, f: FlightState, status: int, message: str, code: str) -> list:
+        self._finish(f)
+        return [Fail(f.rid, status, message, code)]

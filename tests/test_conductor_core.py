@@ -1,0 +1,194 @@
+"""One conductor, two clocks: the gateway's driver and the simulator's make the same decisions.
+
+The simulator runs a PD cluster (2 prefill + 2 decode engines) with service tiers, SLOs and admission, and
+records every event it fed the `ConductorCore` with the actions it got back. The same event sequence is then
+fed to the real gateway conductor (`cluster/conductor.py`) over real ZeroMQ sockets, on a clock that reads
+the recorded times: every command each worker socket receives, every request refused or failed, and the
+counted metrics must be what the simulator's core decided.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections import Counter
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.admission import Admission
+from pdserve.cluster.conductor import Conductor
+from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Send
+from pdserve.cluster.routing import make_routing_policy
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.service_tiers import ServiceTiers
+from pdserve.server.metrics import Metrics
+from pdserve.sim.cluster import ClusterSpec, build
+from pdserve.sim.events import MESSAGE
+from pdserve.sim.hardware import get_gpu, get_model
+from pdserve.sim.timemodel import RooflineTimeModel
+
+MODEL, GPU = get_model("llama-3-8b"), get_gpu("h100")
+TIER_SPECS = ("priority:ttft_ms=400,share=0.25", "default:ttft_ms=150,tpot_ms=40", "flex:ttft_ms=60")
+TIER_CYCLE = ("priority", "default", "flex", "default", "flex")
+NUM = 90
+
+
+def _simulate_and_record():
+    spec = ClusterSpec(mode="pd", num_prefill=2, num_decode=2, max_num_seqs=8, num_kv_blocks=400,
+                       service_tiers=TIER_SPECS, host_kv_gb=0)
+    loop, conductor, _ = build(spec, MODEL, GPU, RooflineTimeModel(MODEL, GPU, 1))
+    conductor.decisions = []
+    records = []
+
+    def arrive(i: int) -> None:
+        # three shared prefixes, so routing has affinity to weigh; 2,048-token prompts queue up on prefill
+        prompt = array("q", [1000 * (i % 3) + k for k in range(1024)] + [50_000 + 64 * i + k for k in range(1024)])
+        records.append(RequestRecord(start_s=loop.now, prompt_tokens=len(prompt)))
+        conductor.submit(f"r{i}", prompt, 24, records[-1], tier=TIER_CYCLE[i % len(TIER_CYCLE)])
+
+    for i in range(NUM):
+        loop.at(i * 0.015, arrive, i, prio=MESSAGE)
+    loop.run()
+    return conductor, records
+
+
+def _replay_on_real_conductor(decisions, tmp_path) -> tuple[dict, dict, Metrics]:
+    """Feed the recorded events to the gateway's conductor; return the commands each worker socket got, the
+    error events of refused or failed requests, and the metrics."""
+    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    now = [0.0]
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        events = ctx.socket(zmq.PULL)
+        events.bind(f"ipc://{tmp_path}/events")
+        metrics = Metrics()
+        conductor = Conductor(ctx, events, "pd", make_routing_policy("prefix-affinity"), metrics,
+                              ServiceTiers.from_specs(TIER_SPECS), Admission(0.1), clock=lambda: now[0])
+        pulls = {}
+        for name in names:
+            pulls[name] = ctx.socket(zmq.PULL)
+            pulls[name].bind(f"ipc://{tmp_path}/{name}.cmd")
+            conductor.add_worker(name, name.split("-")[0], f"ipc://{tmp_path}/{name}.cmd")
+            conductor.on_event({"type": "ready", "worker": name, "block_size": 16,
+                                "max_num_batched_tokens": 8192 if name.startswith("prefill") else 2048})
+        flights = {}
+        for event, args, kwargs, _ in decisions:
+            now[0] = _time_of(event, args)
+            if event == "arrive":
+                rid, prompt, params = args[0], list(args[1]), args[2]
+                sp = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+                flights[rid] = await conductor.submit(rid, prompt, sp, kwargs["priority"], None, kwargs["tier"])
+            else:
+                await _feed(conductor, event, args)
+        got = {name: [] for name in names}
+        await asyncio.sleep(0.2)
+        for name, sock in pulls.items():
+            while True:
+                try:
+                    got[name].append(msgpack.unpackb(await asyncio.wait_for(sock.recv(), 0.2)))
+                except TimeoutError:
+                    break
+        last = {rid: f.events._queue[-1] for rid, f in flights.items() if not f.events.empty()}  # noqa: SLF001
+        errors = {rid: e for rid, e in last.items() if e.get("type") == "error"}
+        ctx.destroy(linger=0)
+        return got, errors, metrics
+
+    return asyncio.run(run())
+
+
+def _time_of(event: str, args) -> float:
+    return {"arrive": lambda: args[3], "prefilled": lambda: args[1], "token": lambda: args[3]}.get(
+        event, lambda: 0.0)()
+
+
+async def _feed(conductor: Conductor, event: str, args) -> None:
+    if event == "reserved":
+        rid, xfer, needs, addr, first = args
+        conductor.on_event({"type": "reserved", "rid": rid, "xfer": xfer, "needs_prefill": needs, "kv_addr": addr,
+                            "first_block": first})
+    elif event == "prefilled":
+        conductor.on_event({"type": "prefilled", "rid": args[0], "failed": None})
+    elif event == "token":
+        rid, index, finished, _ = args
+        conductor.on_event({"type": "tokens", "items": [{"rid": rid, "i": index, "t": 7,
+                                                         "fin": "length" if finished else None}]})
+    elif event == "worker_steps":
+        conductor.on_event({"type": "stats", "worker": args[0], "steps": [list(s) for s in args[1]], "running": 0,
+                            "waiting": 0, "blocks_used": 0, "blocks_total": 400, "prompt_tokens": 0})
+    elif event == "abort":
+        await conductor.abort(args[0])
+    else:
+        raise AssertionError(f"unexpected event {event}")
+
+
+def _plain(value):
+    if isinstance(value, array | tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
+    sim, records = _simulate_and_record()
+    decisions = sim.decisions
+    kinds = Counter(event for event, *_ in decisions)
+    assert kinds["arrive"] == NUM and kinds["reserved"] > 0 and kinds["prefilled"] > 0 and kinds["worker_steps"] > 8
+    sent: dict[str, list] = {}
+    failed, counted = {}, Counter()
+    for _, _, _, actions in decisions:
+        for a in actions:
+            if isinstance(a, Send):
+                sent.setdefault(a.worker, []).append(_plain(a.cmd))
+            elif isinstance(a, Fail):
+                failed[a.rid] = (a.status, a.code)
+            elif isinstance(a, Count):
+                counted[(a.metric, a.labels)] += 1
+    rejected = [r for r in records if r.rejected]
+    assert rejected and len(rejected) < NUM, "the workload must make admission refuse some requests, not all"
+    assert {sim_cmd["type"] for cmds in sent.values() for sim_cmd in cmds} >= {"reserve", "prefill"}
+
+    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path)
+    for name in got:
+        assert got[name] == sent.get(name, []), name
+    assert {rid: (e["status"], e["code"]) for rid, e in errors.items()} == failed
+    for (metric, labels), n in counted.items():
+        value = metrics.registry.get_sample_value(f"pdserve_{metric}_total", dict(labels))
+        assert value == n, (metric, labels)
+
+
+def test_core_refuses_with_no_live_worker_and_fails_requests_of_a_dead_decode_worker():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    core.add_worker("prefill-0", "prefill")
+    core.add_worker("decode-0", "decode")
+    actions = core.arrive("a", list(range(40)), {}, 0.0)
+    (send,) = actions
+    assert send == Send("decode-0", {"type": "reserve", "rid": "a", "prompt": list(range(40)), "params": {},
+                                     "priority": 0, "pin": None, "tier": "default", "xfer": "a#0"})
+    # the prefill worker dies before the reservation is granted: the decode worker recomputes
+    assert Send("decode-0", {"type": "kv_failed", "xfer": "a#0"}) in core.worker_died("prefill-0")
+    assert core.reserved("a", "a#0", True, "addr", 0) == [Count("fallbacks", (("kind", "no_prefill_worker"),)),
+                                                          Send("decode-0", {"type": "kv_failed", "xfer": "a#0"})]
+    died = core.worker_died("decode-0")
+    assert [a for a in died if isinstance(a, Fail)] == [Fail("a", 503, "worker decode-0 died while serving this "
+                                                              "request", "worker_died")]
+    assert core.flights == {} and core.workers["decode-0"].outstanding == 0
+    (count, fail) = core.arrive("b", [1, 2, 3], {}, 1.0)
+    assert fail.status == 503 and fail.code == "no_worker"
+
+
+def test_core_counts_slo_attainment_per_tier():
+    tiers = ServiceTiers.from_specs(["default:ttft_ms=100,tpot_ms=10"])
+    core = ConductorCore("colocated", make_routing_policy("least-loaded"), tiers)
+    core.add_worker("colocated-0", "colocated")
+    for rid, first, last in (("fast", 0.05, 0.05 + 3 * 0.009), ("late", 0.2, 0.2 + 3 * 0.009),
+                             ("slow", 0.05, 0.05 + 3 * 0.02)):
+        core.arrive(rid, [1, 2, 3], {}, 0.0)
+        assert core.token(rid, 0, False, first) == []
+        ended = core.token(rid, 3, True, last)
+        assert ended == ([Count("slo_attained", (("service_tier", "default"),))] if rid == "fast" else [])
+    assert core.flights == {} and core.workers["colocated-0"].outstanding == 0
