@@ -115,7 +115,7 @@ def test_admission_refuses_an_unattainable_slo_with_429_and_serves_best_effort_t
 
 
 def test_pd_decode_worker_orders_its_queue_by_tier_and_admission_off_serves_all():
-    server = Server("--max-num-seqs", "1", "--admission", "off", "--service-tier", "flex:ttft_ms=1")
+    server = Server("--max-num-seqs", "1", "--admission", "off", "--service-tier", "default:ttft_ms=1")
     order: list[str] = []
 
     async def main():

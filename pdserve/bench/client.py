@@ -17,6 +17,8 @@ import httpx
 
 from pdserve.bench.metrics import RequestRecord
 
+TIER_PRIORITY = {"priority": 0, "default": 1, "flex": 2}  # `priority` sent with a tier
+
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
                        temperature: float = 0.0, ignore_eos: bool = True,
@@ -24,7 +26,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
     if service_tier is not None:
-        body["service_tier"] = service_tier
+        # and vLLM's equivalent, for servers that only know `--scheduling-policy priority` (lower first)
+        body.update(service_tier=service_tier, priority=TIER_PRIORITY[service_tier])
     start = time.monotonic()
     times: list[float] = []
     usage: dict = {}
