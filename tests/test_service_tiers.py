@@ -127,3 +127,18 @@ def test_a_priority_reservation_takes_blocks_back_from_elastic_requests():
     scheduled = engine.scheduler.schedule()
     assert scheduled.preempted_request_ids == ("e0",)
     assert engine.scheduler.stats.preemptions_by_tier == {"flex": 1}
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--service-tier", "gold:ttft_ms=1"], "unknown tier 'gold'"),
+    (["serve", "--service-tier", "flex:ttft_ms=1", "--service-tier", "flex:ttft_ms=2"], "given twice"),
+    (["serve", "--api-key-tier", "gold"], "--api-key-tier must be"),
+    (["serve", "--admission", "sometimes"], "--admission must be predict or off"),
+    (["simulate", "--workload", "fixed:10,2", "--num-requests", "1", "--model", "llama-3-8b",
+      "--service-tier", "priority:share=2"], "share must be in [0, 1)"),
+])
+def test_bad_tier_flags_are_one_line_cli_errors(argv, fragment, capsys):
+    from pdserve.cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and "Traceback" not in err

@@ -1,8 +1,8 @@
 """Prediction-based admission: refuse at once a request whose service tier's SLO it would miss.
 
 Per worker, an online fit of step time in the family the simulator's fitted time model uses (DistServe's:
-prefill `a + b * tokens + c * tokens^2` per chunk, decode `a + b * context + c * batch`,
-`pdserve.sim.timemodel.FittedTimeModel`), refreshed from the worker's live step times (real workers report
+prefill `a + b * tokens + c * tokens^2` per chunk, decode `a + b * context + c * batch`, a mixed step both
+parts with one `a`: `pdserve.sim.timemodel.FittedTimeModel`), refreshed from the worker's live step times (real workers report
 their recent steps in their `stats` events; the simulator reports every simulated step). From it:
 
     TTFT = half a step (the worker's current one) when it has a backlog
@@ -17,7 +17,7 @@ tier rank or better (priority goes before default and flex; `pdserve.core.servic
 rejected (HTTP 429, code `slo_unattainable`, `Retry-After`) when a prediction exceeds its tier's SLO by more
 than `margin` (a fraction). A tier without an SLO is never rejected by prediction; every tier is rejected
 (`queue_full`) when its worker has `max_outstanding` requests already. Until a worker has reported
-`MIN_SAMPLES` steps of a kind, nothing is predicted from them (everything is admitted).
+`MIN_SAMPLES` steps, nothing is predicted (everything is admitted).
 """
 
 from __future__ import annotations
@@ -69,36 +69,43 @@ class _Fit:
 
 @dataclass
 class WorkerModel:
+    """One least-squares fit over every step, pure and mixed: seconds ~ a + b * prefill tokens + c * sum of
+    their squares + d * decode context + e * decode batch (a mixed step costs both parts and one `a`, as the
+    fitted time model has it), so a colocated worker, whose steps are mostly mixed, is modelled too."""
     budget: int = 2048  # the worker's max_num_batched_tokens
-    prefill: _Fit = field(default_factory=lambda: _Fit(3))  # [1, tokens, tokens^2]
-    decode: _Fit = field(default_factory=lambda: _Fit(3))  # [1, context, batch]
+    fit: _Fit = field(default_factory=lambda: _Fit(5))
     mean_context: float = 0.0  # per decoding request, a moving average
     delivery_s: float | None = None
 
     def observe(self, prefill_tokens: int, prefill_sq: int, decode_seqs: int, decode_context: int,
                 seconds: float) -> None:
-        if decode_seqs and not prefill_tokens:
-            self.decode.add((1.0, decode_context, decode_seqs), seconds)
+        self.fit.add((1.0, prefill_tokens, prefill_sq, decode_context, decode_seqs), seconds)
+        if decode_seqs:
             self.mean_context += 0.05 * (decode_context / decode_seqs - self.mean_context)
-        elif prefill_tokens and not decode_seqs:
-            self.prefill.add((1.0, prefill_tokens, prefill_sq), seconds)
+
+    def _prefill_chunk_s(self, n: int, prompt: int) -> float | None:
+        """A step of `n` prompt tokens made of prompts of about `prompt` tokens (the quadratic term is per
+        prompt: sum of squares ~ n * prompt)."""
+        return self.fit.predict((1.0, n, n * min(n, prompt), 0.0, 0.0))
 
     def decode_s(self, batch: int) -> float | None:
-        return self.decode.predict((1.0, batch * self.mean_context, batch)) if batch else 0.0
+        return self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch)) if batch else 0.0
 
-    def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0) -> float | None:
+    def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0, prompt: int | None = None
+                  ) -> float | None:
         """`tokens` in budget-sized chunks; the last one is topped up with `fill` more tokens (lower tiers'
         prompts batched into the same step); each chunk of a colocated worker also carries its decode batch."""
         full, rest = divmod(max(tokens, 0), self.budget)
         rest = min(rest + fill, self.budget) if rest else 0
-        one = self.prefill.predict((1.0, self.budget, self.budget ** 2)) if full else 0.0
-        last = self.prefill.predict((1.0, rest, rest * rest)) if rest else 0.0
+        prompt = prompt or self.budget
+        one = self._prefill_chunk_s(self.budget, prompt) if full else 0.0
+        last = self._prefill_chunk_s(rest, prompt) if rest else 0.0
         if one is None or last is None:
             return None
         t = full * one + last
-        if decode_batch:
-            per_step = self.decode_s(decode_batch)
-            t += (full + (rest > 0)) * (per_step or 0.0)
+        if decode_batch:  # each chunk's step also carries the decode batch (its `a` counted once)
+            per_step = self.fit.predict((0.0, 0.0, 0.0, decode_batch * self.mean_context, decode_batch))
+            t += (full + (rest > 0)) * per_step
         return t
 
 
@@ -129,11 +136,11 @@ class Admission:
         (they share the request's last step). A busy worker's current step is half done on average."""
         colocated = producer == decoder
         model = self.model(producer)
-        t = model.prefill_s(ahead + tokens, decoding if colocated else 0, behind)
+        t = model.prefill_s(ahead + tokens, decoding if colocated else 0, behind, tokens)
         if t is None:
             return None
         if ahead + behind:
-            t += 0.5 * (model.prefill_s(model.budget) or 0.0)
+            t += 0.5 * (model.prefill_s(min(ahead + behind, model.budget), prompt=tokens) or 0.0)
         return t + (0.0 if colocated else (self.model(decoder).delivery_s or 0.0))
 
     def check(self, tier: ServiceTier, producer: str, decoder: str, tokens: int, ahead: int, behind: int,

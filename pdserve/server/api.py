@@ -155,7 +155,7 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 
 async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat: bool):
-    tier = gateway.conductor.tiers.resolve(body.service_tier)
+    tier = gateway.conductor.tiers.resolve(body.service_tier, gateway.auto_tier)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": gateway.model_name, "service_tier": tier}
     if body.stream:

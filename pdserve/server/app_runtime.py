@@ -44,6 +44,7 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         await _wait_ready(conductor, procs, cfg.ready_timeout_s)
         gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
                           min(w.info["max_model_len"] for w in conductor.workers.values()))
+        gateway.auto_tier = cfg.api_key_tier
         app = BodyLimit(create_app(gateway, cfg.api_key), cfg.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                                lifespan="off", timeout_graceful_shutdown=3))

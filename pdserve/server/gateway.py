@@ -57,6 +57,7 @@ class Gateway:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.pins: dict[str, Pin] = {}  # live prewarms
+        self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -50,6 +50,8 @@ class ServeConfig:
     """Largest accepted request body (413 above)."""
     api_key: str | None = None
     """When set, /v1/* requests must send `Authorization: Bearer <key>` (401 otherwise)."""
+    api_key_tier: str | None = None
+    """The API key's default service tier: what `service_tier` auto (or none) means; default: default."""
     kv_timeout_s: float = 30.0
     """A KV delivery with no progress for this long fails; the decode worker then recomputes the prompt."""
     ready_timeout_s: float = 600.0
@@ -70,6 +72,9 @@ class ServeConfig:
         for name in ("prefill", "decode", "instances", "max_body_bytes"):
             if getattr(self, name) < (0 if name == "prefill" else 1):
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive", param=name)
+        if self.api_key_tier not in (None, "priority", "default", "flex"):
+            raise InvalidRequestError(f"--api-key-tier must be priority, default or flex, got {self.api_key_tier!r}",
+                                      param="api_key_tier")
         if self.admission not in (None, "predict", "off"):
             raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
         if not self.admission_margin >= 0 or self.max_outstanding < 1:
