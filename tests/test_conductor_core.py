@@ -192,3 +192,17 @@ def test_core_counts_slo_attainment_per_tier():
         ended = core.token(rid, 3, True, last)
         assert ended == ([Count("slo_attained", (("service_tier", "default"),))] if rid == "fast" else [])
     assert core.flights == {} and core.workers["colocated-0"].outstanding == 0
+
+
+def test_an_abort_reaches_the_prefill_worker_while_it_prefills_and_not_after():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    core.add_worker("prefill-0", "prefill")
+    core.add_worker("decode-0", "decode")
+    for rid in ("a", "b"):
+        core.arrive(rid, list(range(40)), {}, 0.0)
+        core.reserved(rid, f"{rid}#{'ab'.index(rid)}", True, "addr", 0)
+    core.prefilled("b", 0.5)
+    assert core.abort("a") == [Send("decode-0", {"type": "abort", "rid": "a"}),
+                               Send("prefill-0", {"type": "abort", "rid": "a"})]
+    assert core.abort("b") == [Send("decode-0", {"type": "abort", "rid": "b"})]
+    assert core.abort("b") == [] and all(w.outstanding == 0 for w in core.workers.values())

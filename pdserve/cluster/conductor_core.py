@@ -182,8 +182,9 @@ class ConductorCore:
         f = self.flights.get(rid)
         if f is None:
             return []
+        workers = [w for w in (f.decode, f.prefill) if w is not None]  # before `_finish` lets the prefill go
         self._finish(f)
-        return [Send(w, {"type": "abort", "rid": rid}) for w in (f.decode, f.prefill) if w is not None]
+        return [Send(w, {"type": "abort", "rid": rid}) for w in workers]
 
     # ---- worker events ----------------------------------------------------------------------------------
     def reserved(self, rid: str, xfer: str, needs_prefill: bool, kv_addr: str, first_block: int) -> list:
