@@ -206,3 +206,17 @@ def test_an_abort_reaches_the_prefill_worker_while_it_prefills_and_not_after():
                                Send("prefill-0", {"type": "abort", "rid": "a"})]
     assert core.abort("b") == [Send("decode-0", {"type": "abort", "rid": "b"})]
     assert core.abort("b") == [] and all(w.outstanding == 0 for w in core.workers.values())
+
+
+def test_backlog_counts_uncached_prompt_tokens_until_the_first_token():
+    core = ConductorCore("colocated", make_routing_policy("least-loaded"), block_size=16)
+    core.add_worker("colocated-0", "colocated")
+    core.arrive("a", list(range(64)), {}, 0.0, tier="priority")
+    assert core.backlog["colocated-0"].tokens == {0: 64, 1: 0}
+    core.arrive("b", list(range(64)) + [7] * 16, {}, 0.0)  # its first 4 blocks were just sent there
+    assert core.backlog["colocated-0"].tokens == {0: 64, 1: 16}
+    core.token("a", 0, False, 0.1)
+    assert core.backlog["colocated-0"].tokens == {0: 0, 1: 16} and core.backlog["colocated-0"].decoding == 1
+    core.abort("b")
+    core.token("a", 1, True, 0.2)
+    assert core.backlog["colocated-0"].tokens == {0: 0, 1: 0} and core.backlog["colocated-0"].decoding == 0

@@ -143,11 +143,11 @@ class ConductorCore:
                     Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
         self.flights[rid] = f
         f.decode = first.name
+        producer = second if second is not None else first
+        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)  # not cached
+        self.backlog[producer.name].tokens[self.tiers[tier].rank] += f.queued_tokens
         first.outstanding += 1
         first.remember(hashes)
-        producer = second if second is not None else first
-        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)
-        self.backlog[producer.name].tokens[self.tiers[tier].rank] += f.queued_tokens
         if self.mode == "colocated":
             return [Send(first.name, {"type": "generate", **self._request_fields(f)})]
         f.xfer = f"{rid}#{next(self._xfers)}"
