@@ -14,13 +14,14 @@ from array import array
 from collections import Counter
 
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.conductor import Conductor
-from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Send
+from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
@@ -139,7 +140,7 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     kinds = Counter(event for event, *_ in decisions)
     assert kinds["arrive"] == NUM and kinds["reserved"] > 0 and kinds["prefilled"] > 0 and kinds["worker_steps"] > 8
     sent: dict[str, list] = {}
-    failed, counted = {}, Counter()
+    failed, counted, observed = {}, Counter(), Counter()
     for _, _, _, actions in decisions:
         for a in actions:
             if isinstance(a, Send):
@@ -148,6 +149,8 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
                 failed[a.rid] = (a.status, a.code)
             elif isinstance(a, Count):
                 counted[(a.metric, a.labels)] += 1
+            elif isinstance(a, Observe):
+                observed[(a.metric, a.labels)] += a.value
     rejected = [r for r in records if r.rejected]
     assert rejected and len(rejected) < NUM, "the workload must make admission refuse some requests, not all"
     assert {sim_cmd["type"] for cmds in sent.values() for sim_cmd in cmds} >= {"reserve", "prefill"}
@@ -159,6 +162,10 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     for (metric, labels), n in counted.items():
         value = metrics.registry.get_sample_value(f"pdserve_{metric}_total", dict(labels))
         assert value == n, (metric, labels)
+    assert observed  # admission's predictions, one per arrival once the workers' step times are known
+    for (metric, labels), total in observed.items():
+        value = metrics.registry.get_sample_value(f"pdserve_admission_{metric}_seconds_sum", dict(labels))
+        assert value == pytest.approx(total), (metric, labels)
 
 
 def test_core_refuses_with_no_live_worker_and_fails_requests_of_a_dead_decode_worker():

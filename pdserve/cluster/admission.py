@@ -5,12 +5,14 @@ prefill `a + b * tokens + c * tokens^2` per chunk, decode `a + b * context + c *
 parts with one `a`: `pdserve.sim.timemodel.FittedTimeModel`), refreshed from the worker's live step times (real workers report
 their recent steps in their `stats` events; the simulator reports every simulated step). From it:
 
-    TTFT = half a step (the worker's current one) when it has a backlog
-         + prefill of (the backlog ahead of this request on its prefill worker + its own uncached tokens),
-           in chunks of the worker's token budget, the last one topped up with the backlog behind it (lower
-           tiers batched into the same step); each chunk also carries the decode batch of a colocated worker
+    TTFT = half of the worker's current step, taken to hold up to a budget of its backlog (tokens of the
+           request's tier rank or better first)
+         + prefill of (what is left of the backlog ahead of this request + its own uncached tokens), in chunks
+           of the worker's token budget, the last one topped up with what is left of the backlog behind it
+           (lower tiers batched into the same step); each chunk also carries a colocated worker's decode batch
          + the delivery tail (prefill done -> first token at the gateway, a moving average of live ones)
-    TPOT = one decode step of the decode worker's batch with this request in it
+    TPOT = one decode step of the decode worker's batch with this request in it, stretched by the share of
+           its recent time spent on prefill chunks (colocated interference)
 
 "Backlog ahead" counts the prompt tokens routed to that worker and not yet prefilled, of the request's own
 tier rank or better (priority goes before default and flex; `pdserve.core.service_tiers`). A request is
@@ -45,7 +47,7 @@ class Rejection:
 
 
 class _Fit:
-    """Least squares `seconds ~ x @ coef` over a sliding window; coefficients clipped at zero."""
+    """Least squares `seconds ~ x @ coef` over a sliding window, coefficients >= 0."""
 
     def __init__(self, width: int) -> None:
         self.rows: deque = deque(maxlen=WINDOW)
@@ -62,9 +64,22 @@ class _Fit:
             return None
         if self.coef is None or self._new >= REFIT_EVERY:
             data = np.asarray(self.rows, dtype=float)
-            coef, *_ = np.linalg.lstsq(data[:, :self.width], data[:, self.width], rcond=None)
-            self.coef, self._new = np.clip(coef, 0.0, None), 0
+            self.coef, self._new = _nonnegative_lstsq(data[:, :self.width], data[:, self.width]), 0
         return float(np.dot(self.coef, x))
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: refit without the columns that came out negative until
+    none does (clipping them instead would leave the others fitted to the negative ones' share)."""
+    coef = np.zeros(x.shape[1])
+    active = list(range(x.shape[1]))
+    while active:
+        fit, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (fit >= 0).all():
+            coef[active] = fit
+            break
+        active = [col for col, value in zip(active, fit) if value > 0]
+    return coef
 
 
 @dataclass
@@ -91,6 +106,21 @@ class WorkerModel:
     def decode_s(self, batch: int) -> float | None:
         return self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch)) if batch else 0.0
 
+    def tpot_s(self, batch: int) -> float | None:
+        """Time per output token with `batch` decoding: a decode step, stretched by the share of the worker's
+        recent time that went to prefill chunks in the same steps (a colocated worker's interference; about
+        zero on a PD decode worker)."""
+        step = self.decode_s(batch)
+        if step is None or self.fit.coef is None:
+            return step
+        return step / (1.0 - self.prefill_share())
+
+    def prefill_share(self) -> float:
+        """The fraction of the recent steps' time the fit puts on their prefill tokens (at most 0.9)."""
+        data = np.asarray(self.fit.rows, dtype=float)
+        prefill = data[:, 1:3] @ self.fit.coef[1:3]
+        return float(min(prefill.sum() / max(data[:, -1].sum(), 1e-9), 0.9))
+
     def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0, prompt: int | None = None
                   ) -> float | None:
         """`tokens` in budget-sized chunks; the last one is topped up with `fill` more tokens (lower tiers'
@@ -113,6 +143,7 @@ class Admission:
     def __init__(self, margin: float = 0.1, max_outstanding: int = 4096, predict: bool = True) -> None:
         self.margin, self.max_outstanding, self.predict = margin, max_outstanding, predict
         self.models: dict[str, WorkerModel] = {}
+        self.last_ttft_s: float | None = None  # the prediction of the last `check` (None: none made)
 
     def model(self, worker: str) -> WorkerModel:
         if worker not in self.models:
@@ -132,15 +163,19 @@ class Admission:
 
     def predict_ttft_s(self, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
                        decoding: int) -> float | None:
-        """`ahead`: backlog tokens of the request's tier rank or better; `behind`: the rest of the backlog
-        (they share the request's last step). A busy worker's current step is half done on average."""
+        """`ahead`: backlog tokens of the request's tier rank or better; `behind`: the rest. The worker's
+        current step holds up to a budget of the backlog (the tokens ahead first) and is half done on average;
+        what is left of `ahead` goes before the request, what is left of `behind` shares its last step."""
         colocated = producer == decoder
         model = self.model(producer)
-        t = model.prefill_s(ahead + tokens, decoding if colocated else 0, behind, tokens)
+        in_step = min(ahead + behind, model.budget)
+        ahead_left = max(ahead - in_step, 0)
+        behind_left = ahead + behind - in_step - ahead_left
+        t = model.prefill_s(ahead_left + tokens, decoding if colocated else 0, behind_left, tokens)
         if t is None:
             return None
-        if ahead + behind:
-            t += 0.5 * (model.prefill_s(min(ahead + behind, model.budget), prompt=tokens) or 0.0)
+        if in_step:
+            t += 0.5 * (model.prefill_s(in_step, prompt=tokens) or 0.0)
         return t + (0.0 if colocated else (self.model(decoder).delivery_s or 0.0))
 
     def check(self, tier: ServiceTier, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
@@ -148,19 +183,21 @@ class Admission:
         if outstanding >= self.max_outstanding:
             return Rejection("queue_full", f"worker {decoder} has {outstanding} requests queued; try again later",
                              1.0, code="queue_full")
+        self.last_ttft_s = None
         if not self.predict or not tier.has_slo:
             return None
         slack = 1.0 + self.margin
         if tier.ttft_ms is not None:
-            ttft = self.predict_ttft_s(producer, decoder, tokens, ahead, behind, decoding)
+            ttft = self.last_ttft_s = self.predict_ttft_s(producer, decoder, tokens, ahead, behind, decoding)
             if ttft is not None and ttft * 1000.0 > tier.ttft_ms * slack:
                 return Rejection("slo_ttft", f"predicted time to first token {ttft * 1000:.0f} ms exceeds the "
-                                 f"{tier.name} tier's {tier.ttft_ms:g} ms SLO", _retry(ttft - tier.ttft_ms / 1000))
+                                 f"{tier.name} tier's {tier.ttft_ms:g} ms SLO ({ahead} prompt tokens queued ahead, "
+                                 f"{behind} behind, {decoding} decoding)", _retry(ttft - tier.ttft_ms / 1000))
         if tier.tpot_ms is not None:
-            tpot = self.model(decoder).decode_s(decoding + 1)
+            tpot = self.model(decoder).tpot_s(decoding + 1)
             if tpot is not None and tpot * 1000.0 > tier.tpot_ms * slack:
                 return Rejection("slo_tpot", f"predicted time per output token {tpot * 1000:.0f} ms exceeds the "
-                                 f"{tier.name} tier's {tier.tpot_ms:g} ms SLO", _retry(1.0))
+                                 f"{tier.name} tier's {tier.tpot_ms:g} ms SLO ({decoding} decoding)", _retry(1.0))
         return None
 
 

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.cluster.admission import Admission
-from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Send
+from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
@@ -123,6 +123,8 @@ class Conductor:
                     flight.events.put_nowait(action.event)
             elif isinstance(action, Count) and self.metrics:
                 self.metrics.count(action.metric, action.labels)
+            elif isinstance(action, Observe) and self.metrics:
+                self.metrics.observe(action.metric, action.labels, action.value)
 
     def _send(self, name: str, cmd: dict) -> None:
         worker = self.workers[name]

@@ -14,7 +14,8 @@ simulated time. What it decides:
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`).
 
 Actions: `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the request with an error the
-client sees), `Count(metric, labels)` (a counted event for the metrics).
+client sees), `Count(metric, labels)` (a counted event for the metrics), `Observe(metric, labels, value)` (a
+value for a histogram: admission's predicted TTFT).
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class Fail:
 class Count:
     metric: str
     labels: tuple = ()  # ((name, value), ...)
+
+
+@dataclass(frozen=True)
+class Observe:
+    metric: str
+    labels: tuple
+    value: float
 
 
 @dataclass
@@ -138,9 +146,11 @@ class ConductorCore:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
         rejection = self._admit(f, first, second, hashes, now)
+        predicted = self.admission.last_ttft_s if self.admission is not None else None
+        seen = [] if predicted is None else [Observe("predicted_ttft", (("service_tier", tier),), predicted)]
         if rejection is not None:
-            return [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
-                    Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
+            return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
+                           Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
         self.flights[rid] = f
         f.decode = first.name
         producer = second if second is not None else first
@@ -149,13 +159,13 @@ class ConductorCore:
         first.outstanding += 1
         first.remember(hashes)
         if self.mode == "colocated":
-            return [Send(first.name, {"type": "generate", **self._request_fields(f)})]
+            return seen + [Send(first.name, {"type": "generate", **self._request_fields(f)})]
         f.xfer = f"{rid}#{next(self._xfers)}"
         if second is not None:
             f.prefill = second.name
             second.outstanding += 1
             second.remember(hashes)
-        return [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
+        return seen + [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
 
     def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
                ) -> Rejection | None:

@@ -44,6 +44,9 @@ class Metrics:
         self.slo_attained = Counter("pdserve_slo_attained", "Requests that met their service tier's TTFT and "
                                     "TPOT SLOs (tiers without an SLO: every finished request)", ["service_tier"],
                                     registry=r)
+        self.predicted_ttft = Histogram("pdserve_admission_predicted_ttft_seconds", "Admission's predicted time "
+                                        "to first token of arriving requests (compare with the TTFT histogram)",
+                                        ["service_tier"], registry=r, buckets=_LATENCY_BUCKETS)
         self.admission_rejected = Counter("pdserve_admission_rejected", "Requests refused on arrival: "
                                           "slo_ttft / slo_tpot (predicted SLO miss), queue_full, no_worker",
                                           ["service_tier", "reason"], registry=r)
@@ -124,6 +127,10 @@ class Metrics:
     def count(self, metric: str, labels: tuple) -> None:
         """A `Count` action of the conductor core."""
         getattr(self, metric).labels(**dict(labels)).inc()
+
+    def observe(self, metric: str, labels: tuple, value: float) -> None:
+        """An `Observe` action of the conductor core."""
+        getattr(self, metric).labels(**dict(labels)).observe(value)
 
     def observe_backlog(self, backlog: dict) -> None:
         for worker, b in backlog.items():
