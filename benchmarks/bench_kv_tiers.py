@@ -89,8 +89,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -99,12 +97,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from serve_proc import PDSERVE, Server  # noqa: E402 - beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 _BESIDE = ROOT.parent / "shared" / "traces"
 TRACES = Path(os.environ.get("PDSERVE_TRACES") or (_BESIDE if _BESIDE.is_dir() else "/work/shared/traces"))
 TRACE = TRACES / "mooncake_conversation_trace.jsonl"
-PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 BLOCK_BYTES = LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # 737,280: one fp32 block of the default model
 GB = 1e9
@@ -131,56 +129,6 @@ def pct(values: list[float], q: float) -> float | None:
 
 def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`pdserve serve` as a real process, its output in a log file (a pipe nobody reads could fill up)."""
-
-    def __init__(self, args: list[str], log: Path, timeout_s: float = 300) -> None:
-        import httpx
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen([*PDSERVE, "serve", "--port", str(self.port), *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}), see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready in {timeout_s} s, see {log}")
-            time.sleep(0.3)
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-        out = {}
-        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
 
 
 def by_labels(metrics: dict, name: str, *keys: str) -> dict[tuple, float]:

@@ -76,8 +76,6 @@ import json
 import math
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -88,8 +86,8 @@ sys.path.insert(0, str(ROOT))
 from pdserve.bench.metrics import RequestRecord, goodput, latency_stats, meets_slo, per_tier, tier_slo  # noqa: E402
 from pdserve.bench.tier_mix import assign_tiers, parse_tier_mix, tier_slos  # noqa: E402
 from pdserve.core.service_tiers import TIERS  # noqa: E402
+from serve_proc import PDSERVE, Server  # noqa: E402 - beside this script
 
-PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 CONFIGS = ("tiered+admission", "tiered, no admission", "fifo")
 SLUG = {"tiered+admission": "tiered-admission", "tiered, no admission": "tiered-noadmission", "fifo": "fifo"}
 SERVE_TIERS = {"priority": "ttft_ms=1000,tpot_ms=150,share=0.25", "default": "ttft_ms=2000,tpot_ms=300",
@@ -109,12 +107,6 @@ def host_cpu() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return "unknown"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shown(cmd: list[str]) -> str:
@@ -150,44 +142,13 @@ class Ctx:
             raise RuntimeError(f"command failed ({rc}), see {log}")
 
 
-class Server:
-    """`pdserve serve` as a real process logging to a file; warmed up with one short request."""
-
-    def __init__(self, ctx: Ctx, args: list[str], log: Path, timeout_s: float = 300) -> None:
-        import httpx
-        self.url = f"http://127.0.0.1:{free_port()}"
-        cmd = [*PDSERVE, "serve", "--port", self.url.rsplit(":", 1)[1], *args]
-        ctx.commands.append(shown(cmd))
-        print(f"$ {shown(cmd)}", flush=True)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}), see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready in {timeout_s} s, see {log}")
-            time.sleep(0.3)
-        model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        body = {"model": model, "prompt": list(range(1000, 1032)), "max_tokens": 4, "ignore_eos": True}
-        httpx.post(self.url + "/v1/completions", json=body, timeout=300).raise_for_status()
-
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
+def start_server(ctx: Ctx, args: list[str], log: Path) -> Server:
+    """`pdserve serve` (recorded among the commands run), warmed up with one short request."""
+    server = Server(args, log)
+    ctx.commands.append(shown(server.cmd))
+    print(f"$ {shown(server.cmd)}", flush=True)
+    server.warm_up()
+    return server
 
 
 def bench(ctx: Ctx, url: str, run_dir: Path, workload: str, rate: float, n: int, seed: int,
@@ -223,7 +184,7 @@ def part_capacity(args, ctx: Ctx) -> dict:
     workload = f"fixed:{args.in_len},{args.out_len}"
     slo = ["--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     print(f"\n[capacity] {workload}, SLO TTFT {args.slo_ttft_ms:g} ms / TPOT {args.slo_tpot_ms:g} ms", flush=True)
-    server = Server(ctx, ["--mode", "colocated", *args.server_args], ctx.out / "capacity" / "server.log")
+    server = start_server(ctx, ["--mode", "colocated", *args.server_args], ctx.out / "capacity" / "server.log")
     sweep: list[dict] = []
     try:
         for i, rate in enumerate(floats(args.rates)):
@@ -262,7 +223,7 @@ def part_overload(args, ctx: Ctx, r: float) -> list[dict]:
         print(f"\n[overload] {m:g}x R = {rate:.4g} req/s, {n} requests ({args.duration_s:g} s)", flush=True)
         for config in CONFIGS:
             run_dir = ctx.out / "overload" / f"{m:g}x-{SLUG[config]}"
-            server = Server(ctx, serve_config(config, args), run_dir / "server.log")
+            server = start_server(ctx, serve_config(config, args), run_dir / "server.log")
             try:
                 run = bench(ctx, server.url, run_dir, workload, rate, n, args.seed,
                             ["--tier-mix", args.tier_mix, *specs])
