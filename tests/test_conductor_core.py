@@ -163,6 +163,7 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
         value = metrics.registry.get_sample_value(f"pdserve_{metric}_total", dict(labels))
         assert value == n, (metric, labels)
     assert observed  # admission's predictions, one per arrival once the workers' step times are known
+    assert counted[("fallbacks", (("kind", "admission_unpredicted"),))] > 0  # the first arrivals: no model yet
     for (metric, labels), total in observed.items():
         value = metrics.registry.get_sample_value(f"pdserve_admission_{metric}_seconds_sum", dict(labels))
         assert value == pytest.approx(total), (metric, labels)

@@ -148,6 +148,8 @@ class ConductorCore:
         rejection = self._admit(f, first, second, hashes, now)
         predicted = self.admission.last_ttft_s if self.admission is not None else None
         seen = [] if predicted is None else [Observe("predicted_ttft", (("service_tier", tier),), predicted)]
+        if predicted is None and self._predicts(tier):  # admitted unpredicted: its worker has too few steps yet
+            seen.append(Count("fallbacks", (("kind", "admission_unpredicted"),)))
         if rejection is not None:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
                            Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
@@ -179,6 +181,9 @@ class ConductorCore:
         return self.admission.check(self.tiers[f.tier], producer.name, first.name, len(f.prompt) - cached, ahead,
                                     sum(tokens.values()) - ahead, self.backlog[first.name].decoding,
                                     first.outstanding, now)
+
+    def _predicts(self, tier: str) -> bool:
+        return self.admission is not None and self.admission.predict and self.tiers[tier].ttft_ms is not None
 
     def _request_fields(self, f: FlightState) -> dict:
         return {"rid": f.rid, "prompt": f.prompt, "params": f.params, "priority": f.priority, "pin": f.pin,
