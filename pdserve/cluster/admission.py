@@ -19,22 +19,19 @@ tier rank or better (priority goes before default and flex; `pdserve.core.servic
 rejected (HTTP 429, code `slo_unattainable`, `Retry-After`) when a prediction exceeds its tier's SLO by more
 than `margin` (a fraction). A tier without an SLO is never rejected by prediction; every tier is rejected
 (`queue_full`) when its worker has `max_outstanding` requests already. Until a worker has reported
-`MIN_SAMPLES` steps, nothing is predicted (everything is admitted).
+`online_fit.MIN_SAMPLES` steps, nothing is predicted (everything is admitted).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.core.online_fit import OnlineFit
 from pdserve.core.service_tiers import ServiceTier
 
-MIN_SAMPLES = 8
-WINDOW = 256  # recent steps of each kind kept per worker
-REFIT_EVERY = 16  # new samples between two least-squares fits
 DELIVERY_EWMA = 0.2
 
 
@@ -46,49 +43,13 @@ class Rejection:
     code: str = "slo_unattainable"
 
 
-class _Fit:
-    """Least squares `seconds ~ x @ coef` over a sliding window, coefficients >= 0."""
-
-    def __init__(self, width: int) -> None:
-        self.rows: deque = deque(maxlen=WINDOW)
-        self.coef: np.ndarray | None = None
-        self.width = width
-        self._new = 0
-
-    def add(self, x: tuple, seconds: float) -> None:
-        self.rows.append((*x, seconds))
-        self._new += 1
-
-    def predict(self, x: tuple) -> float | None:
-        if len(self.rows) < MIN_SAMPLES:
-            return None
-        if self.coef is None or self._new >= REFIT_EVERY:
-            data = np.asarray(self.rows, dtype=float)
-            self.coef, self._new = _nonnegative_lstsq(data[:, :self.width], data[:, self.width]), 0
-        return float(np.dot(self.coef, x))
-
-
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0: refit without the columns that came out negative until
-    none does (clipping them instead would leave the others fitted to the negative ones' share)."""
-    coef = np.zeros(x.shape[1])
-    active = list(range(x.shape[1]))
-    while active:
-        fit, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (fit >= 0).all():
-            coef[active] = fit
-            break
-        active = [col for col, value in zip(active, fit) if value > 0]
-    return coef
-
-
 @dataclass
 class WorkerModel:
     """One least-squares fit over every step, pure and mixed: seconds ~ a + b * prefill tokens + c * sum of
     their squares + d * decode context + e * decode batch (a mixed step costs both parts and one `a`, as the
     fitted time model has it), so a colocated worker, whose steps are mostly mixed, is modelled too."""
     budget: int = 2048  # the worker's max_num_batched_tokens
-    fit: _Fit = field(default_factory=lambda: _Fit(5))
+    fit: OnlineFit = field(default_factory=lambda: OnlineFit(5))
     mean_context: float = 0.0  # per decoding request, a moving average
     delivery_s: float | None = None
 

@@ -177,7 +177,7 @@ class Conductor:
             self.core.worker_ready(worker.name, event)
         elif kind == "stats":
             worker.stats = event
-            self.core.worker_steps(worker.name, event.get("steps"))
+            self.core.worker_steps(worker.name, event.get("steps"), event.get("prefill_cap"))
             if self.metrics:
                 self.metrics.observe_worker_stats(event)
                 self.metrics.observe_backlog(self.core.backlog)

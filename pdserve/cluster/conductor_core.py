@@ -118,10 +118,14 @@ class ConductorCore:
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
 
-    def worker_steps(self, name: str, steps) -> list:
-        """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)]."""
+    def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
+        """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];
+        `prefill_cap`: the prefill tokens its next step may carry (`pdserve.core.step_budget`), the chunk size
+        admission predicts prefill in."""
         if self.admission is not None and steps:
             self.admission.observe_steps(name, steps)
+        if self.admission is not None and prefill_cap:
+            self.admission.model(name).budget = prefill_cap
         return []
 
     def worker_died(self, name: str) -> list:

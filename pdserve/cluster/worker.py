@@ -215,7 +215,8 @@ class Worker:
                "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
                "preemptions_by_tier": dict(sched.stats.preemptions_by_tier), "steps": self._steps,
                "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report(),
-               "pinned_blocks": blocks.num_pinned_blocks}
+               "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
+               "capped_steps": sched.step_budget.num_capped_steps}
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent),

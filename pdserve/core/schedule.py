@@ -71,3 +71,4 @@ class ExecutorOutput:
     """What one step produced: the sampled token of every chunk that had `sample=True`."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    step_s: float | None = None  # the step's modelled duration (the simulator); None: the engine measures it

@@ -30,6 +30,7 @@ from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
+from pdserve.core.step_budget import StepBudget
 from pdserve.core.tier_share import ReservedShare
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError
 
@@ -56,6 +57,7 @@ class Scheduler:
         tiers = ServiceTiers.from_specs(config.service_tiers)
         self.policy = policy or make_queue_policy(config.queue_policy, tiers)
         self.share = ReservedShare(tiers.reserved_share, config.max_num_seqs, block_manager.num_blocks)
+        self.step_budget = StepBudget(tiers, config.max_num_batched_tokens, block_manager.block_size)
         self._taken_back: list[str] = []  # preempted outside a step (for a reservation): reported by the next
         # A request alone must always fit in the pool, or preemption could never make progress.
         self.max_model_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
@@ -210,10 +212,16 @@ class Scheduler:
         head = self._peek_waiting()
         if head is not None:
             self._take_back(head, self.blocks.blocks_needed(min(head.num_tokens, budget)), taken)
+        self.step_budget.begin(self.running)  # the decoding requests' TPOT SLOs cap this step's prefill
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:  # a prefill chunk (or a recompute): within the step's prefill allowance
+                n = self.step_budget.take(n, req.num_computed_tokens)
+                if n == 0:
+                    i += 1
+                    continue
             if self.window is not None:
                 n = self.window.chunk_limit(req, n)
                 if not self.window.make_room(req, n):
@@ -225,7 +233,7 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:  # admitting new work in a step that had to preempt would only thrash
-            budget = self._admit_waiting(budget, chunks)
+            self._admit_waiting(budget, chunks)
         finished, self._finished_ids = tuple(self._finished_ids), []
         loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
         self._pending_loads, self._step_loads = {}, []
@@ -261,6 +269,11 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """The step `scheduled` took `seconds` (measured, or modelled by the simulator): the step budget
+        learns from it (`pdserve.core.step_budget`)."""
+        self.step_budget.observe(scheduled, seconds)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string found by the detokenizer)."""
         ended = []
@@ -290,7 +303,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
             if req is None:
@@ -305,6 +318,10 @@ class Scheduler:
             n = min(req.num_tokens - hit_tokens, budget)
             if self.window is not None:
                 n = min(n, self.window.window * self.blocks.block_size - hit_tokens)
+            if n > 1:
+                n = self.step_budget.take(n, hit_tokens)
+                if n == 0:
+                    break  # this step's prefill allowance is spent
             ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
             if ids is None:
                 break  # head of line waits for blocks; later requests do not overtake it
@@ -321,7 +338,6 @@ class Scheduler:
             bisect.insort(self.running, req, key=self.policy.sort_key)
             chunks.append(self._chunk(req, n))
             budget -= n
-        return budget
 
     def _tier_hit(self, prefix: PrefixHit) -> TierHit:
         if self.tiers is None:

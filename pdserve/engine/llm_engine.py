@@ -101,7 +101,11 @@ class LLMEngine:
         """Run one step; return an output for every request that got a new token or finished."""
         self.poll_kv()
         scheduled = self.last_scheduled = self.scheduler.schedule()
+        start = time.perf_counter()
         result = self.executor.execute(scheduled)
+        if scheduled.chunks:
+            self.scheduler.observe_step(scheduled, time.perf_counter() - start if result.step_s is None
+                                        else result.step_s)
         finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
         if self.tiers is not None:
             self.kv_io.submit(self.tiers.after_step())

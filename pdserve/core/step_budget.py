@@ -1,0 +1,113 @@
+"""How many prefill tokens one step may carry, so the requests decoding in it keep their tier's TPOT SLO.
+
+A decode token waits for the whole step it is in: a step that also carries a long prefill chunk (or several
+new prompts at once) stretches the inter-token time of every request decoding in it. Sarathi-Serve bounds
+this with a fixed chunk size; here the bound comes from the SLOs. While a request of a tier with a TPOT SLO
+(`--service-tier NAME:tpot_ms=...`) is decoding, the step's predicted time must stay within `headroom` x the
+tightest such SLO among the decoding requests, with
+
+    t(step) ~ a + b * prefill tokens + c * sum of chunk^2 + d * sum of chunk x its prefix
+              + e * decode context + f * decode batch
+
+fitted online (`pdserve.core.online_fit`, non-negative least squares, the family of the admission model
+plus the prefix-attention term) from the steps this worker ran that carried prefill tokens: real seconds on a
+real worker, modelled seconds in the simulator. Decode-only steps are left out (the decode part is fitted
+from mixed steps), so a simulator's fast-forwarded decode run changes nothing. The scheduler asks `begin`
+once per step, then `take` for each prefill chunk in queue order: each gets the most tokens that still fit
+(its own prefix counted). The first chunk of a step always gets at least `min_tokens` (a KV block), so
+prompts progress under any SLO. With no TPOT SLO decoding, or before the fit has `MIN_SAMPLES` steps, every
+chunk gets what it asks (the token budget still applies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdserve.core.online_fit import OnlineFit
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.schedule import SchedulerOutput
+from pdserve.core.service_tiers import ServiceTiers
+
+HEADROOM = 0.9
+
+
+class StepBudget:
+    def __init__(self, tiers: ServiceTiers, max_tokens: int, min_tokens: int, headroom: float = HEADROOM) -> None:
+        self.tpot_s = {name: t.tpot_ms / 1000.0 for name, t in tiers.tiers.items() if t.tpot_ms is not None}
+        self.max_tokens = max_tokens
+        self.min_tokens = min(min_tokens, max_tokens)
+        self.headroom = headroom
+        self.fit = OnlineFit(6)
+        self.last_cap = max_tokens  # prefill tokens of a fresh prompt the last step could carry (a metric)
+        self.num_capped_steps = 0
+        self._left: float | None = None  # seconds of prefill this step may still add; None: no cap
+        self._coef: tuple[float, ...] = ()
+        self._granted = 0
+
+    def observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """A step ran and took `seconds`; steps without prefill tokens are not used."""
+        if not self.tpot_s:
+            return
+        pt = sq = pre = ds = ctx = 0
+        for c in scheduled.chunks:
+            n = c.num_tokens
+            if n == 1:
+                ds, ctx = ds + 1, ctx + c.start_pos + 1
+            else:
+                pt, sq, pre = pt + n, sq + n * n, pre + n * c.start_pos
+        if pt:
+            self.fit.add((1.0, pt, sq, pre, ctx, ds), seconds)
+
+    def begin(self, running: Iterable[Request]) -> None:
+        """A step is being scheduled with `running` in the batch: set its prefill time allowance."""
+        self._left, self._granted = None, 0
+        if self.tpot_s:
+            self._allow(running)
+        capped = self._left is not None
+        self.last_cap = self._fit_tokens(self.max_tokens, 0) if capped else self.max_tokens
+        self.num_capped_steps += capped and self.last_cap < self.max_tokens
+
+    def take(self, n: int, start_pos: int) -> int:
+        """Tokens granted to a prefill chunk that wants `n` tokens from position `start_pos` (0: none)."""
+        if self._left is None:
+            return n
+        got = self._fit_tokens(n, start_pos)
+        if not self._granted:
+            got = max(got, min(n, self.min_tokens))
+        if got:
+            self._left -= self._cost(got, start_pos)
+            self._granted += got
+        return got
+
+    def _allow(self, running: Iterable[Request]) -> None:
+        target, ds, ctx = None, 0, 0
+        for r in running:
+            if r.status is not RequestStatus.DECODING:
+                continue
+            ds, ctx = ds + 1, ctx + r.num_tokens
+            slo = self.tpot_s.get(r.service_tier)
+            if slo is not None and (target is None or slo < target):
+                target = slo
+        coef = self.fit.coefficients() if target is not None else None
+        if coef is None:
+            return
+        self._coef = tuple(float(v) for v in coef)
+        a, _, _, _, e, f = self._coef
+        self._left = self.headroom * target - a - e * ctx - f * ds
+
+    def _cost(self, n: int, start_pos: int) -> float:
+        _, b, c, d, _, _ = self._coef
+        return b * n + c * n * n + d * n * start_pos
+
+    def _fit_tokens(self, n: int, start_pos: int) -> int:
+        """The largest m <= n whose chunk cost fits what is left (the cost grows with m), by bisection."""
+        if self._cost(n, start_pos) <= self._left:
+            return n
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._cost(mid, start_pos) <= self._left:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
