@@ -136,3 +136,16 @@ def test_the_simulator_caps_steps_by_the_same_code():
     capped = priority_itls(("priority:tpot_ms=40",))
     assert all(max(itl) <= 0.040 for itl in capped[2:])
     assert all(max(itl) > 0.1 for itl in priority_itls(()))
+
+
+def test_admission_predicts_tpot_within_the_step_budget():
+    from pdserve.cluster.admission import WorkerModel
+    model = WorkerModel()
+    for i in range(32):  # a colocated worker busy with prefill: most of its time goes to prompt chunks
+        pt = 200 + 10 * (i % 7)
+        model.observe(pt, pt * pt, 4, 4 * 300, A + PER_TOKEN * pt + PER_SEQ * 4)
+        model.observe(0, 0, 2 + i % 5, (2 + i % 5) * 300, A + PER_SEQ * (2 + i % 5))
+    stretched = model.tpot_s(5)
+    assert stretched > 0.1  # the decode step (~35 ms) stretched by the prefill share
+    assert model.tpot_s(5, slo_s=0.1) == pytest.approx(0.09)  # the worker caps its steps at 0.9 x the SLO
+    assert model.tpot_s(5, slo_s=0.01) == pytest.approx(model.decode_s(5))  # a decode step alone misses it

@@ -12,7 +12,8 @@ their recent steps in their `stats` events; the simulator reports every simulate
            (lower tiers batched into the same step); each chunk also carries a colocated worker's decode batch
          + the delivery tail (prefill done -> first token at the gateway, a moving average of live ones)
     TPOT = one decode step of the decode worker's batch with this request in it, stretched by the share of
-           its recent time spent on prefill chunks (colocated interference)
+           its recent time spent on prefill chunks (colocated interference), at most the step budget's
+           0.9 x the tier's TPOT SLO (the worker caps prefill to keep it) unless the decode step alone is longer
 
 "Backlog ahead" counts the prompt tokens routed to that worker and not yet prefilled, of the request's own
 tier rank or better (priority goes before default and flex; `pdserve.core.service_tiers`). A request is
@@ -31,6 +32,7 @@ import numpy as np
 
 from pdserve.core.online_fit import OnlineFit
 from pdserve.core.service_tiers import ServiceTier
+from pdserve.core.step_budget import HEADROOM
 
 DELIVERY_EWMA = 0.2
 
@@ -67,14 +69,16 @@ class WorkerModel:
     def decode_s(self, batch: int) -> float | None:
         return self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch)) if batch else 0.0
 
-    def tpot_s(self, batch: int) -> float | None:
+    def tpot_s(self, batch: int, slo_s: float | None = None) -> float | None:
         """Time per output token with `batch` decoding: a decode step, stretched by the share of the worker's
         recent time that went to prefill chunks in the same steps (a colocated worker's interference; about
-        zero on a PD decode worker)."""
+        zero on a PD decode worker). For a request with a TPOT SLO of `slo_s`, the worker's step budget
+        (`pdserve.core.step_budget`) keeps the prefill in its steps within 0.9 x that: the stretch stops there."""
         step = self.decode_s(batch)
         if step is None or self.fit.coef is None:
             return step
-        return step / (1.0 - self.prefill_share())
+        stretched = step / (1.0 - self.prefill_share())
+        return stretched if slo_s is None else min(stretched, max(step, HEADROOM * slo_s))
 
     def prefill_share(self) -> float:
         """The fraction of the recent steps' time the fit puts on their prefill tokens (at most 0.9)."""
@@ -155,7 +159,7 @@ class Admission:
                                  f"{tier.name} tier's {tier.ttft_ms:g} ms SLO ({ahead} prompt tokens queued ahead, "
                                  f"{behind} behind, {decoding} decoding)", _retry(ttft - tier.ttft_ms / 1000))
         if tier.tpot_ms is not None:
-            tpot = self.model(decoder).tpot_s(decoding + 1)
+            tpot = self.model(decoder).tpot_s(decoding + 1, tier.tpot_ms / 1000.0)
             if tpot is not None and tpot * 1000.0 > tier.tpot_ms * slack:
                 return Rejection("slo_tpot", f"predicted time per output token {tpot * 1000:.0f} ms exceeds the "
                                  f"{tier.name} tier's {tier.tpot_ms:g} ms SLO ({decoding} decoding)", _retry(1.0))

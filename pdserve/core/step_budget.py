@@ -14,7 +14,8 @@ plus the prefix-attention term) from the steps this worker ran that carried pref
 real worker, modelled seconds in the simulator. Decode-only steps are left out (the decode part is fitted
 from mixed steps), so a simulator's fast-forwarded decode run changes nothing. The scheduler asks `begin`
 once per step, then `take` for each prefill chunk in queue order: each gets the most tokens that still fit
-(its own prefix counted). The first chunk of a step always gets at least `min_tokens` (a KV block), so
+(its own prefix counted). The fit's error on the capped steps is fed back: the allowance is divided by a
+moving average of actual / predicted time of those steps (between 0.5 and 3). The first chunk of a step always gets at least `min_tokens` (a KV block), so
 prompts progress under any SLO. With no TPOT SLO decoding, or before the fit has `MIN_SAMPLES` steps, every
 chunk gets what it asks (the token budget still applies).
 """
@@ -29,6 +30,7 @@ from pdserve.core.schedule import SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
 
 HEADROOM = 0.9
+CORRECTION_EWMA = 0.1
 
 
 class StepBudget:
@@ -42,7 +44,10 @@ class StepBudget:
         self.num_capped_steps = 0
         self._left: float | None = None  # seconds of prefill this step may still add; None: no cap
         self._coef: tuple[float, ...] = ()
+        self._base = 0.0  # predicted seconds of the step without its prefill
         self._granted = 0
+        self._predicted: float | None = None  # the capped step's predicted seconds
+        self.correction = 1.0  # actual / predicted seconds of capped steps, a moving average
 
     def observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """A step ran and took `seconds`; steps without prefill tokens are not used."""
@@ -55,16 +60,22 @@ class StepBudget:
                 ds, ctx = ds + 1, ctx + c.start_pos + 1
             else:
                 pt, sq, pre = pt + n, sq + n * n, pre + n * c.start_pos
+        if self._predicted is not None and self._predicted > 0:
+            ratio = min(max(seconds / self._predicted, 0.5), 3.0)
+            self.correction += CORRECTION_EWMA * (ratio - self.correction)
+        self._predicted = None
         if pt:
             self.fit.add((1.0, pt, sq, pre, ctx, ds), seconds)
 
     def begin(self, running: Iterable[Request]) -> None:
         """A step is being scheduled with `running` in the batch: set its prefill time allowance."""
-        self._left, self._granted = None, 0
+        self._left, self._granted, self._predicted = None, 0, None
         if self.tpot_s:
             self._allow(running)
         capped = self._left is not None
         self.last_cap = self._fit_tokens(self.max_tokens, 0) if capped else self.max_tokens
+        if capped:
+            self._predicted = self._base
         self.num_capped_steps += capped and self.last_cap < self.max_tokens
 
     def take(self, n: int, start_pos: int) -> int:
@@ -75,7 +86,9 @@ class StepBudget:
         if not self._granted:
             got = max(got, min(n, self.min_tokens))
         if got:
-            self._left -= self._cost(got, start_pos)
+            cost = self._cost(got, start_pos)
+            self._left -= cost
+            self._predicted += cost
             self._granted += got
         return got
 
@@ -93,7 +106,8 @@ class StepBudget:
             return
         self._coef = tuple(float(v) for v in coef)
         a, _, _, _, e, f = self._coef
-        self._left = self.headroom * target - a - e * ctx - f * ds
+        self._base = a + e * ctx + f * ds
+        self._left = self.headroom * target / self.correction - self._base
 
     def _cost(self, n: int, start_pos: int) -> float:
         _, b, c, d, _, _ = self._coef

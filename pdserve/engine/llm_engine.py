@@ -99,13 +99,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got a new token or finished."""
+        start = time.perf_counter()
         self.poll_kv()
         scheduled = self.last_scheduled = self.scheduler.schedule()
-        start = time.perf_counter()
         result = self.executor.execute(scheduled)
-        if scheduled.chunks:
-            self.scheduler.observe_step(scheduled, time.perf_counter() - start if result.step_s is None
-                                        else result.step_s)
         finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
         if self.tiers is not None:
             self.kv_io.submit(self.tiers.after_step())
@@ -116,6 +113,9 @@ class LLMEngine:
                 outputs.append(self._output(req, result.sampled_token_ids[req.request_id]))
             elif req is not None and req.is_finished:  # ended without sampling (a prefill-only request)
                 outputs.append(self._output(req, None))
+        if scheduled.chunks:  # the whole step, as a decoding request waits for it (simulated: its model's)
+            self.scheduler.observe_step(scheduled, time.perf_counter() - start if result.step_s is None
+                                        else result.step_s)
         return outputs
 
     def poll_kv(self) -> None:
