@@ -9,7 +9,7 @@ from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.core.step_budget import StepBudget
+from pdserve.core.step_budget import HEADROOM, StepBudget
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim.cluster import ClusterSpec, simulate
@@ -54,10 +54,11 @@ def test_the_cap_solves_the_fitted_step_time_for_the_tightest_decoding_slo():
                 Request("d", [1] * 10, SamplingParams(), service_tier="default")]
     for r in decoding:
         r.status = RequestStatus.DECODING
-    # 0.9 * 100 ms - a - 2 decoding * 5 ms = 70 ms of prefill at 2 ms a token: 35 tokens
-    assert _cap(budget, decoding) == pytest.approx(35, abs=1) and budget.last_cap == pytest.approx(35, abs=1)
+    # 0.85 * 100 ms - a - 2 decoding * 5 ms = 65 ms of prefill at 2 ms a token: 32 tokens
+    cap = (HEADROOM * 0.1 - A - 2 * PER_SEQ) / PER_TOKEN
+    assert _cap(budget, decoding) == pytest.approx(cap, abs=1) and budget.last_cap == pytest.approx(cap, abs=1)
     assert budget.take(100, 0) == 0  # the allowance is spent: a second chunk gets nothing this step
-    assert _cap(budget, decoding[1:]) == pytest.approx((0.9 * 0.4 - A - PER_SEQ) / PER_TOKEN, abs=1)
+    assert _cap(budget, decoding[1:]) == pytest.approx((HEADROOM * 0.4 - A - PER_SEQ) / PER_TOKEN, abs=1)
     decoding[0].status = RequestStatus.PREFILLING  # prefilling requests have no TPOT yet
     assert _cap(budget, decoding[:1]) == 2048
     tight = StepBudget(ServiceTiers.from_specs(["priority:tpot_ms=1"]), 2048, 16)
@@ -78,7 +79,7 @@ def test_a_chunk_deep_into_its_prompt_costs_more_and_gets_fewer_tokens():
     decoding = [Request("d", [1] * 10, SamplingParams(), service_tier="priority")]
     decoding[0].status = RequestStatus.DECODING
     fresh, deep = _cap(budget, decoding, 0), _cap(budget, decoding, 4000)
-    left = 0.09 - A - PER_SEQ
+    left = HEADROOM * 0.1 - A - PER_SEQ
     assert fresh == pytest.approx(left / PER_TOKEN, abs=1)
     assert deep == pytest.approx(left / (PER_TOKEN + attend * 4000), abs=1)
 
@@ -109,7 +110,7 @@ def _run(specs: tuple[str, ...]) -> tuple[LLMEngine, list[float], dict]:
 
 def test_a_priority_request_keeps_its_tpot_while_long_prompts_arrive():
     engine, decode_steps, final = _run(("priority:tpot_ms=60",))
-    assert decode_steps and max(decode_steps) <= 0.9 * 0.060 + 1e-9
+    assert decode_steps and max(decode_steps) <= 0.060  # the cap aims at 0.85 x; the fit is close, not exact
     assert engine.scheduler.step_budget.num_capped_steps > 0
     assert len(final) == 17 and len(final["p"].token_ids) == 120  # every token right (the fake executor checks KV)
     # Without the SLO, the same arrivals put whole prompts into the steps it decodes in
@@ -132,7 +133,7 @@ def test_the_simulator_caps_steps_by_the_same_code():
         return [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in prio]
 
     # The first two priority requests decode before the fit has its 8 prefill steps; every later one keeps
-    # each inter-token time within the 40 ms (the cap aims at 0.9 x; the fit is close, not exact), while without the SLO long prompts join its steps
+    # each inter-token time within the 40 ms, while without the SLO long prompts join its steps
     capped = priority_itls(("priority:tpot_ms=40",))
     assert all(max(itl) <= 0.040 for itl in capped[2:])
     assert all(max(itl) > 0.1 for itl in priority_itls(()))
@@ -147,5 +148,31 @@ def test_admission_predicts_tpot_within_the_step_budget():
         model.observe(0, 0, 2 + i % 5, (2 + i % 5) * 300, A + PER_SEQ * (2 + i % 5))
     stretched = model.tpot_s(5)
     assert stretched > 0.1  # the decode step (~35 ms) stretched by the prefill share
-    assert model.tpot_s(5, slo_s=0.1) == pytest.approx(0.09)  # the worker caps its steps at 0.9 x the SLO
+    assert model.tpot_s(5, slo_s=0.1) == pytest.approx(HEADROOM * 0.1)  # the worker caps its steps at 0.85 x the SLO
     assert model.tpot_s(5, slo_s=0.01) == pytest.approx(model.decode_s(5))  # a decode step alone misses it
+
+
+def test_a_waiting_priority_request_takes_the_capped_allowance_before_running_default_prefills():
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=8192,
+                          service_tiers=("priority:tpot_ms=60", "default:tpot_ms=60"))
+    engine = LLMEngine(TimedFakeExecutor(block_size=4, vocab_size=1000), cfg, num_kv_blocks=8192)
+    engine.add_request(list(range(5, 25)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "d0")
+    for i in range(10):  # warm the fit: short default prompts, prefilled while d0 decodes
+        engine.add_request([(i * 13 + k) % 900 + 1 for k in range(40 + 8 * i)],
+                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), f"w{i}")
+        engine.step()
+        engine.step()
+    assert engine.scheduler.step_budget.fit.coefficients() is not None
+    while len(engine.scheduler.requests) > 1:  # (capped, they take a while) until d0 decodes alone
+        engine.step()
+    engine.add_request([k % 900 + 1 for k in range(3000)], SamplingParams(max_tokens=2, ignore_eos=True), "long")
+    engine.step()
+    engine.step()  # "long" is mid-prefill, a capped chunk a step
+    assert engine.scheduler.requests["long"].status is RequestStatus.PREFILLING
+    engine.add_request(list(range(300, 400)), SamplingParams(max_tokens=2, ignore_eos=True), "p",
+                       service_tier="priority")
+    engine.step()
+    chunks = {c.request_id: c.num_tokens for c in engine.executor.steps[-1].chunks}
+    assert chunks.get("p", 0) > 1 and "long" not in chunks and chunks["d0"] == 1
+    while engine.has_unfinished():
+        engine.step()

@@ -145,8 +145,8 @@ class KVBlockManager:
         if max(num_new, 0) + revived > len(self._free):
             return None
         appended = self._take_refs(hit)
-        for _ in range(num_new):
-            appended.append(self._pop_free())
+        if num_new > 0:
+            appended += self._pop_free_many(num_new)
         self._tables[request_id] = table + appended
         if hit:
             self._hashes[request_id] = list(prefix.block_hashes[:len(hit)])
@@ -163,17 +163,17 @@ class KVBlockManager:
         if num_full <= len(hashes):
             return
         sequence = self._sequence_hashes(request_id, token_ids, num_full)
-        for i in range(len(hashes), num_full):
-            parent = sequence[i]
-            hashes.append(parent)
-            block = self._blocks[table[i - cold]]
-            if parent not in self._cached and block.block_hash is None:
+        first = len(hashes)
+        hashes.extend(sequence[first:num_full])
+        now, cached, blocks, new = self.clock(), self._cached, self._blocks, self.newly_cached
+        for parent, block_id in zip(sequence[first:num_full], table[first - cold:num_full - cold]):
+            block = blocks[block_id]
+            if parent not in cached and block.block_hash is None:
                 block.block_hash = parent
-                self._cached[parent] = block.block_id
-                now = self.clock()
-                block.meta = BlockMeta(parent, Tier.DEVICE, block.block_id, now, now, 1, 1.0, now)
-                if self.newly_cached is not None:
-                    self.newly_cached.append((block.block_id, parent))
+                cached[parent] = block_id
+                block.meta = BlockMeta(parent, Tier.DEVICE, block_id, now, now, 1, 1.0, now)
+                if new is not None:
+                    new.append((block_id, parent))
 
     def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
@@ -190,18 +190,20 @@ class KVBlockManager:
         (their contents are intact: a block is only overwritten after it is popped for a new owner)."""
         if holder in self._memo or holder in self._hashes:
             raise ValueError(f"{holder!r} is a request; holders must have ids of their own")
-        self._tables.setdefault(holder, []).extend(self._take_refs(block_ids))
+        self._tables.setdefault(holder, []).extend(self._take_refs(block_ids, use=False))
 
-    def _take_refs(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
-        """One more reference to each block (off the free queue if it was free); the ids, as a list."""
-        now = self.clock() if block_ids else 0.0
+    def _take_refs(self, block_ids: Sequence[BlockId], use: bool = True) -> list[BlockId]:
+        """One more reference to each block (off the free queue if it was free); the ids, as a list. `use`:
+        a request's prefix hit (counted in the blocks' metadata), not a holder's (a copy or a transfer)."""
+        now = self.clock() if block_ids and use else 0.0
+        half_life, blocks, free = self.lifecycle.heat_half_life_s, self._blocks, self._free
         for block_id in block_ids:
-            block = self._blocks[block_id]
+            block = blocks[block_id]
             if block.ref_cnt == 0:
-                del self._free[block_id]
+                del free[block_id]
             block.ref_cnt += 1
-            if block.meta is not None:
-                block.meta.touch(now, self.lifecycle.heat_half_life_s)
+            if use and block.meta is not None:
+                block.meta.touch(now, half_life)
         return list(block_ids)
 
     def registered_hashes(self, request_id: str) -> list[BlockHash]:
@@ -273,8 +275,14 @@ class KVBlockManager:
         table = self._tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
         self._cold.pop(request_id, None)
+        blocks, free = self._blocks, self._free
         for block_id in reversed(table):
-            self._release(block_id)
+            block = blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt <= 0:
+                if block.ref_cnt < 0:
+                    raise AssertionError(f"block {block_id} ref count went negative")
+                free[block_id] = None
 
     def _release(self, block_id: BlockId) -> None:
         block = self._blocks[block_id]
@@ -289,6 +297,22 @@ class KVBlockManager:
         for block in self._blocks:
             block.block_hash = None
         self._cached.clear()
+
+    def _pop_free_many(self, count: int) -> list[BlockId]:
+        if self.eviction is not None:
+            return [self._pop_free() for _ in range(count)]
+        free, blocks, cached, out = self._free, self._blocks, self._cached, []
+        for _ in range(count):  # least recently freed first (exact LRU): the same blocks `_pop_free` takes
+            block_id = free.popitem(last=False)[0]
+            block = blocks[block_id]
+            if block.block_hash is not None:
+                if cached.get(block.block_hash) == block_id:
+                    del cached[block.block_hash]
+                block.block_hash = None
+                block.meta = None
+            block.ref_cnt = 1
+            out.append(block_id)
+        return out
 
     def _pop_free(self) -> BlockId:
         block_id = self._victim()

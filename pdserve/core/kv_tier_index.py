@@ -67,12 +67,14 @@ class TierIndex:
             return None
         if not self._free_slots and not self._evict_one(now):
             return None
-        meta = BlockMeta(block_hash, self.tier, self._free_slots.pop(), now, now, heat_at_s=now, ready=False)
-        if template is not None:
-            meta.produced_at_s, meta.last_use_s = template.produced_at_s, max(template.last_use_s, 0.0)
-            meta.use_count, meta.heat, meta.heat_at_s = template.use_count, template.heat, template.heat_at_s
-            meta.expected_use_at_s, meta.pinned_until_s = template.expected_use_at_s, template.pinned_until_s
-            meta.codec, meta.sla_class = template.codec, template.sla_class
+        slot = self._free_slots.pop()
+        if template is None:
+            meta = BlockMeta(block_hash, self.tier, slot, now, now, heat_at_s=now, ready=False)
+        else:
+            t = template
+            meta = BlockMeta(block_hash, self.tier, slot, t.produced_at_s, max(t.last_use_s, 0.0), t.use_count,
+                             t.heat, t.heat_at_s, t.expected_use_at_s, t.pinned_until_s, codec=t.codec,
+                             sla_class=t.sla_class, ready=False)
         self.entries[block_hash] = meta
         return meta
 

@@ -250,9 +250,15 @@ class TieredKV:
         other text. Hashes not in it succeeded."""
         op = self._ops.pop(op_id)
         failures = failures or {}
-        done = getattr(self, f"_done_{op.kind}")
-        for h in op.hashes:
-            done(h, failures.get(h))
+        if op.kind == "offload" and not failures:  # the common case, in one pass
+            commit = self.host.commit
+            for h in op.hashes:
+                commit(h)
+            self._moved(Tier.DEVICE, Tier.HOST, len(op.hashes))
+        else:
+            done = getattr(self, f"_done_{op.kind}")
+            for h in op.hashes:
+                done(h, failures.get(h))
         if op.kind == "offload":
             self.blocks.free(op.holder)
             self._flush([h for h in op.hashes if h not in failures])
@@ -298,9 +304,9 @@ class TieredKV:
     def _done_delete(self, h: BlockHash, failed: str | None) -> None:
         pass
 
-    def _moved(self, src: Tier, dst: Tier) -> None:
-        self.stats.bytes_out[src] += self.block_bytes
-        self.stats.bytes_in[dst] += self.block_bytes
+    def _moved(self, src: Tier, dst: Tier, count: int = 1) -> None:
+        self.stats.bytes_out[src] += count * self.block_bytes
+        self.stats.bytes_in[dst] += count * self.block_bytes
 
     # ---- operations ---------------------------------------------------------------------------------------
     def _submit(self, kind: str, hashes: tuple, src: tuple = (), dst: tuple = ()) -> KVOp:
@@ -312,10 +318,11 @@ class TieredKV:
     def _offload(self, cached: list[tuple[BlockId, BlockHash]]) -> None:
         now = self.blocks.clock()
         hashes, src, dst, present = [], [], [], []
+        cached_block, block_meta, reserve = self.blocks.cached_block, self.blocks.meta, self.host.reserve
         for block_id, h in cached:
-            if self.blocks.cached_block(h) != block_id:
+            if cached_block(h) != block_id:
                 continue  # already reused for something else
-            meta = self.host.reserve(h, now, self.blocks.meta(block_id))
+            meta = reserve(h, now, block_meta(block_id))
             if meta is None:
                 present.append(h)  # in host already (e.g. loaded from there): make sure disk has it
                 continue

@@ -213,11 +213,15 @@ class Scheduler:
         if head is not None:
             self._take_back(head, self.blocks.blocks_needed(min(head.num_tokens, budget)), taken)
         self.step_budget.begin(self.running)  # the decoding requests' TPOT SLOs cap this step's prefill
+        outranked = self._outranked_key(head)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 1:  # a prefill chunk (or a recompute): within the step's prefill allowance
+                if outranked is not None and self.policy.sort_key(req) > outranked:
+                    i += 1
+                    continue  # the allowance goes to the waiting request that outranks it
                 n = self.step_budget.take(n, req.num_computed_tokens)
                 if n == 0:
                     i += 1
@@ -293,6 +297,16 @@ class Scheduler:
             self._preempt(victim)
             self.stats.num_share_preemptions += 1
             preempted.append(victim.request_id)
+
+    def _outranked_key(self, head: Request | None) -> tuple | None:
+        """When this step's prefill is capped and the waiting `head` could start now, its queue key: running
+        prefills ranked after it wait a step, so the capped allowance goes in queue order (a priority request
+        arriving while default prompts are mid-prefill starts at once)."""
+        if head is None or not self.step_budget.capped or len(self.running) >= self.config.max_num_seqs:
+            return None
+        if self.blocks.blocks_needed(min(head.num_tokens, self.step_budget.last_cap)) > self.blocks.num_free_blocks:
+            return None
+        return self.policy.sort_key(head)
 
     def _grow_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         while self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:

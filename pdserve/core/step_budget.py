@@ -29,7 +29,7 @@ from pdserve.core.request import Request, RequestStatus
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
 
-HEADROOM = 0.9
+HEADROOM = 0.85
 CORRECTION_EWMA = 0.1
 
 
@@ -48,6 +48,11 @@ class StepBudget:
         self._granted = 0
         self._predicted: float | None = None  # the capped step's predicted seconds
         self.correction = 1.0  # actual / predicted seconds of capped steps, a moving average
+
+    @property
+    def capped(self) -> bool:
+        """The step being scheduled has a prefill allowance (a TPOT SLO is decoding and the fit is warm)."""
+        return self._left is not None
 
     def observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """A step ran and took `seconds`; steps without prefill tokens are not used."""
