@@ -256,6 +256,15 @@ def test_eviction_is_lru_and_a_touch_refreshes():
     check_index(tier)
 
 
+def test_lru_eviction_follows_the_index_order_without_scoring_a_sample():
+    tier = filled(3, 3)
+    tier.entries[2].last_use_s = -5.0  # a stale time stamp does not move an entry: uses and inserts do
+    tier.entries[0].busy = 1
+    tier.reserve(3, 11.0)
+    assert set(tier.entries) == {0, 2, 3}  # 1: the first evictable entry in order
+    check_index(tier)
+
+
 def test_heat_policy_in_a_tier_keeps_the_shared_prefix():
     tier = filled(3, 3, HeatPolicy(120.0))
     for t in range(5):
@@ -280,7 +289,7 @@ def test_reclaim_watermarks_mark_then_reserve_takes_marked_first():
     # a marked block that is hit again is no longer on its way out
     tier.touch(0, 101.0)
     assert not tier.entries[0].reclaiming and len(tier._reclaiming) == 4
-    # reserve takes a marked block's slot before the policy's own pick (50 would be the LRU pick now)
+    # reserve takes a marked block's slot before the policy's own pick
     tier.entries[50].last_use_s = -1.0
     for h in range(200, 205):  # 5 free slots first, then marked ones
         tier.reserve(h, 102.0)

@@ -14,7 +14,7 @@ import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
-from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Tier, pick_victim, stage_of
+from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim, stage_of
 
 
 RECLAIM_INTERVAL_S = 1.0  # watermark marking runs at most this often (it walks the LRU order)
@@ -113,6 +113,11 @@ class TierIndex:
         # recently used first): a window over the LRU order that moves on by one after each mark.
         candidates = (m for m in self.entries.values()
                       if not (m.reclaiming or m.busy or not m.ready or m.pinned(now)))
+        if isinstance(self.policy, LRUPolicy):  # the order is the policy (`_first_evictable`): mark the first ones
+            for victim in itertools.islice(candidates, want - len(self._reclaiming)):
+                victim.reclaiming = True
+                self._reclaiming[victim.block_hash] = None
+            return len(self._reclaiming)
         window = list(itertools.islice(candidates, self.config.eviction_sample))
         while window and len(self._reclaiming) < want:
             victim = pick_victim(window, self.policy, now, len(window))
@@ -127,8 +132,14 @@ class TierIndex:
             meta = self.entries[block_hash]
             if not meta.busy and not meta.pinned(now):
                 return self._drop(meta)
-        victim = pick_victim(self.entries.values(), self.policy, now, self.config.eviction_sample)
+        victim = self._first_evictable(now) if isinstance(self.policy, LRUPolicy) else pick_victim(
+            self.entries.values(), self.policy, now, self.config.eviction_sample)
         return victim is not None and self._drop(victim)
+
+    def _first_evictable(self, now: float) -> BlockMeta | None:
+        """Under LRU the index's order is the policy (a use moves an entry to the end): the first entry that
+        is not busy, being written or pinned leaves first, without scoring a sample."""
+        return next((m for m in self.entries.values() if not (m.busy or not m.ready or m.pinned(now))), None)
 
     def _drop(self, meta: BlockMeta) -> bool:
         meta.reclaiming = True
