@@ -15,9 +15,10 @@ real worker, modelled seconds in the simulator. Decode-only steps are left out (
 from mixed steps), so a simulator's fast-forwarded decode run changes nothing. The scheduler asks `begin`
 once per step, then `take` for each prefill chunk in queue order: each gets the most tokens that still fit
 (its own prefix counted). The fit's error on the capped steps is fed back: the allowance is divided by a
-moving average of actual / predicted time of those steps (between 0.5 and 3). The first chunk of a step always gets at least `min_tokens` (a KV block), so
-prompts progress under any SLO. With no TPOT SLO decoding, or before the fit has `MIN_SAMPLES` steps, every
-chunk gets what it asks (the token budget still applies).
+moving average of actual / predicted time of those steps (between 0.5 and 3). The first chunk of a step
+always gets at least `min_tokens` (a KV block), so prompts progress under any SLO. With no TPOT SLO
+decoding, or before the fit has `MIN_SAMPLES` steps, every chunk gets what it asks (the token budget still
+applies).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class StepBudget:
         if self.tpot_s:
             self._allow(running)
         capped = self._left is not None
-        self.last_cap = self._fit_tokens(self.max_tokens, 0) if capped else self.max_tokens
+        self.last_cap = max(self._fit_tokens(self.max_tokens, 0), self.min_tokens) if capped else self.max_tokens
         if capped:
             self._predicted = self._base
         self.num_capped_steps += capped and self.last_cap < self.max_tokens
