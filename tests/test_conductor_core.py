@@ -119,7 +119,8 @@ async def _feed(conductor: Conductor, event: str, args) -> None:
                                                          "fin": "length" if finished else None}]})
     elif event == "worker_steps":
         conductor.on_event({"type": "stats", "worker": args[0], "steps": [list(s) for s in args[1]], "running": 0,
-                            "waiting": 0, "blocks_used": 0, "blocks_total": 400, "prompt_tokens": 0})
+                            "waiting": 0, "blocks_used": 0, "blocks_total": 400, "prompt_tokens": 0,
+                            "prefill_cap": args[2] if len(args) > 2 else None})
     elif event == "abort":
         await conductor.abort(args[0])
     else:

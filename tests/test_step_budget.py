@@ -176,3 +176,18 @@ def test_a_waiting_priority_request_takes_the_capped_allowance_before_running_de
     assert chunks.get("p", 0) > 1 and "long" not in chunks and chunks["d0"] == 1
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_ttft_slo_bounds_every_step_and_the_cold_start_uses_seconds_per_token():
+    from pdserve.core.step_budget import TTFT_SHARE
+    budget = StepBudget(ServiceTiers.from_specs(["priority:ttft_ms=1000"]), 4096, 16)
+    assert _cap(budget, []) == 4096  # no prefill step seen yet: nothing to predict with
+    budget.observe(SchedulerOutput((_chunk("p", 400),)), A + PER_TOKEN * 400)
+    # cold start: 0.25 x 1 s at the seconds per token seen (the fixed cost included), with nothing decoding
+    cold = _cap(budget, [])
+    assert cold == pytest.approx(TTFT_SHARE * 1.0 / (A / 400 + PER_TOKEN), abs=1)
+    for _ in range(8):  # steps of what was granted, as the scheduler would run them
+        budget.observe(SchedulerOutput((_chunk("p", cold),)), A + PER_TOKEN * cold)
+        cold = _cap(budget, []) + (_ % 3) * 7  # (varied sizes, so the fit can separate a from b)
+    assert _cap(budget, []) == pytest.approx((TTFT_SHARE * 1.0 - A) / PER_TOKEN, rel=0.05)  # the fit, warm
+    assert StepBudget(ServiceTiers.from_specs(["flex"]), 4096, 16).active is False

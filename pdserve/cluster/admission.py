@@ -13,7 +13,7 @@ their recent steps in their `stats` events; the simulator reports every simulate
          + the delivery tail (prefill done -> first token at the gateway, a moving average of live ones)
     TPOT = one decode step of the decode worker's batch with this request in it, stretched by the share of
            its recent time spent on prefill chunks (colocated interference), at most the step budget's
-           0.9 x the tier's TPOT SLO (the worker caps prefill to keep it) unless the decode step alone is longer
+           0.85 x the tier's TPOT SLO (the worker caps prefill to keep it) unless the decode step alone is longer
 
 "Backlog ahead" counts the prompt tokens routed to that worker and not yet prefilled, of the request's own
 tier rank or better (priority goes before default and flex; `pdserve.core.service_tiers`). A request is
@@ -73,7 +73,7 @@ class WorkerModel:
         """Time per output token with `batch` decoding: a decode step, stretched by the share of the worker's
         recent time that went to prefill chunks in the same steps (a colocated worker's interference; about
         zero on a PD decode worker). For a request with a TPOT SLO of `slo_s`, the worker's step budget
-        (`pdserve.core.step_budget`) keeps the prefill in its steps within 0.9 x that: the stretch stops there."""
+        (`pdserve.core.step_budget`) keeps the prefill in its steps within 0.85 x that: the stretch stops there."""
         step = self.decode_s(batch)
         if step is None or self.fit.coef is None:
             return step

@@ -1,10 +1,16 @@
-"""How many prefill tokens one step may carry, so the requests decoding in it keep their tier's TPOT SLO.
+"""How long one step may run, in prefill tokens, so the service tiers' TPOT and TTFT SLOs can be kept.
 
-A decode token waits for the whole step it is in: a step that also carries a long prefill chunk (or several
-new prompts at once) stretches the inter-token time of every request decoding in it. Sarathi-Serve bounds
-this with a fixed chunk size; here the bound comes from the SLOs. While a request of a tier with a TPOT SLO
-(`--service-tier NAME:tpot_ms=...`) is decoding, the step's predicted time must stay within `headroom` x the
-tightest such SLO among the decoding requests, with
+A decode token waits for the whole step it is in, and so does a request that arrives while it runs: a step
+that takes in a long prefill chunk (or several new prompts at once) stretches the inter-token time of every
+request decoding in it and the time to first token of every request arriving meanwhile. Sarathi-Serve
+bounds this with a fixed chunk size; here the bound comes from the SLOs (`--service-tier NAME:...`):
+
+* while a request of a tier with a TPOT SLO is decoding, a step's predicted time stays within `headroom`
+  (0.85) x the tightest such SLO among the decoding requests;
+* whenever any tier has a TTFT SLO, a step's predicted time stays within `TTFT_SHARE` (0.25) x the tightest
+  TTFT SLO, so a request arriving mid-step loses at most that before it can be scheduled.
+
+Predicted step time:
 
     t(step) ~ a + b * prefill tokens + c * sum of chunk^2 + d * sum of chunk x its prefix
               + e * decode context + f * decode batch
@@ -12,17 +18,19 @@ tightest such SLO among the decoding requests, with
 fitted online (`pdserve.core.online_fit`, non-negative least squares, the family of the admission model
 plus the prefix-attention term) from the steps this worker ran that carried prefill tokens: real seconds on a
 real worker, modelled seconds in the simulator. Decode-only steps are left out (the decode part is fitted
-from mixed steps), so a simulator's fast-forwarded decode run changes nothing. The scheduler asks `begin`
-once per step, then `take` for each prefill chunk in queue order: each gets the most tokens that still fit
-(its own prefix counted). The fit's error on the capped steps is fed back: the allowance is divided by a
-moving average of actual / predicted time of those steps (between 0.5 and 3). The first chunk of a step
-always gets at least `min_tokens` (a KV block), so prompts progress under any SLO. With no TPOT SLO
-decoding, or before the fit has `MIN_SAMPLES` steps, every chunk gets what it asks (the token budget still
-applies).
+from mixed steps), so a simulator's fast-forwarded decode run changes nothing. Until the fit has
+`MIN_SAMPLES` steps, a prefill token is taken to cost the most seconds per prefill token of the last few
+prefill steps (their whole time: an upper bound). The scheduler asks `begin` once per step, then `take` for
+each prefill chunk in queue order: each gets the most tokens that still fit (its own prefix counted). The
+fit's error on the capped steps is fed back: the allowance is divided by a moving average of actual /
+predicted time of those steps (between 0.5 and 3). The first chunk of a step always gets at least
+`min_tokens` (a KV block), so prompts progress under any SLO. With no such SLO, or before any prefill step
+was seen, every chunk gets what it asks (the token budget still applies).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from pdserve.core.online_fit import OnlineFit
@@ -31,12 +39,17 @@ from pdserve.core.schedule import SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
 
 HEADROOM = 0.85
+TTFT_SHARE = 0.25
 CORRECTION_EWMA = 0.1
+COLD_START_STEPS = 4  # prefill steps whose seconds per token bound the cost before the fit is ready
 
 
 class StepBudget:
     def __init__(self, tiers: ServiceTiers, max_tokens: int, min_tokens: int, headroom: float = HEADROOM) -> None:
         self.tpot_s = {name: t.tpot_ms / 1000.0 for name, t in tiers.tiers.items() if t.tpot_ms is not None}
+        ttfts = [t.ttft_ms / 1000.0 for t in tiers.tiers.values() if t.ttft_ms is not None]
+        self.max_step_s = TTFT_SHARE * min(ttfts) if ttfts else None  # the TTFT bound on any step
+        self._per_token: deque = deque(maxlen=COLD_START_STEPS)  # seconds / prefill token of recent steps
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
         self.headroom = headroom
@@ -52,12 +65,17 @@ class StepBudget:
 
     @property
     def capped(self) -> bool:
-        """The step being scheduled has a prefill allowance (a TPOT SLO is decoding and the fit is warm)."""
+        """The step being scheduled has a prefill allowance (an SLO bounds it and a cost is known)."""
         return self._left is not None
+
+    @property
+    def active(self) -> bool:
+        """Some tier has an SLO that bounds steps: they are observed and capped."""
+        return bool(self.tpot_s) or self.max_step_s is not None
 
     def observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """A step ran and took `seconds`; steps without prefill tokens are not used."""
-        if not self.tpot_s:
+        if not self.active:
             return
         pt = sq = pre = ds = ctx = 0
         for c in scheduled.chunks:
@@ -72,11 +90,12 @@ class StepBudget:
         self._predicted = None
         if pt:
             self.fit.add((1.0, pt, sq, pre, ctx, ds), seconds)
+            self._per_token.append(seconds / pt)
 
     def begin(self, running: Iterable[Request]) -> None:
         """A step is being scheduled with `running` in the batch: set its prefill time allowance."""
         self._left, self._granted, self._predicted = None, 0, None
-        if self.tpot_s:
+        if self.active:
             self._allow(running)
         capped = self._left is not None
         self.last_cap = max(self._fit_tokens(self.max_tokens, 0), self.min_tokens) if capped else self.max_tokens
@@ -99,21 +118,25 @@ class StepBudget:
         return got
 
     def _allow(self, running: Iterable[Request]) -> None:
-        target, ds, ctx = None, 0, 0
+        tpot, ds, ctx = None, 0, 0
         for r in running:
             if r.status is not RequestStatus.DECODING:
                 continue
             ds, ctx = ds + 1, ctx + r.num_tokens
             slo = self.tpot_s.get(r.service_tier)
-            if slo is not None and (target is None or slo < target):
-                target = slo
-        coef = self.fit.coefficients() if target is not None else None
-        if coef is None:
+            if slo is not None and (tpot is None or slo < tpot):
+                tpot = slo
+        limits = [s for s in (None if tpot is None else self.headroom * tpot, self.max_step_s) if s is not None]
+        coef = self.fit.coefficients() if limits else None
+        if coef is None and not (limits and self._per_token):
             return
-        self._coef = tuple(float(v) for v in coef)
+        if coef is None:  # cold start: the worst recent seconds per prefill token, decode included
+            self._coef = (0.0, max(self._per_token), 0.0, 0.0, 0.0, 0.0)
+        else:
+            self._coef = tuple(float(v) for v in coef)
         a, _, _, _, e, f = self._coef
         self._base = a + e * ctx + f * ds
-        self._left = self.headroom * target / self.correction - self._base
+        self._left = min(limits) / self.correction - self._base
 
     def _cost(self, n: int, start_pos: int) -> float:
         _, b, c, d, _, _ = self._coef

@@ -54,10 +54,10 @@ class Metrics:
                              "prefilled (the conductor's view; admission's queueing input), by tier class",
                              ["worker", "tier_class"], registry=r)
         self.prefill_cap = Gauge("pdserve_step_prefill_cap_tokens", "Prefill tokens a worker's next step may "
-                                 "carry: the token budget, lowered while requests with a TPOT SLO decode "
+                                 "carry: the token budget, lowered by the tiers' TPOT and TTFT SLOs "
                                  "(pdserve.core.step_budget)", ["worker"], registry=r)
         self.capped_steps = Counter("pdserve_step_prefill_capped", "Steps whose prefill tokens were capped to keep "
-                                    "a decoding tier's TPOT SLO", ["worker"], registry=r)
+                                    "the tiers' TPOT / TTFT SLOs", ["worker"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens served", registry=r)
         self.running = Gauge("pdserve_num_requests_running", "Requests in the running batch", ["worker"], registry=r)
@@ -98,9 +98,9 @@ class Metrics:
         self.blocks_used.labels(worker=w).set(s["blocks_used"])
         self.blocks_total.labels(worker=w).set(s["blocks_total"])
         self._observe_tiers(w, s.get("kv"))
-        if "prefill_cap" in s:
+        if s.get("prefill_cap") is not None:
             self.prefill_cap.labels(worker=w).set(s["prefill_cap"])
-            self._inc_total(self.capped_steps, (w, "capped"), s["capped_steps"], worker=w)
+            self._inc_total(self.capped_steps, (w, "capped"), s.get("capped_steps", 0), worker=w)
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         for tier, n in s.get("preemptions_by_tier", {}).items():
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
