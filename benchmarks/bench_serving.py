@@ -24,14 +24,13 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from pdserve.bench.server_proc import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from serve_util import Server, free_port  # noqa: E402
+from serve_util import Server  # noqa: E402
 
 TRACES = Path(os.environ.get("PDSERVE_TRACES", "/work/shared/traces"))
 OUT = ROOT / "bench_results" / "serving"
@@ -45,17 +44,11 @@ class VllmServer:
         self.log = open(OUT / f"{Path(script).stem}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(["bash", str(ROOT / "benchmarks/peers" / script), str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm exited, see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        raise RuntimeError("vllm not ready")
+        why = wait_ready(self.proc, self.url, 900, path="/v1/models", poll_s=2.0)
+        if why is not None:
+            if self.proc.poll() is None:
+                self.stop()
+            raise RuntimeError(f"vllm {why}, see {self.log.name}")
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, 15)

@@ -5,43 +5,27 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from pdserve.bench.server_proc import free_port, scrape_metrics, wait_ready
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, args: list[str], log: Path, timeout_s: float = 300) -> None:
-        import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [*PDSERVE, "serve", "--port", str(self.port), *args]
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}), see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready in {timeout_s} s, see {log}")
-            time.sleep(0.3)
+        why = wait_ready(self.proc, self.url, timeout_s)
+        if why is not None:
+            self.stop()
+            raise RuntimeError(f"server {why}, see {log}")
 
     def warm_up(self) -> None:
         """One short untimed request (the first step after start-up is slow)."""
@@ -51,13 +35,7 @@ class Server:
         httpx.post(self.url + "/v1/completions", json=body, timeout=300).raise_for_status()
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-        out = {}
-        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+        return scrape_metrics(self.url)
 
     def stop(self, timeout_s: float = 30) -> None:
         if self.proc.poll() is None:

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.bench.server_proc import free_port, scrape_metrics, wait_ready
 
 
 class Server:
@@ -28,27 +19,14 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server not ready in time")
-            time.sleep(0.3)
+        why = wait_ready(self.proc, self.url, timeout_s)
+        if why is not None:
+            output = self.proc.stdout.read() if self.proc.poll() is not None else ""
+            self.stop()
+            raise RuntimeError(f"server {why}: {output}")
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+        return scrape_metrics(self.url)
 
     def metric(self, name: str, **labels) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
