@@ -186,6 +186,7 @@ def test_a_ttft_slo_bounds_every_step_and_the_cold_start_uses_seconds_per_token(
     # cold start: 0.25 x 1 s at the seconds per token seen (the fixed cost included), with nothing decoding
     cold = _cap(budget, [])
     assert cold == pytest.approx(TTFT_SHARE * 1.0 / (A / 400 + PER_TOKEN), abs=1)
+    assert budget.num_cold_start_steps == 1  # counted: a fallback, shown in pdserve_fallbacks_total
     for _ in range(8):  # steps of what was granted, as the scheduler would run them
         budget.observe(SchedulerOutput((_chunk("p", cold),)), A + PER_TOKEN * cold)
         cold = _cap(budget, []) + (_ % 3) * 7  # (varied sizes, so the fit can separate a from b)

@@ -216,7 +216,8 @@ class Worker:
                "preemptions_by_tier": dict(sched.stats.preemptions_by_tier), "steps": self._steps,
                "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report(),
                "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
-               "capped_steps": sched.step_budget.num_capped_steps}
+               "capped_steps": sched.step_budget.num_capped_steps,
+               "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent),

@@ -56,6 +56,7 @@ class StepBudget:
         self.fit = OnlineFit(6)
         self.last_cap = max_tokens  # prefill tokens of a fresh prompt the last step could carry (a metric)
         self.num_capped_steps = 0
+        self.num_cold_start_steps = 0  # capped with the seconds-per-token bound, the fit not ready (a fallback)
         self._left: float | None = None  # seconds of prefill this step may still add; None: no cap
         self._coef: tuple[float, ...] = ()
         self._base = 0.0  # predicted seconds of the step without its prefill
@@ -132,6 +133,7 @@ class StepBudget:
             return
         if coef is None:  # cold start: the worst recent seconds per prefill token, decode included
             self._coef = (0.0, max(self._per_token), 0.0, 0.0, 0.0, 0.0)
+            self.num_cold_start_steps += 1
         else:
             self._coef = tuple(float(v) for v in coef)
         a, _, _, _, e, f = self._coef

@@ -101,6 +101,8 @@ class Metrics:
         if s.get("prefill_cap") is not None:
             self.prefill_cap.labels(worker=w).set(s["prefill_cap"])
             self._inc_total(self.capped_steps, (w, "capped"), s.get("capped_steps", 0), worker=w)
+            self._inc_total(self.fallbacks, (w, "step_budget_cold_start"), s.get("step_budget_cold_starts", 0),
+                            kind="step_budget_cold_start")
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         for tier, n in s.get("preemptions_by_tier", {}).items():
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
