@@ -175,8 +175,10 @@ def check_index(tier: TierIndex) -> None:
     assert len(set(tier._free_slots)) == len(tier._free_slots)
     assert len(slots) + tier.num_free() == tier.capacity
     assert all(m.busy >= 0 for m in tier), f"{tier.tier}: negative busy"
-    assert all(h in tier.entries and tier.entries[h].reclaiming for h in tier._reclaiming)
+    assert all(h in tier.entries and tier.entries[h].reclaiming for h in tier.marked())
+    assert sum(m.reclaiming for m in tier) == len(tier.marked()) == tier._marked
     assert all(m.block_hash == h and m.tier is tier.tier for h, m in tier.entries.items())
+    assert len(tier._lru) == len(tier.entries)
 
 
 def filled(capacity: int, n: int, policy=None, config: LifecycleConfig = CFG) -> TierIndex:
@@ -239,7 +241,7 @@ def test_eviction_never_takes_busy_unready_or_pinned():
     tier.entries[1].pinned_until_s = 50.0  # pin over
     m = tier.reserve(99, 50.0)
     assert m is not None and m.slot == 1  # block 1's slot
-    assert tier.get(1) is None and [e.block_hash for e in tier.evicted] == [1]
+    assert tier.get(1) is None and tier.evicted == [1]
     assert tier.num_evicted == 1
     assert {0, 2, 99} == set(tier.entries)
     check_index(tier)
@@ -288,7 +290,7 @@ def test_reclaim_watermarks_mark_then_reserve_takes_marked_first():
     assert tier.reclaim(100.0) == 5  # marking twice changes nothing
     # a marked block that is hit again is no longer on its way out
     tier.touch(0, 101.0)
-    assert not tier.entries[0].reclaiming and len(tier._reclaiming) == 4
+    assert not tier.entries[0].reclaiming and len(tier.marked()) == 4
     # reserve takes a marked block's slot before the policy's own pick
     tier.entries[50].last_use_s = -1.0
     for h in range(200, 205):  # 5 free slots first, then marked ones
@@ -296,7 +298,7 @@ def test_reclaim_watermarks_mark_then_reserve_takes_marked_first():
     assert tier.get(50) is not None and tier.evicted == []
     tier.entries[1].busy = 1  # a marked block being read is skipped
     tier.reserve(300, 103.0)
-    assert tier.get(1) is not None and [m.block_hash for m in tier.evicted] == [2]
+    assert tier.get(1) is not None and tier.evicted == [2]
     check_index(tier)
 
 
@@ -304,7 +306,7 @@ def test_reclaim_watermarks_mark_then_reserve_takes_marked_first():
 def test_reclaim_marks_the_least_recently_used_whatever_the_sample(sample):
     tier = filled(100, 95, config=LifecycleConfig(eviction_sample=sample))
     assert tier.reclaim(100.0) == 5
-    assert sorted(tier._reclaiming) == [0, 1, 2, 3, 4]
+    assert sorted(tier.marked()) == [0, 1, 2, 3, 4]
 
 
 def test_reclaim_with_heat_marks_the_coldest_of_each_window():
@@ -312,10 +314,9 @@ def test_reclaim_with_heat_marks_the_coldest_of_each_window():
     for h in (0, 1, 2):
         for _ in range(3):
             tier.touch(h, 30.0)  # hot, and now the most recently used
-    tier.entries.move_to_end(0, last=False)  # 0 is hot but least recently used: never the coldest of a window
     tier.high, tier.low = 19, 17  # mark 3
     assert tier.reclaim(31.0) == 3
-    assert sorted(tier._reclaiming) == [3, 4, 5]
+    assert sorted(tier.marked()) == [3, 4, 5]
 
 
 def test_reclaim_skips_busy_and_pinned():
@@ -534,7 +535,7 @@ def check_invariants(engine: LLMEngine, io: LoopbackIO) -> None:
     bm, tiers = engine.block_manager, engine.tiers
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
     assert all(bm.ref_count(b) >= 0 for b in range(bm.num_blocks))
-    assert all((bm.ref_count(b) == 0) == (b in bm._free) for b in range(bm.num_blocks))
+    assert all((bm.ref_count(b) == 0) == bm.is_free(b) for b in range(bm.num_blocks))
     for tier in tiers.tiers():
         check_index(tier)
     for h, m in tiers.host.entries.items():

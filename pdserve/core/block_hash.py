@@ -10,6 +10,7 @@ from array import array
 from collections.abc import Sequence
 from typing import NewType
 
+import numpy as np
 import xxhash
 
 BlockHash = NewType("BlockHash", int)
@@ -41,12 +42,15 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     num_full = len(token_ids) // block_size
     if start_block >= num_full:
         return []
-    data = memoryview(array("q", token_ids[start_block * block_size:num_full * block_size]).tobytes())
+    tokens = token_ids[start_block * block_size:num_full * block_size]
+    # numpy arrays pack in place; lists fastest through array("q")
+    data = memoryview(tokens.astype(np.int64).tobytes() if isinstance(tokens, np.ndarray)
+                      else array("q", tokens).tobytes())
     stride = block_size * 8
     seed = _root(extra_key) if parent is None else parent
     hashes: list[BlockHash] = []
-    digest = xxhash.xxh3_64_intdigest
+    digest, append = xxhash.xxh3_64_intdigest, hashes.append
     for off in range(0, len(data), stride):
         seed = digest(data[off:off + stride], seed)
-        hashes.append(BlockHash(seed))
+        append(seed)  # (a BlockHash is an int: NewType costs a call per block at runtime)
     return hashes

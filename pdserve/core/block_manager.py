@@ -3,33 +3,33 @@
 Pure bookkeeping: no tensors, no request objects. The scheduler asks, this module answers with block ids;
 it never writes into a request. Tensors indexed by these ids live in the worker's KV pool.
 
-Free blocks sit in an LRU queue (`OrderedDict`, O(1) removal from the middle when a cached block is hit
-again). A freed block keeps its hash and stays findable by prefix lookups until it is popped for reuse:
-that is the whole prefix cache, with least-recently-freed eviction. A request's blocks are freed tail
-first, because the tail of a sequence is the part least likely to be shared by another request.
+Free blocks sit in an LRU queue (`LRUQueue`: O(1) removal from the middle when a cached block is hit
+again, runs pushed and popped as arrays). A freed block keeps its hash and stays findable by prefix lookups
+until it is popped for reuse: that is the whole prefix cache, with least-recently-freed eviction. A
+request's blocks are freed tail first, because the tail of a sequence is the part least likely to be shared
+by another request.
+
+State is columnar (numpy arrays indexed by block id: reference counts, whether registered, the lifecycle
+metadata in `MetaColumns`), so a request's hundreds of blocks are allocated, registered and freed with a few
+array operations: the simulator replays hours of a cluster on this same code.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+import numpy as np
+
 from pdserve.core.block_hash import BlockHash, hash_blocks
-from pdserve.core.kv_meta import (BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim,
-                                  stage_of)
+from pdserve.core.kv_columns import MetaColumns, MetaView
+from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
+from pdserve.core.lru_queue import LRUQueue
 
 BlockId = NewType("BlockId", int)
-
-
-@dataclass(slots=True)
-class _Block:
-    block_id: BlockId
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None  # set once the block is full and registered in the cache
-    meta: BlockMeta | None = None  # lifecycle metadata of a registered block
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,14 @@ class KVBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._salt = cache_salt
-        self._blocks = [_Block(BlockId(i)) for i in range(num_blocks)]
-        self._free: OrderedDict[BlockId, None] = OrderedDict((b.block_id, None) for b in self._blocks)
+        self._ref = np.zeros(num_blocks, np.int32)
+        self._registered = np.zeros(num_blocks, bool)  # full, hashed and in the prefix cache (metadata valid)
+        self.cols = MetaColumns(num_blocks, Tier.DEVICE)
+        self._free = LRUQueue(num_blocks)
+        self._free.push_many(np.arange(num_blocks))
+        self._holders: set[str] = set()  # holders that held more than once (may hold a block twice)
         self._cached: dict[BlockHash, BlockId] = {}
+        self.cached_get = self._cached.get  # `cached_block` without a Python call, for bulk callers
         self._tables: dict[str, list[BlockId]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
         self._memo: dict[str, list[BlockHash]] = {}  # block hashes of each live request's token sequence
@@ -83,12 +88,12 @@ class KVBlockManager:
     # ---- queries -------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._free.size
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by live requests; cached-but-free blocks count as free."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._free.size
 
     @property
     def num_cached_blocks(self) -> int:
@@ -98,7 +103,10 @@ class KVBlockManager:
         return tuple(self._tables.get(request_id, ()))
 
     def ref_count(self, block_id: BlockId) -> int:
-        return self._blocks[block_id].ref_cnt
+        return int(self._ref[block_id])
+
+    def is_free(self, block_id: BlockId) -> bool:
+        return block_id in self._free
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -141,8 +149,8 @@ class KVBlockManager:
         if hit and table:
             raise ValueError(f"prefix hit given for {request_id!r}, which already holds blocks")
         num_new = self.blocks_needed(num_tokens) - self._cold.get(request_id, 0) - len(table) - len(hit)
-        revived = sum(1 for b in hit if self._blocks[b].ref_cnt == 0)
-        if max(num_new, 0) + revived > len(self._free):
+        revived = int(np.count_nonzero(self._ref[list(hit)] == 0)) if hit else 0
+        if max(num_new, 0) + revived > self._free.size:
             return None
         appended = self._take_refs(hit)
         if num_new > 0:
@@ -162,48 +170,55 @@ class KVBlockManager:
         num_full = min(num_computed_tokens // self.block_size, len(table) + cold)
         if num_full <= len(hashes):
             return
-        sequence = self._sequence_hashes(request_id, token_ids, num_full)
         first = len(hashes)
-        hashes.extend(sequence[first:num_full])
-        now, cached, blocks, new = self.clock(), self._cached, self._blocks, self.newly_cached
-        for parent, block_id in zip(sequence[first:num_full], table[first - cold:num_full - cold]):
-            block = blocks[block_id]
-            if parent not in cached and block.block_hash is None:
-                block.block_hash = parent
-                cached[parent] = block_id
-                block.meta = BlockMeta(parent, Tier.DEVICE, block_id, now, now, 1, 1.0, now)
-                if new is not None:
-                    new.append((block_id, parent))
+        new_hashes = self._sequence_hashes(request_id, token_ids, num_full)[first:num_full]
+        hashes.extend(new_hashes)
+        ids = table[first - cold:num_full - cold]
+        cached = self._cached
+        unregistered = (~self._registered[ids]).tolist()
+        pairs = [(h, b) for h, b, free in zip(new_hashes, ids, unregistered) if free and h not in cached]
+        if not pairs:
+            return
+        cached.update(pairs)
+        reg_hashes, reg_ids = zip(*pairs)
+        new_ids = np.array(reg_ids, np.int64)
+        self._registered[new_ids] = True
+        self.cols.fresh(new_ids, np.array(reg_hashes, np.uint64), self.clock(), 1, True)
+        if self.newly_cached is not None:
+            self.newly_cached.extend(zip(reg_ids, reg_hashes))
 
     def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
         memo = self._memo.setdefault(request_id, [])
         if len(memo) < num_blocks:
             bs = self.block_size
-            memo.extend(hash_blocks(token_ids[:num_blocks * bs], bs, memo[-1] if memo else None, len(memo),
-                                    self._salt))
+            memo.extend(hash_blocks(token_ids[len(memo) * bs:num_blocks * bs], bs, memo[-1] if memo else None,
+                                    0, self._salt))  # only the new blocks' tokens are sliced
         return memo
 
     def hold(self, holder: str, block_ids: Sequence[BlockId]) -> None:
-        """Add a reference from `holder` (not a request: e.g. a transfer reading the blocks) to each block,
-        so none is reused until `free(holder)`. Blocks already free are taken back off the free queue
+        """Add a reference from `holder` (not a request: e.g. a transfer reading the blocks) to each block
+        (distinct within one call; a holder may hold a block again in a later call), so none is reused
+        until `free(holder)`. Blocks already free are taken back off the free queue
         (their contents are intact: a block is only overwritten after it is popped for a new owner)."""
         if holder in self._memo or holder in self._hashes:
             raise ValueError(f"{holder!r} is a request; holders must have ids of their own")
+        if holder in self._tables:
+            self._holders.add(holder)  # holds some blocks a second time, maybe: its free dedupes
         self._tables.setdefault(holder, []).extend(self._take_refs(block_ids, use=False))
 
     def _take_refs(self, block_ids: Sequence[BlockId], use: bool = True) -> list[BlockId]:
         """One more reference to each block (off the free queue if it was free); the ids, as a list. `use`:
         a request's prefix hit (counted in the blocks' metadata), not a holder's (a copy or a transfer)."""
-        now = self.clock() if block_ids and use else 0.0
-        half_life, blocks, free = self.lifecycle.heat_half_life_s, self._blocks, self._free
-        for block_id in block_ids:
-            block = blocks[block_id]
-            if block.ref_cnt == 0:
-                del free[block_id]
-            block.ref_cnt += 1
-            if use and block.meta is not None:
-                block.meta.touch(now, half_life)
+        if not len(block_ids):
+            return []
+        ids = np.asarray(block_ids, np.int64)
+        self._free.remove_many(ids[self._ref[ids] == 0])
+        np.add.at(self._ref, ids, 1)
+        if use:
+            registered = ids[self._registered[ids]]
+            if len(registered):
+                self.cols.touch(registered, self.clock(), self.lifecycle.heat_half_life_s)
         return list(block_ids)
 
     def registered_hashes(self, request_id: str) -> list[BlockHash]:
@@ -228,39 +243,41 @@ class KVBlockManager:
         table = self._tables[request_id]
         if count > len(table) or len(self._hashes.get(request_id, ())) < self._cold.get(request_id, 0) + count:
             raise ValueError(f"{request_id!r}: only registered blocks can leave the device")
-        for block_id in table[:count]:
-            self._release(block_id)
+        self._release(table[:count])
         del table[:count]
         self._cold[request_id] = self._cold.get(request_id, 0) + count
 
     def pin(self, holder: str, request_id: str, until_s: float) -> int:
         """Keep `request_id`'s registered (full, cached) blocks on the device until `until_s` or `unpin`,
         marked as prewarmed; returns how many. Call before the request's blocks are freed."""
-        table = self._tables.get(request_id, [])
-        ids = [b for b in table[:len(self._hashes.get(request_id, ()))] if self._blocks[b].meta is not None]
-        self.hold(holder, ids)
-        for block_id in ids:
-            meta = self._blocks[block_id].meta
-            meta.pinned_until_s = max(meta.pinned_until_s, until_s)
-            meta.prewarmed = True
+        table = np.asarray(self._tables.get(request_id, [])[:len(self._hashes.get(request_id, ()))], np.int64)
+        ids = table[self._registered[table]]
+        self.hold(holder, ids.tolist())
+        cols = self.cols
+        cols.pinned_until_s[ids] = np.maximum(cols.pinned_until_s[ids], until_s)
+        cols.prewarmed[ids] = True
         self._pins[holder] = until_s
         return len(ids)
 
     def unpin(self, holder: str) -> bool:
         if self._pins.pop(holder, None) is None:
             return False
-        for block_id in self._tables.get(holder, ()):
-            meta = self._blocks[block_id].meta
-            if meta is not None:
-                meta.pinned_until_s = 0.0
+        ids = np.asarray(self._tables.get(holder, ()), np.int64)
+        self.cols.pinned_until_s[ids[self._registered[ids]]] = 0.0
         self.free(holder)
         return True
 
     def expire_pins(self, now: float) -> list[str]:
+        if not self._pins:
+            return []
         expired = [h for h, until in self._pins.items() if until <= now]
         for holder in expired:
             self.unpin(holder)
         return expired
+
+    @property
+    def has_pins(self) -> bool:
+        return bool(self._pins)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -275,75 +292,69 @@ class KVBlockManager:
         table = self._tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
         self._cold.pop(request_id, None)
-        blocks, free = self._blocks, self._free
-        for block_id in reversed(table):
-            block = blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt <= 0:
-                if block.ref_cnt < 0:
-                    raise AssertionError(f"block {block_id} ref count went negative")
-                free[block_id] = None
+        if table:
+            holder = request_id in self._holders
+            self._holders.discard(request_id)
+            self._release(table[::-1], may_repeat=holder)
 
-    def _release(self, block_id: BlockId) -> None:
-        block = self._blocks[block_id]
-        block.ref_cnt -= 1
-        if block.ref_cnt < 0:
-            raise AssertionError(f"block {block_id} ref count went negative")
-        if block.ref_cnt == 0:
-            self._free[block_id] = None
+    def _release(self, block_ids: Sequence[BlockId], may_repeat: bool = False) -> None:
+        """One reference less on each; the blocks left unreferenced join the free queue in this order."""
+        if not len(block_ids):
+            return
+        ids = np.asarray(block_ids, np.int64)
+        np.subtract.at(self._ref, ids, 1)
+        refs = self._ref[ids]
+        if (refs < 0).any():
+            raise AssertionError(f"block {ids[refs < 0][0]} ref count went negative")
+        freed = ids[refs == 0]
+        if may_repeat and len(freed) > 1:  # a holder holding a block twice: it is freed once
+            _, first = np.unique(freed, return_index=True)
+            freed = freed[np.sort(first)]
+        self._free.push_many(freed)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change). Blocks in use are untouched."""
-        for block in self._blocks:
-            block.block_hash = None
+        self._registered[:] = False
         self._cached.clear()
 
     def _pop_free_many(self, count: int) -> list[BlockId]:
-        if self.eviction is not None:
-            return [self._pop_free() for _ in range(count)]
-        free, blocks, cached, out = self._free, self._blocks, self._cached, []
-        for _ in range(count):  # least recently freed first (exact LRU): the same blocks `_pop_free` takes
-            block_id = free.popitem(last=False)[0]
-            block = blocks[block_id]
-            if block.block_hash is not None:
-                if cached.get(block.block_hash) == block_id:
-                    del cached[block.block_hash]
-                block.block_hash = None
-                block.meta = None
-            block.ref_cnt = 1
-            out.append(block_id)
-        return out
-
-    def _pop_free(self) -> BlockId:
-        block_id = self._victim()
-        del self._free[block_id]
-        block = self._blocks[block_id]
-        if block.block_hash is not None:  # evict from the prefix cache as the block is reused
-            if self._cached.get(block.block_hash) == block_id:
-                del self._cached[block.block_hash]
-            block.block_hash = None
-            block.meta = None
-        block.ref_cnt = 1
-        return block_id
+        """`count` free blocks for a new owner (ref count 1), evicted from the prefix cache: the least
+        recently freed (exact LRU) or, with a policy, its picks one at a time."""
+        if self.eviction is None:
+            ids = self._free.pop_first(count)
+        else:
+            ids = np.fromiter((self._victim() for _ in range(count)), np.int64, count)
+        registered = ids[self._registered[ids]]
+        if len(registered):
+            cached = self._cached
+            for h, block_id in zip(self.cols.block_hash[registered].tolist(), registered.tolist()):
+                if cached.get(h) == block_id:
+                    del cached[h]
+            self._registered[registered] = False
+        self._ref[ids] = 1
+        return ids.tolist()
 
     def _victim(self) -> BlockId:
-        first = next(iter(self._free))
-        if self.eviction is None or self._blocks[first].meta is None:
-            return first
-        metas = []
-        for block_id in self._free:
-            meta = self._blocks[block_id].meta
-            if meta is None:  # holds nothing anyone could hit: the cheapest block to reuse
-                return block_id
-            metas.append(meta)
-            if len(metas) >= self.lifecycle.eviction_sample:
+        """Take the policy's pick among the `eviction_sample` least recently freed blocks off the queue (an
+        unregistered one first: it holds nothing anyone could hit)."""
+        sample: list[MetaView] = []
+        for run in self._free.runs():
+            for block_id in run.tolist():
+                if not self._registered[block_id]:
+                    self._free.remove(block_id)
+                    return BlockId(block_id)
+                sample.append(self.cols.view(block_id))
+                if len(sample) >= self.lifecycle.eviction_sample:
+                    break
+            if len(sample) >= self.lifecycle.eviction_sample:
                 break
-        victim = pick_victim(metas, self.eviction, self.clock(), len(metas))
-        return first if victim is None else BlockId(victim.slot)
+        victim = pick_victim(sample, self.eviction, self.clock(), len(sample)) or sample[0]
+        self._free.remove(victim.slot)
+        return BlockId(victim.slot)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
-    def meta(self, block_id: BlockId) -> BlockMeta | None:
-        return self._blocks[block_id].meta
+    def meta(self, block_id: BlockId) -> MetaView | None:
+        return self.cols.view(block_id) if self._registered[block_id] else None
 
     def cached_block(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
@@ -351,10 +362,8 @@ class KVBlockManager:
     def stage_counts(self, now: float) -> Counter:
         """Device blocks by lifecycle stage: registered blocks by their metadata; unregistered blocks held by
         a request (being filled) are ACTIVE; free unregistered blocks are not counted."""
-        counts: Counter = Counter()
-        for block in self._blocks:
-            if block.meta is not None:
-                counts[stage_of(block.meta, now, block.ref_cnt > 0, self.lifecycle)] += 1
-            elif block.ref_cnt > 0:
-                counts[Stage.ACTIVE] += 1
-        return counts
+        held = self._ref > 0
+        registered = np.flatnonzero(self._registered)
+        counts = self.cols.stages(registered, held[registered], now, self.lifecycle)
+        counts[Stage.ACTIVE] += int(np.count_nonzero(held & ~self._registered))
+        return +counts

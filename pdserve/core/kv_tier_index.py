@@ -4,20 +4,50 @@ metadata. Pure Python: the bytes live in `pdserve.kv` (a host tensor, files) and
 Two-phase stores: `reserve` books a slot for a hash (the entry exists but is not `ready`, so no lookup
 hits it), the bytes are written, then `commit` makes it visible or `discard` drops it. Eviction happens in
 two places: when usage passes `high_watermark`, `reclaim(now)` marks the lowest-scoring blocks RECLAIM
-down to `low_watermark` (still servable: a hit takes one back); `reserve` takes its slot from a marked block
-first, then from the policy's pick. Blocks being read (`busy`), being written, or pinned are never taken.
+down to `low_watermark` (still servable: a hit takes one back); `reserve` frees a slot when none is free.
+Blocks being read (`busy`), being written, or pinned are never taken.
+
+Which block leaves: under LRU, the first evictable one in use order (the marks are the head of that order,
+so they go first unless a block ahead of them became evictable since); under another policy, the first
+evictable marked block, else the policy's pick among the `eviction_sample` least recently used.
+
+State is columnar (`MetaColumns` by slot, an `LRUQueue` of slots, a dict hash -> slot): a run of blocks is
+reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_many`,
+`touch_many`). `entries` is a read-only mapping hash -> `MetaView`, least recently used first.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 
-from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim, stage_of
+import numpy as np
 
+from pdserve.core.kv_columns import MetaColumns, MetaView
+from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim
+from pdserve.core.lru_queue import LRUQueue
 
 RECLAIM_INTERVAL_S = 1.0  # watermark marking runs at most this often (it walks the LRU order)
+
+
+class _Entries(Mapping):
+    """hash -> `MetaView`, iterated least recently used first."""
+
+    def __init__(self, index: TierIndex) -> None:
+        self._index = index
+
+    def __getitem__(self, block_hash: int) -> MetaView:
+        return self._index.cols.view(self._index._slot[block_hash])
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._index._slot
+
+    def __iter__(self) -> Iterator[int]:
+        index = self._index
+        return iter(index.cols.block_hash[index._lru.order()].tolist())
+
+    def __len__(self) -> int:
+        return len(self._index._slot)
 
 
 class TierIndex:
@@ -32,127 +62,239 @@ class TierIndex:
         self.config = config or LifecycleConfig()
         self.high = max(1, int(capacity_blocks * high_watermark))
         self.low = max(0, int(capacity_blocks * low_watermark))
-        self.entries: OrderedDict[int, BlockMeta] = OrderedDict()  # least recently used first
+        self.cols = MetaColumns(capacity_blocks, tier)
+        self._slot: dict[int, int] = {}
+        self._lru = LRUQueue(capacity_blocks)  # occupied slots, least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
-        self._reclaiming: OrderedDict[int, None] = OrderedDict()
+        self._marked = 0  # entries marked RECLAIM
         self._next_reclaim_s = float("-inf")
-        self.evicted: list[BlockMeta] = []  # dropped entries whose bytes the owner may delete (disk files)
+        self.entries = _Entries(self)
+        self.evicted: list[int] = []  # hashes of dropped entries whose bytes the owner may delete (disk files)
         self.num_evicted = 0
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._slot)
 
-    def __iter__(self) -> Iterator[BlockMeta]:
-        return iter(self.entries.values())
+    def __iter__(self) -> Iterator[MetaView]:
+        return (self.cols.view(s) for s in self._lru.order().tolist())
 
-    def get(self, block_hash: int) -> BlockMeta | None:
-        return self.entries.get(block_hash)
+    def get(self, block_hash: int) -> MetaView | None:
+        slot = self._slot.get(block_hash)
+        return None if slot is None else self.cols.view(slot)
 
-    def ready(self, block_hash: int) -> BlockMeta | None:
-        meta = self.entries.get(block_hash)
-        return meta if meta is not None and meta.ready else None
+    def ready(self, block_hash: int) -> MetaView | None:
+        slot = self._slot.get(block_hash)
+        return None if slot is None or not self.cols.ready[slot] else self.cols.view(slot)
 
+    def slot(self, block_hash: int) -> int:
+        return self._slot[block_hash]
+
+    def ready_prefix(self, hashes: Sequence[int]) -> tuple[int, bool]:
+        """How many leading `hashes` are here and ready; and whether the next one is here (being written)."""
+        slots = []
+        for h in hashes:
+            slot = self._slot.get(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        if not slots:
+            return 0, False
+        unready = np.flatnonzero(~self.cols.ready[slots])
+        return (len(slots), False) if not len(unready) else (int(unready[0]), True)
+
+    # ---- uses -------------------------------------------------------------------------------------------
     def touch(self, block_hash: int, now: float) -> None:
-        meta = self.entries[block_hash]
-        meta.touch(now, self.config.heat_half_life_s)
-        self.entries.move_to_end(block_hash)
-        if meta.reclaiming:  # wanted again: no longer on its way out
-            meta.reclaiming = False
-            self._reclaiming.pop(block_hash, None)
+        self._touch_slots(np.array([self._slot[block_hash]]), now)
 
-    def reserve(self, block_hash: int, now: float, template: BlockMeta | None = None) -> BlockMeta | None:
+    def touch_many(self, hashes: Sequence[int], now: float) -> None:
+        """One use of each of `hashes` (distinct, all here), in order: the last becomes most recent."""
+        if hashes:
+            self._touch_slots(np.array([self._slot[h] for h in hashes], np.int64), now)
+
+    def _touch_slots(self, slots: np.ndarray, now: float) -> None:
+        self.cols.touch(slots, now, self.config.heat_half_life_s)
+        self._lru.push_many(slots)
+        marked = slots[self.cols.reclaiming[slots]]
+        if len(marked):  # wanted again: no longer on their way out
+            self.cols.reclaiming[marked] = False
+            self._marked -= len(marked)
+
+    def unbusy_many(self, hashes: Sequence[int]) -> None:
+        """One read fewer for each of `hashes` that is still here and busy (a hash may come twice: two
+        loads of one entry)."""
+        slots = [s for s in map(self._slot.get, hashes) if s is not None]
+        if slots:
+            busy = self.cols.busy
+            np.subtract.at(busy, slots, 1)
+            busy[slots] = np.maximum(busy[slots], 0)
+
+    # ---- stores -----------------------------------------------------------------------------------------
+    def reserve(self, block_hash: int, now: float, template: BlockMeta | MetaView | None = None
+                ) -> MetaView | None:
         """Book a slot for `block_hash` (not ready until `commit`); None when it is already here (ready or
         being written) or every block is pinned or busy. `template` carries metadata from the tier above."""
-        if block_hash in self.entries:
+        if block_hash in self._slot:
             return None
-        if not self._free_slots and not self._evict_one(now):
+        if not self._free_slots and not self._evict(1, now):
             return None
         slot = self._free_slots.pop()
-        if template is None:
-            meta = BlockMeta(block_hash, self.tier, slot, now, now, heat_at_s=now, ready=False)
+        self._slot[block_hash] = slot
+        self.cols.fresh(slot, block_hash, now, 0, ready=False)
+        if template is not None:
+            self.cols.set_from(slot, template)
+            self.cols.last_use_s[slot] = max(template.last_use_s, 0.0)
+        self._lru.push(slot)
+        return self.cols.view(slot)
+
+    def reserve_many(self, hashes: Sequence[int], now: float, src: MetaColumns | None = None,
+                     src_slots: np.ndarray | None = None) -> tuple[list[int], list[int], list[int]]:
+        """`reserve` for a run of distinct hashes, metadata copied from `src`'s `src_slots` (one per hash).
+        Returns (hashes booked, their slots, hashes not booked: here already, or no room was left)."""
+        slot_of = self._slot
+        new = [i for i, h in enumerate(hashes) if h not in slot_of]
+        room = len(self._free_slots)
+        if len(new) > room:
+            room += self._evict(len(new) - room, now)
+        new = new[:room]
+        if not new:
+            return [], [], list(hashes)
+        k = len(new)
+        slots = self._free_slots[-k:][::-1]
+        del self._free_slots[-k:]
+        booked = [hashes[i] for i in new]
+        slot_of.update(zip(booked, slots))
+        slot_arr = np.array(slots, np.int64)
+        if src is None:
+            self.cols.fresh(slot_arr, np.array(booked, np.uint64), now, 0, ready=False)
         else:
-            t = template
-            meta = BlockMeta(block_hash, self.tier, slot, t.produced_at_s, max(t.last_use_s, 0.0), t.use_count,
-                             t.heat, t.heat_at_s, t.expected_use_at_s, t.pinned_until_s, codec=t.codec,
-                             sla_class=t.sla_class, ready=False)
-        self.entries[block_hash] = meta
-        return meta
+            self.cols.copy_from(src, np.asarray(src_slots)[new], slot_arr)
+        self._lru.push_many(slot_arr)
+        taken = set(booked)
+        rest = [h for h in hashes if h not in taken] if k < len(hashes) else []
+        return booked, slots, rest
 
     def commit(self, block_hash: int) -> None:
-        meta = self.entries.get(block_hash)
-        if meta is not None:
-            meta.ready = True
+        slot = self._slot.get(block_hash)
+        if slot is not None:
+            self.cols.ready[slot] = True
+
+    def commit_many(self, hashes: Sequence[int]) -> None:
+        get = self._slot.get
+        slots = [s for s in map(get, hashes) if s is not None]
+        self.cols.ready[slots] = True
 
     def discard(self, block_hash: int) -> BlockMeta | None:
-        """Drop an entry (a failed write, corrupt bytes, a deleted file); its slot is free again."""
-        meta = self.entries.pop(block_hash, None)
-        if meta is not None:
-            self._reclaiming.pop(block_hash, None)
-            self._free_slots.append(meta.slot)
+        """Drop an entry (a failed write, corrupt bytes, a deleted file); its slot is free again. Returns
+        a copy of its metadata."""
+        slot = self._slot.pop(block_hash, None)
+        if slot is None:
+            return None
+        meta = self.cols.snapshot(slot)
+        self._free([slot])
         return meta
+
+    def _free(self, slots: Sequence[int]) -> None:
+        arr = np.asarray(slots, np.int64)
+        marked = self.cols.reclaiming[arr]
+        self._marked -= int(np.count_nonzero(marked))
+        self.cols.reclaiming[arr] = False
+        self._lru.remove_many(arr)
+        self._free_slots.extend(slots)
 
     def restore(self, meta: BlockMeta) -> bool:
         """Re-index a block found at start (disk files of an earlier run); False when the tier is full."""
-        if meta.block_hash in self.entries or not self._free_slots:
+        if meta.block_hash in self._slot or not self._free_slots:
             return False
-        meta.slot, meta.tier, meta.ready = self._free_slots.pop(), self.tier, True
-        self.entries[meta.block_hash] = meta
-        self.entries.move_to_end(meta.block_hash)
+        slot = self._free_slots.pop()
+        self._slot[meta.block_hash] = slot
+        self.cols.fresh(slot, meta.block_hash, 0.0, 0, ready=True)
+        self.cols.set_from(slot, meta)
+        self._lru.push(slot)
         return True
 
+    # ---- eviction ---------------------------------------------------------------------------------------
     def reclaim(self, now: float) -> int:
         """Above the high watermark, mark the lowest-scoring blocks RECLAIM until only `low` would remain.
         Returns how many are marked now."""
-        if len(self.entries) < self.high or now < self._next_reclaim_s:
-            return len(self._reclaiming)
+        if not self.reclaim_due(now):
+            return self._marked
         self._next_reclaim_s = now + RECLAIM_INTERVAL_S
-        want = len(self.entries) - self.low
-        if len(self._reclaiming) >= want:
-            return len(self._reclaiming)
+        need = len(self._slot) - self.low - self._marked
+        if need <= 0:
+            return self._marked
+        cols = self.cols
+        if isinstance(self.policy, LRUPolicy):  # the order is the policy: mark the first candidates
+            for run in self._lru.runs():
+                pick = run[cols.evictable(run, now) & ~cols.reclaiming[run]][:need]
+                cols.reclaiming[pick] = True
+                self._marked += len(pick)
+                need -= len(pick)
+                if need <= 0:
+                    break
+            return self._marked
         # Each mark is the lowest-scoring of the first `eviction_sample` evictable unmarked candidates (least
         # recently used first): a window over the LRU order that moves on by one after each mark.
-        candidates = (m for m in self.entries.values()
-                      if not (m.reclaiming or m.busy or not m.ready or m.pinned(now)))
-        if isinstance(self.policy, LRUPolicy):  # the order is the policy (`_first_evictable`): mark the first ones
-            for victim in itertools.islice(candidates, want - len(self._reclaiming)):
-                victim.reclaiming = True
-                self._reclaiming[victim.block_hash] = None
-            return len(self._reclaiming)
-        window = list(itertools.islice(candidates, self.config.eviction_sample))
-        while window and len(self._reclaiming) < want:
+        candidates = (cols.view(s) for run in list(self._lru.runs())
+                      for s in run[cols.evictable(run, now) & ~cols.reclaiming[run]].tolist())
+        window = [m for _, m in zip(range(self.config.eviction_sample), candidates)]
+        while window and need > 0:
             victim = pick_victim(window, self.policy, now, len(window))
             window.remove(victim)
-            window.extend(itertools.islice(candidates, 1))
-            victim.reclaiming = True
-            self._reclaiming[victim.block_hash] = None
-        return len(self._reclaiming)
+            window.extend(m for _, m in zip(range(1), candidates))
+            cols.reclaiming[victim.slot] = True
+            self._marked += 1
+            need -= 1
+        return self._marked
 
-    def _evict_one(self, now: float) -> bool:
-        for block_hash in self._reclaiming:  # (returns before the drop changes the dict)
-            meta = self.entries[block_hash]
-            if not meta.busy and not meta.pinned(now):
-                return self._drop(meta)
-        victim = self._first_evictable(now) if isinstance(self.policy, LRUPolicy) else pick_victim(
-            self.entries.values(), self.policy, now, self.config.eviction_sample)
-        return victim is not None and self._drop(victim)
+    def reclaim_due(self, now: float) -> bool:
+        return len(self._slot) >= self.high and now >= self._next_reclaim_s
 
-    def _first_evictable(self, now: float) -> BlockMeta | None:
-        """Under LRU the index's order is the policy (a use moves an entry to the end): the first entry that
-        is not busy, being written or pinned leaves first, without scoring a sample."""
-        return next((m for m in self.entries.values() if not (m.busy or not m.ready or m.pinned(now))), None)
+    def _evict(self, count: int, now: float) -> int:
+        """Free up to `count` slots by evicting; how many were freed."""
+        cols = self.cols
+        if isinstance(self.policy, LRUPolicy):
+            victims = self._lru.pop_first(count, lambda slots: cols.evictable(slots, now)).tolist()
+        else:
+            victims = []
+            for _ in range(count):
+                victim = self._pick(now)
+                if victim is None:
+                    break
+                self._lru.remove(victim)
+                victims.append(victim)
+        if victims:
+            hashes = cols.block_hash[victims].tolist()
+            for h in hashes:
+                del self._slot[h]
+            self._free(victims)
+            self.evicted.extend(hashes)
+            self.num_evicted += len(victims)
+        return len(victims)
 
-    def _drop(self, meta: BlockMeta) -> bool:
-        meta.reclaiming = True
-        self.discard(meta.block_hash)
-        self.evicted.append(meta)
-        self.num_evicted += 1
-        return True
+    def _pick(self, now: float) -> int | None:
+        """A policy other than LRU: the first evictable marked block, else its pick of a sample."""
+        cols, sample = self.cols, []
+        if self._marked:
+            for run in self._lru.runs():
+                marked = run[cols.evictable(run, now) & cols.reclaiming[run]]
+                if len(marked):
+                    return int(marked[0])
+        for run in self._lru.runs():
+            ok = cols.evictable(run, now)
+            sample.extend(cols.view(s) for s in run[ok][:self.config.eviction_sample - len(sample)].tolist())
+            if len(sample) >= self.config.eviction_sample:
+                break
+        victim = pick_victim(sample, self.policy, now, len(sample))
+        return None if victim is None else victim.slot
+
+    # ---- what the metrics show --------------------------------------------------------------------------
+    def marked(self) -> list[int]:
+        """Hashes of the entries marked RECLAIM."""
+        return [h for h, s in self._slot.items() if self.cols.reclaiming[s]]
 
     def stage_counts(self, now: float) -> Counter:
-        counts: Counter = Counter()
-        for meta in self.entries.values():
-            counts[stage_of(meta, now, meta.busy > 0, self.config)] += 1
-        return counts
+        slots = np.fromiter(self._slot.values(), np.int64, len(self._slot))
+        return self.cols.stages(slots, self.cols.busy[slots] > 0, now, self.config)
 
     def num_free(self) -> int:
         return len(self._free_slots)

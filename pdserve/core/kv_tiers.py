@@ -25,8 +25,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.core.block_hash import BlockHash
 from pdserve.core.block_manager import BlockId, KVBlockManager
+from pdserve.core.kv_columns import TIER_CODE
 from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
 from pdserve.core.kv_tier_index import TierIndex
 
@@ -109,6 +112,9 @@ class TieredKV:
         hit. Starts prefetching the disk part (once); the request should wait while any is in flight."""
         if self.host is None:
             return TierHit()
+        if self.disk is None:
+            num_ready, in_flight = self.host.ready_prefix(hashes)
+            return TierHit(tuple(hashes[:num_ready]), in_flight)
         host_run: list[BlockHash] = []
         to_fetch: list[BlockHash] = []
         in_host: list[BlockMeta] = []  # ready host entries of this prefix: a prefetch for it must not evict them
@@ -132,33 +138,37 @@ class TieredKV:
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[BlockId], count: bool = True
              ) -> list[KVLoad]:
-        """Loads of host entries `hashes` into fresh device blocks `block_ids`; each entry stays busy until
-        `loads_done`. With `count`, the hit tokens are counted by the tier each block was found in."""
-        now = self.blocks.clock()
-        loads = []
-        for h, block_id in zip(hashes, block_ids):
-            meta = self.host.entries[h]
-            meta.busy += 1
-            if count:
-                self.stats.hit_tokens[meta.from_tier or Tier.HOST] += self.blocks.block_size
-            if meta.from_tier is Tier.DISK:
-                meta.pinned_until_s = 0.0  # the prefetch hold: it has been used
-            meta.from_tier = None
-            self.host.touch(h, now)
-            if self.disk is not None and h in self.disk.entries:
-                self.disk.touch(h, now)  # in use: not the disk tier's next victim either
-            loads.append(KVLoad(block_id, meta.slot))
-            self._loading[(block_id, meta.slot)] = h
+        """Loads of host entries `hashes` (distinct) into fresh device blocks `block_ids`; each entry stays busy
+        until `loads_done`. With `count`, the hit tokens are counted by the tier each block was found in."""
+        if not len(hashes):
+            return []
+        now, host = self.blocks.clock(), self.host
+        cols = host.cols
+        slots = np.fromiter((host.slot(h) for h in hashes), np.int64, len(hashes))
+        np.add.at(cols.busy, slots, 1)
+        from_disk = cols.from_tier[slots] == TIER_CODE[Tier.DISK]
+        num_disk = int(np.count_nonzero(from_disk))
+        if count:
+            for tier, n in ((Tier.HOST, len(slots) - num_disk), (Tier.DISK, num_disk)):
+                if n:
+                    self.stats.hit_tokens[tier] += n * self.blocks.block_size
+        cols.pinned_until_s[slots[from_disk]] = 0.0  # the prefetch hold: it has been used
+        cols.from_tier[slots] = 0
+        used = list(dict.fromkeys(hashes))
+        host.touch_many(used, now)
+        if self.disk is not None:  # in use: not the disk tier's next victim either
+            self.disk.touch_many([h for h in used if h in self.disk.entries], now)
+        slot_list = slots.tolist()
+        loads = [KVLoad(b, s) for b, s in zip(block_ids, slot_list)]
+        self._loading.update(zip(zip(block_ids, slot_list), hashes))
         self.stats.bytes_out[Tier.HOST] += len(loads) * self.block_bytes
         self.stats.bytes_in[Tier.DEVICE] += len(loads) * self.block_bytes
         return loads
 
     def loads_done(self, loads: Sequence[KVLoad]) -> None:
-        for load in loads:
-            h = self._loading.pop((load.block_id, load.host_slot), None)
-            meta = self.host.get(h) if h is not None else None
-            if meta is not None and meta.busy:
-                meta.busy -= 1
+        pop = self._loading.pop
+        hashes = [h for h in (pop((load.block_id, load.host_slot), None) for load in loads) if h is not None]
+        self.host.unbusy_many(hashes)
 
     # ---- long contexts: a request's oldest blocks read from host ---------------------------------------------
     def hold_cold(self, hashes: Sequence[BlockHash], count_hits: bool = False) -> tuple[int, bool]:
@@ -214,10 +224,10 @@ class TieredKV:
         self._flush(arrived)
 
     def host_slot(self, block_hash: BlockHash) -> int:
-        return self.host.entries[block_hash].slot
+        return self.host.slot(block_hash)
 
     def cold_slots(self, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        return tuple(self.host.entries[h].slot for h in hashes)
+        return tuple(map(self.host.slot, hashes))
 
     # ---- engine side: after each step, the runner's results in, new operations out -----------------------
     def after_step(self) -> list[KVOp]:
@@ -231,13 +241,25 @@ class TieredKV:
         if self.disk is not None and (self.disk.evicted or self.stale):
             evicted, self.disk.evicted = self.disk.evicted, []
             # not a hash indexed again since: its new file is written by a flush queued before this delete
-            gone = [h for h in [m.block_hash for m in evicted] + self.stale if h not in self.disk.entries]
+            gone = [h for h in evicted + self.stale if h not in self.disk.entries]
             if gone:
                 self._submit("delete", tuple(dict.fromkeys(gone)))
             self.stale = []
         if self.host is not None:
             self.host.evicted.clear()  # host bytes need no deleting: the slot is simply reused
         return self.take_ops()
+
+    def has_step_work(self, now: float) -> bool:
+        """Whether `after_step` at `now` would do anything (a simulator skips the call when not)."""
+        if self.blocks.newly_cached or self._new_ops or self.stale:
+            return True
+        if any(t.evicted for t in self.tiers()):
+            return True
+        return any(t.reclaim_due(now) for t in self.tiers())
+
+    @property
+    def has_new_ops(self) -> bool:
+        return bool(self._new_ops)
 
     def take_ops(self) -> list[KVOp]:
         """Operations created since the last call (a lookup outside a step may start a prefetch)."""
@@ -251,9 +273,7 @@ class TieredKV:
         op = self._ops.pop(op_id)
         failures = failures or {}
         if op.kind == "offload" and not failures:  # the common case, in one pass
-            commit = self.host.commit
-            for h in op.hashes:
-                commit(h)
+            self.host.commit_many(op.hashes)
             self._moved(Tier.DEVICE, Tier.HOST, len(op.hashes))
         else:
             done = getattr(self, f"_done_{op.kind}")
@@ -316,23 +336,22 @@ class TieredKV:
         return op
 
     def _offload(self, cached: list[tuple[BlockId, BlockHash]]) -> None:
-        now = self.blocks.clock()
-        hashes, src, dst, present = [], [], [], []
-        cached_block, block_meta, reserve = self.blocks.cached_block, self.blocks.meta, self.host.reserve
-        for block_id, h in cached:
-            if cached_block(h) != block_id:
-                continue  # already reused for something else
-            meta = reserve(h, now, block_meta(block_id))
-            if meta is None:
-                present.append(h)  # in host already (e.g. loaded from there): make sure disk has it
-                continue
-            hashes.append(h)
-            src.append(block_id)
-            dst.append(meta.slot)
-        if hashes:
-            op = self._submit("offload", tuple(hashes), tuple(src), tuple(dst))
+        get = self.blocks.cached_get
+        live = [(b, h) for b, h in cached if get(h) == b]  # not reused for something else since
+        if not live:
+            return
+        ids = np.fromiter((b for b, _ in live), np.int64, len(live))
+        hashes = [h for _, h in live]
+        booked, slots, rest = self.host.reserve_many(hashes, self.blocks.clock(), self.blocks.cols, ids)
+        if booked:
+            if len(booked) == len(live):
+                src = ids.tolist()
+            else:
+                block_of = {h: b for b, h in live}
+                src = [block_of[h] for h in booked]
+            op = self._submit("offload", tuple(booked), tuple(src), tuple(slots))
             self.blocks.hold(op.holder, src)
-        self._flush(present)
+        self._flush(rest)  # in host already (e.g. loaded from there): make sure disk has it
 
     def _flush(self, hashes: Sequence[BlockHash]) -> None:
         if self.disk is None or not self.disk_writable:

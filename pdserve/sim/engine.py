@@ -232,15 +232,19 @@ class SimEngine:
         if self.tiers is None:
             used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
         else:  # each step's tier work at its own time, as stepping does it
+            # Most steps of a window have no tier work: the checks skip the calls that would change nothing.
             def before(i: int) -> None:  # LLMEngine.step's poll_kv; SimExecutor.execute starts what it submits
-                self._clock_s = starts[i - 1]
-                self.engine.poll_kv()
-                self.kv_io.start(starts[i - 1])
+                self._clock_s = t = starts[i - 1]
+                if self.kv_io.due(t) or self.engine.block_manager.has_pins or self.tiers.has_new_ops:
+                    self.engine.poll_kv()
+                    self.kv_io.start(t)
+                    self._observe_tiers()
 
             def after(i: int) -> None:
-                self.kv_io.submit(self.tiers.after_step())
-                self._observe_tiers()
-                self.kv_io.start(window.ends[i - 1])
+                if self.tiers.has_step_work(self._clock_s):
+                    self.kv_io.submit(self.tiers.after_step())
+                    self._observe_tiers()
+                    self.kv_io.start(window.ends[i - 1])
 
             try:
                 used = fastforward.apply(self.scheduler, window, j, self.executor.token_id, before, after)

@@ -97,6 +97,10 @@ def apply(sched: Scheduler, window: Window, j: int, token_id: int, before: Calla
     base = [r.num_computed_tokens for r in reqs]
     for r in reqs:
         r.all_token_ids.extend([token_id] * j)  # tokens are only read below the computed count
+    crossing: dict[int, list[int]] = {}  # step -> the requests whose last block fills at it
+    for idx, b in enumerate(base):
+        for i in range(bs - b % bs, j + 1, bs):
+            crossing.setdefault(i, []).append(idx)
     used_after: list[int] = []
     a = 0
     for i in range(1, j + 1):
@@ -107,9 +111,8 @@ def apply(sched: Scheduler, window: Window, j: int, token_id: int, before: Calla
             if blocks.allocate(reqs[idx].request_id, base[idx] + i) is None:
                 raise AssertionError("fast-forward allocation failed; the window was planned wrong")
             a += 1
-        for idx, r in enumerate(reqs):
-            if (base[idx] + i) % bs == 0:
-                blocks.cache_full_blocks(r.request_id, r.all_token_ids, base[idx] + i)
+        for idx in crossing.get(i, ()):
+            blocks.cache_full_blocks(reqs[idx].request_id, reqs[idx].all_token_ids, base[idx] + i)
         if after is not None:
             after(i)  # may hold blocks (copies down), as the real step's end does
         used_after.append(blocks.num_used_blocks)

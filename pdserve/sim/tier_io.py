@@ -120,6 +120,10 @@ class SimTierIO:
                 self.queued_s[link] += begin - at_s
             heapq.heappush(self._in_flight, (end, op.op_id))
 
+    def due(self, t: float) -> bool:
+        """Whether a poll at `t` finds an operation done, or a start at `t` has one to begin."""
+        return bool(self._unstarted) or bool(self._in_flight) and self._in_flight[0][0] <= t
+
     def next_done_s(self) -> float | None:
         """When the next operation in flight ends (None when none is)."""
         return self._in_flight[0][0] if self._in_flight else None

@@ -1,0 +1,175 @@
+"""The `BlockMeta` fields of every slot of one tier, as numpy columns indexed by slot.
+
+A worker's tiers hold 10^5 blocks and a long prompt registers, copies down and frees ~10^3 of them at once:
+kept as columns, a run of blocks is registered, copied to the tier below, touched or counted by stage with a
+few array operations instead of one Python object per block (what lets the simulator replay an hour-long
+trace in well under a minute per engine-hour). `view(slot)` is a `BlockMeta`-shaped window onto one slot
+(reads and writes go to the columns) for the code that works a block at a time: policies, tests, rare paths.
+`codec` and `sla_class` are stored as small codes into one process-wide table of names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from pdserve.core.kv_meta import BlockMeta, LifecycleConfig, Stage, Tier
+
+_NAMES: list[str] = ["float32", "default"]
+_CODES: dict[str, int] = {"float32": 0, "default": 1}
+_TIERS: list[Tier | None] = [None, Tier.DEVICE, Tier.HOST, Tier.DISK]
+TIER_CODE = {t: i for i, t in enumerate(_TIERS)}  # `from_tier` column values
+
+
+def name_code(name: str) -> int:
+    code = _CODES.get(name)
+    if code is None:
+        code = _CODES[name] = len(_NAMES)
+        _NAMES.append(name)
+    return code
+
+
+# field -> (dtype, value of a fresh slot); every one is copied down to the tier below except the last four
+_FIELDS = {"produced_at_s": (np.float64, 0.0), "last_use_s": (np.float64, 0.0), "use_count": (np.int64, 0),
+           "heat": (np.float64, 0.0), "heat_at_s": (np.float64, 0.0), "expected_use_at_s": (np.float64, math.nan),
+           "pinned_until_s": (np.float64, 0.0), "prewarmed": (np.bool_, False), "codec": (np.int16, 0),
+           "sla_class": (np.int16, 1), "block_hash": (np.uint64, 0), "reclaiming": (np.bool_, False),
+           "ready": (np.bool_, True), "busy": (np.int32, 0), "from_tier": (np.int8, 0)}
+_COPIED = list(_FIELDS)[:-4]
+
+
+class MetaColumns:
+    def __init__(self, num_slots: int, tier: Tier) -> None:
+        self.tier = tier
+        for name, (dtype, fresh) in _FIELDS.items():
+            setattr(self, name, np.full(num_slots, fresh, dtype))
+        self._views: dict[int, MetaView] = {}
+
+    def view(self, slot: int) -> MetaView:
+        v = self._views.get(slot)
+        if v is None:
+            v = self._views[slot] = MetaView(self, slot)
+        return v
+
+    def fresh(self, slots: np.ndarray, hashes: np.ndarray, now: float, use_count: int, ready: bool) -> None:
+        """New blocks at `slots`: produced and last used now, used `use_count` times (heat as much)."""
+        if not isinstance(slots, int) and len(slots) == 1:  # a scalar store is ~10x cheaper than a fancy one
+            slots, hashes = int(slots[0]), int(hashes[0])
+        for name, (_, value) in _FIELDS.items():
+            getattr(self, name)[slots] = value
+        self.block_hash[slots] = hashes
+        self.produced_at_s[slots] = now
+        self.last_use_s[slots] = now
+        self.heat_at_s[slots] = now
+        self.use_count[slots] = use_count
+        self.heat[slots] = float(use_count)
+        self.ready[slots] = ready
+
+    def copy_from(self, src: MetaColumns, src_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Slots `slots` take the metadata of `src`'s `src_slots` (a copy into this tier: not ready yet)."""
+        if len(slots) == 1:
+            slots, src_slots = int(slots[0]), int(src_slots[0])
+        for name in _COPIED:
+            getattr(self, name)[slots] = getattr(src, name)[src_slots]
+        self.last_use_s[slots] = np.maximum(self.last_use_s[slots], 0.0)
+        self.reclaiming[slots] = False
+        self.ready[slots] = False
+        self.busy[slots] = 0
+        self.from_tier[slots] = 0
+
+    def set_from(self, slot: int, meta) -> None:
+        """Slot `slot` takes the fields of a `BlockMeta` (or a view of another tier)."""
+        for name in _COPIED:
+            value = getattr(meta, name)
+            if name in ("codec", "sla_class"):
+                value = name_code(value)
+            elif name == "expected_use_at_s" and value is None:
+                value = math.nan
+            getattr(self, name)[slot] = value
+
+    def touch(self, slots: np.ndarray, now: float, half_life_s: float, by_request: bool = True) -> None:
+        """One use of each of `slots` (distinct): heat decayed to now, + 1."""
+        heat = self.heat[slots]
+        decayed = heat * np.exp2(-(now - self.heat_at_s[slots]) / half_life_s)
+        self.heat[slots] = np.where(heat != 0, decayed, 0.0) + 1.0
+        self.heat_at_s[slots] = now
+        self.last_use_s[slots] = np.maximum(self.last_use_s[slots], now)
+        self.use_count[slots] += 1
+        if by_request:
+            self.prewarmed[slots] = False
+
+    def stages(self, slots: np.ndarray, in_use: np.ndarray, now: float, config: LifecycleConfig) -> Counter:
+        """Counts by `stage_of` for `slots`, `in_use` saying which are held."""
+        reclaim = self.reclaiming[slots]
+        prewarm = ~reclaim & self.prewarmed[slots] & (self.pinned_until_s[slots] > now)
+        active = ~reclaim & ~prewarm & (in_use | (now - self.last_use_s[slots] < config.active_s))
+        counts = Counter({Stage.RECLAIM: int(reclaim.sum()), Stage.PREWARM: int(prewarm.sum()),
+                          Stage.ACTIVE: int(active.sum())})
+        counts[Stage.DECAY] = len(slots) - sum(counts.values())
+        return +counts
+
+    def evictable(self, slots: np.ndarray, now: float) -> np.ndarray:
+        """Ready, not being read, not pinned."""
+        return self.ready[slots] & (self.busy[slots] == 0) & (self.pinned_until_s[slots] <= now)
+
+    def snapshot(self, slot: int, slot_number: int | None = None) -> BlockMeta:
+        v = self.view(slot)
+        return BlockMeta(v.block_hash, self.tier, slot if slot_number is None else slot_number, v.produced_at_s,
+                         v.last_use_s, v.use_count, v.heat, v.heat_at_s, v.expected_use_at_s, v.pinned_until_s,
+                         v.prewarmed, v.codec, v.sla_class, v.reclaiming, v.ready, v.busy, v.from_tier)
+
+
+class _Field:
+    def __init__(self, name: str, kind: type) -> None:
+        self.name, self.kind = name, kind
+
+    def __get__(self, view: MetaView, owner=None):
+        value = getattr(view.cols, self.name)[view.slot].item()
+        if self.name in ("codec", "sla_class"):
+            return _NAMES[value]
+        if self.name == "from_tier":
+            return _TIERS[value]
+        if self.name == "expected_use_at_s" and math.isnan(value):
+            return None
+        return self.kind(value)
+
+    def __set__(self, view: MetaView, value) -> None:
+        if self.name in ("codec", "sla_class"):
+            value = name_code(value)
+        elif self.name == "from_tier":
+            value = _TIERS.index(value)
+        elif self.name == "expected_use_at_s" and value is None:
+            value = math.nan
+        getattr(view.cols, self.name)[view.slot] = value
+
+
+class MetaView:
+    """One slot's metadata, read and written in place: the `BlockMeta` interface over `MetaColumns`."""
+
+    __slots__ = ("cols", "slot")
+
+    def __init__(self, cols: MetaColumns, slot: int) -> None:
+        self.cols, self.slot = cols, slot
+
+    @property
+    def tier(self) -> Tier:
+        return self.cols.tier
+
+    def heat_now(self, now: float, half_life_s: float) -> float:
+        return self.heat * math.exp2(-(now - self.heat_at_s) / half_life_s) if self.heat else 0.0
+
+    def touch(self, now: float, half_life_s: float, by_request: bool = True) -> None:
+        self.cols.touch(np.array([self.slot]), now, half_life_s, by_request)
+
+    def pinned(self, now: float) -> bool:
+        return self.pinned_until_s > now
+
+    def __repr__(self) -> str:
+        return f"MetaView({self.cols.snapshot(self.slot)!r})"
+
+
+for _name, (_dtype, _) in _FIELDS.items():
+    _kind = {np.float64: float, np.bool_: bool}.get(_dtype, int)
+    setattr(MetaView, _name, _Field(_name, _kind))

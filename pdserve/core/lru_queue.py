@@ -1,0 +1,138 @@
+"""Slots in least-recently-pushed order, for tiers of 10^5 blocks touched in runs of hundreds.
+
+Each slot carries a stamp, its position in the order: pushing a slot (again) gives it the next stamp and
+appends (slot, stamp) at the most recent end; removing it zeroes its stamp. Entries whose stamp no longer
+matches their slot's are stale and are dropped when the head reaches them, so a push or a removal is O(1)
+(or one array operation for a run) and never searches the queue. The order itself is a deque of numpy
+chunks, plus a list buffer for single pushes; pops take the first live entries that a caller's predicate
+allows and leave the others where they were.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+CHUNK = 4096  # longest chunk kept: a pop scans the head chunk a window at a time, never a whole tier
+
+
+class LRUQueue:
+    def __init__(self, num_slots: int) -> None:
+        self.stamp = np.zeros(num_slots, np.int64)  # 0: not in the queue
+        self._next = 1
+        self._chunks: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (slots, stamps), oldest first
+        self._tail_slots: list[int] = []
+        self._tail_stamps: list[int] = []
+        self.size = 0
+        self._pushed = 0  # entries pushed since the last compaction (live or stale)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, slot: int) -> bool:
+        return bool(self.stamp[slot])
+
+    def push(self, slot: int) -> None:
+        """`slot` becomes the most recent (entered, or moved from wherever it was)."""
+        if not self.stamp[slot]:
+            self.size += 1
+        self.stamp[slot] = self._next
+        self._tail_slots.append(slot)
+        self._tail_stamps.append(self._next)
+        self._next += 1
+        self._pushed += 1
+        if self._pushed > 2 * len(self.stamp) + CHUNK:
+            self._compact()
+
+    def push_many(self, slots: np.ndarray) -> None:
+        """`slots` (distinct) become the most recent, the last one most recent of all."""
+        if len(slots) == 0:
+            return
+        slots = np.asarray(slots, np.int64)
+        stamps = np.arange(self._next, self._next + len(slots), dtype=np.int64)
+        self._next += len(slots)
+        self.size += int(np.count_nonzero(self.stamp[slots] == 0))
+        self.stamp[slots] = stamps
+        self._seal_tail()
+        for i in range(0, len(slots), CHUNK):
+            self._chunks.append((slots[i:i + CHUNK].copy(), stamps[i:i + CHUNK]))
+        self._pushed += len(slots)
+        if self._pushed > 2 * len(self.stamp) + CHUNK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries a long run of pushes left behind the head (memory stays O(slots))."""
+        order = self.order()
+        self._chunks.clear()
+        for i in range(0, len(order), CHUNK):
+            part = order[i:i + CHUNK]
+            self._chunks.append((part, self.stamp[part]))
+        self._pushed = len(order)
+
+    def remove(self, slot: int) -> None:
+        if self.stamp[slot]:
+            self.stamp[slot] = 0
+            self.size -= 1
+
+    def remove_many(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, np.int64)
+        present = slots[self.stamp[slots] != 0]
+        if len(present):
+            self.size -= len(np.unique(present)) if len(present) > 1 else 1
+            self.stamp[present] = 0
+
+    def clear(self) -> None:
+        self.stamp[:] = 0
+        self._chunks.clear()
+        self._tail_slots, self._tail_stamps, self.size, self._pushed = [], [], 0, 0
+
+    def _seal_tail(self) -> None:
+        if self._tail_slots:
+            self._chunks.append((np.array(self._tail_slots, np.int64), np.array(self._tail_stamps, np.int64)))
+            self._tail_slots, self._tail_stamps = [], []
+
+    def runs(self) -> Iterator[np.ndarray]:
+        """The live slots in order, a run at a time (do not push or pop while iterating)."""
+        self._seal_tail()
+        for slots, stamps in self._chunks:
+            live = slots[self.stamp[slots] == stamps]
+            if len(live):
+                yield live
+
+    def order(self) -> np.ndarray:
+        runs = list(self.runs())
+        return np.concatenate(runs) if runs else np.zeros(0, np.int64)
+
+    def pop_first(self, count: int, allowed: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """Remove and return the first `count` live slots (fewer if there are not that many) for which
+        `allowed(slots)` (a boolean mask) holds; the others keep their places."""
+        self._seal_tail()
+        out: list[np.ndarray] = []
+        kept: list[tuple[np.ndarray, np.ndarray]] = []  # live entries passed over, in order
+        need, window = count, max(2 * count, 64)
+        while need > 0 and self._chunks:
+            slots, stamps = self._chunks.popleft()
+            if len(slots) > window:  # look at the head of the chunk only
+                self._chunks.appendleft((slots[window:], stamps[window:]))
+                slots, stamps = slots[:window], stamps[:window]
+                window *= 2
+            live = self.stamp[slots] == stamps
+            slots, stamps = slots[live], stamps[live]
+            ok = np.ones(len(slots), bool) if allowed is None else allowed(slots)
+            take = np.flatnonzero(ok)[:need]
+            if len(take):
+                out.append(slots[take])
+                need -= len(take)
+                ok[:] = True
+                ok[take] = False
+                if ok.any():  # kept: before, between and after the taken ones
+                    kept.append((slots[ok], stamps[ok]))
+            elif len(slots):
+                kept.append((slots, stamps))
+        self._chunks.extendleft(reversed(kept))
+        taken = np.concatenate(out) if out else np.zeros(0, np.int64)
+        self.stamp[taken] = 0
+        self.size -= len(taken)
+        return taken
