@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 
 import pytest
@@ -200,6 +201,20 @@ def test_inbound_lease_renews_on_progress_and_expires():
     book.expect("y", "r", 0, 1, 5)
     book.abort_request("r")
     assert book.take_ended()[0].state is TransferState.ABORTED
+
+
+def test_inbound_lease_renews_on_alive_records_of_a_queued_transfer():
+    book = InboundTransfers(num_layers=1)
+    t = book.expect("x", "r", first_block=0, num_blocks=1, timeout_s=0.2)
+    for _ in range(4):  # queued at the sender, no chunk yet: each `alive` starts the lease over
+        time.sleep(0.1)
+        book.renew("x")
+        book.expire()
+    assert len(book) == 1 and book.num_renewals == 4 and t.state is TransferState.RESERVED
+    book.renew("unknown")  # a transfer that ended (or never was) is ignored
+    time.sleep(0.25)
+    book.expire()  # the sender went silent
+    assert book.take_ended()[0].state is TransferState.FAILED_TIMEOUT
 
 
 @pytest.mark.parametrize("ids", [[3], [0, 1, 2, 3], [7, 8, 2, 3, 4], [9, 1, 5, 3, 7, 0, 2], list(range(20, 0, -1))])

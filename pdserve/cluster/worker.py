@@ -95,6 +95,7 @@ class Worker:
                 self._log_step(time.perf_counter() - start)
                 self._report(outputs)
             if self.prefill is not None:
+                self.prefill.keepalive()
                 self._cancel_failed_deliveries()
                 self.prefill.release_lent()
             self._maybe_stats()
@@ -221,11 +222,13 @@ class Worker:
         if self.prefill is not None:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent),
-                       kv_chunks_in_place=self.prefill.chunks_in_place, kv_chunks_payload=self.prefill.chunks_payload)
+                       kv_chunks_in_place=self.prefill.chunks_in_place, kv_chunks_payload=self.prefill.chunks_payload,
+                       kv_keepalives_sent=self.prefill.keepalives_sent)
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),
                        kv_late_chunks=self.decode.inbound.num_late_chunks,
+                       kv_lease_renewals=self.decode.inbound.num_renewals,
                        pending_reservations=len(self.decode.pending))
         return out
 

@@ -57,7 +57,7 @@ class LRUQueue:
         self.stamp[slots] = stamps
         self._seal_tail()
         for i in range(0, len(slots), CHUNK):
-            self._chunks.append((slots[i:i + CHUNK].copy(), stamps[i:i + CHUNK]))
+            self._append(slots[i:i + CHUNK].copy(), stamps[i:i + CHUNK])
         self._pushed += len(slots)
         if self._pushed > 2 * len(self.stamp) + CHUNK:
             self._compact()
@@ -90,8 +90,15 @@ class LRUQueue:
 
     def _seal_tail(self) -> None:
         if self._tail_slots:
-            self._chunks.append((np.array(self._tail_slots, np.int64), np.array(self._tail_stamps, np.int64)))
+            self._append(np.array(self._tail_slots, np.int64), np.array(self._tail_stamps, np.int64))
             self._tail_slots, self._tail_stamps = [], []
+
+    def _append(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        """At the recent end; a short last chunk absorbs it (many tiny chunks would cost a numpy call each)."""
+        if self._chunks and len(self._chunks[-1][0]) + len(slots) <= CHUNK:
+            last_slots, last_stamps = self._chunks.pop()
+            slots, stamps = np.concatenate((last_slots, slots)), np.concatenate((last_stamps, stamps))
+        self._chunks.append((slots, stamps))
 
     def runs(self) -> Iterator[np.ndarray]:
         """The live slots in order, a run at a time (do not push or pop while iterating)."""
@@ -131,7 +138,13 @@ class LRUQueue:
                     kept.append((slots[ok], stamps[ok]))
             elif len(slots):
                 kept.append((slots, stamps))
-        self._chunks.extendleft(reversed(kept))
+        if kept:  # one chunk again, merged with the head when short
+            slots = np.concatenate([k[0] for k in kept])
+            stamps = np.concatenate([k[1] for k in kept])
+            if self._chunks and len(self._chunks[0][0]) + len(slots) <= CHUNK:
+                head_slots, head_stamps = self._chunks.popleft()
+                slots, stamps = np.concatenate((slots, head_slots)), np.concatenate((stamps, head_stamps))
+            self._chunks.appendleft((slots, stamps))
         taken = np.concatenate(out) if out else np.zeros(0, np.int64)
         self.stamp[taken] = 0
         self.size -= len(taken)

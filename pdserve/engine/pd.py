@@ -40,6 +40,7 @@ class Outbound:
     failed: str | None = None
     held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it has
     by_copy: bool = False  # a prompt longer than the hot window: its blocks leave the pool as it goes
+    last_sent_s: float = 0.0  # when a record of this transfer last went out (a chunk or an `alive`)
 
     @property
     def holder(self) -> str:
@@ -67,6 +68,7 @@ class PrefillSide:
         self.bytes_sent = 0
         self.chunks_in_place = 0  # read by the receiver from this worker's shared pool
         self.chunks_payload = 0  # their bytes carried by the transport
+        self.keepalives_sent = 0
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
@@ -80,7 +82,27 @@ class PrefillSide:
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
         # the pool sends copies instead.
         long = window is not None and self.engine.block_manager.blocks_needed(len(prompt)) > window.window
-        self.outbound[request_id] = Outbound(dest, xfer, first_block, by_copy=long)
+        out = self.outbound[request_id] = Outbound(dest, xfer, first_block, by_copy=long)
+        self._alive(out, time.monotonic())  # queued here: the receiver's lease runs from now, renewed
+
+    def keepalive(self, now: float | None = None) -> None:
+        """Renew the receiver's lease of every transfer this worker holds (queued or producing) that sent
+        nothing for a third of the lease: waiting in this worker's queue is not a failed delivery, a dead or
+        hung sender is (its leases lapse)."""
+        now = time.monotonic() if now is None else now
+        for out in self.outbound.values():
+            if not out.failed and now - out.last_sent_s >= self.lease_s / 3:
+                self._alive(out, now)
+
+    def _alive(self, out: Outbound, now: float) -> None:
+        try:
+            self.sender.send_control(out.dest, {"kind": "alive", "xfer": out.xfer})
+        except TransferError as e:
+            out.failed = str(e)
+            self.failures["send_timeout"] += 1
+            return
+        out.last_sent_s = now
+        self.keepalives_sent += 1
 
     def on_layer(self, scheduled: SchedulerOutput, layer: int) -> None:
         last = layer == len(self.layers) - 1
@@ -125,6 +147,7 @@ class PrefillSide:
                 self.engine.block_manager.hold(out.holder, new)
                 out.held.update(new)
             out.num_chunks += 1
+            out.last_sent_s = time.monotonic()
             self.bytes_sent += nbytes
 
     def finish(self, request_id: str, prefilled: bool, first_token: int | None = None) -> str | None:
@@ -289,6 +312,8 @@ class DecodeSide:
             self.stats.bytes_received += header["nbytes"]
         elif kind == "done":
             self.inbound.on_done(header, self.engine.executor.vocab_size)
+        elif kind == "alive":
+            self.inbound.renew(header.get("xfer"))
         elif kind == "fail":
             self.inbound.fail(header.get("xfer"), TransferState.FAILED_PEER)
 

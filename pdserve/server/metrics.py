@@ -37,6 +37,9 @@ class Metrics:
         self.kv_chunks = Counter("pdserve_kv_chunks_sent", "KV chunks a prefill worker sent: in_place = the decode "
                                  "worker copied them from its shared pool; payload = the bytes travelled",
                                  ["worker", "mode"], registry=r)
+        self.kv_renewals = Counter("pdserve_kv_lease_renewals", "Leases of KV deliveries renewed by their sender's "
+                                   "alive records (queued or producing at a live prefill worker)", ["worker"],
+                                   registry=r)
         self.kv_lent = Gauge("pdserve_kv_transfers_lent", "Transfers whose blocks a prefill worker still holds "
                              "for a reader", ["worker"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason", "service_tier"],
@@ -107,6 +110,8 @@ class Metrics:
         for tier, n in s.get("preemptions_by_tier", {}).items():
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
+        if "kv_lease_renewals" in s:  # a decode worker
+            self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)
         if "kv_transfers_lent" in s:  # a prefill worker
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
             for mode in ("in_place", "payload"):

@@ -5,7 +5,9 @@ its pool, and acts on the transfers `take_ended` returns. A chunk is written onl
 transfer it names, only while that transfer is live, only at block indices the transfer expects (never a
 prefix-cache block shared with other requests), and only after its checksum verified. A transfer completes
 when the sender's `done` arrives, the chunk count matches and every expected block of every layer arrived.
-Deadlines are leases: each verified chunk renews them, so a long queue at the sender does not count.
+Deadlines are leases: each verified chunk renews them, and so does each `alive` record, which the sender
+sends for every transfer it holds (queued behind other prompts, or producing) at least every third of the
+lease: a long queue at a live sender is not a failure; a dead, hung or unreachable sender's leases lapse.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class InboundTransfers:
         self._live: dict[str, Inbound] = {}
         self._ended: list[Inbound] = []
         self.num_late_chunks = 0  # chunks of transfers that had already ended: dropped, never written
+        self.num_renewals = 0  # leases renewed by `alive` records
 
     def expect(self, xfer: str, request_id: str, first_block: int, num_blocks: int, timeout_s: float) -> Inbound:
         inbound = Inbound(xfer, request_id, self.num_layers, first_block, num_blocks, timeout_s,
@@ -93,6 +96,13 @@ class InboundTransfers:
         inbound.num_bytes += header.get("nbytes", 0)
         inbound.deadline_s = time.monotonic() + inbound.timeout_s
         return inbound
+
+    def renew(self, xfer: str | None) -> None:
+        """The sender still holds this transfer (an `alive` record): its lease starts over."""
+        inbound = self._live.get(xfer)
+        if inbound is not None:
+            inbound.deadline_s = time.monotonic() + inbound.timeout_s
+            self.num_renewals += 1
 
     def reject(self, header: dict) -> None:
         """A chunk that could not be placed: late (dropped, counted) or malformed (fails its transfer)."""

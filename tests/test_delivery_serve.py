@@ -1,0 +1,70 @@
+"""KV delivery leases with real processes: a prompt queued behind others at a live prefill worker is not a
+failed delivery (the worker's `alive` records renew the decode side's lease), while a hung prefill worker's
+leases lapse and the decode worker recomputes (an explicit, counted outcome)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from serve_util import Server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+LEASE_S = 2.0
+
+
+def _prompt(i: int, words: int) -> str:
+    # the distinct part first: no two prompts share a cached prefix block
+    return f"Request {i}: " + " ".join(["lorem ipsum dolor sit amet"] * (words // 5))
+
+
+async def _complete_all(server: Server, prompts: list[str]) -> list[float]:
+    """Send every prompt at once; the seconds each took."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+
+    async def one(prompt: str) -> float:
+        start = time.perf_counter()
+        out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        assert out.choices[0].text is not None
+        return time.perf_counter() - start
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+
+
+def test_a_prompt_queued_longer_than_the_lease_is_delivered_not_recomputed():
+    # 64-token steps: the prefill worker sends its `alive` records between steps, well within the lease
+    server = Server("--kv-timeout-s", str(LEASE_S), "--max-num-batched-tokens", "64")
+    try:
+        seconds = asyncio.run(_complete_all(server, [_prompt(i, 100) for i in range(6)]))
+        assert max(seconds) > 2 * LEASE_S, f"the queue never outlived the lease: {seconds}"
+        failures = {lab: v for (n, lab), v in server.metrics().items() if n == "pdserve_kv_transfer_failures_total"}
+        assert not any(failures.values()), failures
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 6
+        time.sleep(0.5)  # the workers' stats carry the renewals every 0.25 s
+        assert server.metric("pdserve_kv_lease_renewals_total") > 0
+    finally:
+        server.stop()
+
+
+def test_a_hung_prefill_worker_leases_lapse_and_the_decode_worker_recomputes():
+    server = Server("--kv-timeout-s", str(LEASE_S))
+    prefill = server.worker_pid("prefill-0")
+    os.kill(prefill, signal.SIGSTOP)  # alive but not answering: it sends no `alive` record
+    try:
+        seconds = asyncio.run(_complete_all(server, [_prompt(0, 100)]))
+        assert seconds[0] >= LEASE_S
+        assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_timeout",
+                             outcome="recompute") == 1
+    finally:
+        os.kill(prefill, signal.SIGCONT)
+        server.stop()

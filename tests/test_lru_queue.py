@@ -1,0 +1,69 @@
+"""LRUQueue against an OrderedDict model: pushes (single and runs), removals and predicate pops keep exactly
+the least-recently-pushed order, whatever chunks, stale entries and compactions do underneath."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.core import lru_queue
+from pdserve.core.lru_queue import LRUQueue
+
+N = 24
+slot = st.integers(0, N - 1)
+ops = st.lists(st.one_of(
+    st.tuples(st.just("push"), slot),
+    st.tuples(st.just("push_many"), st.lists(slot, max_size=8, unique=True)),
+    st.tuples(st.just("remove"), slot),
+    st.tuples(st.just("remove_many"), st.lists(slot, max_size=6)),
+    st.tuples(st.just("pop"), st.integers(0, 6), st.integers(0, 2)),  # count, predicate: all / even / >= 12
+), max_size=80)
+
+PREDICATES = [None, lambda s: s % 2 == 0, lambda s: s >= N // 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_matches_an_ordered_dict(operations):
+    q, model = LRUQueue(N), OrderedDict()
+    for op in operations:
+        if op[0] == "push":
+            q.push(op[1])
+            model.pop(op[1], None)
+            model[op[1]] = None
+        elif op[0] == "push_many":
+            q.push_many(np.array(op[1], np.int64))
+            for s in op[1]:
+                model.pop(s, None)
+                model[s] = None
+        elif op[0] == "remove":
+            q.remove(op[1])
+            model.pop(op[1], None)
+        elif op[0] == "remove_many":
+            q.remove_many(np.array(op[1], np.int64))
+            for s in op[1]:
+                model.pop(s, None)
+        else:
+            count, pred = op[1], PREDICATES[op[2]]
+            allowed = None if pred is None else (lambda slots, p=pred: p(slots))
+            want = [s for s in model if pred is None or pred(s)][:count]
+            assert q.pop_first(count, allowed).tolist() == want
+            for s in want:
+                del model[s]
+        assert len(q) == len(model)
+        assert q.order().tolist() == list(model)
+        assert all((s in q) == (s in model) for s in range(N))
+
+
+def test_compaction_keeps_memory_bounded_and_order(monkeypatch):
+    monkeypatch.setattr(lru_queue, "CHUNK", 4)
+    q = LRUQueue(8)
+    q.push_many(np.arange(8))
+    for i in range(200):  # touch the same slots over and over: stale entries pile up behind the head
+        q.push(i % 3)
+    entries = sum(len(s) for s, _ in q._chunks) + len(q._tail_slots)
+    assert entries <= 2 * 8 + 4 + 1
+    assert q.order().tolist() == [3, 4, 5, 6, 7] + [(199 - 2 + k) % 3 for k in range(3)]
