@@ -95,6 +95,17 @@ async def interference(url: str, args, seed: int) -> dict:
             "ttft_short": [r["times"][0] - r["start"] for r in results]}
 
 
+def delivery_outcomes(server: Server) -> dict:
+    """KV deliveries of the run from /metrics: delivered, failed by reason -> outcome, leases renewed."""
+    m = server.metrics()
+    failures = {f"{dict(lab)['reason']}->{dict(lab)['outcome']}": v for (n, lab), v in m.items()
+                if n == "pdserve_kv_transfer_failures_total" and v}
+    return {"delivered": sum(v for (n, lab), v in m.items() if n == "pdserve_kv_transfer_time_seconds_count"
+                             and dict(lab).get("outcome") == "delivered"),
+            "failures": failures,
+            "renewals": sum(v for (n, _), v in m.items() if n == "pdserve_kv_lease_renewals_total")}
+
+
 def pct(xs, q) -> float:
     return float(np.percentile(xs, q))
 
@@ -140,7 +151,10 @@ def interference_part(args, modes: dict, half: str, report: dict) -> None:
         threads = half if mode == "pd" else str(args.threads)
         server = Server(*flags, "--num-threads", threads)
         try:
-            report[f"interference_{mode}"] = asyncio.run(interference(server.url, args, 2))
+            start = time.monotonic()
+            r = report[f"interference_{mode}"] = asyncio.run(interference(server.url, args, 2))
+            r["wall_s"] = time.monotonic() - start
+            r["kv"] = delivery_outcomes(server)
         finally:
             server.stop()
     print(f"TPOT of {args.short} short requests ({args.short_in} in / {args.short_out} out, one every "
@@ -150,6 +164,9 @@ def interference_part(args, modes: dict, half: str, report: dict) -> None:
         r = report[f"interference_{mode}"]
         print(f"{mode:<10}{pct(r['tpot'], 50) * 1e3:>10.1f}{pct(r['tpot'], 99) * 1e3:>10.1f}"
               f"{pct(r['itl'], 50) * 1e3:>10.1f}{pct(r['itl'], 99) * 1e3:>10.1f}{r['num_long']:>7}")
+    kv = report["interference_pd"]["kv"]
+    print(f"PD run {report['interference_pd']['wall_s']:.0f} s: KV deliveries {kv['delivered']:.0f} delivered, "
+          f"failures {kv['failures'] or 'none'}, leases renewed {kv['renewals']:.0f}")
     pd99, co99 = (pct(report[f"interference_{m}"]["tpot"], 99) for m in ("pd", "colocated"))
     print(f"PD P99 TPOT is {1 - pd99 / co99:.0%} lower than colocated")
 

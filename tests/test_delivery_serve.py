@@ -1,6 +1,7 @@
-"""KV delivery leases with real processes: a prompt queued behind others at a live prefill worker is not a
-failed delivery (the worker's `alive` records renew the decode side's lease), while a hung prefill worker's
-leases lapse and the decode worker recomputes (an explicit, counted outcome)."""
+"""KV delivery with real processes: a prompt queued behind others at a live prefill worker is not a failed
+delivery (the worker's `alive` records renew the decode side's lease), while a hung prefill worker's leases
+lapse and the decode worker recomputes (an explicit, counted outcome); KV received and then dropped is
+counted as wasted, by reason."""
 
 from __future__ import annotations
 
@@ -67,4 +68,17 @@ def test_a_hung_prefill_worker_leases_lapse_and_the_decode_worker_recomputes():
                              outcome="recompute") == 1
     finally:
         os.kill(prefill, signal.SIGCONT)
+        server.stop()
+
+
+def test_kv_received_then_dropped_is_counted_as_wasted():
+    # every third chunk arrives corrupted: the transfer fails after verified chunks were written
+    server = Server(env={"PDSERVE_FAULT_CORRUPT_CHUNKS": "3"})
+    try:
+        asyncio.run(_complete_all(server, [_prompt(0, 100)]))
+        assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_checksum") == 1
+        time.sleep(0.5)  # carried by the workers' stats
+        wasted = server.metric("pdserve_kv_wasted_bytes_total", reason="failed_checksum")
+        assert wasted > 0 and wasted == server.metric("pdserve_kv_wasted_bytes_total")
+    finally:
         server.stop()

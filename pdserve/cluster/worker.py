@@ -227,6 +227,7 @@ class Worker:
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),
+                       kv_wasted_bytes=dict(st.wasted_bytes),
                        kv_late_chunks=self.decode.inbound.num_late_chunks,
                        kv_lease_renewals=self.decode.inbound.num_renewals,
                        pending_reservations=len(self.decode.pending))

@@ -210,6 +210,7 @@ class Reservation:
 @dataclass
 class DecodeStats:
     failures: Counter = field(default_factory=Counter)  # by TransferState value; outcome: recompute
+    wasted_bytes: Counter = field(default_factory=Counter)  # received and verified, never consumed: by reason
     bytes_received: int = 0
     chunks_received: int = 0
     transfers_completed: int = 0
@@ -327,6 +328,7 @@ class DecodeSide:
         settled = []
         for inbound in self.inbound.take_ended():
             if inbound.request_id not in self.engine.scheduler.requests:
+                self.stats.wasted_bytes["aborted"] += inbound.num_bytes
                 continue  # the request ended first (abort): its blocks are already free
             if inbound.state is TransferState.COMPLETED:
                 req = self.engine.scheduler.kv_delivered(inbound.request_id, inbound.first_token)
@@ -335,6 +337,7 @@ class DecodeSide:
             else:
                 self.engine.scheduler.kv_failed(inbound.request_id)
                 self.stats.failures[inbound.state.value] += 1
+                self.stats.wasted_bytes[inbound.state.value] += inbound.num_bytes  # dropped, never consumed
                 settled.append((inbound, "recompute", None))
         return settled
 

@@ -37,6 +37,9 @@ class Metrics:
         self.kv_chunks = Counter("pdserve_kv_chunks_sent", "KV chunks a prefill worker sent: in_place = the decode "
                                  "worker copied them from its shared pool; payload = the bytes travelled",
                                  ["worker", "mode"], registry=r)
+        self.kv_wasted = Counter("pdserve_kv_wasted_bytes", "KV bytes a decode worker received (verified) and "
+                                 "never consumed: its transfer failed (failed_timeout, failed_peer, ...) or its "
+                                 "request was aborted first", ["reason"], registry=r)
         self.kv_renewals = Counter("pdserve_kv_lease_renewals", "Leases of KV deliveries renewed by their sender's "
                                    "alive records (queued or producing at a live prefill worker)", ["worker"],
                                    registry=r)
@@ -112,6 +115,8 @@ class Metrics:
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
         if "kv_lease_renewals" in s:  # a decode worker
             self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)
+            for reason, n in s.get("kv_wasted_bytes", {}).items():
+                self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
         if "kv_transfers_lent" in s:  # a prefill worker
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
             for mode in ("in_place", "payload"):
