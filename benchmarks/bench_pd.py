@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_pd.py [--transport shm] [--ttft-prompt 1024] [--ttft-repeats 5]
         [--short 16 --short-in 64 --short-out 96 --short-every 0.5] [--long-in 1536 --long-every 2.5]
+        [--modes pd,colocated]
 
 Starts the server in each mode in turn (same machine, same workload, one after another):
   1. TTFT: one request at a time, a fresh `--ttft-prompt`-token prompt each (no prefix hits), max_tokens 1,
@@ -123,9 +124,11 @@ def main() -> int:
     ap.add_argument("--long-in", type=int, default=1536)
     ap.add_argument("--long-every", type=float, default=2.5)
     ap.add_argument("--parts", default="ttft,interference", help="comma-separated: ttft, interference")
+    ap.add_argument("--modes", default="pd,colocated", help="comma-separated: pd, colocated")
     args = ap.parse_args()
     half = str(max(args.threads // 2, 1))
-    modes = {"pd": ["--transport", args.transport], "colocated": ["--mode", "colocated"]}
+    modes = {m: f for m, f in {"pd": ["--transport", args.transport], "colocated": ["--mode", "colocated"]}.items()
+             if m in args.modes.split(",")}
     report: dict = {"args": vars(args)}
     parts = args.parts.split(",")
     if "ttft" in parts:
@@ -135,6 +138,8 @@ def main() -> int:
                 report[f"ttft_{mode}"] = asyncio.run(ttft_runs(server.url, args.ttft_prompt, args.ttft_repeats, 1))
             finally:
                 server.stop()
+        if len(modes) < 2:
+            raise SystemExit("--parts ttft compares both modes: --modes pd,colocated")
         pd, co = (statistics.median(report[f"ttft_{m}"]) for m in ("pd", "colocated"))
         print(f"TTFT, one {args.ttft_prompt}-token prompt, {args.threads} threads per worker, median of "
               f"{args.ttft_repeats}: PD {pd * 1e3:.0f} ms, colocated {co * 1e3:.0f} ms, PD adds {pd / co - 1:+.1%}")
@@ -164,11 +169,15 @@ def interference_part(args, modes: dict, half: str, report: dict) -> None:
         r = report[f"interference_{mode}"]
         print(f"{mode:<10}{pct(r['tpot'], 50) * 1e3:>10.1f}{pct(r['tpot'], 99) * 1e3:>10.1f}"
               f"{pct(r['itl'], 50) * 1e3:>10.1f}{pct(r['itl'], 99) * 1e3:>10.1f}{r['num_long']:>7}")
-    kv = report["interference_pd"]["kv"]
-    print(f"PD run {report['interference_pd']['wall_s']:.0f} s: KV deliveries {kv['delivered']:.0f} delivered, "
-          f"failures {kv['failures'] or 'none'}, leases renewed {kv['renewals']:.0f}")
-    pd99, co99 = (pct(report[f"interference_{m}"]["tpot"], 99) for m in ("pd", "colocated"))
-    print(f"PD P99 TPOT is {1 - pd99 / co99:.0%} lower than colocated")
+    if "pd" in modes:
+        pd = report["interference_pd"]
+        kv = pd["kv"]
+        print(f"PD run {pd['wall_s']:.0f} s: KV deliveries {kv['delivered']:.0f} delivered, failures "
+              f"{kv['failures'] or 'none'}, leases renewed {kv['renewals']:.0f}; short TTFT p50 "
+              f"{pct(pd['ttft_short'], 50):.1f} s")
+    if len(modes) == 2:
+        pd99, co99 = (pct(report[f"interference_{m}"]["tpot"], 99) for m in ("pd", "colocated"))
+        print(f"PD P99 TPOT is {1 - pd99 / co99:.0%} lower than colocated")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def test_fixed_workload_report(server, tmp_path):
         assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"] and s["slo"]["attainment"] == 1.0
         starts = sorted(r["start_s"] for r in run["requests"])
         assert starts[-1] > 0.5  # open loop: arrivals spread at the rate, not all at once
+        assert run["kv"] is not None and run["kv"]["delivered"] == 0  # a colocated server delivers no KV
     for png in ("ttft_cdf.png", "tpot_cdf.png", "throughput.png", "attainment.png"):
         assert (out / png).stat().st_size > 1000
 

@@ -93,6 +93,7 @@ def _mean_rate(workload) -> float:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pdserve.bench.kv_lifecycle import kv_delta, scrape
     from pdserve.bench.report import BenchResult, print_table, write_result
     from pdserve.bench.runner import RunConfig, discover_model, run
     from pdserve.bench.tier_mix import tier_flags, workload_tiers
@@ -114,8 +115,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         prompts = build_prompts(workload, PROMPT_VOCAB, block_tokens=args.block_tokens, seed=args.seed + 7919 * i)
         label = f"rate {rate:g}/s" if rate else "requests"
         tiers = workload_tiers(mix, len(workload.requests), args.seed)  # the same tags at every rate
+        before = scrape(args.endpoint)  # the server's KV delivery counters around the run
         records, duration, start = run(workload, prompts, cfg, label, tiers)
-        result.add_run(rate, records, duration, start)
+        result.add_run(rate, records, duration, start, kv=kv_delta(before, scrape(args.endpoint)))
     print_table(result)
     if args.output:
         print(f"wrote {write_result(result, Path(args.output))}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pdserve.bench.kv_lifecycle import describe
 from pdserve.bench.metrics import RequestRecord, goodput, summarize
 from pdserve.bench.tier_mix import tier_slos
 from pdserve.errors import InvalidRequestError
@@ -35,10 +36,13 @@ class BenchResult:
     service_tiers: list[str] = field(default_factory=list)  # `--service-tier` specs: per-tier SLOs
     tier_mix: dict[str, float] | None = None  # `--tier-mix`, parsed
 
-    def add_run(self, rate: float | None, records: list[RequestRecord], duration_s: float, start_s: float) -> None:
+    def add_run(self, rate: float | None, records: list[RequestRecord], duration_s: float, start_s: float,
+                kv: dict | None = None) -> None:
+        """`kv`: the server's KV delivery outcomes over the run (`pdserve.bench.kv_lifecycle.kv_delta`)."""
         summary = summarize(records, duration_s=max(duration_s, 1e-9), slo_ttft_ms=self.slo_ttft_ms,
                             slo_tpot_ms=self.slo_tpot_ms, tier_slos=tier_slos(self.service_tiers))
-        self.runs.append({"rate": rate, "summary": summary, "requests": [_relative(r, start_s) for r in records]})
+        self.runs.append({"rate": rate, "summary": summary, "kv": kv,
+                          "requests": [_relative(r, start_s) for r in records]})
 
     @property
     def goodput(self) -> float | None:
@@ -86,6 +90,9 @@ def print_table(result: BenchResult, console: Console | None = None) -> None:
         console.print(tiers)
         console.print("tiers: 429 = refused on arrival (a miss in 'met'); 'met acc' = SLO met among accepted ones")
     for run in result.runs:
+        if run.get("kv"):
+            at = f"rate {run['rate']}: " if run["rate"] else ""
+            console.print(f"  {at}{describe(run['kv'])}")
         for err in run["summary"]["errors"]:
             console.print(f"  errors at rate {run['rate']}: {err['count']} x {err['message']}")
     if result.slo_ttft_ms or result.slo_tpot_ms:

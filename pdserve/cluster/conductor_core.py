@@ -217,7 +217,8 @@ class ConductorCore:
             self._prefill_done(f)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
                     Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
-        return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "xfer": f.xfer,
+        return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "link": f.decode,
+                                 "xfer": f.xfer,
                                  "first_block": first_block})]
 
     def prefilled(self, rid: str, now: float) -> list:

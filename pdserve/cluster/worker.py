@@ -131,7 +131,8 @@ class Worker:
             self.engine.scheduler.add_request(req)
         elif kind == "prefill":
             self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
-                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd), _tier(cmd))
+                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd), _tier(cmd),
+                             link=cmd.get("link"))
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
                                 cmd.get("priority", 0), _pin(cmd), _tier(cmd))
@@ -223,7 +224,8 @@ class Worker:
             out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent),
                        kv_chunks_in_place=self.prefill.chunks_in_place, kv_chunks_payload=self.prefill.chunks_payload,
-                       kv_keepalives_sent=self.prefill.keepalives_sent)
+                       kv_keepalives_sent=self.prefill.keepalives_sent,
+                       kv_link_busy_s=dict(self.prefill.link_busy_s), kv_link_bytes=dict(self.prefill.link_bytes))
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -41,6 +41,7 @@ class Outbound:
     held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it has
     by_copy: bool = False  # a prompt longer than the hot window: its blocks leave the pool as it goes
     last_sent_s: float = 0.0  # when a record of this transfer last went out (a chunk or an `alive`)
+    link: str = ""  # the receiving worker's name (the link's far end), for the link metrics
 
     @property
     def holder(self) -> str:
@@ -69,12 +70,15 @@ class PrefillSide:
         self.chunks_in_place = 0  # read by the receiver from this worker's shared pool
         self.chunks_payload = 0  # their bytes carried by the transport
         self.keepalives_sent = 0
+        self.link_busy_s: Counter[str] = Counter()  # seconds spent sending chunks, by link (receiver name)
+        self.link_bytes: Counter[str] = Counter()
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
-            priority: int = 0, pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
+            priority: int = 0, pin: tuple[str, float] | None = None, service_tier: str = "default",
+            link: str | None = None) -> None:
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier)
         self.engine.scheduler.add_request(req)
@@ -82,7 +86,7 @@ class PrefillSide:
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
         # the pool sends copies instead.
         long = window is not None and self.engine.block_manager.blocks_needed(len(prompt)) > window.window
-        out = self.outbound[request_id] = Outbound(dest, xfer, first_block, by_copy=long)
+        out = self.outbound[request_id] = Outbound(dest, xfer, first_block, by_copy=long, link=link or dest)
         self._alive(out, time.monotonic())  # queued here: the receiver's lease runs from now, renewed
 
     def keepalive(self, now: float | None = None) -> None:
@@ -135,7 +139,9 @@ class PrefillSide:
                 pieces = _pieces(tensor, ids)
                 if snapshot:
                     pieces = [memoryview(bytes(p)) for p in pieces]
+                start = time.perf_counter()
                 by_reference = self.sender.send_chunk(out.dest, header, pieces)
+                self.link_busy_s[out.link] += time.perf_counter() - start
             except TransferError as e:
                 out.failed = str(e)
                 self.failures["send_timeout"] += 1
@@ -149,6 +155,7 @@ class PrefillSide:
             out.num_chunks += 1
             out.last_sent_s = time.monotonic()
             self.bytes_sent += nbytes
+            self.link_bytes[out.link] += nbytes
 
     def finish(self, request_id: str, prefilled: bool, first_token: int | None = None) -> str | None:
         """Close the transfer of a request that ended here (`first_token`: what it sampled); the failure

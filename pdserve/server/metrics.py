@@ -8,7 +8,12 @@ into increments here.
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LINK_WINDOW_S = 10.0  # the window of pdserve_kv_link_utilization
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -40,6 +45,11 @@ class Metrics:
         self.kv_wasted = Counter("pdserve_kv_wasted_bytes", "KV bytes a decode worker received (verified) and "
                                  "never consumed: its transfer failed (failed_timeout, failed_peer, ...) or its "
                                  "request was aborted first", ["reason"], registry=r)
+        self.kv_link_util = Gauge("pdserve_kv_link_utilization", "Share of the last LINK_WINDOW_S seconds a prefill "
+                                  "worker spent sending KV chunks on a link (prefill worker -> decode worker)",
+                                  ["link"], registry=r)
+        self.kv_link_bytes = Counter("pdserve_kv_link_bytes", "KV chunk bytes sent on a link", ["link"], registry=r)
+        self._link_busy: dict[str, deque] = {}  # link -> (monotonic time, busy seconds so far)
         self.kv_renewals = Counter("pdserve_kv_lease_renewals", "Leases of KV deliveries renewed by their sender's "
                                    "alive records (queued or producing at a live prefill worker)", ["worker"],
                                    registry=r)
@@ -118,11 +128,25 @@ class Metrics:
             for reason, n in s.get("kv_wasted_bytes", {}).items():
                 self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
         if "kv_transfers_lent" in s:  # a prefill worker
+            self._observe_links(w, s.get("kv_link_busy_s", {}), s.get("kv_link_bytes", {}))
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
             for mode in ("in_place", "payload"):
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
+
+    def _observe_links(self, w: str, busy: dict, nbytes: dict) -> None:
+        now = time.monotonic()
+        for dest, total in busy.items():
+            link = f"{w}->{dest}"
+            history = self._link_busy.setdefault(link, deque())
+            history.append((now, total))
+            while len(history) > 2 and now - history[1][0] >= LINK_WINDOW_S:
+                history.popleft()  # the oldest sample kept is the last one at least a window old
+            t0, b0 = history[0]
+            if now > t0:
+                self.kv_link_util.labels(link=link).set(min((total - b0) / (now - t0), 1.0))
+            self._inc_total(self.kv_link_bytes, (w, f"link:{dest}"), nbytes.get(dest, 0), link=link)
 
     def _observe_tiers(self, w: str, kv: dict | None) -> None:
         if not kv:
