@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,58 +29,11 @@ from pdserve.core.block_hash import BlockHash
 from pdserve.core.block_manager import BlockId, KVBlockManager
 from pdserve.core.kv_columns import TIER_CODE
 from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
+from pdserve.core.kv_ops import KVLoad, KVOp, TierHit, TierStats  # noqa: F401 (KVLoad, TierHit re-exported)
 from pdserve.core.kv_tier_index import TierIndex
 
 
 PREFETCH_HOLD_S = 5.0  # a block prefetched from disk stays in host at least this long, or until loaded
-
-
-@dataclass(frozen=True)
-class KVLoad:
-    """Copy host slot `host_slot` into device block `block_id` before the step's forward."""
-
-    block_id: int
-    host_slot: int
-
-
-@dataclass(frozen=True)
-class KVOp:
-    op_id: int
-    kind: str  # offload | flush | prefetch | delete
-    hashes: tuple[int, ...]
-    src: tuple[int, ...] = ()  # offload: device block ids; flush: host slots
-    dst: tuple[int, ...] = ()  # offload, prefetch: host slots
-
-    @property
-    def holder(self) -> str:
-        return f"kvop:{self.op_id}"
-
-
-@dataclass(frozen=True)
-class TierCapacity:
-    """What a worker's tier bookkeeping is sized from (its I/O runner's `capacity`)."""
-
-    host_blocks: int
-    disk_blocks: int
-    block_bytes: int
-
-
-@dataclass(frozen=True)
-class TierHit:
-    """A device prefix hit continued through the lower tiers."""
-
-    host: tuple[BlockHash, ...] = ()  # ready in host, right after the device hit, in order
-    waiting: bool = False  # more of the prefix is on disk and being prefetched: ask again later
-
-
-@dataclass
-class TierStats:
-    hit_tokens: Counter = field(default_factory=Counter)  # by Tier
-    bytes_in: Counter = field(default_factory=Counter)  # by Tier: written into that tier
-    bytes_out: Counter = field(default_factory=Counter)  # by Tier: read out of it
-    corrupt: Counter = field(default_factory=Counter)  # by Tier: blocks found damaged, dropped
-    failed_ops: Counter = field(default_factory=Counter)  # by kind
-    disk_full: int = 0  # writes refused for lack of space (the disk tier then stops writing)
 
 
 class TieredKV:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import BlockId
-from pdserve.core.kv_tiers import KVLoad
+from pdserve.core.kv_ops import KVLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 

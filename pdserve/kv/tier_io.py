@@ -14,11 +14,10 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.kv_tiers import KVLoad, KVOp, TierCapacity
+from pdserve.core.kv_ops import KVLoad, KVOp, TierCapacity
 from pdserve.kv.disk_store import CorruptBlock, DiskKVStore, is_disk_full
 from pdserve.kv.host_store import HostKVStore
 

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.core.kv_tiers import KVLoad, KVOp, TierCapacity
+from pdserve.core.kv_ops import KVLoad, KVOp, TierCapacity
 
 GIB = 2**30  # tier sizes are in GiB, as the real worker's --kv-host-gb and --kv-disk-gb
 LINKS = ("host_link", "disk_read", "disk_write")

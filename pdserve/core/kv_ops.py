@@ -1,0 +1,59 @@
+"""The records between a worker's tier bookkeeping (`pdserve.core.kv_tiers.TieredKV`) and the rest: the
+loads a step performs, the I/O operations a runner carries out (`pdserve.kv.tier_io`, the simulator's
+`SimTierIO`), the capacity it reports, a lookup's answer and the counters. Plain frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pdserve.core.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Copy host slot `host_slot` into device block `block_id` before the step's forward."""
+
+    block_id: int
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class KVOp:
+    op_id: int
+    kind: str  # offload | flush | prefetch | delete
+    hashes: tuple[int, ...]
+    src: tuple[int, ...] = ()  # offload: device block ids; flush: host slots
+    dst: tuple[int, ...] = ()  # offload, prefetch: host slots
+
+    @property
+    def holder(self) -> str:
+        return f"kvop:{self.op_id}"
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """What a worker's tier bookkeeping is sized from (its I/O runner's `capacity`)."""
+
+    host_blocks: int
+    disk_blocks: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """A device prefix hit continued through the lower tiers."""
+
+    host: tuple[BlockHash, ...] = ()  # ready in host, right after the device hit, in order
+    waiting: bool = False  # more of the prefix is on disk and being prefetched: ask again later
+
+
+@dataclass
+class TierStats:
+    hit_tokens: Counter = field(default_factory=Counter)  # by Tier
+    bytes_in: Counter = field(default_factory=Counter)  # by Tier: written into that tier
+    bytes_out: Counter = field(default_factory=Counter)  # by Tier: read out of it
+    corrupt: Counter = field(default_factory=Counter)  # by Tier: blocks found damaged, dropped
+    failed_ops: Counter = field(default_factory=Counter)  # by kind
+    disk_full: int = 0  # writes refused for lack of space (the disk tier then stops writing)
