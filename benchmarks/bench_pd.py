@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pdserve.bench.kv_lifecycle import describe, kv_delta, scrape
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serve_util import Server  # noqa: E402
 
@@ -96,17 +98,6 @@ async def interference(url: str, args, seed: int) -> dict:
             "ttft_short": [r["times"][0] - r["start"] for r in results]}
 
 
-def delivery_outcomes(server: Server) -> dict:
-    """KV deliveries of the run from /metrics: delivered, failed by reason -> outcome, leases renewed."""
-    m = server.metrics()
-    failures = {f"{dict(lab)['reason']}->{dict(lab)['outcome']}": v for (n, lab), v in m.items()
-                if n == "pdserve_kv_transfer_failures_total" and v}
-    return {"delivered": sum(v for (n, lab), v in m.items() if n == "pdserve_kv_transfer_time_seconds_count"
-                             and dict(lab).get("outcome") == "delivered"),
-            "failures": failures,
-            "renewals": sum(v for (n, _), v in m.items() if n == "pdserve_kv_lease_renewals_total")}
-
-
 def pct(xs, q) -> float:
     return float(np.percentile(xs, q))
 
@@ -156,10 +147,10 @@ def interference_part(args, modes: dict, half: str, report: dict) -> None:
         threads = half if mode == "pd" else str(args.threads)
         server = Server(*flags, "--num-threads", threads)
         try:
-            start = time.monotonic()
+            start, before = time.monotonic(), scrape(server.url)
             r = report[f"interference_{mode}"] = asyncio.run(interference(server.url, args, 2))
             r["wall_s"] = time.monotonic() - start
-            r["kv"] = delivery_outcomes(server)
+            r["kv"] = kv_delta(before, scrape(server.url))  # what `pdserve bench serve` reports
         finally:
             server.stop()
     print(f"TPOT of {args.short} short requests ({args.short_in} in / {args.short_out} out, one every "
@@ -171,10 +162,7 @@ def interference_part(args, modes: dict, half: str, report: dict) -> None:
               f"{pct(r['itl'], 50) * 1e3:>10.1f}{pct(r['itl'], 99) * 1e3:>10.1f}{r['num_long']:>7}")
     if "pd" in modes:
         pd = report["interference_pd"]
-        kv = pd["kv"]
-        print(f"PD run {pd['wall_s']:.0f} s: KV deliveries {kv['delivered']:.0f} delivered, failures "
-              f"{kv['failures'] or 'none'}, leases renewed {kv['renewals']:.0f}; short TTFT p50 "
-              f"{pct(pd['ttft_short'], 50):.1f} s")
+        print(f"PD run {pd['wall_s']:.0f} s, short TTFT p50 {pct(pd['ttft_short'], 50):.1f} s; {describe(pd['kv'])}")
     if len(modes) == 2:
         pd99, co99 = (pct(report[f"interference_{m}"]["tpot"], 99) for m in ("pd", "colocated"))
         print(f"PD P99 TPOT is {1 - pd99 / co99:.0%} lower than colocated")
