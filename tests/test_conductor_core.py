@@ -102,17 +102,19 @@ def _replay_on_real_conductor(decisions, tmp_path) -> tuple[dict, dict, Metrics]
 
 
 def _time_of(event: str, args) -> float:
-    return {"arrive": lambda: args[3], "prefilled": lambda: args[1], "token": lambda: args[3]}.get(
-        event, lambda: 0.0)()
+    return {"arrive": lambda: args[3], "prefilled": lambda: args[1], "token": lambda: args[3],
+            "reserved": lambda: args[5], "consumed": lambda: args[1]}.get(event, lambda: 0.0)()
 
 
 async def _feed(conductor: Conductor, event: str, args) -> None:
     if event == "reserved":
-        rid, xfer, needs, addr, first = args
+        rid, xfer, needs, addr, first, _ = args
         conductor.on_event({"type": "reserved", "rid": rid, "xfer": xfer, "needs_prefill": needs, "kv_addr": addr,
                             "first_block": first})
     elif event == "prefilled":
-        conductor.on_event({"type": "prefilled", "rid": args[0], "failed": None})
+        conductor.on_event({"type": "prefilled", "rid": args[0], "failed": None, "landing_in_s": args[2]})
+    elif event == "consumed":
+        conductor.on_event({"type": "consumed", "items": [[args[0], args[1]]]})
     elif event == "token":
         rid, index, finished, _ = args
         conductor.on_event({"type": "tokens", "items": [{"rid": rid, "i": index, "t": 7,
@@ -150,8 +152,8 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
                 failed[a.rid] = (a.status, a.code)
             elif isinstance(a, Count):
                 counted[(a.metric, a.labels)] += 1
-            elif isinstance(a, Observe):
-                observed[(a.metric, a.labels)] += a.value
+            elif isinstance(a, Observe):  # a histogram with negative buckets has no _sum: count those
+                observed[(a.metric, a.labels)] += a.weight if a.metric.startswith("kv_") else a.value
     rejected = [r for r in records if r.rejected]
     assert rejected and len(rejected) < NUM, "the workload must make admission refuse some requests, not all"
     assert {sim_cmd["type"] for cmds in sent.values() for sim_cmd in cmds} >= {"reserve", "prefill"}
@@ -165,8 +167,12 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
         assert value == n, (metric, labels)
     assert observed  # admission's predictions, one per arrival once the workers' step times are known
     assert counted[("fallbacks", (("kind", "admission_unpredicted"),))] > 0  # the first arrivals: no model yet
+    # the consumption predictions, checked per delivered block
+    assert {metric for metric, _ in observed} >= {"kv_consumption_error", "kv_consumption_error_at_dispatch"}
     for (metric, labels), total in observed.items():
-        value = metrics.registry.get_sample_value(f"pdserve_admission_{metric}_seconds_sum", dict(labels))
+        name = f"pdserve_{metric}_seconds_count" if metric.startswith("kv_") else \
+            f"pdserve_admission_{metric}_seconds_sum"
+        value = metrics.registry.get_sample_value(name, dict(labels))
         assert value == pytest.approx(total), (metric, labels)
 
 

@@ -124,7 +124,7 @@ class Conductor:
             elif isinstance(action, Count) and self.metrics:
                 self.metrics.count(action.metric, action.labels)
             elif isinstance(action, Observe) and self.metrics:
-                self.metrics.observe(action.metric, action.labels, action.value)
+                self.metrics.observe(action.metric, action.labels, action.value, action.weight)
 
     def _send(self, name: str, cmd: dict) -> None:
         worker = self.workers[name]
@@ -153,11 +153,14 @@ class Conductor:
                 self._act(core.token(item["rid"], item["i"], bool(item["fin"]), now))
         elif kind == "reserved":
             self._act(core.reserved(event["rid"], event["xfer"], event["needs_prefill"], event["kv_addr"],
-                                    event["first_block"]))
+                                    event["first_block"], now))
+        elif kind == "consumed":  # at: the decode worker's monotonic clock (one host: the gateway's too)
+            for rid, at in event["items"]:
+                self._act(core.consumed(rid, at))
         elif kind == "prefilled":
             if self.metrics:
                 self.metrics.observe_prefill(event)
-            self._act(core.prefilled(event["rid"], now))
+            self._act(core.prefilled(event["rid"], now, event.get("landing_in_s")))
         elif kind == "transfer":
             if self.metrics:
                 self.metrics.observe_transfer(event)

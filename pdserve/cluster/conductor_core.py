@@ -11,11 +11,14 @@ simulated time. What it decides:
   worker once they are reserved (or not at all, when the decode worker has every prompt token but the last);
 * react to **failures**: a dead decode worker fails its requests; a dead prefill worker (or none left) makes
   the decode worker recompute (`kv_failed`, a counted fallback); a failed delivery aborts the moot prefill;
-* track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`).
+* track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
+* **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
+  it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
+  it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block).
 
 Actions: `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the request with an error the
-client sees), `Count(metric, labels)` (a counted event for the metrics), `Observe(metric, labels, value)` (a
-value for a histogram: admission's predicted TTFT).
+client sees), `Count(metric, labels)` (a counted event for the metrics), `Observe(metric, labels, value,
+weight)` (a value for a histogram, `weight` times: admission's predicted TTFT, consumption errors).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pdserve.cluster.admission import Admission, Rejection
+from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
@@ -63,6 +67,7 @@ class Observe:
     metric: str
     labels: tuple
     value: float
+    weight: int = 1
 
 
 @dataclass
@@ -78,10 +83,12 @@ class FlightState:
     prefill: str | None = None
     xfer: str = ""
     queued_tokens: int = 0  # prompt tokens it adds to its prefill worker's backlog until prefilled
+    dispatched: bool = False  # PD: its prefill command went out
     prefilled_s: float | None = None  # PD: when the prefill worker reported the prompt done
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
+    prediction: Prediction | None = None  # PD: of its KV's first consumption
 
 
 @dataclass
@@ -89,6 +96,7 @@ class Backlog:
     """The conductor's own view of one worker's queue: prompt tokens routed there and not yet prefilled, by
     tier rank; requests decoding there."""
     tokens: dict = field(default_factory=lambda: {0: 0, 1: 0})
+    dispatched: dict = field(default_factory=lambda: {0: 0, 1: 0})  # of those, sent to the prefill worker
     decoding: int = 0
 
 
@@ -102,6 +110,7 @@ class ConductorCore:
         self.workers: dict[str, WorkerLoad] = {}
         self.backlog: dict[str, Backlog] = {}
         self.flights: dict[str, FlightState] = {}
+        self.consumption = ConsumptionPredictor(admission)
         self._xfers = itertools.count()
 
     # ---- workers ----------------------------------------------------------------------------------------
@@ -206,7 +215,8 @@ class ConductorCore:
         return [Send(w, {"type": "abort", "rid": rid}) for w in workers]
 
     # ---- worker events ----------------------------------------------------------------------------------
-    def reserved(self, rid: str, xfer: str, needs_prefill: bool, kv_addr: str, first_block: int) -> list:
+    def reserved(self, rid: str, xfer: str, needs_prefill: bool, kv_addr: str, first_block: int,
+                 now: float = 0.0) -> list:
         f = self.flights.get(rid)
         if f is None or f.xfer != xfer:
             return []
@@ -217,16 +227,47 @@ class ConductorCore:
             self._prefill_done(f)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
                     Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+        deadline = self._predict_dispatch(f, first_block, now)
         return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "link": f.decode,
-                                 "xfer": f.xfer,
-                                 "first_block": first_block})]
+                                 "xfer": f.xfer, "first_block": first_block,
+                                 "deadline_in_s": None if deadline is None else deadline - now})]
 
-    def prefilled(self, rid: str, now: float) -> list:
+    def _predict_dispatch(self, f: FlightState, first_block: int, now: float) -> float | None:
+        """Ahead of it at the prefill worker: the prompts dispatched there before it and not yet prefilled
+        (of its tier rank or better; the others may share its last step)."""
+        rank = self.tiers[f.tier].rank
+        tokens = self.backlog[f.prefill].dispatched
+        ahead = sum(n for r, n in tokens.items() if r <= rank)
+        behind = sum(tokens.values()) - ahead
+        tokens[rank] += f.queued_tokens
+        f.dispatched = True
+        predicted = self.consumption.at_dispatch(now, f.prefill, f.decode, f.queued_tokens, ahead, behind)
+        blocks = -(-len(f.prompt) // self.block_size) - first_block
+        f.prediction = Prediction(blocks, predicted, predicted)
+        return predicted
+
+    def prefilled(self, rid: str, now: float, landing_in_s: float | None = None) -> list:
+        """`landing_in_s`: the prefill worker's link's estimate of when the transfer's last chunk is out."""
         f = self.flights.get(rid)
         if f is not None:
             f.prefilled_s = now
             self._prefill_done(f)
+            if f.prediction is not None:
+                self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
         return []
+
+    def consumed(self, rid: str, at_s: float) -> list:
+        """The decode worker's first step reading this request's delivered KV started at `at_s`."""
+        f = self.flights.get(rid)
+        p = None if f is None else f.prediction
+        if p is None:
+            return []
+        f.prediction = None  # checked once
+        self.consumption.consumed(p, f.decode, at_s)
+        return [Observe(metric, (), at_s - predicted, p.blocks)
+                for metric, predicted in (("kv_consumption_error", p.final_s),
+                                          ("kv_consumption_error_at_dispatch", p.at_dispatch_s))
+                if predicted is not None]
 
     def transfer_outcome(self, rid: str, outcome: str) -> list:
         f = self.flights.get(rid)
@@ -267,7 +308,10 @@ class ConductorCore:
     def _prefill_done(self, f: FlightState) -> None:
         if f.queued_tokens:
             producer = f.prefill or f.decode
-            self.backlog[producer].tokens[self.tiers[f.tier].rank] -= f.queued_tokens
+            rank = self.tiers[f.tier].rank
+            self.backlog[producer].tokens[rank] -= f.queued_tokens
+            if f.dispatched:
+                self.backlog[producer].dispatched[rank] -= f.queued_tokens
             f.queued_tokens = 0
         if f.prefill is not None:
             self.workers[f.prefill].outstanding -= 1

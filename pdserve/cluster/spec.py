@@ -22,6 +22,9 @@ class WorkerSpec:
     kv_host: str = "127.0.0.1"  # tcp: the interface the KV receiver binds
     kv_timeout_s: float = 30.0  # a transfer with no progress for this long fails (lease)
     ring_mb: int = 16  # shm ring per (prefill, decode) pair
+    delivery: str = "scheduled"  # prefill: the order of KV on each link (pdserve.core.delivery)
+    link_share: dict | None = None  # tier -> bandwidth share under scheduled delivery
+    link_bytes_s: float | None = None  # prefill: each link throttled to this (None: unthrottled)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -55,9 +55,12 @@ class Worker:
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
+            from pdserve.core.delivery import DeliveryPolicy
             from pdserve.transfer import make_sender
             self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s),
-                                       layers, lease_s=spec.kv_timeout_s)
+                                       layers, lease_s=spec.kv_timeout_s,
+                                       policy=DeliveryPolicy(spec.delivery, spec.link_share),
+                                       link_rate=spec.link_bytes_s)
             self.executor.layer_observer = self.prefill.on_layer
         else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
             from pdserve.transfer import make_receiver
@@ -84,23 +87,32 @@ class Worker:
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0
-            self.poller.poll(0 if busy else self.decode.wait_ms(20) if self.decode is not None else 20)
+            self.poller.poll(0 if busy else self._idle_ms())
             self._drain_commands()
             self.engine.poll_kv()
             if self.decode is not None:
                 self._decode_bookkeeping()
             if sched.num_running + sched.num_waiting > 0:
-                start = time.perf_counter()
+                start, began = time.perf_counter(), time.monotonic()
                 outputs = self.engine.step()
                 self._log_step(time.perf_counter() - start)
+                if self.decode is not None:
+                    self._report_consumed(began)
                 self._report(outputs)
             if self.prefill is not None:
+                self.prefill.pump()
                 self.prefill.keepalive()
                 self._cancel_failed_deliveries()
                 self.prefill.release_lent()
             self._maybe_stats()
             if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
+
+    def _idle_ms(self) -> int:
+        if self.decode is not None:
+            return self.decode.wait_ms(20)
+        wait = self.prefill.outbox.wait_s() if self.prefill is not None else None
+        return 20 if wait is None else min(20, max(1, int(wait * 1000)))
 
     # ---- commands ---------------------------------------------------------------------------------------
     def _drain_commands(self) -> None:
@@ -132,7 +144,7 @@ class Worker:
         elif kind == "prefill":
             self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
                              cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd), _tier(cmd),
-                             link=cmd.get("link"))
+                             link=cmd.get("link"), deadline_in_s=cmd.get("deadline_in_s"))
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
                                 cmd.get("priority", 0), _pin(cmd), _tier(cmd))
@@ -159,14 +171,22 @@ class Worker:
                     "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
                     "prefill_s": None}]})
 
+    def _report_consumed(self, began: float) -> None:
+        """The step that just ran read delivered KV for the first time: when it began (the conductor checks
+        its consumption prediction against it). Before the step's tokens: a request may end with them."""
+        rids = self.decode.consumed(self.engine.last_scheduled)
+        if rids:
+            self.emit({"type": "consumed", "items": [[rid, began] for rid in rids]})
+
     # ---- outputs ----------------------------------------------------------------------------------------
     def _report(self, outputs) -> None:
         items = []
         for out in outputs:
             if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
+                landing = self.prefill.landing_in_s(out.request_id)
                 failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled",
                                              first_token=out.token_ids[-1] if out.token_ids else None)
-                self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed,
+                self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed, "landing_in_s": landing,
                            "queue_s": _diff(out.scheduled_s, out.arrival_s),
                            "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
                 continue
@@ -221,11 +241,11 @@ class Worker:
                "capped_steps": sched.step_budget.num_capped_steps,
                "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
         if self.prefill is not None:
-            out.update(kv_bytes_sent=self.prefill.bytes_sent, kv_send_failures=dict(self.prefill.failures),
-                       kv_transfers_lent=len(self.prefill.lent),
-                       kv_chunks_in_place=self.prefill.chunks_in_place, kv_chunks_payload=self.prefill.chunks_payload,
-                       kv_keepalives_sent=self.prefill.keepalives_sent,
-                       kv_link_busy_s=dict(self.prefill.link_busy_s), kv_link_bytes=dict(self.prefill.link_bytes))
+            box = self.prefill.outbox
+            out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(self.prefill.failures),
+                       kv_transfers_lent=len(self.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
+                       kv_chunks_payload=box.chunks_payload,
+                       kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report())
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.core.delivery import DeliveryPolicy
 from pdserve.core.policy import insert_in_order
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
@@ -29,6 +30,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks, mixed_pieces, scatter_blocks
 from pdserve.transfer.base import KVReceiver, KVSender, TransferError, TransferState
 from pdserve.transfer.inbound import Inbound, InboundTransfers
+from pdserve.transfer.outbox import Chunk, Outbox
 
 
 @dataclass
@@ -41,7 +43,12 @@ class Outbound:
     held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it has
     by_copy: bool = False  # a prompt longer than the hot window: its blocks leave the pool as it goes
     last_sent_s: float = 0.0  # when a record of this transfer last went out (a chunk or an `alive`)
-    link: str = ""  # the receiving worker's name (the link's far end), for the link metrics
+    link: str = ""  # the receiving worker's name (the link's far end): its queue and metrics
+    tier: str = "default"
+    deadline_s: float = float("inf")  # predicted first consumption (monotonic clock)
+    num_tokens: int = 0  # the prompt's
+    first_token: int | None = None  # sampled here; sent with the closing record
+    rid: str = ""
 
     @property
     def holder(self) -> str:
@@ -57,28 +64,29 @@ class Lent:
 
 
 class PrefillSide:
-    def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list, lease_s: float = 30.0) -> None:
+    def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list, lease_s: float = 30.0,
+                 policy: DeliveryPolicy | None = None, link_rate: float | None = None) -> None:
         self.engine = engine
         self.sender = sender
         self.layers = kv_layers
         self.block_size = engine.block_manager.block_size
         self.outbound: dict[str, Outbound] = {}
+        self.closing: dict[str, Outbound] = {}  # prefilled here, chunks still queued for the link
         self.lent: list[Lent] = []
         self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
-        self.bytes_sent = 0
-        self.chunks_in_place = 0  # read by the receiver from this worker's shared pool
-        self.chunks_payload = 0  # their bytes carried by the transport
+        self.outbox = Outbox(sender, policy or DeliveryPolicy(), self._hold, link_rate, failures=self.failures,
+                             on_drained=self._drained)
         self.keepalives_sent = 0
-        self.link_busy_s: Counter[str] = Counter()  # seconds spent sending chunks, by link (receiver name)
-        self.link_bytes: Counter[str] = Counter()
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
             priority: int = 0, pin: tuple[str, float] | None = None, service_tier: str = "default",
-            link: str | None = None) -> None:
+            link: str | None = None, deadline_in_s: float | None = None) -> None:
+        """`deadline_in_s`: the conductor's predicted first consumption of this KV, from now (the delivery
+        deadline under `--delivery scheduled`)."""
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier)
         self.engine.scheduler.add_request(req)
@@ -86,15 +94,19 @@ class PrefillSide:
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
         # the pool sends copies instead.
         long = window is not None and self.engine.block_manager.blocks_needed(len(prompt)) > window.window
-        out = self.outbound[request_id] = Outbound(dest, xfer, first_block, by_copy=long, link=link or dest)
-        self._alive(out, time.monotonic())  # queued here: the receiver's lease runs from now, renewed
+        now = time.monotonic()
+        out = self.outbound[request_id] = Outbound(
+            dest, xfer, first_block, by_copy=long, link=link or dest, tier=service_tier,
+            deadline_s=float("inf") if deadline_in_s is None else now + deadline_in_s, num_tokens=len(prompt),
+            rid=request_id)
+        self._alive(out, now)  # queued here: the receiver's lease runs from now, renewed
 
     def keepalive(self, now: float | None = None) -> None:
-        """Renew the receiver's lease of every transfer this worker holds (queued or producing) that sent
-        nothing for a third of the lease: waiting in this worker's queue is not a failed delivery, a dead or
+        """Renew the receiver's lease of every transfer this worker holds (queued, producing, or waiting for
+        its link) that sent nothing for a third of the lease: waiting here is not a failed delivery, a dead or
         hung sender is (its leases lapse)."""
         now = time.monotonic() if now is None else now
-        for out in self.outbound.values():
+        for out in [*self.outbound.values(), *self.closing.values()]:
             if not out.failed and now - out.last_sent_s >= self.lease_s / 3:
                 self._alive(out, now)
 
@@ -119,50 +131,63 @@ class PrefillSide:
             cold = len(chunk.cold_slots)
             first, full = max(out.next_block, cold), end // self.block_size
             if first < full:
-                self._push(out, layer, first, list(chunk.block_ids[first - cold:full - cold]), out.by_copy)
-            if end % self.block_size and first <= full:
+                self._push(out, layer, first, list(chunk.block_ids[first - cold:full - cold]))
+            final = end >= out.num_tokens
+            if end % self.block_size and first <= full and (final or not self.outbox.policy.scheduled):
                 # A block only partly filled now: its bytes as they are now (a copy: the next step writes
-                # more tokens into it), sent again, complete, with the next chunk.
-                self._push(out, layer, full, [chunk.block_ids[full - cold]], snapshot=True)
+                # more tokens into it), sent again, complete, with the next chunk. Scheduled delivery sends
+                # only the prompt's last one: the receiver reads nothing before the transfer is done.
+                self._push(out, layer, full, [chunk.block_ids[full - cold]], partial=True, useful=final)
             if last:
                 out.next_block = max(out.next_block, end // self.block_size)
+        self.outbox.pump()
 
-    def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], snapshot: bool = False) -> None:
+    def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], partial: bool = False,
+              useful: bool = True) -> None:
         tensor = self.layers[layer]
         # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt.
         per_chunk = max(1, getattr(self.sender, "max_chunk_bytes", 1 << 62) // chunk_nbytes(tensor, 1))
         for i in range(0, len(block_ids), per_chunk):
             ids = block_ids[i:i + per_chunk]
             header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
-            nbytes = chunk_nbytes(tensor, len(ids))
-            try:
-                pieces = _pieces(tensor, ids)
-                if snapshot:
-                    pieces = [memoryview(bytes(p)) for p in pieces]
-                start = time.perf_counter()
-                by_reference = self.sender.send_chunk(out.dest, header, pieces)
-                self.link_busy_s[out.link] += time.perf_counter() - start
-            except TransferError as e:
-                out.failed = str(e)
-                self.failures["send_timeout"] += 1
-                return
-            self.chunks_in_place += by_reference
-            self.chunks_payload += not by_reference
-            if by_reference:
-                new = [b for b in ids if b not in out.held]
-                self.engine.block_manager.hold(out.holder, new)
-                out.held.update(new)
-            out.num_chunks += 1
-            out.last_sent_s = time.monotonic()
-            self.bytes_sent += nbytes
-            self.link_bytes[out.link] += nbytes
+            pieces = _pieces(tensor, ids)
+            if partial or out.by_copy:  # the block changes, or leaves the pool: its bytes as they are now
+                pieces = [memoryview(bytes(p)) for p in pieces]
+            self.outbox.push(Chunk(out, header, pieces, chunk_nbytes(tensor, len(ids)), ids, partial, useful))
+
+    def _hold(self, out: Outbound, ids: list[int]) -> None:
+        new = [b for b in ids if b not in out.held]
+        self.engine.block_manager.hold(out.holder, new)
+        out.held.update(new)
+
+    def pump(self) -> None:
+        """Send what the links allow now (the worker loop calls this between steps)."""
+        self.outbox.pump()
+
+    def landing_in_s(self, request_id: str) -> float | None:
+        """When the last of this request's KV will have left for its decode worker, from now."""
+        out = self.outbound.get(request_id)
+        return None if out is None else self.outbox.landing_in_s(out)
 
     def finish(self, request_id: str, prefilled: bool, first_token: int | None = None) -> str | None:
         """Close the transfer of a request that ended here (`first_token`: what it sampled); the failure
-        message if delivery failed."""
-        out = self.outbound.pop(request_id, None)
+        message if delivery failed. A prefilled transfer with chunks still queued closes after the last."""
+        out = self.outbound.pop(request_id, None) or self.closing.pop(request_id, None)
         if out is None:
             return None
+        if prefilled and not out.failed and self.outbox.queued(out.xfer):
+            out.first_token, self.closing[request_id] = first_token, out
+            return None
+        self.outbox.drop(out)
+        self._close(out, prefilled, first_token)
+        return out.failed
+
+    def _drained(self, out: Outbound) -> None:
+        if self.closing.get(out.rid) is out:
+            del self.closing[out.rid]
+            self._close(out, True, out.first_token)
+
+    def _close(self, out: Outbound, prefilled: bool, first_token: int | None) -> None:
         try:
             if prefilled and not out.failed:
                 self.sender.send_control(out.dest, {"kind": "done", "xfer": out.xfer, "num_chunks": out.num_chunks,
@@ -175,7 +200,6 @@ class PrefillSide:
         if out.held:
             self.lent.append(Lent(out.holder, out.dest, self.sender.position(out.dest),
                                   time.monotonic() + self.lease_s))
-        return out.failed
 
     def release_lent(self, now: float | None = None) -> int:
         """Free the blocks of transfers the receiver has taken (or whose lease ran out). Returns how many
@@ -235,6 +259,7 @@ class DecodeSide:
         # first), so a reservation queue never undoes the order the waiting queue would keep.
         self.pending: list[Reservation] = []
         self.stats = DecodeStats()
+        self.unread: set[str] = set()  # delivered, not yet read by a step
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
                 pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
@@ -340,6 +365,8 @@ class DecodeSide:
             if inbound.state is TransferState.COMPLETED:
                 req = self.engine.scheduler.kv_delivered(inbound.request_id, inbound.first_token)
                 self.stats.transfers_completed += 1
+                if inbound.num_bytes and not req.is_finished:
+                    self.unread.add(inbound.request_id)
                 settled.append((inbound, "delivered", req))
             else:
                 self.engine.scheduler.kv_failed(inbound.request_id)
@@ -348,6 +375,15 @@ class DecodeSide:
                 settled.append((inbound, "recompute", None))
         return settled
 
+    def consumed(self, scheduled: SchedulerOutput | None) -> list[str]:
+        """The requests whose delivered KV the step `scheduled` read first."""
+        if not self.unread or scheduled is None:
+            return []
+        rids = [c.request_id for c in scheduled.chunks if c.request_id in self.unread]
+        self.unread.difference_update(rids)
+        return rids
+
     def abort(self, request_id: str) -> None:
+        self.unread.discard(request_id)
         self.pending = [r for r in self.pending if r.request.request_id != request_id]
         self.inbound.abort_request(request_id)

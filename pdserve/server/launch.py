@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.core.delivery import check_mode, parse_link_share
 from pdserve.errors import InvalidRequestError
 
 
@@ -54,6 +55,15 @@ class ServeConfig:
     """The API key's default service tier: what `service_tier` auto (or none) means; default: default."""
     kv_timeout_s: float = 30.0
     """A KV delivery with no progress for this long fails; the decode worker then recomputes the prompt."""
+    delivery: str = "scheduled"
+    """KV delivery order on each link: scheduled (by service tier share, earliest predicted consumption
+    first within a tier) or fifo (as produced)."""
+    link_share: str | None = None
+    """Bandwidth shares of the service tiers on a link under --delivery scheduled, e.g.
+    priority=0.5,default=0.4,flex=0.1 (the default); unused share goes to the tiers with demand."""
+    link_gbps: float | None = None
+    """Throttle each KV link (prefill worker -> decode worker) to this many Gbit/s, to emulate a slower
+    network; default: as fast as the transport goes."""
     ready_timeout_s: float = 600.0
     """How long to wait for every worker to load its model."""
     admission: str | None = None
@@ -79,6 +89,10 @@ class ServeConfig:
             raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
         if not self.admission_margin >= 0 or self.max_outstanding < 1:
             raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
+        check_mode(self.delivery)
+        parse_link_share(self.link_share)
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise InvalidRequestError(f"--link-gbps must be positive, got {self.link_gbps}", param="link_gbps")
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
 
@@ -98,7 +112,9 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
         specs.append(WorkerSpec(name=name, role=role, model_dir=model_dir, engine=engine,
                                 cmd_addr=f"ipc://{run_dir}/{name}.cmd", event_addr=f"ipc://{run_dir}/events",
                                 transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv",
-                                kv_timeout_s=cfg.kv_timeout_s))
+                                kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
+                                link_share=parse_link_share(cfg.link_share),
+                                link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None))
     return specs
 
 

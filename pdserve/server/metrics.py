@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LINK_WINDOW_S = 10.0  # the window of pdserve_kv_link_utilization
 
+# actual - predicted first consumption: "on time" is within +-5 ms (pdserve.cluster.consumption)
+_ERROR_BUCKETS = (-10.0, -1.0, -0.25, -0.1, -0.05, -0.025, -0.005, 0.005, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -48,8 +50,18 @@ class Metrics:
         self.kv_link_util = Gauge("pdserve_kv_link_utilization", "Share of the last LINK_WINDOW_S seconds a prefill "
                                   "worker spent sending KV chunks on a link (prefill worker -> decode worker)",
                                   ["link"], registry=r)
+        self.kv_link_effective = Gauge("pdserve_kv_link_effective_utilization", "Useful KV bytes a link carried "
+                                       "over the last LINK_WINDOW_S seconds / (its capacity x the time it had "
+                                       "something to send); capacity: --link-gbps, else the transport's measured "
+                                       "rate", ["link"], registry=r)
         self.kv_link_bytes = Counter("pdserve_kv_link_bytes", "KV chunk bytes sent on a link", ["link"], registry=r)
-        self._link_busy: dict[str, deque] = {}  # link -> (monotonic time, busy seconds so far)
+        self._link_history: dict[str, deque] = {}  # link -> (monotonic time, its running totals)
+        self.kv_consumption_error = Histogram(
+            "pdserve_kv_consumption_error_seconds", "Per delivered KV block: its first consumption by a decode "
+            "step minus the conductor's (final, refined) prediction of it", registry=r, buckets=_ERROR_BUCKETS)
+        self.kv_consumption_error_at_dispatch = Histogram(
+            "pdserve_kv_consumption_error_at_dispatch_seconds", "As pdserve_kv_consumption_error_seconds, against "
+            "the prediction made when the prefill was dispatched", registry=r, buckets=_ERROR_BUCKETS)
         self.kv_renewals = Counter("pdserve_kv_lease_renewals", "Leases of KV deliveries renewed by their sender's "
                                    "alive records (queued or producing at a live prefill worker)", ["worker"],
                                    registry=r)
@@ -128,25 +140,29 @@ class Metrics:
             for reason, n in s.get("kv_wasted_bytes", {}).items():
                 self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
         if "kv_transfers_lent" in s:  # a prefill worker
-            self._observe_links(w, s.get("kv_link_busy_s", {}), s.get("kv_link_bytes", {}))
+            self._observe_links(w, s.get("kv_links", {}))
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
             for mode in ("in_place", "payload"):
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
 
-    def _observe_links(self, w: str, busy: dict, nbytes: dict) -> None:
+    def _observe_links(self, w: str, links: dict) -> None:
         now = time.monotonic()
-        for dest, total in busy.items():
+        for dest, totals in links.items():
             link = f"{w}->{dest}"
-            history = self._link_busy.setdefault(link, deque())
-            history.append((now, total))
+            history = self._link_history.setdefault(link, deque())
+            history.append((now, totals))
             while len(history) > 2 and now - history[1][0] >= LINK_WINDOW_S:
                 history.popleft()  # the oldest sample kept is the last one at least a window old
-            t0, b0 = history[0]
+            t0, old = history[0]
             if now > t0:
-                self.kv_link_util.labels(link=link).set(min((total - b0) / (now - t0), 1.0))
-            self._inc_total(self.kv_link_bytes, (w, f"link:{dest}"), nbytes.get(dest, 0), link=link)
+                self.kv_link_util.labels(link=link).set(min((totals["busy_s"] - old["busy_s"]) / (now - t0), 1.0))
+            demand = totals["demand_s"] - old["demand_s"]
+            if demand > 0 and totals.get("capacity"):
+                useful = totals["useful_bytes"] - old["useful_bytes"]
+                self.kv_link_effective.labels(link=link).set(min(useful / (totals["capacity"] * demand), 1.0))
+            self._inc_total(self.kv_link_bytes, (w, f"link:{dest}"), totals["bytes"], link=link)
 
     def _observe_tiers(self, w: str, kv: dict | None) -> None:
         if not kv:
@@ -172,9 +188,12 @@ class Metrics:
         """A `Count` action of the conductor core."""
         getattr(self, metric).labels(**dict(labels)).inc()
 
-    def observe(self, metric: str, labels: tuple, value: float) -> None:
-        """An `Observe` action of the conductor core."""
-        getattr(self, metric).labels(**dict(labels)).observe(value)
+    def observe(self, metric: str, labels: tuple, value: float, weight: int = 1) -> None:
+        """An `Observe` action of the conductor core (`weight` observations of `value`)."""
+        histogram = getattr(self, metric)
+        histogram = histogram.labels(**dict(labels)) if labels else histogram
+        for _ in range(weight):
+            histogram.observe(value)
 
     def observe_backlog(self, backlog: dict) -> None:
         for worker, b in backlog.items():

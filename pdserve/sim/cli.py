@@ -72,6 +72,13 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", default=None, choices=["predict", "off"],
                    help="as `pdserve serve --admission`: default predict when any --service-tier has an SLO")
     p.add_argument("--admission-margin", type=float, default=0.1, help="as `pdserve serve --admission-margin`")
+    p.add_argument("--delivery", default="scheduled", choices=["scheduled", "fifo"],
+                   help="KV order on the links, as `pdserve serve --delivery`: scheduled (tier shares, earliest "
+                        "predicted consumption first) or fifo (equal shares)")
+    p.add_argument("--link-share", default=None, metavar="TIER=SHARE[,...]",
+                   help="tier bandwidth shares under scheduled delivery (default priority=0.5,default=0.4,flex=0.1)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="KV link bandwidth per engine, Gbit/s (default: tp x the GPU preset's network bandwidth)")
 
 
 def add_sim_parsers(sub) -> None:
@@ -107,7 +114,8 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
                        transfer_failure_rate=args.transfer_failure_rate, seed=args.seed,
                        service_tiers=tuple(args.service_tier or ()), admission=args.admission,
-                       admission_margin=args.admission_margin)
+                       admission_margin=args.admission_margin, delivery=args.delivery,
+                       link_share=args.link_share, link_gbps=args.link_gbps)
 
 
 def run_spec(args, spec, workloads: list, rates: list, label: str):

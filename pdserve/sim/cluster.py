@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.routing import make_routing_policy
+from pdserve.core.delivery import DeliveryPolicy, check_mode, parse_link_share
 from pdserve.core.kv_meta import EVICTION_POLICIES
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
@@ -31,7 +32,6 @@ from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.hardware import GB, GPUSpec, ModelSpec, kv_pool_blocks
 from pdserve.sim.link import LinkModel
-from pdserve.sim.predict import QueueModelPredictor
 from pdserve.sim.tier_io import TierSpec, tier_spec
 from pdserve.sim.timemodel import TimeModel
 from pdserve.workloads import Workload
@@ -68,6 +68,9 @@ class ClusterSpec:
     service_tiers: tuple[str, ...] = ()  # `--service-tier` specs, as the server's
     admission: str | None = None  # predict | off; None: predict when any tier has an SLO (as the server)
     admission_margin: float = 0.1
+    delivery: str = "scheduled"  # KV order on the links: scheduled | fifo (pdserve.core.delivery)
+    link_share: str | None = None  # `--link-share` spec; None: the default shares
+    link_gbps: float | None = None  # KV link bandwidth per engine, Gbit/s; None: tp x the GPU preset's
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,7 +88,9 @@ class ClusterSpec:
         ServiceTiers.from_specs(self.service_tiers)  # a bad spec fails here, in one line
         if self.admission not in (None, "predict", "off"):
             raise InvalidRequestError(f"admission must be predict or off, got {self.admission!r}", param="admission")
-        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s"):
+        check_mode(self.delivery)
+        parse_link_share(self.link_share)
+        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s", "link_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
@@ -123,19 +128,17 @@ def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, block_bytes: int) -> TierSpec 
 def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel
           ) -> tuple[EventLoop, SimConductor, list[SimEngine]]:
     loop = EventLoop()
-    links = LinkModel(loop, spec.link_latency_s)
+    links = LinkModel(loop, spec.link_latency_s, DeliveryPolicy(spec.delivery, parse_link_share(spec.link_share)))
     block_bytes = model.kv_bytes_per_token * spec.block_size
     blocks = spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size)
     tiers = engine_tiers(spec, gpu, block_bytes)
     roles = {"prefill": spec.num_prefill, "decode": spec.num_decode} if spec.mode == "pd" else {
         "colocated": spec.num_instances}
     engines: dict[str, list[SimEngine]] = {}
-    port_bw = spec.tp * gpu.net_bw
-    predictor = QueueModelPredictor(time_model, spec.prefill_budget, port_bw, spec.link_latency_s)
+    port_bw = spec.link_gbps * 1e9 / 8 if spec.link_gbps else spec.tp * gpu.net_bw
     service_tiers = ServiceTiers.from_specs(spec.service_tiers)
     predict = spec.admission == "predict" or (spec.admission is None and service_tiers.any_slo)
-    conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links,
-                             predictor if spec.mode == "pd" else None, spec.block_size, block_bytes,
+    conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links, spec.block_size, block_bytes,
                              spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s,
                              service_tiers, Admission(spec.admission_margin, predict=predict))
     for role, n in roles.items():

@@ -7,11 +7,13 @@ carries out its actions on simulated workers and models what the real workers do
 * pd: `reserve` — the decode worker queues a reservation; at a step boundary it grants reservations in
   order while blocks last (`Scheduler.reserve_kv`, as `DecodeSide.try_reserve`) and reports `reserved` to
   the core, whose `prefill` command puts the prompt on the prefill worker as a `prefill_only` request (as
-  `PrefillSide.add`); the consumption of its blocks is predicted then. Each prefill step pushes the chunk's new blocks over the link while it computes
+  `PrefillSide.add`), its predicted consumption (the core's, `pdserve.cluster.consumption`) the deadline of its
+  flows on the links (`--delivery`). Each prefill step pushes the chunk's new blocks over the link while it computes
   (a partly filled block goes again, complete, with the next chunk, as `on_layer` does); the last one
   samples the first token. When the prefill is done and every flow has landed, the decode worker settles
   the transfer (`kv_delivered` with that token, which is the request's first output, or `kv_failed` for an
-  injected failure: recompute there); its next decode step first consumes the delivered blocks. When every
+  injected failure: recompute there); its next decode step first consumes the delivered blocks, reported to
+  the core, which checks its prediction (`Observe("kv_consumption_error")`, per block). When every
   prompt token but the last is cached on the decode worker, no prefill worker is involved: the decode
   worker computes the last prompt token, as the real one does.
 A request may be aborted by a TTFT timeout (the client gives up); its delivered-but-unread KV is waste.
@@ -27,7 +29,8 @@ from collections import Counter
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.conductor import params_dict
-from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Send
+from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
+from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
 from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
@@ -35,10 +38,9 @@ from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.link import LinkModel
-from pdserve.sim.predict import ConsumptionPredictor
 from pdserve.sim.timemodel import StepShape
 
-CONSUME_TOLERANCE_S = 0.005
+__all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
 
 
 @dataclass(eq=False)
@@ -53,11 +55,12 @@ class Flight:
     prefill: SimEngine | None = None
     next_block: int = 0  # first block-table index not yet sent in full
     flows: int = 0  # flows in the air
+    in_air: list = field(default_factory=list)  # those flows (`sim.link.Flow`)
     prefilled: bool = False
     done_sent: bool = False
     delivered: float = 0.0  # bytes landed at the decode worker
     superseded: float = 0.0  # partly filled blocks sent again later
-    predicted_s: float | None = None
+    deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
     first_token: int | None = None  # sampled by the prefill worker
     decode_request: SimRequest | None = None
     failed: bool = False
@@ -72,15 +75,16 @@ class Lifecycle:
     bytes_consumed: float = 0.0
     blocks_consumed: int = 0
     blocks_on_time: int = 0
-    errors_s: list = field(default_factory=list)  # actual - predicted, per consuming request
+    errors_s: list = field(default_factory=list)  # actual - final prediction, per consuming request
+    dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
+    blocks_on_time_at_dispatch: int = 0
     transfers: int = 0
     transfer_failures: int = 0
     aborted: int = 0
 
 
 class SimConductor(EngineHooks):
-    def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel,
-                 predictor: ConsumptionPredictor | None, block_size: int, block_bytes: int,
+    def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel, block_size: int, block_bytes: int,
                  failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
                  control_latency_s: float = 0.0, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None) -> None:
@@ -88,10 +92,11 @@ class SimConductor(EngineHooks):
         self.core = ConductorCore(mode, policy, tiers, admission, block_size)
         self.counts: Counter = Counter()  # the core's Count actions: (metric, labels) -> n
         self.decisions: list | None = None  # set to [] to record (event, actions) pairs
-        self.observe_steps = admission is not None and admission.predict
+        # the live step times admission's and the consumption prediction's models learn from
+        self.observe_steps = admission is not None and (admission.predict or mode == "pd")
         self.control_s = control_latency_s  # one gateway <-> worker message
         self.loop = links.loop
-        self.predictor, self.block_size, self.block_bytes = predictor, block_size, block_bytes
+        self.block_size, self.block_bytes = block_size, block_bytes
         self.failure_rate, self.ttft_timeout_s = failure_rate, ttft_timeout_s
         self._rng = random.Random(seed)
         self.flights: dict[str, Flight] = {}
@@ -145,6 +150,8 @@ class SimConductor(EngineHooks):
                 self._command(self.by_name[action.worker], action.cmd)
             elif isinstance(action, Count):
                 self.counts[(action.metric, action.labels)] += 1
+            elif isinstance(action, Observe):
+                self._observe(action)
             elif isinstance(action, Fail) and action.rid in self.flights:
                 f = self.flights[action.rid]
                 self._finish(f)
@@ -169,7 +176,9 @@ class SimConductor(EngineHooks):
         elif kind == "reserve":
             self.pending_append(f)
         elif kind == "prefill":
-            self._dispatch(f, engine, -(-len(f.prompt) // self.block_size) - cmd["first_block"])
+            if cmd.get("deadline_in_s") is not None:
+                f.deadline_s = self.loop.now + cmd["deadline_in_s"]
+            self._dispatch(f, engine)
         elif kind == "abort":
             engine.post(lambda: engine.engine.abort([rid]), self.control_s)
         elif kind == "kv_failed":
@@ -234,13 +243,10 @@ class SimConductor(EngineHooks):
             if not needs_prefill:
                 self.ready[engine.name].append(f)
             xfer = self.core.flights[f.rid].xfer
-            self._act(self._core("reserved", f.rid, xfer, needs_prefill, engine.name, f.next_block))
+            self._act(self._core("reserved", f.rid, xfer, needs_prefill, engine.name, f.next_block, self.loop.now))
 
-    def _dispatch(self, f: Flight, p: SimEngine, needed_blocks: int) -> None:
+    def _dispatch(self, f: Flight, p: SimEngine) -> None:
         tokens = len(f.prompt)
-        if self.predictor is not None:
-            f.predicted_s = self.predictor.predict(self.loop.now, p, f.decode, tokens, self._backlog(p),
-                                                   min(needed_blocks, 512) * self.block_bytes)
         self.queued_tokens[p.name] += tokens
         # the decode worker's reply to the gateway, then the gateway's command to the prefill worker
         p.post(lambda: self._add_prefill(p, f, tokens), self.links.latency_s + 2 * self.control_s)
@@ -248,10 +254,6 @@ class SimConductor(EngineHooks):
     def _add_prefill(self, p: SimEngine, f: Flight, tokens: int) -> None:
         self.queued_tokens[p.name] -= tokens
         self._add(p, f, self._request(f.prompt, f, prefill_only=True))
-
-    def _backlog(self, p: SimEngine) -> int:
-        sched = p.scheduler
-        return self.queued_tokens[p.name] + sum(r.num_tokens - r.num_computed_tokens for r in sched.requests.values())
 
     def _settle(self, engine: SimEngine, f: Flight) -> None:
         if f.finished or engine.scheduler.requests.get(f.rid) is None:
@@ -287,15 +289,19 @@ class SimConductor(EngineHooks):
 
     def _push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
         bs = self.block_size
-        first, stop = f.next_block, -(-end // bs)
+        final = end >= len(f.prompt)
+        # a partly filled block goes now and again complete; scheduled delivery sends only the last one
+        first, stop = f.next_block, -(-end // bs) if final or not self.links.policy.scheduled else end // bs
         if first < stop:
             nbytes = (stop - first) * self.block_bytes
-            if end % bs and end < len(f.prompt):
+            if end % bs and not final and stop > end // bs:
                 f.superseded += self.block_bytes
             f.flows += 1
             self.life.bytes_sent += nbytes
             ports = (self.ports[p.name], self.ports[f.decode.name])
-            self.links.start(ports, nbytes, duration_s, lambda: self._landed(f, nbytes))
+            flow = self.links.start(ports, nbytes, duration_s, lambda: self._landed(f, nbytes), f.tier, f.deadline_s)
+            if flow is not None:
+                f.in_air.append(flow)
         f.next_block = max(f.next_block, end // bs)
 
     def _landed(self, f: Flight, nbytes: float) -> None:
@@ -314,11 +320,17 @@ class SimConductor(EngineHooks):
         blocks = round((f.delivered - f.superseded) / self.block_bytes)
         self.life.bytes_consumed += f.delivered - f.superseded
         self.life.blocks_consumed += blocks
-        if f.predicted_s is not None:
-            err = start_s - f.predicted_s
-            self.life.errors_s.append(err)
-            if abs(err) <= CONSUME_TOLERANCE_S:
-                self.life.blocks_on_time += blocks
+        self._act(self._core("consumed", f.rid, start_s))
+
+    def _observe(self, o: Observe) -> None:
+        """The core's check of its consumption prediction: actual - predicted, `weight` blocks."""
+        life, on_time = self.life, abs(o.value) <= CONSUME_TOLERANCE_S
+        if o.metric == "kv_consumption_error":
+            life.errors_s.append(o.value)
+            life.blocks_on_time += o.weight * on_time
+        elif o.metric == "kv_consumption_error_at_dispatch":
+            life.dispatch_errors_s.append(o.value)
+            life.blocks_on_time_at_dispatch += o.weight * on_time
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None:
@@ -329,7 +341,9 @@ class SimConductor(EngineHooks):
             if out.finish_reason == "prefilled":
                 f.prefilled = True
                 f.first_token = out.token_ids[-1] if out.token_ids else None
-                self._act(self._core("prefilled", f.rid, end_s + self.control_s))
+                f.in_air = [fl for fl in f.in_air if fl in self.links.flows]
+                landing = self.links.eta(f.in_air) if f.in_air else 0.0  # the prefill worker's link's estimate
+                self._act(self._core("prefilled", f.rid, end_s + self.control_s, landing - self.control_s))
                 self._maybe_done(f, self.links.latency_s)
                 continue
             self._token(engine, f, out.token_ids, out.finished, end_s)

@@ -1,11 +1,13 @@
 """Link model for KV delivery: latency + bytes / bandwidth, with contention.
 
 Each engine has a network port (`Link`) of `bandwidth` bytes/s: a prefill engine's egress and a decode
-engine's ingress. A flow crosses both ports of its pair; each port splits its bandwidth equally among its
-active flows, and a flow runs at the smaller of its two shares. While its data is still being produced
-(layer-by-layer push during a prefill step), a flow is also capped at the production rate, so it cannot
-finish before the step does. Rates are recomputed whenever a flow starts or ends; the loop gets one wake-up
-for the earliest completion or cap change. A finished flow's callback runs `latency_s` later.
+engine's ingress. A flow crosses both ports of its pair; each port splits its bandwidth among its active
+flows by the delivery policy (`pdserve.core.delivery.DeliveryPolicy.rates`, the code the real sender orders
+its chunks by: `fifo` equally, `scheduled` by service tier share and earliest deadline), and a flow runs at
+the smaller of its two allocations. While its data is still being produced (layer-by-layer push during a
+prefill step), a flow is also capped at the production rate, so it cannot finish before the step does.
+Rates are recomputed whenever a flow starts or ends; the loop gets one wake-up for the earliest completion
+or cap change. A finished flow's callback runs `latency_s` later.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.core.delivery import DeliveryPolicy, Item
 from pdserve.sim.events import MESSAGE, EventLoop
+
+ALLOCATION_ROUNDS = 3
 
 
 @dataclass(eq=False)
@@ -24,6 +29,8 @@ class Link:
     flows: dict = field(default_factory=dict)  # insertion-ordered (a set's order would vary by run)
     bytes: float = 0.0
     busy_s: float = 0.0  # time with at least one active flow
+    demand_s: float = 0.0  # time with a backlog: a flow this link holds back (not production-bound)
+    demand_bytes: float = 0.0  # carried meanwhile
 
 
 @dataclass(eq=False)
@@ -34,13 +41,18 @@ class Flow:
     cap_rate: float  # production rate while producing
     cap_until: float
     on_done: Callable[[], None]
+    item: Item
     rate: float = 0.0
+    limit: float = float("inf")  # its production rate now (inf once produced)
+    bottleneck: Link | None = None  # the link that gives it the least
 
 
 class LinkModel:
-    def __init__(self, loop: EventLoop, latency_s: float = 20e-6) -> None:
+    def __init__(self, loop: EventLoop, latency_s: float = 20e-6, policy: DeliveryPolicy | None = None) -> None:
         self.loop = loop
         self.latency_s = latency_s
+        self.policy = policy or DeliveryPolicy("fifo")
+        self._seq = itertools.count()
         self.links: dict[str, Link] = {}
         self.flows: dict[Flow, None] = {}
         self._last = 0.0
@@ -50,19 +62,23 @@ class LinkModel:
     def link(self, name: str, bandwidth: float) -> Link:
         return self.links.setdefault(name, Link(name, bandwidth))
 
-    def start(self, links: tuple[Link, ...], nbytes: float, produce_s: float, on_done: Callable[[], None]) -> None:
-        """Move `nbytes` over `links`, produced evenly over the next `produce_s` seconds."""
+    def start(self, links: tuple[Link, ...], nbytes: float, produce_s: float, on_done: Callable[[], None],
+              tier: str = "default", deadline_s: float = float("inf")) -> Flow | None:
+        """Move `nbytes` over `links`, produced evenly over the next `produce_s` seconds; `tier` and
+        `deadline_s` (its predicted consumption) for the delivery policy."""
         now = self.loop.now
         self._advance(now)
         if nbytes <= 0:
             self.loop.at(now + self.latency_s, on_done, prio=MESSAGE)
-            return
+            return None
         cap = nbytes / produce_s if produce_s > 0 else float("inf")
-        flow = Flow(links, nbytes, nbytes, cap, now + produce_s, on_done)
+        flow = Flow(links, nbytes, nbytes, cap, now + produce_s, on_done,
+                    Item(None, tier, deadline_s, nbytes, next(self._seq)))
         self.flows[flow] = None
         for link in links:
             link.flows[flow] = None
         self._reschedule(now)
+        return flow
 
     def _advance(self, now: float) -> None:
         dt = now - self._last
@@ -72,6 +88,9 @@ class LinkModel:
             for link in self.links.values():
                 if link.flows:
                     link.busy_s += dt
+                    if any(f.bottleneck is link and f.rate < f.limit * (1 - 1e-9) for f in link.flows):
+                        link.demand_s += dt
+                        link.demand_bytes += sum(f.rate for f in link.flows) * dt
         self._last = now
 
     def _wake(self, version: int) -> None:
@@ -87,25 +106,75 @@ class LinkModel:
             self.loop.at(now + self.latency_s, flow.on_done, prio=MESSAGE)
         self._reschedule(now)
 
+    def _rates(self, flows, now: float) -> dict[Flow, float]:
+        """Each flow's rate now: the smaller of its allocations at its links (the delivery policy's). A flow
+        held back at one of its links leaves the rest of its allocation at the other to the next flows: the
+        allocation is repeated with each flow capped by what its other link gave it, a few rounds."""
+        prod = {f: (f.cap_rate if now < f.cap_until else float("inf")) for f in flows}
+        links = list(dict.fromkeys(link for flow in flows for link in flow.links))
+        given: dict = {}  # (flow, link) -> allocation
+        for _ in range(ALLOCATION_ROUNDS if len(links) > 1 else 1):
+            for link in links:
+                mine = [f for f in link.flows if f in prod]
+                for f in mine:
+                    f.item.cap = min([prod[f]] + [given[f, o] for o in f.links if o is not link and (f, o) in given])
+                shares = self.policy.rates([f.item for f in mine], link.bandwidth)
+                for f in mine:
+                    given[f, link] = shares[f.item]
+        total = {link: sum(given[f, link] for f in link.flows if f in prod) / link.bandwidth for link in links}
+        for f in flows:  # of the links giving it the least, the fullest
+            least = min(given[f, link] for link in f.links)
+            f.bottleneck = max((link for link in f.links if given[f, link] <= least * (1 + 1e-9)),
+                               key=lambda link: total[link])
+        return {f: given[f, f.bottleneck] for f in flows}
+
     def _reschedule(self, now: float) -> None:
         nxt = float("inf")
+        rates = self._rates(self.flows, now)
         for flow in self.flows:
-            share = min(link.bandwidth / len(link.flows) for link in flow.links)
-            producing = now < flow.cap_until
-            flow.rate = min(share, flow.cap_rate) if producing else share
-            nxt = min(nxt, now + max(flow.remaining, 0.0) / flow.rate)
-            if producing and flow.cap_rate < share:
-                nxt = min(nxt, flow.cap_until)
+            flow.rate = rates[flow]
+            flow.limit = flow.cap_rate if now < flow.cap_until else float("inf")
+            if flow.rate > 0:
+                nxt = min(nxt, now + max(flow.remaining, 0.0) / flow.rate)
+            if now < flow.cap_until:
+                nxt = min(nxt, flow.cap_until)  # its cap lifts then: the allocation may change
         self._current = next(self._version)
         if nxt < float("inf"):
             self.loop.at(max(nxt, now), self._wake, self._current, prio=MESSAGE)
 
+    def eta(self, targets) -> float:
+        """`targets` (a prefilled transfer's flows) are due now: seconds from now until they have landed,
+        if no other flow started meanwhile."""
+        now = self.loop.now
+        self._advance(now)
+        for f in targets:
+            f.item.deadline_s = min(f.item.deadline_s, now)
+        self._reschedule(now)
+        left = {f: f.remaining for f in self.flows}
+        waiting = [f for f in targets if f in left]
+        t = now
+        while waiting:
+            rates = self._rates(list(left), t)
+            dt = min([left[f] / r for f, r in rates.items() if r > 0]
+                     + [f.cap_until - t for f in left if f.cap_until > t], default=float("inf"))
+            if dt == float("inf"):
+                break
+            t += dt
+            for f, r in rates.items():
+                left[f] -= r * dt
+            for f in [f for f, b in left.items() if b <= 1e-9 * f.nbytes + 1e-6]:
+                del left[f]
+            waiting = [f for f in waiting if f in left]
+        return t - now + self.latency_s
+
     def stats(self, duration_s: float) -> dict:
-        """Per-link bytes, utilization over the run, and effective utilization while busy."""
+        """Per-link bytes, utilization over the run, and effective utilization while busy; bytes carried and
+        time while it had a backlog (`demand_*`)."""
         out = {}
         for link in self.links.values():
             if link.bytes or link.busy_s:
-                out[link.name] = {"bytes": link.bytes, "busy_s": link.busy_s,
+                out[link.name] = {"bytes": link.bytes, "busy_s": link.busy_s, "bandwidth": link.bandwidth,
+                                  "demand_s": link.demand_s, "demand_bytes": link.demand_bytes,
                                   "utilization": link.bytes / (link.bandwidth * duration_s) if duration_s else 0.0,
                                   "effective_utilization": link.bytes / (link.bandwidth * link.busy_s)
                                   if link.busy_s else 0.0}

@@ -56,19 +56,32 @@ def lifecycle(run: SimRun) -> dict:
     life, links = run.life, run.links
     busy = sum(v["busy_s"] for v in links.values())
     bw_busy = sum(v["bytes"] / v["effective_utilization"] for v in links.values() if v["effective_utilization"])
-    errors = np.abs(np.asarray(life.errors_s)) * 1000 if life.errors_s else None
+    wasted = (life.bytes_delivered - life.bytes_consumed) / life.bytes_delivered if life.bytes_delivered else None
+    consumed = life.blocks_consumed
+    demand_capacity = sum(v["bandwidth"] * v["demand_s"] for v in links.values())
     return {
-        "schedule_predictability": life.blocks_on_time / life.blocks_consumed if life.blocks_consumed else None,
+        "schedule_predictability": life.blocks_on_time / consumed if consumed else None,
+        "schedule_predictability_at_dispatch": life.blocks_on_time_at_dispatch / consumed if consumed else None,
         "predictability_tolerance_ms": CONSUME_TOLERANCE_S * 1000,
-        "prediction_abs_error_ms": None if errors is None else {
-            "p50": float(np.percentile(errors, 50)), "p90": float(np.percentile(errors, 90))},
-        "effective_link_utilization": (sum(v["bytes"] for v in links.values()) / bw_busy) if bw_busy else None,
+        "prediction_abs_error_ms": _abs_ms(life.errors_s),
+        "prediction_abs_error_at_dispatch_ms": _abs_ms(life.dispatch_errors_s),
+        # useful (not wasted) bytes / capacity while the links had a backlog (more to carry than they did)
+        "effective_link_utilization": (sum(v["demand_bytes"] for v in links.values()) * (1 - (wasted or 0.0))
+                                       / demand_capacity) if demand_capacity else None,
+        "link_utilization_while_busy": (sum(v["bytes"] for v in links.values()) / bw_busy) if bw_busy else None,
+        "link_demand_s": sum(v["demand_s"] for v in links.values()),
         "link_busy_s": busy,
         "p99_inter_token_jitter_ms": jitter_p99_ms(run.records),
-        "wasted_transfer_rate": (life.bytes_delivered - life.bytes_consumed) / life.bytes_delivered
-        if life.bytes_delivered else None,
+        "wasted_transfer_rate": wasted,
         "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
     }
+
+
+def _abs_ms(errors: list) -> dict | None:
+    if not errors:
+        return None
+    e = np.abs(np.asarray(errors)) * 1000
+    return {"p50": float(np.percentile(e, 50)), "p90": float(np.percentile(e, 90))}
 
 
 TIERS = ("device", "host", "disk")

@@ -1,0 +1,62 @@
+"""When will a transfer's KV first be consumed? The conductor's prediction, refined as the transfer advances.
+
+One copy for both clocks: the gateway's and the simulator's `ConductorCore` both call it, over the same
+fitted step-time models admission keeps (`pdserve.cluster.admission.WorkerModel`, learnt from the workers'
+live steps). A transfer's KV is first consumed by the decode step that starts once it has landed, which is
+about when the request's first token reaches the gateway (the decode worker emits the prefill worker's
+first token when it settles the transfer, then steps).
+
+* At dispatch (the decode worker reserved the blocks, the prefill goes out): `now` + the predicted time to
+  first token of this prompt behind its prefill worker's backlog (admission's TTFT model: the backlog of its
+  tier rank or better, its own chunks, the decode worker's delivery tail).
+* When the prefill worker reports the prompt prefilled, with its link's estimate of when the transfer's
+  last queued chunk will have gone (`landing_in_s`: the bytes the delivery policy sends before it, at the
+  link's rate; `pdserve.core.delivery.LinkQueue.bytes_until`): that landing time + the decode worker's
+  consumption tail (a moving average of first consumption - landing: the wait for its next step boundary).
+
+The prediction is the transfer's delivery deadline (`--delivery scheduled` sends the earliest first within
+a tier) and is checked when the decode worker reports the first consuming step: per block, actual minus
+predicted, for the final (refined) prediction and for the one made at dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.cluster.admission import Admission
+
+CONSUME_TOLERANCE_S = 0.005  # "on time": within +-5 ms of the prediction
+TAIL_EWMA = 0.2
+
+
+@dataclass
+class Prediction:
+    blocks: int  # KV blocks the transfer delivers
+    at_dispatch_s: float | None = None
+    final_s: float | None = None  # the latest refinement
+    landed_s: float | None = None  # when the prefill worker's link expected the last chunk out
+
+
+class ConsumptionPredictor:
+    def __init__(self, admission: Admission | None) -> None:
+        self.admission = admission
+        self.tail: dict[str, float] = {}  # decode worker -> consumption - landing, a moving average
+
+    def at_dispatch(self, now: float, producer: str, decoder: str, tokens: int, ahead: int, behind: int
+                    ) -> float | None:
+        if self.admission is None:
+            return None
+        ttft = self.admission.predict_ttft_s(producer, decoder, tokens, ahead, behind, 0)
+        return None if ttft is None else now + ttft
+
+    def at_prefilled(self, p: Prediction, now: float, decoder: str, landing_in_s: float | None) -> None:
+        p.landed_s = now + (landing_in_s or 0.0)
+        p.final_s = p.landed_s + self.tail.get(decoder, 0.0)
+
+    def consumed(self, p: Prediction, decoder: str, at_s: float) -> None:
+        """Learn the decode worker's consumption tail from a transfer that landed."""
+        if p.landed_s is None:
+            return
+        sample = max(at_s - p.landed_s, 0.0)
+        tail = self.tail.get(decoder)
+        self.tail[decoder] = sample if tail is None else tail + TAIL_EWMA * (sample - tail)

@@ -1,0 +1,250 @@
+"""Delivery scheduling: which KV goes over a link next, and at what rate. One copy for both clocks.
+
+A link (a prefill worker -> decode worker pair; in the simulator an engine's network port) carries the KV
+of several transfers at once. Two policies (`--delivery`):
+
+* `fifo` — today's baseline: the real sender sends chunks in the order they were produced; the simulator's
+  link splits its bandwidth equally among the flows in the air;
+* `scheduled` — by service tier and deadline. Each tier has a bandwidth share (`--link-share
+  priority=0.5,default=0.4,flex=0.1`); a tier's share goes to its transfer with the earliest deadline (the
+  conductor's predicted consumption time), then the next; share a tier does not use goes to the tiers with
+  demand in proportion to their shares (work-conserving: the link never idles while anything waits).
+
+A transfer's deadline is its latest predicted consumption; once its prompt is prefilled, what is left of
+it is due now (`DUE_NOW`): nothing still being produced can be consumed before it, and its landing estimate
+(`LinkQueue.bytes_until`, the simulator's `LinkModel.eta`) then holds while new transfers arrive.
+
+The real sender moves discrete chunks: `LinkQueue.pick` takes the next one by start-time fair queueing over
+the tiers (the tier with the fewest bytes sent per unit of share goes next: over a busy period each tier
+gets its share, a tier back from idle cannot claim the time it was idle), earliest deadline first within a
+tier. The simulator moves fluid flows: `DeliveryPolicy.rates` splits a capacity among flows by the same
+shares and order (water-filling: a flow capped by its production rate leaves the rest to the next one).
+`TokenBucket` throttles a real link to a given rate (`--link-gbps`), to emulate a slower network.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pdserve.core.service_tiers import TIERS
+from pdserve.errors import InvalidRequestError
+
+DELIVERY_MODES = ("scheduled", "fifo")
+DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}
+_EPS = 1e-12
+
+
+def parse_link_share(text: str | None) -> dict[str, float]:
+    """`priority=0.5,default=0.4,flex=0.1` -> shares normalized to sum to 1; tiers not named get none
+    (they still get what the named ones leave unused)."""
+    if not text:
+        return dict(DEFAULT_SHARES)
+    shares: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in TIERS:
+            raise InvalidRequestError(f"--link-share wants TIER=SHARE[,...] with TIER one of {', '.join(TIERS)}; "
+                                      f"got {part.strip()!r}", param="link_share")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if not share >= 0.0 or share == float("inf"):
+            raise InvalidRequestError(f"--link-share: {name}'s share must be a number >= 0, got {value!r}",
+                                      param="link_share")
+        shares[name] = share
+    total = sum(shares.values())
+    if total <= 0:
+        raise InvalidRequestError("--link-share: the shares must not all be zero", param="link_share")
+    return {name: share / total for name, share in shares.items()}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in DELIVERY_MODES:
+        raise InvalidRequestError(f"delivery must be one of {', '.join(DELIVERY_MODES)}, got {mode!r}",
+                                  param="delivery")
+    return mode
+
+
+@dataclass(eq=False)
+class Item:
+    """One thing waiting for (or, in the simulator, moving over) a link."""
+    key: object  # the caller's: a chunk, a flow
+    tier: str = "default"
+    deadline_s: float = float("inf")
+    nbytes: float = 0.0
+    seq: int = 0  # arrival order on the link
+    cap: float = float("inf")  # fluid only: the most bytes/s it can take now (its production rate)
+
+
+class DeliveryPolicy:
+    def __init__(self, mode: str = "scheduled", shares: dict[str, float] | None = None) -> None:
+        self.mode = check_mode(mode)
+        self.shares = dict(DEFAULT_SHARES if shares is None else shares)
+
+    @property
+    def scheduled(self) -> bool:
+        return self.mode == "scheduled"
+
+    def share(self, tier: str) -> float:
+        return self.shares.get(tier, 0.0)
+
+    def order_key(self, item: Item) -> tuple:
+        """Within a tier (scheduled) or the whole link (fifo)."""
+        return (item.deadline_s, item.seq) if self.scheduled else (item.seq,)
+
+    def rates(self, items: Iterable[Item], capacity: float) -> dict[Item, float]:
+        """Split `capacity` bytes/s among fluid flows: fifo equally (each up to its cap, the rest shared
+        again); scheduled by tier share, earliest deadline first within a tier."""
+        items = list(items)
+        if not self.scheduled:
+            return _equal_split(items, capacity)
+        out = {it: 0.0 for it in items}
+        groups = _by_tier(items, self.order_key)
+        left = capacity
+        while left > _EPS * max(capacity, 1.0):
+            wanting = {t: g for t, g in groups.items() if any(out[it] < it.cap for it in g)}
+            if not wanting:
+                break
+            weights = {t: self.share(t) for t in wanting}
+            total = sum(weights.values())
+            if total <= 0:  # only unshared tiers wait: split equally among them
+                weights, total = {t: 1.0 for t in wanting}, float(len(wanting))
+            given = 0.0
+            for tier, group in wanting.items():
+                given += _fill_in_order(group, out, left * weights[tier] / total)
+            if given <= _EPS * max(capacity, 1.0):
+                break
+            left -= given
+        return out
+
+
+def _by_tier(items: list[Item], key: Callable[[Item], tuple]) -> dict[str, list[Item]]:
+    groups: dict[str, list[Item]] = {}
+    for it in items:
+        groups.setdefault(it.tier, []).append(it)
+    return {t: sorted(g, key=key) for t, g in groups.items()}
+
+
+def _fill_in_order(group: list[Item], out: dict[Item, float], budget: float) -> float:
+    """Give `budget` to the items in order, each up to its cap; returns what was given."""
+    given = 0.0
+    for it in group:
+        room = it.cap - out[it]
+        if room <= 0:
+            continue
+        take = min(room, budget - given)
+        out[it] += take
+        given += take
+        if budget - given <= 0:
+            break
+    return given
+
+
+def _equal_split(items: list[Item], capacity: float) -> dict[Item, float]:
+    out = {it: 0.0 for it in items}
+    open_, left = sorted(items, key=lambda it: it.cap), capacity
+    while open_:
+        each = left / len(open_)
+        it = open_[0]
+        if it.cap - out[it] <= each:  # capped below an equal share: take the cap, share the rest again
+            left -= it.cap - out[it]
+            out[it] = it.cap
+            open_.pop(0)
+            continue
+        for it in open_:
+            out[it] += each
+        break
+    return out
+
+
+@dataclass
+class LinkQueue:
+    """Chunks waiting for one real link, in policy order (`pick`)."""
+    policy: DeliveryPolicy
+    items: list[Item] = field(default_factory=list)
+    sent_per_share: dict[str, float] = field(default_factory=dict)  # virtual time per tier (scheduled)
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def queued_bytes(self) -> float:
+        return sum(it.nbytes for it in self.items)
+
+    def push(self, key: object, nbytes: float, tier: str = "default", deadline_s: float = float("inf")) -> Item:
+        item = Item(key, tier, deadline_s, nbytes, next(self._seq))
+        if self.policy.scheduled and not any(it.tier == tier for it in self.items):
+            # back from idle: start at the busiest tier's virtual time, not where it stopped
+            busy = [self.sent_per_share[it.tier] for it in self.items if it.tier in self.sent_per_share]
+            self.sent_per_share[tier] = max(self.sent_per_share.get(tier, 0.0), min(busy, default=0.0))
+        self.items.append(item)
+        return item
+
+    def pick(self) -> Item | None:
+        """Remove and return the next item to send."""
+        if not self.items:
+            return None
+        policy = self.policy
+        if policy.scheduled:
+            tiers = {it.tier for it in self.items}
+            tier = min(tiers, key=lambda t: (self.sent_per_share.get(t, 0.0), -policy.share(t), t))
+            item = min((it for it in self.items if it.tier == tier), key=policy.order_key)
+            share = policy.share(tier) or min((s for s in policy.shares.values() if s > 0), default=1.0) / 100
+            self.sent_per_share[tier] = self.sent_per_share.get(tier, 0.0) + item.nbytes / share
+        else:
+            item = min(self.items, key=policy.order_key)
+        self.items.remove(item)
+        return item
+
+    def expedite(self, mine: Callable[[Item], bool], deadline_s: float) -> None:
+        """The items `mine` picks are due by `deadline_s` (a prefilled transfer's rest: now)."""
+        for it in self.items:
+            if mine(it):
+                it.deadline_s = min(it.deadline_s, deadline_s)
+
+    def bytes_until(self, mine: Callable[[Item], bool]) -> float:
+        """Bytes this link sends before the last of the items `mine` picks is out (in `pick` order, nothing
+        new arriving): the link's estimate of when a transfer lands, times its rate."""
+        if not any(mine(it) for it in self.items):
+            return 0.0
+        trial = LinkQueue(self.policy, list(self.items), dict(self.sent_per_share))
+        left, total = sum(1 for it in self.items if mine(it)), 0.0
+        while left:
+            item = trial.pick()
+            total += item.nbytes
+            left -= mine(item)
+        return total
+
+    def drop(self, keep: Callable[[Item], bool]) -> list[Item]:
+        """Remove the items `keep` refuses (a failed or aborted transfer's); returns them."""
+        gone = [it for it in self.items if not keep(it)]
+        if gone:
+            self.items = [it for it in self.items if keep(it)]
+        return gone
+
+
+class TokenBucket:
+    """A link throttled to `rate` bytes/s with a burst of `burst` bytes (`--link-gbps`): `wait_s(now)` is how
+    long until the next send may start; a send may take the bucket below zero (whole chunks go at once), the
+    debt is paid back before the next one."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.last_s = burst, None
+
+    def _refill(self, now: float) -> None:
+        if self.last_s is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.last_s) * self.rate)
+        self.last_s = now
+
+    def wait_s(self, now: float) -> float:
+        self._refill(now)
+        return 0.0 if self.tokens > 0 else -self.tokens / self.rate
+
+    def take(self, nbytes: float, now: float) -> None:
+        self._refill(now)
+        self.tokens -= nbytes
