@@ -235,3 +235,29 @@ def test_backlog_counts_uncached_prompt_tokens_until_the_first_token():
     core.abort("b")
     core.token("a", 1, True, 0.2)
     assert core.backlog["colocated-0"].tokens == {0: 0, 1: 0} and core.backlog["colocated-0"].decoding == 0
+
+
+def test_a_dead_prefill_workers_prompts_move_to_another_prefill_worker():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+    prompt = list(range(40))
+    core.arrive("a", prompt, {}, 0.0)  # reserved and dispatched to prefill-0
+    (dispatch,) = core.reserved("a", "a#0", True, "addr", 1, 0.1)
+    assert dispatch.worker == "prefill-0" and dispatch.cmd["xfer"] == "a#0" and dispatch.cmd["first_block"] == 1
+    core.arrive("b", list(range(100, 140)), {}, 0.2)  # routed to prefill-1, not reserved yet
+    assert core.flights["b"].prefill == "prefill-1"
+    actions = core.worker_died("prefill-0", 0.3)
+    # a: a new transfer into the same reserved blocks, from prefill-1; counted
+    assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
+    redirect = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "redirect"]
+    assert redirect == [Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": core.flights["a"].xfer})]
+    (prefill,) = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "prefill"]
+    assert prefill.worker == "prefill-1" and prefill.cmd["xfer"] == core.flights["a"].xfer != "a#0"
+    assert prefill.cmd["dest"] == "addr" and prefill.cmd["first_block"] == 1
+    assert core.backlog["prefill-0"].tokens == {0: 0, 1: 0} and core.workers["prefill-1"].outstanding == 2
+    # the last prefill worker dies: nowhere to move them, the decode worker recomputes both
+    actions = core.worker_died("prefill-1", 0.4)
+    assert actions.count(Count("kv_recovery", (("choice", "recompute"),))) == 2
+    assert {a.cmd["xfer"] for a in actions if isinstance(a, Send)} == {core.flights["a"].xfer, "b#1"}
+    assert all(a.cmd["type"] == "kv_failed" for a in actions if isinstance(a, Send))

@@ -90,3 +90,42 @@ def test_kv_received_then_dropped_is_counted_as_wasted():
         assert wasted > 0 and wasted == server.metric("pdserve_kv_wasted_bytes_total")
     finally:
         server.stop()
+
+
+def test_a_dead_prefill_workers_prompt_moves_to_the_other_prefill_worker():
+    # 32-token chunks: the ~400-token prompt spends seconds in its prefill worker, long enough to kill it
+    server = Server("--prefill", "2", "--routing", "least-loaded", "--max-num-batched-tokens", "32")
+    try:
+        async def run() -> str:
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            try:
+                out = await client.completions.create(model=MODEL, prompt=_prompt(0, 300), max_tokens=4,
+                                                      temperature=0, extra_body={"ignore_eos": True})
+                return out.choices[0].finish_reason
+            finally:
+                await client.close()
+
+        async def kill_the_busy_prefill_worker(task) -> str:
+            while not task.done():
+                for name in ("prefill-0", "prefill-1"):
+                    if server.metric("pdserve_num_requests_running", worker=name) > 0:
+                        os.kill(server.worker_pid(name), signal.SIGKILL)
+                        return name
+                await asyncio.sleep(0.05)
+            raise AssertionError("the prompt was never seen prefilling")
+
+        async def both():
+            task = asyncio.create_task(run())
+            killed = await kill_the_busy_prefill_worker(task)
+            return killed, await task
+
+        killed, finish = asyncio.run(both())
+        assert finish == "length"
+        assert server.metric("pdserve_worker_deaths_total", worker=killed) == 1
+        assert server.metric("pdserve_kv_recovery_total", choice="redispatch") == 1
+        assert server.metric("pdserve_kv_recovery_total", choice="recompute") == 0
+        # the decode worker never recomputed: the surviving prefill worker delivered the KV
+        assert server.metric("pdserve_kv_transfer_failures_total") == 0
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 1
+    finally:
+        server.stop()

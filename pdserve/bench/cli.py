@@ -94,6 +94,7 @@ def _mean_rate(workload) -> float:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from pdserve.bench.kv_lifecycle import kv_delta, scrape
+    from pdserve.bench.metrics import jitter_p99_ms
     from pdserve.bench.report import BenchResult, print_table, write_result
     from pdserve.bench.runner import RunConfig, discover_model, run
     from pdserve.bench.tier_mix import tier_flags, workload_tiers
@@ -117,7 +118,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         tiers = workload_tiers(mix, len(workload.requests), args.seed)  # the same tags at every rate
         before = scrape(args.endpoint)  # the server's KV delivery counters around the run
         records, duration, start = run(workload, prompts, cfg, label, tiers)
-        result.add_run(rate, records, duration, start, kv=kv_delta(before, scrape(args.endpoint)))
+        kv = kv_delta(before, scrape(args.endpoint))
+        if kv is not None:
+            kv["p99_inter_token_jitter_ms"] = jitter_p99_ms(records)
+        result.add_run(rate, records, duration, start, kv=kv)
     print_table(result)
     if args.output:
         print(f"wrote {write_result(result, Path(args.output))}")

@@ -1,7 +1,10 @@
 """What a `pdserve bench serve` run did to the server's KV deliveries, from its /metrics before and after.
 
-Counters are differences over the run; `link_utilization` is the server's own windowed gauge when the run
-ended. A server without pdserve's metrics (another engine) gives `None`: nothing is reported for it.
+Counters are differences over the run; `link_utilization` and `link_effective_utilization` are the server's
+own windowed gauges when the run ended. `schedule_predictability` is the share of the run's delivered blocks
+first consumed within +-5 ms of the conductor's (final) prediction, from the consumption-error histogram's
+buckets (`..._at_dispatch`: of the prediction made at dispatch) — the simulator's `sim.lifecycle` names. A
+server without pdserve's metrics (another engine) gives `None`: nothing is reported for it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import httpx
 
 from pdserve.bench.server_proc import scrape_metrics
+from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 
 Samples = dict[tuple[str, tuple], float]
 
@@ -50,7 +54,21 @@ def kv_delta(before: Samples | None, after: Samples | None) -> dict | None:
             "wasted_rate": sum(wasted.values()) / sent if sent else None,
             "lease_renewals": sum(_delta(before, after, "pdserve_kv_lease_renewals_total").values()),
             "link_bytes": link_bytes,
-            "link_utilization": _by(after, "pdserve_kv_link_utilization", "link")}
+            "link_utilization": _by(after, "pdserve_kv_link_utilization", "link"),
+            "link_effective_utilization": _by(after, "pdserve_kv_link_effective_utilization", "link"),
+            "schedule_predictability": _on_time(before, after, "pdserve_kv_consumption_error_seconds"),
+            "schedule_predictability_at_dispatch": _on_time(before, after,
+                                                            "pdserve_kv_consumption_error_at_dispatch_seconds")}
+
+
+def _on_time(before: Samples, after: Samples, histogram: str) -> float | None:
+    """Share of the run's observations within +-CONSUME_TOLERANCE_S (bucket edges at +-5 ms)."""
+    buckets = {float(le): n for le, n in _delta(before, after, f"{histogram}_bucket", "le").items()}
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return None
+    tol = CONSUME_TOLERANCE_S
+    return (buckets.get(tol, 0.0) - buckets.get(-tol, 0.0)) / total
 
 
 def describe(kv: dict) -> str:
@@ -58,5 +76,8 @@ def describe(kv: dict) -> str:
     failed = ", ".join(f"{k} {v:.0f}" for k, v in kv["failed"].items()) or "none"
     wasted = "-" if kv["wasted_rate"] is None else f"{kv['wasted_rate']:.1%} of bytes sent"
     links = ", ".join(f"{k} {v:.0%}" for k, v in kv["link_utilization"].items()) or "-"
+    effective = ", ".join(f"{v:.0%}" for v in kv.get("link_effective_utilization", {}).values()) or "-"
+    on_time = kv.get("schedule_predictability")
     return (f"KV deliveries: {kv['delivered']:.0f} delivered, failed: {failed}; wasted {wasted}; "
-            f"leases renewed {kv['lease_renewals']:.0f}; link busy (last 10 s): {links}")
+            f"leases renewed {kv['lease_renewals']:.0f}; link busy (last 10 s): {links}, effective {effective}; "
+            f"consumed on time (+-5 ms): {'-' if on_time is None else f'{on_time:.1%}'}")

@@ -102,6 +102,16 @@ def latency_stats(values_s: list[float]) -> dict[str, float | None]:
     return dict(zip(keys, [float(ms.mean())] + [float(v) for v in pct]))
 
 
+def jitter_p99_ms(records: list[RequestRecord]) -> float | None:
+    """P99 inter-token jitter: |gap - the request's mean gap| over every gap of every request, pooled."""
+    devs = []
+    for r in records:
+        if r.ok and len(r.token_times) > 2:
+            t = np.asarray(r.token_times)
+            devs.append(np.abs(np.diff(t) - (t[-1] - t[0]) / (len(t) - 1)))
+    return float(np.percentile(np.concatenate(devs), 99) * 1000) if devs else None
+
+
 def meets_slo(rec: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
     """Whether one request meets every SLO given (failed requests never do)."""
     if not rec.ok:

@@ -66,6 +66,10 @@ class WorkerModel:
         prompt: sum of squares ~ n * prompt)."""
         return self.fit.predict((1.0, n, n * min(n, prompt), 0.0, 0.0))
 
+    def prefill_steps(self) -> int:
+        """Recent steps that carried prefill tokens."""
+        return sum(1 for row in self.fit.rows if row[1] > 0)
+
     def decode_s(self, batch: int) -> float | None:
         return self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch)) if batch else 0.0
 

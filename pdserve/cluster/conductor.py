@@ -87,7 +87,7 @@ class Conductor:
         return all(w.info for w in self.workers.values())
 
     def worker_died(self, name: str) -> None:
-        self._act(self.core.worker_died(name))
+        self._act(self.core.worker_died(name, self.clock()))
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,

@@ -9,8 +9,11 @@ simulated time. What it decides:
   `pdserve.cluster.admission`);
 * in PD mode, ask the decode worker to **reserve** KV blocks, then **dispatch** the prefill to the prefill
   worker once they are reserved (or not at all, when the decode worker has every prompt token but the last);
-* react to **failures**: a dead decode worker fails its requests; a dead prefill worker (or none left) makes
-  the decode worker recompute (`kv_failed`, a counted fallback); a failed delivery aborts the moot prefill;
+* react to **failures**: a dead decode worker fails its requests; a dead prefill worker's prompts move to
+  another live prefill worker (`redirect`: the decode worker keeps its reserved blocks and expects the KV
+  under a new transfer id) unless recomputing on the decode worker is predicted faster or no prefill worker
+  is left (`kv_failed`: the decode worker recomputes); each choice is counted (`kv_recovery{choice}`); a
+  failed delivery aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
 * **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
   it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
@@ -30,6 +33,7 @@ from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.core.block_hash import hash_blocks
+from pdserve.core.online_fit import MIN_SAMPLES
 from pdserve.core.service_tiers import ServiceTiers
 
 
@@ -89,6 +93,8 @@ class FlightState:
     last_token_s: float | None = None
     num_tokens: int = 0
     prediction: Prediction | None = None  # PD: of its KV's first consumption
+    kv_addr: str | None = None  # PD: where its reserved blocks take KV (known once reserved)
+    first_block: int = 0
 
 
 @dataclass
@@ -137,7 +143,7 @@ class ConductorCore:
             self.admission.model(name).budget = prefill_cap
         return []
 
-    def worker_died(self, name: str) -> list:
+    def worker_died(self, name: str, now: float = 0.0) -> list:
         load = self.workers[name]
         load.alive = False
         actions: list = [Count("worker_deaths", (("worker", name),))]
@@ -145,7 +151,35 @@ class ConductorCore:
             if f.decode == name:
                 actions += self._fail(f, 503, f"worker {name} died while serving this request", "worker_died")
             elif f.prefill == name:
-                actions.append(Send(f.decode, {"type": "kv_failed", "xfer": f.xfer}))
+                actions += self._recover(f, now)
+        return actions
+
+    def _recover(self, f: FlightState, now: float) -> list:
+        """Its prefill worker died: move the prompt to another live prefill worker, unless none is left or
+        the decode worker would recompute it sooner (both predicted by admission's step models)."""
+        self._prefill_done(f)
+        hashes = hash_blocks(f.prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        other = self._pick("prefill", hashes)
+        tokens = len(f.prompt)
+        if other is not None and self.admission is not None:
+            there = self.admission.predict_ttft_s(other.name, f.decode, tokens, sum(self.backlog[other.name]
+                                                  .dispatched.values()), 0, 0)
+            decode = self.admission.model(f.decode)  # its fit knows prefill only if it ran some
+            here = decode.prefill_s(tokens) if decode.prefill_steps() >= MIN_SAMPLES else None
+            if there is not None and here is not None and here < there:
+                other = None  # recomputing is predicted faster
+        if other is None:
+            return [Count("kv_recovery", (("choice", "recompute"),)),
+                    Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+        f.prefill, f.dispatched = other.name, False
+        other.outstanding += 1
+        f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
+        self.backlog[other.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
+        actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
+        if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker
+            old, f.xfer = f.xfer, f"{f.rid}#{next(self._xfers)}"
+            actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
+            actions += self.reserved(f.rid, f.xfer, True, f.kv_addr, f.first_block, now)
         return actions
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -227,6 +261,7 @@ class ConductorCore:
             self._prefill_done(f)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
                     Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+        f.kv_addr, f.first_block = kv_addr, first_block
         deadline = self._predict_dispatch(f, first_block, now)
         return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "link": f.decode,
                                  "xfer": f.xfer, "first_block": first_block,

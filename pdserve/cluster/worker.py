@@ -3,8 +3,8 @@
     python -m pdserve.cluster.worker '<WorkerSpec JSON>'
 
 Commands (gateway -> worker, msgpack dicts with "type"): generate, prefill, reserve, abort, kv_failed,
-shutdown. Events (worker -> gateway): ready, reserved, prefilled, tokens, error, transfer, stats. The loop
-never blocks while it has work: it drains commands and KV messages, grants reservations, settles transfers,
+redirect, unpin, shutdown. Events (worker -> gateway): ready, reserved, prefilled, consumed, tokens, error,
+transfer, stats. The loop never blocks while it has work: it drains commands and KV messages, grants reservations, settles transfers,
 runs one engine step and reports; idle, it waits on its sockets for at most 20 ms.
 """
 
@@ -152,6 +152,8 @@ class Worker:
             self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
         elif kind == "kv_failed":
             self.decode.peer_failed(cmd["xfer"])
+        elif kind == "redirect":
+            self.decode.redirect(cmd["old"], cmd["xfer"])
 
     # ---- decode side ------------------------------------------------------------------------------------
     def _decode_bookkeeping(self) -> None:

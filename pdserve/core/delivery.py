@@ -243,7 +243,8 @@ class TokenBucket:
 
     def wait_s(self, now: float) -> float:
         self._refill(now)
-        return 0.0 if self.tokens > 0 else -self.tokens / self.rate
+        wait = -self.tokens / self.rate
+        return wait if wait > 1e-9 else 0.0  # (a rounding residue is no debt)
 
     def take(self, nbytes: float, now: float) -> None:
         self._refill(now)

@@ -350,6 +350,13 @@ class DecodeSide:
         elif kind == "fail":
             self.inbound.fail(header.get("xfer"), TransferState.FAILED_PEER)
 
+    def redirect(self, old: str, new: str) -> None:
+        """Its prefill worker died and the conductor moved the prompt to another: expect the KV anew under
+        `new` into the same reserved blocks (what arrived under `old` is overwritten: wasted)."""
+        inbound = self.inbound.restart(old, new)
+        if inbound is not None:
+            self.stats.wasted_bytes["redirected"] += inbound.num_bytes
+
     def peer_failed(self, xfer: str) -> None:
         self.inbound.fail(xfer, TransferState.FAILED_PEER)
 

@@ -110,6 +110,9 @@ class Metrics:
                                    "that could not grow, or the priority tier taking its share back",
                                    ["worker", "service_tier"], registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died: moved to another "
+                                   "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
+                                   ["choice"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
         self._totals: dict[tuple[str, str], float] = {}
 

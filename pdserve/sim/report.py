@@ -32,6 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from pdserve.bench.metrics import jitter_p99_ms
 from pdserve.bench.report import BenchResult, write_result
 from pdserve.sim.cluster import SimRun
 from pdserve.sim.conductor import CONSUME_TOLERANCE_S
@@ -40,16 +41,6 @@ from pdserve.sim.conductor import CONSUME_TOLERANCE_S
 @dataclass
 class SimResult(BenchResult):
     cluster: dict = field(default_factory=dict)
-
-
-def jitter_p99_ms(records) -> float | None:
-    devs = []
-    for r in records:
-        if r.ok and len(r.token_times) > 2:
-            t = np.asarray(r.token_times)
-            gaps = np.diff(t)
-            devs.append(np.abs(gaps - (t[-1] - t[0]) / (len(t) - 1)))
-    return float(np.percentile(np.concatenate(devs), 99) * 1000) if devs else None
 
 
 def lifecycle(run: SimRun) -> dict:

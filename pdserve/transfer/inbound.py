@@ -134,6 +134,14 @@ class InboundTransfers:
         first token either, the decode worker computes the last prompt token itself."""
         self.fail(xfer, TransferState.COMPLETED)
 
+    def restart(self, old: str, new: str) -> Inbound | None:
+        """The same blocks, from another sender: `old` is dropped unended (its late chunks are rejected) and
+        `new` expects every block again. Returns the old transfer (None if it had ended)."""
+        inbound = self._live.pop(old, None)
+        if inbound is not None:
+            self.expect(new, inbound.request_id, inbound.first_block, inbound.num_blocks, inbound.timeout_s)
+        return inbound
+
     def abort_request(self, request_id: str) -> None:
         for inbound in [t for t in self._live.values() if t.request_id == request_id]:
             self._end(inbound, TransferState.ABORTED)
