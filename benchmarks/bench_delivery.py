@@ -1,13 +1,20 @@
-"""Scheduled vs FIFO KV delivery in the simulator, with the KV links made the bottleneck (issue 14 (a)).
+"""Scheduled vs FIFO KV delivery with the KV links made the bottleneck (issue 14 (a) and (b)).
 
-    .venv/bin/python benchmarks/bench_delivery.py [--link-gbps 10] [--max-requests 600] [--rates 1,2,3]
+    .venv/bin/python benchmarks/bench_delivery.py --part sim [--link-gbps 10] [--max-requests 600] [--rates 1,2,3]
+    .venv/bin/python benchmarks/bench_delivery.py --part serve [--serve-link-gbps 0.032] [--transports shm,tcp]
 
-Runs `pdserve simulate` twice in one invocation, `--delivery scheduled` and `--delivery fifo`, on the same
+`--part sim` runs `pdserve simulate` twice in one invocation, `--delivery scheduled` and `--delivery fifo`, on the same
 workload: the Mooncake conversation trace (first N requests, prompts clipped to 8,000 tokens: llama-3-8b's
 context), llama-3-8b on H100s, 2 prefill + 2 decode engines, KV links of `--link-gbps` per engine (the
 H100 preset's is 400), tier mix priority 0.2 / default 0.6 / flex 0.2. Prints the four lifecycle metrics
 (schedule predictability, effective link utilization, P99 inter-token jitter, wasted-transfer rate), TTFT
 per tier and goodput (highest rate with >= 90% of requests within --slo-ttft-ms / --slo-tpot-ms).
+
+`--part serve` starts the real `pdserve serve` (1 prefill + 1 decode worker, SmolLM2-135M) once per transport
+and delivery mode, one after another, each link throttled to `--serve-link-gbps`, and replays the Azure 2023
+conversation trace on it with `pdserve bench serve` (first 40 requests, lengths x 0.3, inputs <= 1,024,
+outputs <= 32, 1 req/s, the same tier mix): long prompts interfere with short ones on the link. Prints the
+four lifecycle metrics as `bench serve` measured them from /metrics, TTFT and TPOT per tier.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+AZURE = "/work/shared/traces/AzureLLMInferenceTrace_conv_2023.csv"
 TIERS = "priority=0.2,default=0.6,flex=0.2"
 
 
@@ -56,6 +64,40 @@ def report(results: dict[str, dict]) -> None:
         print(f"{delivery:9s} goodput: {res.get('goodput_req_s') or '-'} req/s")
 
 
+def serve_run(transport: str, delivery: str, args, out: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from serve_util import Server
+    server = Server("--transport", transport, "--delivery", delivery, "--link-gbps", str(args.serve_link_gbps))
+    try:
+        subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--endpoint", server.url,
+                        "--workload", f"azure:{args.azure}", "--max-requests", "40", "--length-scale", "0.3",
+                        "--max-input-len", "1024", "--max-output-len", "32", "--rate", "1", "--tier-mix", TIERS,
+                        "--no-progress", "--output", str(out)], check=True, stdout=subprocess.DEVNULL)
+    finally:
+        server.stop()
+    return json.loads((out / "result.json").read_text())
+
+
+def report_serve(results: dict[tuple[str, str], dict]) -> None:
+    print("transport delivery | predictable (final / at dispatch) | eff. link util | jitter p99 ms | wasted | "
+          "TTFT p50/p99 ms: priority, default, flex | TPOT p50/p99 ms: priority, default, flex | errors")
+    for (transport, delivery), res in results.items():
+        run = res["runs"][0]
+        kv, summary = run["kv"], run["summary"]
+        tiers = summary.get("per_tier", {})
+
+        def cell(metric: str) -> str:
+            return ", ".join(f"{tiers[t][metric]['p50']:.0f}/{tiers[t][metric]['p99']:.0f}"
+                             if t in tiers and tiers[t][metric]["p50"] is not None else "-"
+                             for t in ("priority", "default", "flex"))
+        eff = ", ".join(f"{v:.1%}" for v in kv["link_effective_utilization"].values()) or "-"
+        jitter = kv["p99_inter_token_jitter_ms"]
+        print(f"{transport:9s} {delivery:9s} | {_pct(kv['schedule_predictability'])} / "
+              f"{_pct(kv['schedule_predictability_at_dispatch'])} | {eff} | "
+              f"{'-' if jitter is None else f'{jitter:.1f}'} | {_pct(kv['wasted_rate'])} | {cell('ttft_ms')} | "
+              f"{cell('tpot_ms')} | {summary['num_errors']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", default=TRACE)
@@ -64,10 +106,20 @@ def main() -> None:
     ap.add_argument("--rates", default="1,2,3", help="trace time scaled to these mean rates (req/s)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--part", default="sim", choices=["sim", "serve"])
+    ap.add_argument("--azure", default=AZURE)
+    ap.add_argument("--serve-link-gbps", type=float, default=0.032)
+    ap.add_argument("--transports", default="shm,tcp")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {d: simulate(d, args, Path(tmp) / d) for d in ("scheduled", "fifo")}
-    report(results)
+        if args.part == "sim":
+            report({d: simulate(d, args, Path(tmp) / d) for d in ("scheduled", "fifo")})
+            return
+        results = {}
+        for transport in args.transports.split(","):
+            for delivery in ("scheduled", "fifo"):
+                results[transport, delivery] = serve_run(transport, delivery, args, Path(tmp) / f"{transport}-{delivery}")
+        report_serve(results)
 
 
 if __name__ == "__main__":

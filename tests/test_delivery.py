@@ -151,3 +151,35 @@ def test_simulated_port_order_and_landing_estimate(mode):
         else:  # the due one first: the earlier deadline, or the one made due now
             other = "late" if expedite == "early" else "early"
             assert landed == pytest.approx({expedite: 1.0, other: 2.0})
+
+
+def test_water_level_counts_only_the_tiers_at_or_above_the_best_waiting_one():
+    from types import SimpleNamespace as R
+
+    from pdserve.core.delivery import WaterLevel, counted_tiers
+    assert counted_tiers([R(service_tier="flex"), R(service_tier="default")]) == {"priority", "default"}
+    assert counted_tiers([R(service_tier="priority")]) == {"priority"}
+    assert counted_tiers([]) == set()
+    water = WaterLevel(0.5)
+    assert water.hold_s(100.0, 100.0) == pytest.approx(0.5)
+    assert water.hold_s(50.0, 100.0) == 0.0 and WaterLevel(0.0).hold_s(1e9, 1.0) == 0.0
+
+
+def test_simulated_backpressure_pauses_production_and_loses_nothing():
+    """Links far slower than prefill: with a water level the prefill engines pause (counted) and every
+    request still completes; without one they never pause."""
+    from pdserve.sim.cluster import ClusterSpec, simulate
+    from pdserve.sim.hardware import get_gpu, get_model
+    from pdserve.sim.timemodel import RooflineTimeModel
+    from pdserve.workloads import load_workload
+
+    trace = "fixed:2000,20"
+    model, gpu = get_model("llama-3-8b"), get_gpu("h100")
+    paused = {}
+    for backlog in (0.05, 0.0):
+        wl = load_workload(trace, num_requests=12, rate=20.0, seed=1)
+        spec = ClusterSpec(mode="pd", num_prefill=1, num_decode=1, link_gbps=1.0, delivery_backlog_s=backlog)
+        run = simulate(wl, spec, model, gpu, RooflineTimeModel(model, gpu, 1))
+        assert all(r.ok for r in run.records)
+        paused[backlog] = run.life.production_paused_s
+    assert paused[0.05] > 0 and paused[0.0] == 0

@@ -1,7 +1,7 @@
 """Scheduled KV delivery with real processes on a saturated (throttled) link, both transports: a priority
 request's KV overtakes a flex request's KV queued before it (`--delivery scheduled`, the tiers' link
 shares), while `--delivery fifo` sends it after; the lifecycle metrics move (consumption predictions
-checked per block, effective link utilization)."""
+checked per block, effective link utilization); backpressure pauses production while the link is backed up."""
 
 from __future__ import annotations
 
@@ -45,7 +45,10 @@ SERVER: Server
 @pytest.mark.parametrize("transport,delivery", [("shm", "scheduled"), ("tcp", "scheduled"), ("shm", "fifo")])
 def test_priority_kv_overtakes_flex_kv_on_a_saturated_link(transport, delivery):
     global SERVER
-    SERVER = Server("--transport", transport, "--delivery", delivery, "--link-gbps", LINK_GBPS)
+    # tcp also checks backpressure: 32-token chunks, each more KV than 0.1 s of the link carries, so the
+    # prefill worker waits between a flex prompt's chunks (a flex backlog does not hold a priority one)
+    pause = ["--delivery-backlog-s", "0.1", "--max-num-batched-tokens", "32"] if transport == "tcp" else []
+    SERVER = Server("--transport", transport, "--delivery", delivery, "--link-gbps", LINK_GBPS, *pause)
     try:
         link = "prefill-0->decode-0"
         order = asyncio.run(_finish_order())
@@ -58,5 +61,14 @@ def test_priority_kv_overtakes_flex_kv_on_a_saturated_link(transport, delivery):
         effective = SERVER.metric("pdserve_kv_link_effective_utilization", link=link)
         assert 0.3 < effective <= 1.0, effective  # throttled: it ran near its rate while it had a backlog
         assert SERVER.metric("pdserve_kv_transfer_failures_total") == 0
+        if pause:  # a flex prompt alone: its chunks wait for the link (with the priority one waiting, they
+            # did not: its backlog does not count; the prefill worker's scheduler runs the flex chunks first)
+            client = openai.OpenAI(base_url=SERVER.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            client.completions.create(model=MODEL, prompt="Flex again: " + " ".join(["lorem ipsum"] * 50),
+                                      max_tokens=2, temperature=0, extra_body={"service_tier": "flex"})
+            time.sleep(0.6)
+        paused = SERVER.metric("pdserve_production_paused_seconds_total", worker="prefill-0")
+        assert (paused > 0.5) if pause else (paused == 0), paused  # (the default level: 2 s of the link)
     finally:
         SERVER.stop()
+

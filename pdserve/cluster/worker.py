@@ -55,12 +55,12 @@ class Worker:
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
-            from pdserve.core.delivery import DeliveryPolicy
+            from pdserve.core.delivery import DeliveryPolicy, WaterLevel
             from pdserve.transfer import make_sender
             self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s),
                                        layers, lease_s=spec.kv_timeout_s,
                                        policy=DeliveryPolicy(spec.delivery, spec.link_share),
-                                       link_rate=spec.link_bytes_s)
+                                       link_rate=spec.link_bytes_s, water=WaterLevel(spec.delivery_backlog_s))
             self.executor.layer_observer = self.prefill.on_layer
         else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
             from pdserve.transfer import make_receiver
@@ -72,6 +72,7 @@ class Worker:
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
         self._last_stats = 0.0
+        self._held_since: float | None = None
         self._steps: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
 
     def emit(self, event: dict) -> None:
@@ -86,13 +87,13 @@ class Worker:
                    "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens})
         while self.running:
             sched = self.engine.scheduler
-            busy = sched.num_running + sched.num_waiting > 0
+            busy = sched.num_running + sched.num_waiting > 0 and not self._held()
             self.poller.poll(0 if busy else self._idle_ms())
             self._drain_commands()
             self.engine.poll_kv()
             if self.decode is not None:
                 self._decode_bookkeeping()
-            if sched.num_running + sched.num_waiting > 0:
+            if sched.num_running + sched.num_waiting > 0 and not self._held():
                 start, began = time.perf_counter(), time.monotonic()
                 outputs = self.engine.step()
                 self._log_step(time.perf_counter() - start)
@@ -107,6 +108,17 @@ class Worker:
             self._maybe_stats()
             if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
+
+    def _held(self) -> bool:
+        """A prefill worker whose links are backed up produces nothing now (backpressure)."""
+        if self.prefill is None:
+            return False
+        now = time.monotonic()
+        held = self.prefill.hold_s() > 0
+        if held and self._held_since is not None:
+            self.prefill.paused_s += now - self._held_since
+        self._held_since = now if held else None
+        return held
 
     def _idle_ms(self) -> int:
         if self.decode is not None:
@@ -247,7 +259,8 @@ class Worker:
             out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(self.prefill.failures),
                        kv_transfers_lent=len(self.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
                        kv_chunks_payload=box.chunks_payload,
-                       kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report())
+                       kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report(),
+                       production_paused_s=self.prefill.paused_s)
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -20,6 +20,12 @@ gets its share, a tier back from idle cannot claim the time it was idle), earlie
 tier. The simulator moves fluid flows: `DeliveryPolicy.rates` splits a capacity among flows by the same
 shares and order (water-filling: a flow capped by its production rate leaves the rest to the next one).
 `TokenBucket` throttles a real link to a given rate (`--link-gbps`), to emulate a slower network.
+
+Backpressure (`WaterLevel`): a prefill worker produces no more KV while its links would need more than
+`--delivery-backlog-s` to send what is queued (real: chunks queued; simulator: bytes of the flows in the
+air) of the tiers at or above the best tier it has a prompt of (`counted_tiers`: a priority arrival is not
+held behind a flex backlog): production pauses until delivery catches up, instead of piling up KV the
+links cannot carry.
 """
 
 from __future__ import annotations
@@ -249,3 +255,23 @@ class TokenBucket:
     def take(self, nbytes: float, now: float) -> None:
         self._refill(now)
         self.tokens -= nbytes
+
+
+@dataclass(frozen=True)
+class WaterLevel:
+    """Pause production above `high_s` seconds of queued delivery."""
+    high_s: float = 2.0
+
+    def hold_s(self, queued_bytes: float, rate: float | None) -> float:
+        """How long production should wait (0: go on)."""
+        if not rate or self.high_s <= 0:
+            return 0.0
+        hold = queued_bytes / rate - self.high_s
+        return hold if hold > 1e-6 else 0.0  # (a microsecond is no wait: time must move on)
+
+
+def counted_tiers(requests) -> set[str]:
+    """The tiers whose queued KV holds back production for these requests: the best one's and above."""
+    best = min((TIERS.index(r.service_tier) if r.service_tier in TIERS else len(TIERS) for r in requests),
+               default=None)
+    return set() if best is None else set(TIERS[:best + 1])

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import DeliveryPolicy
+from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
 from pdserve.core.policy import insert_in_order
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
@@ -65,7 +65,8 @@ class Lent:
 
 class PrefillSide:
     def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list, lease_s: float = 30.0,
-                 policy: DeliveryPolicy | None = None, link_rate: float | None = None) -> None:
+                 policy: DeliveryPolicy | None = None, link_rate: float | None = None,
+                 water: WaterLevel | None = None) -> None:
         self.engine = engine
         self.sender = sender
         self.layers = kv_layers
@@ -78,6 +79,8 @@ class PrefillSide:
         self.outbox = Outbox(sender, policy or DeliveryPolicy(), self._hold, link_rate, failures=self.failures,
                              on_drained=self._drained)
         self.keepalives_sent = 0
+        self.water = water or WaterLevel()
+        self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
@@ -141,6 +144,7 @@ class PrefillSide:
             if last:
                 out.next_block = max(out.next_block, end // self.block_size)
         self.outbox.pump()
+        self.keepalive()  # also during a step longer than a third of the lease
 
     def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], partial: bool = False,
               useful: bool = True) -> None:
@@ -159,6 +163,11 @@ class PrefillSide:
         new = [b for b in ids if b not in out.held]
         self.engine.block_manager.hold(out.holder, new)
         out.held.update(new)
+
+    def hold_s(self) -> float:
+        """How long production should wait for the links to drain (`WaterLevel`): 0 = go on."""
+        tiers = counted_tiers(self.engine.scheduler.requests.values())
+        return max((self.water.hold_s(queued, rate) for queued, rate in self.outbox.backlog(tiers)), default=0.0)
 
     def pump(self) -> None:
         """Send what the links allow now (the worker loop calls this between steps)."""

@@ -61,6 +61,9 @@ class ServeConfig:
     link_share: str | None = None
     """Bandwidth shares of the service tiers on a link under --delivery scheduled, e.g.
     priority=0.5,default=0.4,flex=0.1 (the default); unused share goes to the tiers with demand."""
+    delivery_backlog_s: float = 2.0
+    """Backpressure: a prefill worker produces no more KV while its links would need longer than this to
+    send what is queued (0: never pause)."""
     link_gbps: float | None = None
     """Throttle each KV link (prefill worker -> decode worker) to this many Gbit/s, to emulate a slower
     network; default: as fast as the transport goes."""
@@ -91,6 +94,8 @@ class ServeConfig:
             raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
         check_mode(self.delivery)
         parse_link_share(self.link_share)
+        if not self.delivery_backlog_s >= 0:
+            raise InvalidRequestError("--delivery-backlog-s must be >= 0", param="delivery_backlog_s")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise InvalidRequestError(f"--link-gbps must be positive, got {self.link_gbps}", param="link_gbps")
         if not 0 < self.port < 65536:
@@ -114,7 +119,8 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
                                 transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv",
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
                                 link_share=parse_link_share(cfg.link_share),
-                                link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None))
+                                link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None,
+                                delivery_backlog_s=cfg.delivery_backlog_s))
     return specs
 
 

@@ -110,6 +110,9 @@ class Metrics:
                                    "that could not grow, or the priority tier taking its share back",
                                    ["worker", "service_tier"], registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
+                                         "KV although it had prompts, because its links had more queued than "
+                                         "--delivery-backlog-s of sending (backpressure)", ["worker"], registry=r)
         self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died: moved to another "
                                    "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
                                    ["choice"], registry=r)
@@ -145,6 +148,7 @@ class Metrics:
         if "kv_transfers_lent" in s:  # a prefill worker
             self._observe_links(w, s.get("kv_links", {}))
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
+            self._inc_total(self.production_paused, (w, "paused"), s.get("production_paused_s", 0.0), worker=w)
             for mode in ("in_place", "payload"):
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)

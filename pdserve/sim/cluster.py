@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.routing import make_routing_policy
-from pdserve.core.delivery import DeliveryPolicy, check_mode, parse_link_share
+from pdserve.core.delivery import DeliveryPolicy, WaterLevel, check_mode, parse_link_share
 from pdserve.core.kv_meta import EVICTION_POLICIES
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
@@ -71,6 +71,7 @@ class ClusterSpec:
     delivery: str = "scheduled"  # KV order on the links: scheduled | fifo (pdserve.core.delivery)
     link_share: str | None = None  # `--link-share` spec; None: the default shares
     link_gbps: float | None = None  # KV link bandwidth per engine, Gbit/s; None: tp x the GPU preset's
+    delivery_backlog_s: float = 2.0  # prefill production pauses above this much queued delivery (0: never)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +90,8 @@ class ClusterSpec:
         if self.admission not in (None, "predict", "off"):
             raise InvalidRequestError(f"admission must be predict or off, got {self.admission!r}", param="admission")
         check_mode(self.delivery)
+        if not self.delivery_backlog_s >= 0:
+            raise InvalidRequestError("delivery_backlog_s must be >= 0", param="delivery_backlog_s")
         parse_link_share(self.link_share)
         for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s", "link_gbps"):
             value = getattr(self, name)
@@ -140,7 +143,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     predict = spec.admission == "predict" or (spec.admission is None and service_tiers.any_slo)
     conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links, spec.block_size, block_bytes,
                              spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s,
-                             service_tiers, Admission(spec.admission_margin, predict=predict))
+                             service_tiers, Admission(spec.admission_margin, predict=predict),
+                             WaterLevel(spec.delivery_backlog_s))
     for role, n in roles.items():
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,

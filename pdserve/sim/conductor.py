@@ -32,6 +32,7 @@ from pdserve.cluster.conductor import params_dict
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
+from pdserve.core.delivery import WaterLevel, counted_tiers
 from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
@@ -78,6 +79,7 @@ class Lifecycle:
     errors_s: list = field(default_factory=list)  # actual - final prediction, per consuming request
     dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
     blocks_on_time_at_dispatch: int = 0
+    production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
     transfers: int = 0
     transfer_failures: int = 0
     aborted: int = 0
@@ -87,7 +89,7 @@ class SimConductor(EngineHooks):
     def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel, block_size: int, block_bytes: int,
                  failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
                  control_latency_s: float = 0.0, tiers: ServiceTiers | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, water: WaterLevel | None = None) -> None:
         self.mode, self.links = mode, links
         self.core = ConductorCore(mode, policy, tiers, admission, block_size)
         self.counts: Counter = Counter()  # the core's Count actions: (metric, labels) -> n
@@ -97,6 +99,7 @@ class SimConductor(EngineHooks):
         self.control_s = control_latency_s  # one gateway <-> worker message
         self.loop = links.loop
         self.block_size, self.block_bytes = block_size, block_bytes
+        self.water = water or WaterLevel()
         self.failure_rate, self.ttft_timeout_s = failure_rate, ttft_timeout_s
         self._rng = random.Random(seed)
         self.flights: dict[str, Flight] = {}
@@ -269,7 +272,20 @@ class SimConductor(EngineHooks):
         if f.delivered and not f.finished:
             self.awaiting[f.rid] = f
 
-    # ---- prefill side: layer-by-layer push ---------------------------------------------------------------
+    # ---- prefill side: backpressure, layer-by-layer push ---------------------------------------------------
+    def hold_production_s(self, engine: SimEngine) -> float:
+        """As the real prefill worker: no next step while its port needs more than the water level to send
+        what is in the air (`pdserve.core.delivery.WaterLevel`)."""
+        if engine.role != "prefill":
+            return 0.0
+        port = self.ports[engine.name]
+        if not port.flows:
+            return 0.0
+        tiers = counted_tiers(engine.scheduler.requests.values())
+        hold = self.water.hold_s(self.links.queued_bytes(port, tiers), port.bandwidth)
+        self.life.production_paused_s += hold
+        return hold
+
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
             shape = StepShape.of(scheduled)

@@ -54,6 +54,9 @@ class EngineHooks:
     def has_pending(self, engine: SimEngine) -> bool:
         """Work for `engine` outside its scheduler that a boundary may start (a reservation to grant)."""
         return False
+    def hold_production_s(self, engine: SimEngine) -> float:
+        return 0.0
+
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None: ...
     def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None: ...
     def on_decode_run(self, engine: SimEngine, requests: list[Request], ends: list[float],
@@ -128,6 +131,10 @@ class SimEngine:
                 self.kv_io.start(now)
                 if self.hooks.has_pending(self):
                     self._arm_kv_wake()
+            return
+        hold = self.hooks.hold_production_s(self)
+        if hold > 0:  # backpressure: its links are backed up; look again when they should have drained
+            self.loop.at(now + hold, self._boundary)
             return
         if self.fast_forward and self._may_fast_forward() and self._open_window(now):
             return

@@ -142,6 +142,11 @@ class LinkModel:
         if nxt < float("inf"):
             self.loop.at(max(nxt, now), self._wake, self._current, prio=MESSAGE)
 
+    def queued_bytes(self, link: Link, tiers: set[str]) -> float:
+        """Bytes of `tiers` still to cross `link` (of the flows in the air on it)."""
+        self._advance(self.loop.now)
+        return sum(max(f.remaining, 0.0) for f in link.flows if f.item.tier in tiers)
+
     def eta(self, targets) -> float:
         """`targets` (a prefilled transfer's flows) are due now: seconds from now until they have landed,
         if no other flow started meanwhile."""

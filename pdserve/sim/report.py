@@ -65,6 +65,7 @@ def lifecycle(run: SimRun) -> dict:
         "p99_inter_token_jitter_ms": jitter_p99_ms(run.records),
         "wasted_transfer_rate": wasted,
         "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
+        "production_paused_s": life.production_paused_s,
     }
 
 

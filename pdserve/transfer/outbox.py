@@ -144,6 +144,16 @@ class Outbox:
         rate = self.link_rate or self.links[out.link].as_dict(None, time.monotonic())["capacity"]
         return ahead / rate if ahead and rate else 0.0
 
+    def backlog(self, tiers: set[str]) -> list[tuple[float, float | None]]:
+        """Per link with chunks queued: (bytes queued of `tiers`, its rate: the throttle's, else the measured
+        one)."""
+        now, out = time.monotonic(), []
+        for link, queue in self.queues.items():
+            if len(queue):
+                queued = sum(it.nbytes for it in queue.items if it.tier in tiers)
+                out.append((queued, self.link_rate or self.links[link].as_dict(None, now)["capacity"]))
+        return out
+
     def drop(self, out) -> int:
         """Forget a failed or aborted transfer's queued chunks; returns how many."""
         queue = self.queues.get(out.link)
