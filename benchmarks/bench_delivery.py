@@ -6,7 +6,7 @@
 `--part sim` runs `pdserve simulate` twice in one invocation, `--delivery scheduled` and `--delivery fifo`, on the same
 workload: the Mooncake conversation trace (first N requests, prompts clipped to 8,000 tokens: llama-3-8b's
 context), llama-3-8b on H100s, 2 prefill + 2 decode engines, KV links of `--link-gbps` per engine (the
-H100 preset's is 400), tier mix priority 0.2 / default 0.6 / flex 0.2. Prints the four lifecycle metrics
+H100 preset's is 400), tier mix priority 0.2 / default 0.6 / flex 0.2 (`--tier-mix`, `none`: untagged). Prints the four lifecycle metrics
 (schedule predictability, effective link utilization, P99 inter-token jitter, wasted-transfer rate), TTFT
 per tier and goodput (highest rate with >= 90% of requests within --slo-ttft-ms / --slo-tpot-ms).
 
@@ -35,8 +35,8 @@ def simulate(delivery: str, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "pdserve.cli", "simulate", "--workload", f"mooncake:{args.trace}",
            "--max-requests", str(args.max_requests), "--max-input-len", "8000", "--max-output-len", "190",
            "--model", "llama-3-8b", "--gpu", "h100", "--prefill", "2", "--decode", "2",
-           "--link-gbps", str(args.link_gbps), "--delivery", delivery, "--tier-mix", TIERS,
-           "--rates", args.rates, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
+           "--link-gbps", str(args.link_gbps), "--delivery", delivery,
+           *(["--tier-mix", args.tier_mix] if args.tier_mix != "none" else []), "--rates", args.rates, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
            "--no-progress", "--output", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / "result.json").read_text())
@@ -71,7 +71,8 @@ def serve_run(transport: str, delivery: str, args, out: Path) -> dict:
     try:
         subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--endpoint", server.url,
                         "--workload", f"azure:{args.azure}", "--max-requests", "40", "--length-scale", "0.3",
-                        "--max-input-len", "1024", "--max-output-len", "32", "--rate", "1", "--tier-mix", TIERS,
+                        "--max-input-len", "1024", "--max-output-len", "32", "--rate", "1",
+                        *(["--tier-mix", args.tier_mix] if args.tier_mix != "none" else []),
                         "--no-progress", "--output", str(out)], check=True, stdout=subprocess.DEVNULL)
     finally:
         server.stop()
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--part", default="sim", choices=["sim", "serve"])
+    ap.add_argument("--tier-mix", default=TIERS, help="service tier mix of the requests, or none")
     ap.add_argument("--azure", default=AZURE)
     ap.add_argument("--serve-link-gbps", type=float, default=0.032)
     ap.add_argument("--transports", default="shm,tcp")

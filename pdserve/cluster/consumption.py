@@ -12,7 +12,8 @@ first token when it settles the transfer, then steps).
 * When the prefill worker reports the prompt prefilled, with its link's estimate of when the transfer's
   last queued chunk will have gone (`landing_in_s`: the bytes the delivery policy sends before it, at the
   link's rate; `pdserve.core.delivery.LinkQueue.bytes_until`): that landing time + the decode worker's
-  consumption tail (a moving average of first consumption - landing: the wait for its next step boundary).
+  consumption tail (the median of its recent first consumption - landing: the wait for its next step
+  boundary).
 
 The prediction is the transfer's delivery deadline (`--delivery scheduled` sends the earliest first within
 a tier) and is checked when the decode worker reports the first consuming step: per block, actual minus
@@ -21,12 +22,15 @@ predicted, for the final (refined) prediction and for the one made at dispatch.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from pdserve.cluster.admission import Admission
 
 CONSUME_TOLERANCE_S = 0.005  # "on time": within +-5 ms of the prediction
-TAIL_EWMA = 0.2
+TAIL_SAMPLES = 64
 
 
 @dataclass
@@ -40,7 +44,8 @@ class Prediction:
 class ConsumptionPredictor:
     def __init__(self, admission: Admission | None) -> None:
         self.admission = admission
-        self.tail: dict[str, float] = {}  # decode worker -> consumption - landing, a moving average
+        self.tail: dict[str, float] = {}  # decode worker -> consumption - landing, the median of recent ones
+        self.samples: dict[str, deque] = {}
 
     def at_dispatch(self, now: float, producer: str, decoder: str, tokens: int, ahead: int, behind: int
                     ) -> float | None:
@@ -54,9 +59,10 @@ class ConsumptionPredictor:
         p.final_s = p.landed_s + self.tail.get(decoder, 0.0)
 
     def consumed(self, p: Prediction, decoder: str, at_s: float) -> None:
-        """Learn the decode worker's consumption tail from a transfer that landed."""
+        """Learn the decode worker's consumption tail from a transfer that landed: the median of its recent
+        ones (a few transfers that waited long must not move every prediction)."""
         if p.landed_s is None:
             return
-        sample = max(at_s - p.landed_s, 0.0)
-        tail = self.tail.get(decoder)
-        self.tail[decoder] = sample if tail is None else tail + TAIL_EWMA * (sample - tail)
+        recent = self.samples.setdefault(decoder, deque(maxlen=TAIL_SAMPLES))
+        recent.append(max(at_s - p.landed_s, 0.0))
+        self.tail[decoder] = float(np.median(recent))

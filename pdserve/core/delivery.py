@@ -10,9 +10,11 @@ of several transfers at once. Two policies (`--delivery`):
   conductor's predicted consumption time), then the next; share a tier does not use goes to the tiers with
   demand in proportion to their shares (work-conserving: the link never idles while anything waits).
 
-A transfer's deadline is its latest predicted consumption; once its prompt is prefilled, what is left of
-it is due now (`DUE_NOW`): nothing still being produced can be consumed before it, and its landing estimate
-(`LinkQueue.bytes_until`, the simulator's `LinkModel.eta`) then holds while new transfers arrive.
+A transfer's deadline is its predicted consumption. Once its prompt is prefilled, what is left of it is
+**due**: due KV goes before KV still being produced, whatever the tiers (shares and deadlines order the due
+KV among itself, and the rest among itself): a decode worker is waiting for it now, while KV in production
+cannot be consumed before its prompt is done. A due transfer's landing estimate (`LinkQueue.bytes_until`,
+the simulator's `LinkModel.eta`) then holds while new transfers arrive.
 
 The real sender moves discrete chunks: `LinkQueue.pick` takes the next one by start-time fair queueing over
 the tiers (the tier with the fewest bytes sent per unit of share goes next: over a busy period each tier
@@ -83,6 +85,7 @@ class Item:
     nbytes: float = 0.0
     seq: int = 0  # arrival order on the link
     cap: float = float("inf")  # fluid only: the most bytes/s it can take now (its production rate)
+    due: bool = False  # its prompt is prefilled: it goes before what is still being produced
 
 
 class DeliveryPolicy:
@@ -108,6 +111,14 @@ class DeliveryPolicy:
         if not self.scheduled:
             return _equal_split(items, capacity)
         out = {it: 0.0 for it in items}
+        left = capacity
+        for due in (True, False):  # a prefilled transfer's rest first, then what is being produced
+            left -= self._share_out([it for it in items if it.due == due], out, left)
+        return out
+
+    def _share_out(self, items: list[Item], out: dict[Item, float], capacity: float) -> float:
+        """Give `capacity` to `items` by tier share (water-filling), earliest deadline first within a tier;
+        returns what was given."""
         groups = _by_tier(items, self.order_key)
         left = capacity
         while left > _EPS * max(capacity, 1.0):
@@ -124,7 +135,7 @@ class DeliveryPolicy:
             if given <= _EPS * max(capacity, 1.0):
                 break
             left -= given
-        return out
+        return capacity - left
 
 
 def _by_tier(items: list[Item], key: Callable[[Item], tuple]) -> dict[str, list[Item]]:
@@ -196,9 +207,10 @@ class LinkQueue:
             return None
         policy = self.policy
         if policy.scheduled:
-            tiers = {it.tier for it in self.items}
+            due = [it for it in self.items if it.due] or self.items  # a prefilled transfer's rest first
+            tiers = {it.tier for it in due}
             tier = min(tiers, key=lambda t: (self.sent_per_share.get(t, 0.0), -policy.share(t), t))
-            item = min((it for it in self.items if it.tier == tier), key=policy.order_key)
+            item = min((it for it in due if it.tier == tier), key=policy.order_key)
             share = policy.share(tier) or min((s for s in policy.shares.values() if s > 0), default=1.0) / 100
             self.sent_per_share[tier] = self.sent_per_share.get(tier, 0.0) + item.nbytes / share
         else:
@@ -206,11 +218,12 @@ class LinkQueue:
         self.items.remove(item)
         return item
 
-    def expedite(self, mine: Callable[[Item], bool], deadline_s: float) -> None:
-        """The items `mine` picks are due by `deadline_s` (a prefilled transfer's rest: now)."""
+    def expedite(self, mine: Callable[[Item], bool], now: float) -> None:
+        """The items `mine` picks are due from `now` on (a prefilled transfer's rest): among due items of a
+        tier, the first due goes first."""
         for it in self.items:
             if mine(it):
-                it.deadline_s = min(it.deadline_s, deadline_s)
+                it.due, it.deadline_s = True, now
 
     def bytes_until(self, mine: Callable[[Item], bool]) -> float:
         """Bytes this link sends before the last of the items `mine` picks is out (in `pick` order, nothing

@@ -148,12 +148,12 @@ class LinkModel:
         return sum(max(f.remaining, 0.0) for f in link.flows if f.item.tier in tiers)
 
     def eta(self, targets) -> float:
-        """`targets` (a prefilled transfer's flows) are due now: seconds from now until they have landed,
-        if no other flow started meanwhile."""
+        """`targets` (a prefilled transfer's flows) are due: seconds from now until they have landed, if no
+        other flow started meanwhile."""
         now = self.loop.now
         self._advance(now)
-        for f in targets:
-            f.item.deadline_s = min(f.item.deadline_s, now)
+        for f in targets:  # due from now on: after the transfers that were due before (as `expedite`)
+            f.item.due, f.item.deadline_s = True, now
         self._reschedule(now)
         left = {f: f.remaining for f in self.flows}
         waiting = [f for f in targets if f in left]

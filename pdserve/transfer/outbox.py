@@ -134,7 +134,7 @@ class Outbox:
         return 0 if queue is None else int(sum(it.nbytes for it in queue.items if it.key.out is out))
 
     def landing_in_s(self, out) -> float:
-        """`out` is prefilled: its queued chunks are due now. When the last of them will have gone, from now
+        """`out` is prefilled: its queued chunks are due. When the last of them will have gone, from now
         (in policy order, at the link's rate; 0 when nothing of it waits or the rate is unknown yet)."""
         queue = self.queues.get(out.link)
         if queue is None:
