@@ -1,4 +1,5 @@
-"""The two halves of prefill/decode disaggregation around one `LLMEngine` each.
+"""The two halves of prefill/decode disaggregation around one `LLMEngine` each (the decode half's code is in
+`pdserve.engine.pd_decode`, re-exported here).
 
 Prefill side: a request arrives with the decode worker's transfer address and the block-table index from
 which that worker needs KV (blocks before it are in its prefix cache). It runs as a `prefill_only` request
@@ -23,13 +24,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
-from pdserve.core.policy import insert_in_order
-from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks, mixed_pieces, scatter_blocks
-from pdserve.transfer.base import KVReceiver, KVSender, TransferError, TransferState
-from pdserve.transfer.inbound import Inbound, InboundTransfers
+from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
+from pdserve.transfer.base import KVSender, TransferError
 from pdserve.transfer.outbox import Chunk, Outbox
 
 
@@ -241,165 +239,6 @@ def _pieces(layer, block_ids: list[int]) -> list[memoryview]:
     return [memoryview(buf)]
 
 
-@dataclass
-class Reservation:
-    request: Request
-    xfer: str
+from pdserve.engine.pd_decode import DecodeSide, DecodeStats, Reservation  # noqa: E402  (the decode half)
 
-
-@dataclass
-class DecodeStats:
-    failures: Counter = field(default_factory=Counter)  # by TransferState value; outcome: recompute
-    wasted_bytes: Counter = field(default_factory=Counter)  # received and verified, never consumed: by reason
-    bytes_received: int = 0
-    chunks_received: int = 0
-    transfers_completed: int = 0
-
-
-class DecodeSide:
-    def __init__(self, engine: LLMEngine, receiver: KVReceiver, kv_layers: list, timeout_s: float) -> None:
-        self.engine = engine
-        self.receiver = receiver
-        self.layers = kv_layers
-        self.timeout_s = timeout_s
-        self.block_size = engine.block_manager.block_size
-        self.inbound = InboundTransfers(len(kv_layers))
-        # Waiting for blocks, in the scheduler's queue-policy order (fcfs: arrival; priority: lowest value
-        # first), so a reservation queue never undoes the order the waiting queue would keep.
-        self.pending: list[Reservation] = []
-        self.stats = DecodeStats()
-        self.unread: set[str] = set()  # delivered, not yet read by a step
-
-    def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
-                pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
-        """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
-        could never be served (the caller turns that into an error for the client)."""
-        req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier)
-        self.engine.scheduler.check_new(req)  # fail fast, before queueing
-        insert_in_order(self.pending, Reservation(req, xfer), lambda r: r.request, self.engine.scheduler.policy)
-
-    def try_reserve(self) -> list[tuple[Reservation, int]]:
-        """Grant queued reservations in policy order while blocks last: [(reservation, first block to
-        deliver)]. The head waits for room; later ones do not overtake it (as in the waiting queue)."""
-        granted = []
-        while self.pending:
-            res = self.pending[0]
-            cached = self.engine.scheduler.reserve_kv(res.request)
-            if cached is None:
-                break
-            self.pending.pop(0)
-            first = cached // self.block_size
-            # Every prompt token but the last cached here: no prefill worker, the last one is computed here.
-            needed = 0 if cached >= res.request.num_prompt_tokens - 1 else (
-                -(-res.request.num_prompt_tokens // self.block_size) - first)
-            self.inbound.expect(res.xfer, res.request.request_id, first, needed, self.timeout_s)
-            if needed == 0:
-                self.inbound.complete_now(res.xfer)
-            granted.append((res, first))
-        return granted
-
-    def receive(self, timeout_ms: int = 0) -> None:
-        for msg in self.receiver.poll(timeout_ms, self._place):
-            self._on_message(msg)
-        self.inbound.expire()
-
-    def wait_ms(self, idle_ms: int) -> int:
-        """How long the worker may sleep in its poller: 0 if KV is already waiting; with transfers in
-        flight, `idle_ms` when the transport rings `receiver.wakeup`, else 1 ms (the transport is polled)."""
-        if not len(self.inbound):
-            return idle_ms
-        if self.receiver.wakeup is None:
-            return 1
-        return idle_ms if self.receiver.arm() else 0
-
-    def _place(self, header: dict) -> list[memoryview] | None:
-        """Where a chunk's payload may go: the blocks its live transfer expects there, else nowhere."""
-        inbound = self.inbound.target(header) if header.get("kind") == "chunk" else None
-        if inbound is None:
-            return None
-        table = self.engine.block_manager.block_ids(inbound.request_id)
-        first, count = header["first"], header["count"]
-        layer = self.layers[header["layer"]]
-        if chunk_nbytes(layer, count) != header.get("nbytes"):
-            return None  # not this pool's block format: booked as a bad chunk below
-        cold = self.engine.scheduler.requests[inbound.request_id].cold_hashes
-        if first < len(cold):  # a long prompt's head goes into host tier entries (CPU pools only)
-            tiers = self.engine.tiers
-            targets = [("host", tiers.host_slot(cold[i])) if i < len(cold) else ("device", table[i - len(cold)])
-                       for i in range(first, first + count)]
-            return mixed_pieces(layer, self.engine.kv_io.host.data, header["layer"], targets)
-        ids = list(table[first - len(cold):first - len(cold) + count])
-        if layer.device.type == "cpu":
-            return block_pieces(layer, ids)
-        return [memoryview(bytearray(header["nbytes"]))]  # staged; scattered once verified
-
-    def _on_message(self, msg) -> None:
-        header = msg.header
-        kind = header.get("kind")
-        if kind == "chunk":
-            if not msg.written:  # nowhere to put it: a late chunk, or one its transfer does not expect
-                self.inbound.reject(header)
-                return
-            # A failed transfer's blocks (a checksum mismatch included) are dropped, never consumed.
-            inbound = self.inbound.accept_chunk(header, msg.verified)
-            if inbound is None:
-                return
-            layer = self.layers[header["layer"]]
-            if layer.device.type != "cpu":
-                table = self.engine.block_manager.block_ids(inbound.request_id)
-                first, count = header["first"], header["count"]
-                cold = len(self.engine.scheduler.requests[inbound.request_id].cold_hashes)
-                scatter_blocks(layer, list(table[first - cold:first - cold + count]), msg.views[0])
-            self.stats.chunks_received += 1
-            self.stats.bytes_received += header["nbytes"]
-        elif kind == "done":
-            self.inbound.on_done(header, self.engine.executor.vocab_size)
-        elif kind == "alive":
-            self.inbound.renew(header.get("xfer"))
-        elif kind == "fail":
-            self.inbound.fail(header.get("xfer"), TransferState.FAILED_PEER)
-
-    def redirect(self, old: str, new: str) -> None:
-        """Its prefill worker died and the conductor moved the prompt to another: expect the KV anew under
-        `new` into the same reserved blocks (what arrived under `old` is overwritten: wasted)."""
-        inbound = self.inbound.restart(old, new)
-        if inbound is not None:
-            self.stats.wasted_bytes["redirected"] += inbound.num_bytes
-
-    def peer_failed(self, xfer: str) -> None:
-        self.inbound.fail(xfer, TransferState.FAILED_PEER)
-
-    def settle(self) -> list[tuple[Inbound, str, Request | None]]:
-        """Act on ended transfers: deliver or recompute. Returns [(transfer, outcome, request)] for reporting;
-        a delivered request that came with its first token has it as its first output (and may already be
-        finished by it): the caller reports that token, no step computes it here."""
-        settled = []
-        for inbound in self.inbound.take_ended():
-            if inbound.request_id not in self.engine.scheduler.requests:
-                self.stats.wasted_bytes["aborted"] += inbound.num_bytes
-                continue  # the request ended first (abort): its blocks are already free
-            if inbound.state is TransferState.COMPLETED:
-                req = self.engine.scheduler.kv_delivered(inbound.request_id, inbound.first_token)
-                self.stats.transfers_completed += 1
-                if inbound.num_bytes and not req.is_finished:
-                    self.unread.add(inbound.request_id)
-                settled.append((inbound, "delivered", req))
-            else:
-                self.engine.scheduler.kv_failed(inbound.request_id)
-                self.stats.failures[inbound.state.value] += 1
-                self.stats.wasted_bytes[inbound.state.value] += inbound.num_bytes  # dropped, never consumed
-                settled.append((inbound, "recompute", None))
-        return settled
-
-    def consumed(self, scheduled: SchedulerOutput | None) -> list[str]:
-        """The requests whose delivered KV the step `scheduled` read first."""
-        if not self.unread or scheduled is None:
-            return []
-        rids = [c.request_id for c in scheduled.chunks if c.request_id in self.unread]
-        self.unread.difference_update(rids)
-        return rids
-
-    def abort(self, request_id: str) -> None:
-        self.unread.discard(request_id)
-        self.pending = [r for r in self.pending if r.request.request_id != request_id]
-        self.inbound.abort_request(request_id)
+__all__ = ["DecodeSide", "DecodeStats", "Lent", "Outbound", "PrefillSide", "Reservation"]
