@@ -188,9 +188,9 @@ class LinkQueue:
     def __len__(self) -> int:
         return len(self.items)
 
-    @property
-    def queued_bytes(self) -> float:
-        return sum(it.nbytes for it in self.items)
+    def queued_bytes(self, tiers: set[str]) -> float:
+        """Bytes queued of `tiers`."""
+        return sum(it.nbytes for it in self.items if it.tier in tiers)
 
     def push(self, key: object, nbytes: float, tier: str = "default", deadline_s: float = float("inf")) -> Item:
         item = Item(key, tier, deadline_s, nbytes, next(self._seq))

@@ -45,10 +45,14 @@ class LinkStats:
     demand_s: float = 0.0
     demand_since: float | None = None
 
-    def as_dict(self, capacity: float | None, now: float) -> dict:
+    def rate(self, link_rate: float | None) -> float | None:
+        """The link's capacity: its throttle's rate, else the rate the transport sent at (None: unknown)."""
+        return link_rate or (self.bytes / self.busy_s if self.busy_s else None)
+
+    def as_dict(self, link_rate: float | None, now: float) -> dict:
         demand = self.demand_s + (now - self.demand_since if self.demand_since is not None else 0.0)
         return {"busy_s": self.busy_s, "bytes": self.bytes, "useful_bytes": self.useful_bytes, "demand_s": demand,
-                "capacity": capacity if capacity else (self.bytes / self.busy_s if self.busy_s else None)}
+                "capacity": self.rate(link_rate)}
 
 
 @dataclass
@@ -80,7 +84,7 @@ class Outbox:
         queue.push(chunk, chunk.nbytes, out.tier, out.deadline_s)
         self.pending[out.xfer] += 1
 
-    def pump(self, now: float | None = None) -> None:
+    def pump(self) -> None:
         """Send what the links allow now; detach what stays queued."""
         for link, queue in self.queues.items():
             bucket = self.buckets.get(link)
@@ -129,10 +133,6 @@ class Outbox:
     def queued(self, xfer: str) -> int:
         return self.pending.get(xfer, 0)
 
-    def queued_bytes(self, out) -> int:
-        queue = self.queues.get(out.link)
-        return 0 if queue is None else int(sum(it.nbytes for it in queue.items if it.key.out is out))
-
     def landing_in_s(self, out) -> float:
         """`out` is prefilled: its queued chunks are due. When the last of them will have gone, from now
         (in policy order, at the link's rate; 0 when nothing of it waits or the rate is unknown yet)."""
@@ -141,18 +141,14 @@ class Outbox:
             return 0.0
         queue.expedite(lambda it: it.key.out is out, time.monotonic())
         ahead = queue.bytes_until(lambda it: it.key.out is out)
-        rate = self.link_rate or self.links[out.link].as_dict(None, time.monotonic())["capacity"]
+        rate = self.links[out.link].rate(self.link_rate)
         return ahead / rate if ahead and rate else 0.0
 
     def backlog(self, tiers: set[str]) -> list[tuple[float, float | None]]:
         """Per link with chunks queued: (bytes queued of `tiers`, its rate: the throttle's, else the measured
         one)."""
-        now, out = time.monotonic(), []
-        for link, queue in self.queues.items():
-            if len(queue):
-                queued = sum(it.nbytes for it in queue.items if it.tier in tiers)
-                out.append((queued, self.link_rate or self.links[link].as_dict(None, now)["capacity"]))
-        return out
+        return [(queue.queued_bytes(tiers), self.links[link].rate(self.link_rate))
+                for link, queue in self.queues.items() if len(queue)]
 
     def drop(self, out) -> int:
         """Forget a failed or aborted transfer's queued chunks; returns how many."""
