@@ -331,6 +331,36 @@ def test_priority_policy_orders_admission_and_preemption():
     assert final["bg"].token_ids == reference([1] * 7, 14)
 
 
+def test_a_running_prefill_yields_its_chunk_to_a_higher_ranked_arrival_and_resumes():
+    eng = make_engine(max_num_batched_tokens=16, policy="priority")
+    long_prompt = [(7 * k) % VOCAB for k in range(200)]
+    eng.add_request(long_prompt, greedy(4), request_id="low", priority=5)
+    final: dict = {}
+    for _ in range(3):
+        step(eng, final)  # "low" is mid-prefill, 16 tokens a step
+    eng.add_request([3] * 40, greedy(4), request_id="high", priority=0)
+    step(eng, final)
+    chunks = {c.request_id: c.num_tokens for c in eng.executor.steps[-1].chunks}
+    assert chunks == {"high": 16}  # paused at the chunk boundary, not preempted: it keeps its blocks
+    assert eng.block_manager.block_ids("low") and eng.scheduler.stats.num_preemptions == 0
+    step(eng, final)
+    step(eng, final)
+    chunks = {c.request_id: c.num_tokens for c in eng.executor.steps[-1].chunks}
+    assert chunks == {"high": 8, "low": 8}  # what the arrival leaves goes to the paused prefill
+    assert eng.scheduler.stats.prefill_yields_by_tier == {"default": 1}  # then "high" runs first in order
+    run(eng, final)
+    assert final["low"].token_ids == reference(long_prompt, 4)
+    assert final["high"].token_ids == reference([3] * 40, 4)
+
+    # Under FCFS nothing that arrives later outranks a running prefill: it waits for the budget.
+    eng = make_engine(max_num_batched_tokens=16)
+    eng.add_request(long_prompt, greedy(4), request_id="first")
+    step(eng, {})
+    eng.add_request([3] * 40, greedy(4), request_id="second")
+    step(eng, {})
+    assert {c.request_id for c in eng.executor.steps[-1].chunks} == {"first"}
+
+
 def test_fcfs_preempts_the_latest_arrival():
     eng = make_engine(num_blocks=8, block_size=4, max_num_batched_tokens=64)
     eng.add_request([1] * 7, greedy(14), request_id="first")

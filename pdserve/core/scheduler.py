@@ -6,13 +6,14 @@ admitted while the token budget, the batch size and the block pool allow. When a
 grow, the lowest-priority running request is preempted: its blocks are freed (they stay in the prefix cache
 until reused) and it waits to recompute prompt + outputs.
 
+A running prefill ranked after a waiting request that can start now (a priority arrival while flex prompts
+are mid-prefill) yields: the arrival takes the step's budget first, the paused prefill keeps its blocks and
+gets what is left (`_run`, `_count_yields`).
+
 Prefill/decode disaggregation uses the same class on both sides. A prefill worker's requests are
 `prefill_only`: they end as FINISHED_PREFILLED once their prompt's KV is computed and the first token
-sampled (no stop checks there). A decode worker `reserve_kv`s blocks for a request whose KV another worker
-delivers (WAITING_FOR_KV, never scheduled), then `kv_delivered(first_token)` makes it a decoding request
-with the whole prompt computed and that token as its first output (or finished by it); without a first
-token (the prefill worker was not needed: every prompt token but the last was cached here) it computes the
-last prompt token itself. `kv_failed` sends it to the waiting queue to recompute here.
+sampled (no stop checks there). The decode side's reservations for delivered KV are in
+`pdserve.core.kv_reservations`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.hot_window import HotWindow
+from pdserve.core.kv_reservations import KVReservations
 from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
@@ -40,6 +42,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     preemptions_by_tier: Counter = field(default_factory=Counter)  # service tier -> preemptions
     num_share_preemptions: int = 0  # of them, to take the guaranteed tier's share back
+    prefill_yields_by_tier: Counter = field(default_factory=Counter)  # steps a running prefill let a
+    # higher-ranked waiting request go first (`Scheduler._count_yields`), by the yielding request's tier
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
     num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
@@ -49,7 +53,7 @@ _NO_TIER_HIT = TierHit()
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_PREFILLED)
 
 
-class Scheduler:
+class Scheduler(KVReservations):
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
                  policy: QueuePolicy | None = None) -> None:
         self.config = config
@@ -99,90 +103,6 @@ class Scheduler:
         self.window = HotWindow(self.blocks, self.tiers, hot_window_tokens)
         self.max_model_len = self.window.max_model_len(self.config.max_model_len)
 
-    # ---- KV delivered by another worker (decode side of PD) ------------------------------------------------
-    def reserve_kv(self, request: Request) -> int | None:
-        """Hold blocks for the whole prompt of a request whose KV will be delivered; None when no room now.
-
-        Returns the number of prompt tokens already in this worker's prefix cache (whole blocks): the sender
-        need not deliver those. Raises like `add_request` for a request that could never be served.
-        """
-        self.check_new(request)
-        self._take_back(request, self.blocks.blocks_needed(request.num_prompt_tokens), self._taken_back)
-        if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
-            return None
-        prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)
-        if self.window is not None and self.blocks.blocks_needed(request.num_prompt_tokens) > self.window.window:
-            hit_blocks = self._reserve_long(request, prefix)  # device hits unused: its head goes to host
-            if hit_blocks is None:
-                return None
-            hit_tokens = hit_blocks * self.blocks.block_size
-        else:
-            lower = self._tier_hit(prefix)
-            if lower.waiting:
-                return None
-            ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix)
-            if ids is None:
-                return None
-            if lower.host:
-                self._pending_loads[request.request_id] = self._load(lower, prefix, ids, count=True)
-            hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
-        self.requests[request.request_id] = request
-        self._num_reserved += 1
-        request.scheduled_s = time.monotonic()
-        request.status = RequestStatus.WAITING_FOR_KV
-        request.num_cached_prompt_tokens = hit_tokens
-        self.stats.num_prompt_tokens += request.num_prompt_tokens
-        self.stats.num_prefix_hit_tokens += hit_tokens
-        return hit_tokens
-
-    def _reserve_long(self, request: Request, prefix: PrefixHit) -> int | None:
-        lower = self.tiers.extend(prefix.block_hashes)
-        if lower.waiting:
-            return None
-        reserved = self.window.reserve(request, prefix.block_hashes, lower)
-        if reserved is None:
-            return None
-        _, loads, hit_blocks = reserved
-        if loads:
-            self._pending_loads[request.request_id] = loads
-        return hit_blocks
-
-    def kv_delivered(self, request_id: str, first_token: int | None = None) -> Request:
-        """The prompt's KV is in the reserved blocks. With `first_token` (sampled by the prefill worker) the
-        request decodes from there, or ends if that token stops it (check `is_finished`); without one, only
-        the last prompt token's KV is missing and is computed here, giving the first token."""
-        req = self._reserved(request_id)
-        if req.cold_hashes:  # its head arrived in host entries: now servable (and copied to disk)
-            self.tiers.commit_cold(req.cold_hashes)
-        req.num_computed_tokens = req.num_prompt_tokens - (first_token is None)
-        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
-        req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
-        bisect.insort(self.running, req, key=self.policy.sort_key)
-        if first_token is not None:
-            req.prefilled_s = req.first_token_s = time.monotonic()
-            req.append_output_token(first_token)
-            status = self._stop_status(req)
-            if status is not None:
-                self._finish(req, status)
-        return req
-
-    def kv_failed(self, request_id: str) -> None:
-        """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""
-        req = self._reserved(request_id)
-        self._drop_pending_loads(request_id)
-        self.blocks.free(request_id)
-        self._drop_cold(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self._push_waiting(req)
-
-    def _reserved(self, request_id: str) -> Request:
-        req = self.requests.get(request_id)
-        if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
-            raise KeyError(f"{request_id!r} is not waiting for KV")
-        self._num_reserved -= 1
-        return req
-
     @property
     def has_pending_loads(self) -> bool:
         """Host tier hits of reservations wait to be loaded by the next step."""
@@ -214,14 +134,34 @@ class Scheduler:
             self._take_back(head, self.blocks.blocks_needed(min(head.num_tokens, budget)), taken)
         self.step_budget.begin(self.running)  # the decoding requests' TPOT SLOs cap this step's prefill
         outranked = self._outranked_key(head)
+        yielded: list[Request] = []  # running prefills paused at this chunk boundary for `head`
+        budget = self._run(self.running, budget, chunks, preempted, outranked, yielded)
+        if not preempted:  # admitting new work in a step that had to preempt would only thrash
+            budget = self._admit_waiting(budget, chunks, self.policy.sort_key(yielded[0]) if yielded else None)
+        if yielded:  # they get what the waiting requests that outrank them left (work-conserving), no preempting
+            budget = self._run(yielded, budget, chunks, None, None, [])
+            if not preempted:
+                self._admit_waiting(budget, chunks, None)
+            self._count_yields(yielded)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
+        self._pending_loads, self._step_loads = {}, []
+        return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads))
+
+    def _run(self, running: list[Request], budget: int, chunks: list[ScheduledChunk], preempted: list[str] | None,
+             outranked: tuple | None, yielded: list[Request]) -> int:
+        """Give `running` requests their decode token or next prefill chunk, in policy order, preempting the
+        lowest-ranked for blocks (with `preempted` None: stopping instead); a prefill ranked after `outranked`
+        (a waiting request that can start now) is put in `yielded` instead. Returns the budget left."""
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 1:  # a prefill chunk (or a recompute): within the step's prefill allowance
                 if outranked is not None and self.policy.sort_key(req) > outranked:
+                    yielded.append(req)
                     i += 1
-                    continue  # the allowance goes to the waiting request that outranks it
+                    continue  # the allowance goes first to the waiting request that outranks it
                 n = self.step_budget.take(n, req.num_computed_tokens)
                 if n == 0:
                     i += 1
@@ -231,17 +171,15 @@ class Scheduler:
                 if not self.window.make_room(req, n):
                     i += 1
                     continue  # its oldest blocks are still being copied to host: it runs next step
-            if not self._grow_or_preempt(req, n, preempted):
+            if preempted is None:
+                if self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                    break
+            elif not self._grow_or_preempt(req, n, preempted):
                 break  # `req` itself was the lowest priority and got preempted
             chunks.append(self._chunk(req, n))
             budget -= n
             i += 1
-        if not preempted:  # admitting new work in a step that had to preempt would only thrash
-            self._admit_waiting(budget, chunks)
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
-        self._pending_loads, self._step_loads = {}, []
-        return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads))
+        return budget
 
     def update(self, scheduled: SchedulerOutput, result: ExecutorOutput) -> list[Request]:
         """Advance requests by what the step computed and sampled; return the requests that finished."""
@@ -299,10 +237,11 @@ class Scheduler:
             preempted.append(victim.request_id)
 
     def _outranked_key(self, head: Request | None) -> tuple | None:
-        """When this step's prefill is capped and the waiting `head` could start now, its queue key: running
-        prefills ranked after it wait a step, so the capped allowance goes in queue order (a priority request
-        arriving while default prompts are mid-prefill starts at once)."""
-        if head is None or not self.step_budget.capped or len(self.running) >= self.config.max_num_seqs:
+        """When the waiting `head` could start now, its queue key: running prefills ranked after it yield
+        their chunk to it (paused at this chunk boundary, keeping their blocks) and get what it leaves, so
+        the step's prefill budget goes in queue order (a priority request arriving while flex prompts are
+        mid-prefill starts at once instead of waiting for their whole prompts)."""
+        if head is None or len(self.running) >= self.config.max_num_seqs:
             return None
         if self.blocks.blocks_needed(min(head.num_tokens, self.step_budget.last_cap)) > self.blocks.num_free_blocks:
             return None
@@ -317,10 +256,12 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], stop: tuple | None) -> int:
+        """Start waiting requests in queue order (those ranked before `stop`, when given) while the budget,
+        the batch size and the blocks allow; returns the budget left."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
-            if req is None:
+            if req is None or (stop is not None and self.policy.sort_key(req) > stop):
                 break
             prefix = self.blocks.find_prefix(req.all_token_ids, req.request_id)
             lower = self._tier_hit(prefix)
@@ -352,6 +293,13 @@ class Scheduler:
             bisect.insort(self.running, req, key=self.policy.sort_key)
             chunks.append(self._chunk(req, n))
             budget -= n
+        return budget
+
+    def _count_yields(self, yielded: list[Request]) -> None:
+        """A running prefill that let a higher-ranked waiting request take the budget first (it keeps its
+        blocks and gets what is left, if anything): counted by tier."""
+        for req in yielded:
+            self.stats.prefill_yields_by_tier[req.service_tier] += 1
 
     def _tier_hit(self, prefix: PrefixHit) -> TierHit:
         if self.tiers is None:

@@ -109,6 +109,10 @@ class Metrics:
         self.preemptions = Counter("pdserve_preemptions", "Requests preempted (recompute): a running request "
                                    "that could not grow, or the priority tier taking its share back",
                                    ["worker", "service_tier"], registry=r)
+        self.prefill_yields = Counter("pdserve_prefill_yields", "Steps a running prefill let a higher-ranked "
+                                      "arrival go first at a chunk boundary (keeping its blocks; it gets what "
+                                      "the arrival leaves of the step)",
+                                      ["worker", "service_tier"], registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "
@@ -140,6 +144,8 @@ class Metrics:
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         for tier, n in s.get("preemptions_by_tier", {}).items():
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
+        for tier, n in s.get("prefill_yields_by_tier", {}).items():
+            self._inc_total(self.prefill_yields, (w, f"yield:{tier}"), n, worker=w, service_tier=tier)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
         if "kv_lease_renewals" in s:  # a decode worker
             self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)

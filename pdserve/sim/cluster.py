@@ -216,6 +216,6 @@ def _engine_stats(e: SimEngine, duration_s: float) -> dict:
     s = e.scheduler.stats
     return {"name": e.name, "role": e.role, "num_blocks": e.engine.block_manager.num_blocks, "steps": e.num_steps,
             "fast_forward_steps": e.num_ff_steps, "busy_fraction": e.busy_s / duration_s,
-            "preemptions": s.num_preemptions, "prompt_tokens": s.num_prompt_tokens,
+            "preemptions": s.num_preemptions, "prefill_yields": dict(s.prefill_yields_by_tier), "prompt_tokens": s.num_prompt_tokens,
             "prefix_hit_tokens": s.num_prefix_hit_tokens, "device_kv": e.device.stats(duration_s),
             "kv_tiers": kv_tier_stats(e, duration_s), "kv_series": e.device.series}

@@ -13,7 +13,8 @@ run carries a `sim` block next to its bench `summary`:
   conductor's prediction), effective link bandwidth utilization, P99 inter-token jitter (|gap - the
   request's TPOT|, pooled), wasted-transfer rate (bytes delivered but never consumed / bytes delivered);
 * `cost`: GPU-hours and USD per 1k output tokens and per 1k tokens (prompt + output);
-* `engines`: steps, fast-forwarded steps, busy share, prefix hits and preemptions per engine.
+* `engines`: steps, fast-forwarded steps, busy share, prefix hits, preemptions and prefill yields (by tier)
+  per engine.
 Per-request token times are cut to the first and last in result.json (the summary used all of them).
 
 Service tiers: records tagged with a `service_tier` (and `rejected` for refusals) give each summary a
