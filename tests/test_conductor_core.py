@@ -56,7 +56,7 @@ def _simulate_and_record():
     return conductor, records
 
 
-def _replay_on_real_conductor(decisions, tmp_path) -> tuple[dict, dict, Metrics]:
+def _replay_on_real_conductor(decisions, tmp_path, stage_blocks: dict) -> tuple[dict, dict, Metrics]:
     """Feed the recorded events to the gateway's conductor; return the commands each worker socket got, the
     error events of refused or failed requests, and the metrics."""
     names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
@@ -75,7 +75,8 @@ def _replay_on_real_conductor(decisions, tmp_path) -> tuple[dict, dict, Metrics]
             pulls[name].bind(f"ipc://{tmp_path}/{name}.cmd")
             conductor.add_worker(name, name.split("-")[0], f"ipc://{tmp_path}/{name}.cmd")
             conductor.on_event({"type": "ready", "worker": name, "block_size": 16,
-                                "max_num_batched_tokens": 8192 if name.startswith("prefill") else 2048})
+                                "max_num_batched_tokens": 8192 if name.startswith("prefill") else 2048,
+                                "stage_blocks": stage_blocks.get(name, 0)})
         flights = {}
         for event, args, kwargs, _ in decisions:
             now[0] = _time_of(event, args)
@@ -103,7 +104,8 @@ def _replay_on_real_conductor(decisions, tmp_path) -> tuple[dict, dict, Metrics]
 
 def _time_of(event: str, args) -> float:
     return {"arrive": lambda: args[3], "prefilled": lambda: args[1], "token": lambda: args[3],
-            "reserved": lambda: args[5], "consumed": lambda: args[1]}.get(event, lambda: 0.0)()
+            "reserved": lambda: args[5], "consumed": lambda: args[1], "reserve_waiting": lambda: args[2],
+            "staged": lambda: args[2]}.get(event, lambda: 0.0)()
 
 
 async def _feed(conductor: Conductor, event: str, args) -> None:
@@ -123,6 +125,10 @@ async def _feed(conductor: Conductor, event: str, args) -> None:
         conductor.on_event({"type": "stats", "worker": args[0], "steps": [list(s) for s in args[1]], "running": 0,
                             "waiting": 0, "blocks_used": 0, "blocks_total": 400, "prompt_tokens": 0,
                             "prefill_cap": args[2] if len(args) > 2 else None})
+    elif event == "reserve_waiting":
+        conductor.on_event({"type": "reserve_waiting", "rid": args[0], "xfer": args[1]})
+    elif event == "staged":
+        conductor.on_event({"type": "staged", "rid": args[0], "ok": args[1]})
     elif event == "abort":
         await conductor.abort(args[0])
     else:
@@ -158,7 +164,10 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     assert rejected and len(rejected) < NUM, "the workload must make admission refuse some requests, not all"
     assert {sim_cmd["type"] for cmds in sent.values() for sim_cmd in cmds} >= {"reserve", "prefill"}
 
-    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path)
+    # the decode engines fill up: idle prefill engines stage the prompts waiting for room
+    assert kinds["reserve_waiting"] > 0 and kinds["staged"] > 0
+    assert any(c["type"] == "stage" for cmds in sent.values() for c in cmds)
+    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.stage_blocks)
     for name in got:
         assert got[name] == sent.get(name, []), name
     assert {rid: (e["status"], e["code"]) for rid, e in errors.items()} == failed

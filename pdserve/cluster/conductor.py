@@ -161,6 +161,10 @@ class Conductor:
             if self.metrics:
                 self.metrics.observe_prefill(event)
             self._act(core.prefilled(event["rid"], now, event.get("landing_in_s")))
+        elif kind == "reserve_waiting":
+            self._act(core.reserve_waiting(event["rid"], event["xfer"], now))
+        elif kind == "staged":
+            self._act(core.staged(event["rid"], event["ok"], now))
         elif kind == "transfer":
             if self.metrics:
                 self.metrics.observe_transfer(event)

@@ -15,6 +15,11 @@ simulated time. What it decides:
   is left (`kv_failed`: the decode worker recomputes); each choice is counted (`kv_recovery{choice}`); a
   failed delivery aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
+* **stage** prompts while their decode worker has no room (PD, a prefill worker that advertises
+  `stage_blocks`: `--delivery scheduled`): an idle prefill worker computes the next waiting prompt ahead
+  (`stage`), one at a time, within the blocks it can keep; its KV stays in that worker's prefix cache and host
+  tier (no device blocks held, no transfer open), and the prefill dispatched once blocks are reserved finds
+  it there and only sends it (`Count("kv_staged")`);
 * **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
   it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
   it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block).
@@ -95,6 +100,8 @@ class FlightState:
     prediction: Prediction | None = None  # PD: of its KV's first consumption
     kv_addr: str | None = None  # PD: where its reserved blocks take KV (known once reserved)
     first_block: int = 0
+    waiting_room: bool = False  # PD: its decode worker had no room for its blocks when asked
+    staged: str = ""  # PD: "staging" (computed ahead on its prefill worker) -> "staged" (done there)
 
 
 @dataclass
@@ -118,6 +125,8 @@ class ConductorCore:
         self.flights: dict[str, FlightState] = {}
         self.consumption = ConsumptionPredictor(admission)
         self._xfers = itertools.count()
+        self.stage_blocks: dict[str, int] = {}  # prefill worker -> blocks of staged KV it can keep (0: none)
+        self.staging: dict[str, str] = {}  # prefill worker -> the request it is staging now
 
     # ---- workers ----------------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
@@ -130,6 +139,7 @@ class ConductorCore:
 
     def worker_ready(self, name: str, info: dict) -> None:
         self.block_size = info.get("block_size", self.block_size)
+        self.stage_blocks[name] = info.get("stage_blocks", 0)
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
 
@@ -158,6 +168,7 @@ class ConductorCore:
         """Its prefill worker died: move the prompt to another live prefill worker, unless none is left or
         the decode worker would recompute it sooner (both predicted by admission's step models)."""
         self._prefill_done(f)
+        f.staged = ""  # what it staged died with it
         hashes = hash_blocks(f.prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         other = self._pick("prefill", hashes)
         tokens = len(f.prompt)
@@ -284,12 +295,60 @@ class ConductorCore:
     def prefilled(self, rid: str, now: float, landing_in_s: float | None = None) -> list:
         """`landing_in_s`: the prefill worker's link's estimate of when the transfer's last chunk is out."""
         f = self.flights.get(rid)
-        if f is not None:
-            f.prefilled_s = now
-            self._prefill_done(f)
-            if f.prediction is not None:
-                self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
-        return []
+        if f is None:
+            return []
+        f.prefilled_s = now
+        prefill = f.prefill
+        self._prefill_done(f)
+        if f.prediction is not None:
+            self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
+        return self._stage_next(prefill)
+
+    # ---- staging: prompts computed ahead while their decode worker has no room ----------------------------
+    def reserve_waiting(self, rid: str, xfer: str, now: float = 0.0) -> list:
+        """The decode worker has no room for this request's blocks now: its prefill worker may stage it."""
+        f = self.flights.get(rid)
+        if f is None or f.xfer != xfer:
+            return []
+        f.waiting_room = True
+        return self._stage_next(f.prefill)
+
+    def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
+        """The prefill worker finished (or dropped) its stage pass of `rid`: only the prompt's last token is
+        left to compute when it is dispatched."""
+        f = self.flights.get(rid)
+        if f is None or f.staged != "staging" or f.prefill is None:
+            return []  # (no prefill needed after all: its decode worker found the prompt cached)
+        self.staging.pop(f.prefill, None)
+        f.staged = "staged" if ok else ""
+        if ok and f.queued_tokens > 1:
+            backlog, rank, left = self.backlog[f.prefill], self.tiers[f.tier].rank, f.queued_tokens - 1
+            backlog.tokens[rank] -= left
+            if f.dispatched:
+                backlog.dispatched[rank] -= left
+            f.queued_tokens = 1
+        return self._stage_next(f.prefill)
+
+    def _stage_next(self, prefill: str | None) -> list:
+        """An idle prefill worker (nothing dispatched, nothing staging) stages the first prompt, in tier order,
+        whose decode worker had no room, while what it keeps staged fits in its `stage_blocks`."""
+        if (prefill is None or not self.stage_blocks.get(prefill) or prefill in self.staging
+                or not self.workers[prefill].alive or any(self.backlog[prefill].dispatched.values())):
+            return []
+        mine = [f for f in self.flights.values() if f.prefill == prefill and f.kv_addr is None]
+        kept = sum(self._blocks(f) for f in mine if f.staged)
+        waiting = [f for f in mine if f.waiting_room and not f.staged]
+        if not waiting:
+            return []
+        f = min(waiting, key=lambda g: (self.tiers[g.tier].rank, g.arrival_s))
+        if kept + self._blocks(f) > self.stage_blocks[prefill]:
+            return []
+        f.staged, self.staging[prefill] = "staging", f.rid
+        return [Count("kv_staged", (("service_tier", f.tier),)),
+                Send(prefill, {"type": "stage", **self._request_fields(f)})]
+
+    def _blocks(self, f: FlightState) -> int:
+        return -(-len(f.prompt) // self.block_size)
 
     def consumed(self, rid: str, at_s: float) -> list:
         """The decode worker's first step reading this request's delivered KV started at `at_s`."""
@@ -341,6 +400,8 @@ class ConductorCore:
         return (tier.ttft_ms is None or ttft_ms <= tier.ttft_ms) and (tier.tpot_ms is None or tpot_ms <= tier.tpot_ms)
 
     def _prefill_done(self, f: FlightState) -> None:
+        if f.prefill is not None and self.staging.get(f.prefill) == f.rid:
+            del self.staging[f.prefill]  # (its stage pass is moot or already folded into the prefill)
         if f.queued_tokens:
             producer = f.prefill or f.decode
             rank = self.tiers[f.tier].rank

@@ -84,7 +84,8 @@ class Worker:
                    "kv_addr": self.decode.receiver.address if self.decode else "",
                    "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
                    "max_model_len": self.engine.scheduler.max_model_len,
-                   "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens})
+                   "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
+                   "stage_blocks": self._stage_blocks()})
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0 and not self._held()
@@ -108,6 +109,14 @@ class Worker:
             self._maybe_stats()
             if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
+
+    def _stage_blocks(self) -> int:
+        """Blocks of staged KV this prefill worker offers to keep (its host tier, else half its pool) under
+        `--delivery scheduled`; 0: it stages nothing."""
+        if self.prefill is None or not self.prefill.outbox.policy.scheduled:
+            return 0
+        host = (self.engine.tiers.capacities().get("host", 0)) if self.engine.tiers is not None else 0
+        return host or self.engine.block_manager.num_blocks // 2
 
     def _held(self) -> bool:
         """A prefill worker whose links are backed up produces nothing now (backpressure)."""
@@ -149,6 +158,7 @@ class Worker:
                 self.decode.abort(cmd["rid"])
             if self.prefill is not None:
                 self.prefill.finish(cmd["rid"], prefilled=False)
+                self.prefill.drop_stage(cmd["rid"])
         elif kind == "generate":
             req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
                                            cmd.get("priority", 0), pin=_pin(cmd), service_tier=_tier(cmd))
@@ -157,6 +167,9 @@ class Worker:
             self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
                              cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd), _tier(cmd),
                              link=cmd.get("link"), deadline_in_s=cmd.get("deadline_in_s"))
+        elif kind == "stage":
+            self.prefill.stage(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd.get("priority", 0),
+                               _tier(cmd))
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
                                 cmd.get("priority", 0), _pin(cmd), _tier(cmd))
@@ -174,6 +187,8 @@ class Worker:
             self.emit({"type": "reserved", "rid": res.request.request_id, "xfer": res.xfer,
                        "first_block": first, "kv_addr": self.decode.receiver.address,
                        "needs_prefill": self.decode.inbound.get(res.xfer) is not None})
+        for rid, xfer in self.decode.newly_waiting():
+            self.emit({"type": "reserve_waiting", "rid": rid, "xfer": xfer})
         for inbound, outcome, req in self.decode.settle():
             self.emit({"type": "transfer", "rid": inbound.request_id, "xfer": inbound.xfer, "outcome": outcome,
                        "state": inbound.state.value, "bytes": inbound.num_bytes,
@@ -197,6 +212,11 @@ class Worker:
         items = []
         for out in outputs:
             if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
+                staged = self.prefill.stage_ended(out.request_id, out.finish_reason == "prefilled")
+                if staged is not None:
+                    self.emit({"type": "staged", "rid": staged, "ok": out.finish_reason == "prefilled"})
+                    continue
+                self.prefill.drop_stage(out.request_id, out.num_cached_tokens)
                 landing = self.prefill.landing_in_s(out.request_id)
                 failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled",
                                              first_token=out.token_ids[-1] if out.token_ids else None)
@@ -216,6 +236,7 @@ class Worker:
     def _cancel_failed_deliveries(self) -> None:
         for rid in self.prefill.failed_requests():
             self.engine.abort([rid])
+            self.prefill.drop_stage(rid)
             failed = self.prefill.finish(rid, prefilled=False)
             self.emit({"type": "prefilled", "rid": rid, "failed": failed, "queue_s": None, "prefill_s": None})
 
@@ -261,7 +282,8 @@ class Worker:
                        kv_transfers_lent=len(self.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
                        kv_chunks_payload=box.chunks_payload,
                        kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report(),
-                       production_paused_s=self.prefill.paused_s)
+                       production_paused_s=self.prefill.paused_s, kv_wasted_bytes=dict(self.prefill.wasted_bytes),
+                       kv_staged_now=len(self.prefill.staged))
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -58,6 +58,7 @@ _FINISH_REASONS = {
 }
 
 _arrival_counter = itertools.count()
+STAGE = "@stage"  # the request id suffix of a prefill worker's stage pass (`pdserve.engine.pd`, "Staging")
 
 
 @dataclass(eq=False)  # identity semantics: two requests are never 'equal'

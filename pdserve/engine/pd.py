@@ -7,6 +7,13 @@ over the whole prompt; after each layer of each step, the new blocks of that lay
 worker straight from the pool, so delivery overlaps the next layers' compute. The last step samples the
 first output token, and a `done` record closes the transfer with it and the number of chunks sent.
 
+Staging: while the decode worker has no room for a prompt's blocks, the conductor may have this worker compute
+it ahead (`stage`: a prefill-only pass under `<rid>@stage`, ranked after every real prefill of its tier, with
+no transfer): its KV stays in the prefix cache and the host tier (write-through), holding no device blocks.
+The prompt's real prefill, dispatched once blocks are reserved, waits for the stage pass to end, then finds
+the prompt cached and only sends it. Staged KV lost before delivery (evicted, or its request aborted) is
+counted as wasted bytes.
+
 Decode side: `reserve` holds blocks for the whole prompt (or queues the reservation until blocks free up:
 no room, no production) and opens an inbound transfer. The transport writes each chunk straight into the
 reserved blocks the transfer expects (nowhere else) and verifies it there; only verified chunks count.
@@ -20,10 +27,12 @@ last prompt token is computed here and gives the first token.
 from __future__ import annotations
 
 import time
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
+from pdserve.core.request import STAGE
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
@@ -79,6 +88,11 @@ class PrefillSide:
         self.keepalives_sent = 0
         self.water = water or WaterLevel()
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
+        self.deferred: dict = {}  # request id -> its real prefill, waiting for its stage pass to end
+        self.staged: dict[str, int] = {}  # request id -> full blocks its stage pass left in the cache
+        self._stage_tokens: dict[str, int] = {}  # request id -> prompt tokens of its running stage pass
+        self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
+        self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
@@ -90,7 +104,11 @@ class PrefillSide:
         deadline under `--delivery scheduled`)."""
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier)
-        self.engine.scheduler.add_request(req)
+        if request_id + STAGE in self.engine.scheduler.requests:
+            self.engine.scheduler.check_new(req)
+            self.deferred[request_id] = req  # added when the stage pass ends (`stage_ended`)
+        else:
+            self.engine.scheduler.add_request(req)
         window = self.engine.scheduler.window
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
         # the pool sends copies instead.
@@ -101,6 +119,40 @@ class PrefillSide:
             deadline_s=float("inf") if deadline_in_s is None else now + deadline_in_s, num_tokens=len(prompt),
             rid=request_id)
         self._alive(out, now)  # queued here: the receiver's lease runs from now, renewed
+
+    def stage(self, request_id: str, prompt: list[int], params, priority: int = 0,
+              service_tier: str = "default") -> None:
+        """Compute a prompt ahead, with no transfer (see the module docstring)."""
+        req = self.engine.make_request(request_id + STAGE, prompt, params, priority, prefill_only=True,
+                                       service_tier=service_tier)
+        req.arrival_s = math.inf  # after every real prefill of its tier (they may pause it at a chunk boundary)
+        self.engine.scheduler.add_request(req)
+        self._stage_tokens[request_id] = len(prompt)
+
+    def stage_ended(self, stage_id: str, ok: bool) -> str | None:
+        """A request of this worker ended: for a stage pass, its request's id (after starting the real
+        prefill that waited for it); else None."""
+        if not stage_id.endswith(STAGE):
+            return None
+        request_id = stage_id[:-len(STAGE)]
+        tokens = self._stage_tokens.pop(request_id, 0)
+        req = self.deferred.pop(request_id, None)
+        if req is not None:
+            self.engine.scheduler.add_request(req)
+        if ok:
+            self.staged[request_id] = tokens // self.block_size
+        return request_id
+
+    def drop_stage(self, request_id: str, cached_tokens: int | None = None) -> None:
+        """`request_id` ended here: prefilled with `cached_tokens` from the cache (staged blocks missing then
+        were evicted before delivery), or aborted (`None`: a stage pass's blocks are wasted)."""
+        self.engine.abort([request_id + STAGE])
+        self.deferred.pop(request_id, None)
+        self._stage_tokens.pop(request_id, None)
+        blocks = self.staged.pop(request_id, 0)
+        lost = blocks if cached_tokens is None else max(blocks - cached_tokens // self.block_size, 0)
+        if lost:
+            self.wasted_bytes["stage_aborted" if cached_tokens is None else "stage_evicted"] += lost * self.block_bytes
 
     def keepalive(self, now: float | None = None) -> None:
         """Renew the receiver's lease of every transfer this worker holds (queued, producing, or waiting for

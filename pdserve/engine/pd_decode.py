@@ -4,7 +4,6 @@ and report the step that first reads delivered KV."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,6 +44,7 @@ class DecodeSide:
         self.pending: list[Reservation] = []
         self.stats = DecodeStats()
         self.unread: set[str] = set()  # delivered, not yet read by a step
+        self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
                 pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
@@ -73,6 +73,14 @@ class DecodeSide:
                 self.inbound.complete_now(res.xfer)
             granted.append((res, first))
         return granted
+
+    def newly_waiting(self) -> list[tuple[str, str]]:
+        """(request id, xfer) of reservations left waiting for room, each reported once: the conductor may
+        have the prompt staged meanwhile."""
+        pending = {r.xfer: r.request.request_id for r in self.pending}
+        new = [(rid, xfer) for xfer, rid in pending.items() if xfer not in self._told_waiting]
+        self._told_waiting = set(pending)
+        return new
 
     def receive(self, timeout_ms: int = 0) -> None:
         for msg in self.receiver.poll(timeout_ms, self._place):

@@ -46,7 +46,8 @@ class Metrics:
                                  ["worker", "mode"], registry=r)
         self.kv_wasted = Counter("pdserve_kv_wasted_bytes", "KV bytes a decode worker received (verified) and "
                                  "never consumed: its transfer failed (failed_timeout, failed_peer, ...) or its "
-                                 "request was aborted first", ["reason"], registry=r)
+                                 "request was aborted first; or a prefill worker staged and never delivered "
+                                 "(stage_aborted, stage_evicted)", ["reason"], registry=r)
         self.kv_link_util = Gauge("pdserve_kv_link_utilization", "Share of the last LINK_WINDOW_S seconds a prefill "
                                   "worker spent sending KV chunks on a link (prefill worker -> decode worker)",
                                   ["link"], registry=r)
@@ -113,6 +114,11 @@ class Metrics:
                                       "arrival go first at a chunk boundary (keeping its blocks; it gets what "
                                       "the arrival leaves of the step)",
                                       ["worker", "service_tier"], registry=r)
+        self.kv_staged = Counter("pdserve_kv_staged", "Prompts computed ahead on their prefill worker while "
+                                 "their decode worker had no room (their KV kept in its cache and host tier)",
+                                 ["service_tier"], registry=r)
+        self.kv_staged_now = Gauge("pdserve_kv_staged_prompts", "Prompts a prefill worker staged and has not "
+                                   "delivered yet", ["worker"], registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "
@@ -149,11 +155,12 @@ class Metrics:
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
         if "kv_lease_renewals" in s:  # a decode worker
             self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)
-            for reason, n in s.get("kv_wasted_bytes", {}).items():
-                self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
+        for reason, n in s.get("kv_wasted_bytes", {}).items():  # decode: delivered; prefill: staged
+            self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
         if "kv_transfers_lent" in s:  # a prefill worker
             self._observe_links(w, s.get("kv_links", {}))
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
+            self.kv_staged_now.labels(worker=w).set(s.get("kv_staged_now", 0))
             self._inc_total(self.production_paused, (w, "paused"), s.get("production_paused_s", 0.0), worker=w)
             for mode in ("in_place", "payload"):
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)

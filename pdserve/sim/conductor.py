@@ -39,6 +39,7 @@ from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.link import LinkModel
+from pdserve.sim.staging import SimStaging, stage_blocks
 from pdserve.sim.timemodel import StepShape
 
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
@@ -64,6 +65,7 @@ class Flight:
     deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
     first_token: int | None = None  # sampled by the prefill worker
     decode_request: SimRequest | None = None
+    told_waiting: bool = False  # the core heard its reservation wait for room
     failed: bool = False
     finished: bool = False
 
@@ -106,6 +108,7 @@ class SimConductor(EngineHooks):
         self.awaiting: dict[str, Flight] = {}  # delivered, not yet read by a decode step
         self.life = Lifecycle()
         self.num_finished = 0
+        self.staging = SimStaging()
 
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
@@ -114,7 +117,8 @@ class SimConductor(EngineHooks):
         for e in self.by_name.values():
             e.load = self.core.add_worker(e.name, e.role, e.load)
             self.core.worker_ready(e.name, {"block_size": self.block_size,
-                                            "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens})
+                                            "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens,
+                                            "stage_blocks": stage_blocks(e, self.links.policy.scheduled)})
         self.ports = {e.name: self.links.link(e.name, port_bw) for es in engines.values() for e in es}
         decode, prefill = engines.get("decode", []), engines.get("prefill", [])
         self.pending: dict[str, list[Flight]] = {e.name: [] for e in decode}
@@ -182,8 +186,11 @@ class SimConductor(EngineHooks):
             if cmd.get("deadline_in_s") is not None:
                 f.deadline_s = self.loop.now + cmd["deadline_in_s"]
             self._dispatch(f, engine)
+        elif kind == "stage":
+            engine.post(lambda: self.staging.stage(engine, self._request(f.prompt, f, prefill_only=True)),
+                        self.control_s)
         elif kind == "abort":
-            engine.post(lambda: engine.engine.abort([rid]), self.control_s)
+            engine.post(lambda: (engine.engine.abort([rid]), self.staging.abort(engine, rid)), self.control_s)
         elif kind == "kv_failed":
             engine.post(lambda: self._kv_failed(engine, rid), self.control_s)
 
@@ -239,6 +246,7 @@ class SimConductor(EngineHooks):
                 self._fail(f, str(e))
                 continue
             if cached is None:
+                self._tell_waiting(pending)
                 break
             pending.pop(0)
             f.next_block = cached // bs
@@ -248,6 +256,13 @@ class SimConductor(EngineHooks):
             xfer = self.core.flights[f.rid].xfer
             self._act(self._core("reserved", f.rid, xfer, needs_prefill, engine.name, f.next_block, self.loop.now))
 
+    def _tell_waiting(self, pending: list[Flight]) -> None:
+        """Reservations left waiting for room, each told to the core once (as `DecodeSide.newly_waiting`)."""
+        for f in pending:
+            if not f.told_waiting and not f.finished:
+                f.told_waiting = True
+                self._act(self._core("reserve_waiting", f.rid, self.core.flights[f.rid].xfer, self.loop.now))
+
     def _dispatch(self, f: Flight, p: SimEngine) -> None:
         tokens = len(f.prompt)
         self.queued_tokens[p.name] += tokens
@@ -256,7 +271,7 @@ class SimConductor(EngineHooks):
 
     def _add_prefill(self, p: SimEngine, f: Flight, tokens: int) -> None:
         self.queued_tokens[p.name] -= tokens
-        self._add(p, f, self._request(f.prompt, f, prefill_only=True))
+        self.staging.add_prefill(p, f.rid, lambda: self._add(p, f, self._request(f.prompt, f, prefill_only=True)))
 
     def _settle(self, engine: SimEngine, f: Flight) -> None:
         if f.finished or engine.scheduler.requests.get(f.rid) is None:
@@ -353,6 +368,9 @@ class SimConductor(EngineHooks):
         for out in outputs:
             f = self.flights.get(out.request_id)
             if f is None:
+                staged = self.staging.ended(out.request_id) if engine.role == "prefill" else None
+                if staged is not None and staged in self.flights:
+                    self._act(self._core("staged", staged, out.finish_reason == "prefilled", end_s + self.control_s))
                 continue
             if out.finish_reason == "prefilled":
                 f.prefilled = True

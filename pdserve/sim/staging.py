@@ -1,0 +1,55 @@
+"""Staging in the simulator, as the real prefill worker does it (`pdserve.engine.pd`, "Staging"): the core's
+`stage` command runs a prefill-only pass `<rid>@stage`, ranked after every real prefill of its tier, with no
+flows; the prompt's real prefill, dispatched once the decode worker has room, waits for that pass to end and
+then finds the prompt in the engine's prefix cache (and host tier). The decisions (when, which prompt, how many
+blocks a prefill engine keeps staged) are the conductor core's (`ConductorCore._stage_next`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from pdserve.core.request import STAGE
+from pdserve.sim.engine import SimEngine, SimRequest
+
+
+def stage_blocks(engine: SimEngine, scheduled: bool) -> int:
+    """Blocks of staged KV a prefill engine offers to keep: its host tier, else half its pool (as the real
+    worker's `_stage_blocks`); 0 under fifo delivery."""
+    if engine.role != "prefill" or not scheduled:
+        return 0
+    host = engine.tiers.capacities().get("host", 0) if engine.tiers is not None else 0
+    return host or engine.engine.block_manager.num_blocks // 2
+
+
+class SimStaging:
+    def __init__(self) -> None:
+        self.deferred: dict[str, Callable[[], None]] = {}  # rid -> adds its real prefill
+
+    def stage(self, engine: SimEngine, request: SimRequest) -> None:
+        """`request`: the prompt's prefill-only request, made under the stage id."""
+        request.request_id += STAGE
+        request.arrival_s = math.inf
+        engine.scheduler.add_request(request)
+
+    def add_prefill(self, engine: SimEngine, rid: str, add: Callable[[], None]) -> None:
+        """Add a real prefill now, or when its stage pass ends."""
+        if rid + STAGE in engine.scheduler.requests:
+            self.deferred[rid] = add
+        else:
+            add()
+
+    def ended(self, request_id: str) -> str | None:
+        """A request ended on a prefill engine: for a stage pass, its request's id (after adding the real
+        prefill that waited for it); else None."""
+        if not request_id.endswith(STAGE):
+            return None
+        rid = request_id[:-len(STAGE)]
+        add = self.deferred.pop(rid, None)
+        if add is not None:
+            add()
+        return rid
+
+    def abort(self, engine: SimEngine, rid: str) -> None:
+        engine.engine.abort([rid + STAGE])
+        self.deferred.pop(rid, None)
