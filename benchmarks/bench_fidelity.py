@@ -23,6 +23,10 @@ before a run, can describe another machine than the one the run met. Hence, thro
      the fitted prefill time of 16 tokens, over the 4 gateway <-> worker messages on a PD request's way to
      its first token;
   4. the relative errors of each run and their median over runs -> bench_results/fidelity/fidelity.json,
+     with the four KV lifecycle metrics side by side, real (`bench serve`'s scrape of /metrics) and
+     simulated (`sim.lifecycle`): schedule predictability (final and at dispatch), effective link
+     utilization, P99 inter-token jitter, wasted-transfer rate (`--link-gbps G` throttles the real KV link
+     and gives the simulator the same link; `--delivery` both);
      with the drift between consecutive profiles (how far the machine moved during each run) and the real
      runs' own spread (largest / smallest value of each metric over the runs - 1: the noise floor).
 """
@@ -127,9 +131,13 @@ def drift(before: Path, after: Path) -> dict:
     return out
 
 
-def real_run(k: int, workload: list[str]) -> tuple[int, tuple]:
+def _delivery_flags(args) -> list[str]:
+    return ["--delivery", args.delivery, *(["--link-gbps", str(args.link_gbps)] if args.link_gbps else [])]
+
+
+def real_run(k: int, workload: list[str], args) -> tuple[int, tuple]:
     """Serve and replay the workload once; the KV pool size and the idle probe's latencies."""
-    server = Server("--num-threads", "1")
+    server = Server("--num-threads", "1", *_delivery_flags(args))
     try:
         blocks = int(server.metric("pdserve_kv_blocks_total", worker="decode-0"))
         before = probe(server.url)
@@ -142,13 +150,13 @@ def real_run(k: int, workload: list[str]) -> tuple[int, tuple]:
     return blocks, probed
 
 
-def simulate(name: str, workload: list[str], fit: Path, blocks: int, control_ms: float) -> None:
+def simulate(name: str, workload: list[str], fit: Path, blocks: int, control_ms: float, args) -> None:
     from pdserve.model.loader import resolve_model_dir
     config = resolve_model_dir(None) / "config.json"
     run("simulate", *workload, "--model", str(config), "--gpu", "l40s", "--time-model", f"fitted:{fit}",
         "--mode", "pd", "--prefill", "1", "--decode", "1", "--block-size", "16", "--num-kv-blocks", str(blocks),
         "--prefill-budget", "2048", "--decode-budget", "2048", "--control-latency-ms", f"{control_ms:.3f}",
-        "--output", str(OUT / name), "--no-progress")
+        *_delivery_flags(args), "--output", str(OUT / name), "--no-progress")
 
 
 def errors(k: int, sim_name: str) -> dict:
@@ -156,6 +164,25 @@ def errors(k: int, sim_name: str) -> dict:
     sim = json.loads((OUT / sim_name / "result.json").read_text())["runs"][0]["summary"]
     return {f"{m}.{q}": {"real": real[m][q], "sim": sim[m][q], "rel_error": abs(sim[m][q] - real[m][q]) / real[m][q]}
             for m, q in METRICS}
+
+
+LIFECYCLE = [("schedule_predictability", "schedule_predictability"),
+             ("schedule_predictability_at_dispatch", "schedule_predictability_at_dispatch"),
+             ("link_effective_utilization", "effective_link_utilization"),
+             ("p99_inter_token_jitter_ms", "p99_inter_token_jitter_ms"), ("wasted_rate", "wasted_transfer_rate")]
+
+
+def lifecycle(k: int, sim_name: str) -> dict:
+    """The four lifecycle metrics of run k, real (from /metrics) and simulated, under one name each."""
+    real = json.loads((OUT / f"real{k}" / "result.json").read_text())["runs"][0].get("kv") or {}
+    sim = json.loads((OUT / sim_name / "result.json").read_text())["runs"][0]["sim"]["lifecycle"]
+    out = {}
+    for real_key, sim_key in LIFECYCLE:
+        value = real.get(real_key)
+        if isinstance(value, dict):  # per link: one link here (1 prefill -> 1 decode)
+            value = max(value.values(), default=None)
+        out[sim_key] = {"real": value, "sim": sim.get(sim_key)}
+    return out
 
 
 def main() -> int:
@@ -166,6 +193,8 @@ def main() -> int:
     ap.add_argument("--rate", default="0.5")
     ap.add_argument("--max-requests", default="40")
     ap.add_argument("--repeats", type=int, default=3, help="real runs, each between two profiles")
+    ap.add_argument("--delivery", default="scheduled", choices=["scheduled", "fifo"])
+    ap.add_argument("--link-gbps", type=float, default=None, help="throttle the KV link (real and simulated)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     workload = ["--workload", args.workload, "--length-scale", args.length_scale, "--rate", args.rate,
@@ -174,7 +203,7 @@ def main() -> int:
     run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[0]))
     runs = []
     for k in range(1, args.repeats + 1):
-        blocks, (warm, woken) = real_run(k, workload)
+        blocks, (warm, woken) = real_run(k, workload, args)
         run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[k]))
         fit = OUT / f"fit{k}.json"
         run("profile", "--merge", str(profiles[k - 1]), str(profiles[k]), "--output", str(fit))
@@ -183,11 +212,11 @@ def main() -> int:
         plain = json.loads(fit.read_text())
         fit.write_text(json.dumps({**plain, **wake}, indent=1))
         (OUT / f"fit{k}_nowake.json").write_text(json.dumps(plain, indent=1))
-        simulate(f"sim{k}", workload, fit, blocks, control_ms)
-        simulate(f"sim{k}_nowake", workload, OUT / f"fit{k}_nowake.json", blocks, control_ms)
+        simulate(f"sim{k}", workload, fit, blocks, control_ms, args)
+        simulate(f"sim{k}_nowake", workload, OUT / f"fit{k}_nowake.json", blocks, control_ms, args)
         runs.append({"control_latency_ms": control_ms, "probe_s": warm, "wake_probe_s": woken, "wake": wake,
                      "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k, f"sim{k}"),
-                     "rows_without_wake": errors(k, f"sim{k}_nowake")})
+                     "rows_without_wake": errors(k, f"sim{k}_nowake"), "lifecycle": lifecycle(k, f"sim{k}")})
         print_run(k, runs[-1])
     median = {rows: {key: statistics.median(r[rows][key]["rel_error"] for r in runs) for key in runs[0][rows]}
               for rows in ("rows", "rows_without_wake")}
@@ -221,6 +250,12 @@ def print_run(k: int, r: dict) -> None:
         name, alt = key.replace("_ms", "").replace(".", " "), r["rows_without_wake"][key]
         print(f"{name:<12}{row['real']:>10.1f}{row['sim']:>10.1f}{row['rel_error']:>12.1%}{alt['sim']:>14.1f}"
               f"{alt['rel_error']:>8.1%}", flush=True)
+    print("lifecycle metric (real / simulated): " + "; ".join(
+        f"{key} {_fmt(v['real'])} / {_fmt(v['sim'])}" for key, v in r["lifecycle"].items()), flush=True)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 if __name__ == "__main__":

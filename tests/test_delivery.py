@@ -183,3 +183,42 @@ def test_simulated_backpressure_pauses_production_and_loses_nothing():
         assert all(r.ok for r in run.records)
         paused[backlog] = run.life.production_paused_s
     assert paused[0.05] > 0 and paused[0.0] == 0
+
+
+def test_the_consumption_tail_is_learnt_per_tier_once_a_tier_has_samples_of_its_own():
+    from pdserve.cluster.consumption import TIER_SAMPLES, ConsumptionPredictor, Prediction
+    pred = ConsumptionPredictor(None)
+
+    def transfer(tier: str, wait_s: float) -> Prediction:
+        p = Prediction(4, tier=tier)
+        pred.at_prefilled(p, 10.0, "decode-0", 0.5)  # lands at 10.5
+        pred.consumed(p, "decode-0", 10.5 + wait_s)
+        return p
+
+    for _ in range(TIER_SAMPLES - 1):
+        transfer("priority", 0.010)
+        transfer("flex", 0.200)
+    p = Prediction(4, tier="flex")
+    pred.at_prefilled(p, 20.0, "decode-0", 0.0)
+    assert p.final_s == pytest.approx(20.0 + (0.010 + 0.200) / 2)  # too few of its own: the worker's median
+    transfer("priority", 0.010)
+    transfer("flex", 0.200)
+    for tier, wait_s in (("priority", 0.010), ("flex", 0.200)):
+        p = Prediction(4, tier=tier)
+        pred.at_prefilled(p, 20.0, "decode-0", 0.0)
+        assert p.final_s == pytest.approx(20.0 + wait_s)
+
+
+def test_chunks_shrink_to_a_quantum_of_the_link_while_it_is_congested():
+    from pdserve.transfer.outbox import CHUNK_QUANTUM_S, Chunk, Outbox
+
+    class Out:
+        link, tier, deadline_s, xfer, failed, by_copy, dest = "decode-0", "default", 1.0, "x", None, False, "d"
+
+    rate, block = 10e6, 4096  # 10 MB/s: a quantum carries 100 KB, 24 blocks of 4 KiB
+    box = Outbox(sender=None, policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=rate)
+    assert box.chunk_blocks("decode-0", block, 256) == 256  # nothing queued: as large as the transport allows
+    box.push(Chunk(Out(), {}, [], block, [0]))
+    assert box.chunk_blocks("decode-0", block, 256) == int(rate * CHUNK_QUANTUM_S) // block
+    assert box.chunk_blocks("decode-0", block, 8) == 8  # never above the transport's bound
+    assert box.chunk_blocks("decode-0", 10 * rate, 8) == 1  # at least one block

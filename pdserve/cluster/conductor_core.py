@@ -289,7 +289,7 @@ class ConductorCore:
         f.dispatched = True
         predicted = self.consumption.at_dispatch(now, f.prefill, f.decode, f.queued_tokens, ahead, behind)
         blocks = -(-len(f.prompt) // self.block_size) - first_block
-        f.prediction = Prediction(blocks, predicted, predicted)
+        f.prediction = Prediction(blocks, predicted, predicted, tier=f.tier)
         return predicted
 
     def prefilled(self, rid: str, now: float, landing_in_s: float | None = None) -> list:

@@ -12,8 +12,9 @@ first token when it settles the transfer, then steps).
 * When the prefill worker reports the prompt prefilled, with its link's estimate of when the transfer's
   last queued chunk will have gone (`landing_in_s`: the bytes the delivery policy sends before it, at the
   link's rate; `pdserve.core.delivery.LinkQueue.bytes_until`): that landing time + the decode worker's
-  consumption tail (the median of its recent first consumption - landing: the wait for its next step
-  boundary).
+  consumption tail for the transfer's service tier (the median of its recent first consumption - landing of
+  that tier: the wait for its next step boundary, and for a flex request also for room in the batch; the
+  decode worker's median over all tiers until a tier has TIER_SAMPLES of its own).
 
 The prediction is the transfer's delivery deadline (`--delivery scheduled` sends the earliest first within
 a tier) and is checked when the decode worker reports the first consuming step: per block, actual minus
@@ -31,6 +32,7 @@ from pdserve.cluster.admission import Admission
 
 CONSUME_TOLERANCE_S = 0.005  # "on time": within +-5 ms of the prediction
 TAIL_SAMPLES = 64
+TIER_SAMPLES = 8  # a tier's own consumption tail is used once it has this many samples
 
 
 @dataclass
@@ -39,13 +41,15 @@ class Prediction:
     at_dispatch_s: float | None = None
     final_s: float | None = None  # the latest refinement
     landed_s: float | None = None  # when the prefill worker's link expected the last chunk out
+    tier: str = "default"
 
 
 class ConsumptionPredictor:
     def __init__(self, admission: Admission | None) -> None:
         self.admission = admission
-        self.tail: dict[str, float] = {}  # decode worker -> consumption - landing, the median of recent ones
-        self.samples: dict[str, deque] = {}
+        # decode worker, or (decode worker, tier) -> consumption - landing, the median of recent ones
+        self.tail: dict = {}
+        self.samples: dict = {}
 
     def at_dispatch(self, now: float, producer: str, decoder: str, tokens: int, ahead: int, behind: int
                     ) -> float | None:
@@ -56,13 +60,16 @@ class ConsumptionPredictor:
 
     def at_prefilled(self, p: Prediction, now: float, decoder: str, landing_in_s: float | None) -> None:
         p.landed_s = now + (landing_in_s or 0.0)
-        p.final_s = p.landed_s + self.tail.get(decoder, 0.0)
+        own = self.samples.get((decoder, p.tier))
+        key = (decoder, p.tier) if own is not None and len(own) >= TIER_SAMPLES else decoder
+        p.final_s = p.landed_s + self.tail.get(key, 0.0)
 
     def consumed(self, p: Prediction, decoder: str, at_s: float) -> None:
         """Learn the decode worker's consumption tail from a transfer that landed: the median of its recent
         ones (a few transfers that waited long must not move every prediction)."""
         if p.landed_s is None:
             return
-        recent = self.samples.setdefault(decoder, deque(maxlen=TAIL_SAMPLES))
-        recent.append(max(at_s - p.landed_s, 0.0))
-        self.tail[decoder] = float(np.median(recent))
+        for key in (decoder, (decoder, p.tier)):
+            recent = self.samples.setdefault(key, deque(maxlen=TAIL_SAMPLES))
+            recent.append(max(at_s - p.landed_s, 0.0))
+            self.tail[key] = float(np.median(recent))

@@ -199,8 +199,11 @@ class PrefillSide:
     def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], partial: bool = False,
               useful: bool = True) -> None:
         tensor = self.layers[layer]
-        # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt.
-        per_chunk = max(1, getattr(self.sender, "max_chunk_bytes", 1 << 62) // chunk_nbytes(tensor, 1))
+        # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt;
+        # smaller while the link is congested (`Outbox.chunk_blocks`).
+        one = chunk_nbytes(tensor, 1)
+        most = max(1, getattr(self.sender, "max_chunk_bytes", 1 << 62) // one)
+        per_chunk = self.outbox.chunk_blocks(out.link, one, most)
         for i in range(0, len(block_ids), per_chunk):
             ids = block_ids[i:i + per_chunk]
             header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}

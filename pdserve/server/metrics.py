@@ -56,6 +56,8 @@ class Metrics:
                                        "something to send); capacity: --link-gbps, else the transport's measured "
                                        "rate", ["link"], registry=r)
         self.kv_link_bytes = Counter("pdserve_kv_link_bytes", "KV chunk bytes sent on a link", ["link"], registry=r)
+        self.kv_link_chunks = Counter("pdserve_kv_link_chunks", "KV chunks sent on a link (bytes / chunks: the "
+                                      "chunk size, smaller while the link is congested)", ["link"], registry=r)
         self._link_history: dict[str, deque] = {}  # link -> (monotonic time, its running totals)
         self.kv_consumption_error = Histogram(
             "pdserve_kv_consumption_error_seconds", "Per delivered KV block: its first consumption by a decode "
@@ -183,6 +185,7 @@ class Metrics:
                 useful = totals["useful_bytes"] - old["useful_bytes"]
                 self.kv_link_effective.labels(link=link).set(min(useful / (totals["capacity"] * demand), 1.0))
             self._inc_total(self.kv_link_bytes, (w, f"link:{dest}"), totals["bytes"], link=link)
+            self._inc_total(self.kv_link_chunks, (w, f"chunks:{dest}"), totals.get("chunks", 0), link=link)
 
     def _observe_tiers(self, w: str, kv: dict | None) -> None:
         if not kv:

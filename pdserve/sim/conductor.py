@@ -82,6 +82,7 @@ class Lifecycle:
     dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
     blocks_on_time_at_dispatch: int = 0
     production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
+    staged: int = 0  # prompts computed ahead while their decode engine had no room
     transfers: int = 0
     transfer_failures: int = 0
     aborted: int = 0
@@ -108,7 +109,7 @@ class SimConductor(EngineHooks):
         self.awaiting: dict[str, Flight] = {}  # delivered, not yet read by a decode step
         self.life = Lifecycle()
         self.num_finished = 0
-        self.staging = SimStaging()
+        self.staging = SimStaging(self.life)
 
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""

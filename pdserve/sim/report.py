@@ -11,7 +11,8 @@ run carries a `sim` block next to its bench `summary`:
 * `transfer`: bytes sent / delivered, per-link utilization over the run and effective utilization while busy;
 * `lifecycle`: schedule predictability (share of delivered KV blocks first consumed within +-5 ms of the
   conductor's prediction), effective link bandwidth utilization, P99 inter-token jitter (|gap - the
-  request's TPOT|, pooled), wasted-transfer rate (bytes delivered but never consumed / bytes delivered);
+  request's TPOT|, pooled), wasted-transfer rate (bytes delivered but never consumed / bytes delivered),
+  production paused by backpressure, prompts staged while their decode engine had no room;
 * `cost`: GPU-hours and USD per 1k output tokens and per 1k tokens (prompt + output);
 * `engines`: steps, fast-forwarded steps, busy share, prefix hits, preemptions and prefill yields (by tier)
   per engine.
@@ -66,7 +67,7 @@ def lifecycle(run: SimRun) -> dict:
         "p99_inter_token_jitter_ms": jitter_p99_ms(run.records),
         "wasted_transfer_rate": wasted,
         "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
-        "production_paused_s": life.production_paused_s,
+        "production_paused_s": life.production_paused_s, "staged_prompts": life.staged,
     }
 
 

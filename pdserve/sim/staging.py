@@ -23,7 +23,8 @@ def stage_blocks(engine: SimEngine, scheduled: bool) -> int:
 
 
 class SimStaging:
-    def __init__(self) -> None:
+    def __init__(self, life) -> None:
+        self.life = life  # the conductor's `Lifecycle` counters
         self.deferred: dict[str, Callable[[], None]] = {}  # rid -> adds its real prefill
 
     def stage(self, engine: SimEngine, request: SimRequest) -> None:
@@ -31,6 +32,7 @@ class SimStaging:
         request.request_id += STAGE
         request.arrival_s = math.inf
         engine.scheduler.add_request(request)
+        self.life.staged += 1
 
     def add_prefill(self, engine: SimEngine, rid: str, add: Callable[[], None]) -> None:
         """Add a real prefill now, or when its stage pass ends."""

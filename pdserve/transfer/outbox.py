@@ -6,7 +6,9 @@ earliest predicted consumption first within a tier), each link throttled to `lin
 (`--link-gbps`, to emulate a slower network; unthrottled, everything pushed goes at the next pump). A
 chunk that must wait keeps its blocks held until the receiver took them (a partly filled block's chunk and
 a long prompt's, whose blocks leave the pool as it goes, are copies made when produced).
-A transfer's closing record goes after its last chunk.
+A transfer's closing record goes after its last chunk. Chunk size follows congestion (`chunk_blocks`): while a
+link has chunks waiting, new chunks carry about CHUNK_QUANTUM_S of its rate, so a more urgent transfer's chunk
+waits at most that long behind one already picked; an idle link takes chunks as large as the transport allows.
 
 Per link it keeps the numbers of the link metrics: busy seconds (inside the transport's send), bytes sent,
 useful bytes (not later superseded by a complete block), demand seconds (something queued or sending).
@@ -19,10 +21,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket
+from pdserve.core.delivery import DeliveryPolicy, LinkQueue, TokenBucket
 from pdserve.transfer.base import KVSender, TransferError
 
 BURST_S = 0.005  # a throttled link's burst: this many seconds of its rate
+CHUNK_QUANTUM_S = 0.010  # a congested link's chunks: about this many seconds of its rate each
 
 
 @dataclass
@@ -42,6 +45,7 @@ class LinkStats:
     busy_s: float = 0.0
     bytes: int = 0
     useful_bytes: int = 0
+    chunks: int = 0
     demand_s: float = 0.0
     demand_since: float | None = None
 
@@ -52,7 +56,7 @@ class LinkStats:
     def as_dict(self, link_rate: float | None, now: float) -> dict:
         demand = self.demand_s + (now - self.demand_since if self.demand_since is not None else 0.0)
         return {"busy_s": self.busy_s, "bytes": self.bytes, "useful_bytes": self.useful_bytes, "demand_s": demand,
-                "capacity": self.rate(link_rate)}
+                "capacity": self.rate(link_rate), "chunks": self.chunks}
 
 
 @dataclass
@@ -128,7 +132,17 @@ class Outbox:
         out.last_sent_s = time.monotonic()
         self.bytes_sent += chunk.nbytes
         stats.bytes += chunk.nbytes
+        stats.chunks += 1
         stats.useful_bytes += chunk.nbytes if chunk.useful else 0
+
+    def chunk_blocks(self, link: str, block_bytes: int, most: int) -> int:
+        """Blocks per new chunk on `link` (`block_bytes`: one block of one layer; `most`: the transport's
+        bound): about CHUNK_QUANTUM_S of the link while chunks wait on it, else `most`."""
+        queue, stats = self.queues.get(link), self.links.get(link)
+        rate = stats.rate(self.link_rate) if stats is not None else None
+        if queue is None or not len(queue) or not rate:
+            return most
+        return max(1, min(most, int(rate * CHUNK_QUANTUM_S) // block_bytes))
 
     def queued(self, xfer: str) -> int:
         return self.pending.get(xfer, 0)
