@@ -17,11 +17,11 @@ from serve_util import Server
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-N, MAX_TOKENS = 5, 96
+N, MAX_TOKENS = 6, 96
 
 
-def _prompt(i: int) -> str:  # ~540 tokens, distinct from the first words
-    return f"Document {i}: " + " ".join(f"section {i}.{k} lists item {k * 7 + i};" for k in range(60))
+def _prompt(i: int) -> str:  # ~395 tokens (25 blocks), distinct from the first words
+    return f"Document {i}: " + " ".join(f"section {i}.{k} lists item {k * 7 + i};" for k in range(32))
 
 
 def _watch(server: Server, stop: threading.Event, seen: list) -> None:
@@ -35,8 +35,9 @@ def _watch(server: Server, stop: threading.Event, seen: list) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_prompts_wait_staged_while_the_decode_worker_is_full(transport):
-    # 64 blocks of 16 tokens: the decode worker holds one of these requests at a time; the prefill worker's
-    # host tier (~290 blocks of fp32 KV) could keep all the others staged
+    # 64 blocks of 16 tokens: the decode worker holds two of these requests at a time (25 blocks each, + 6 as
+    # they decode); the prefill worker's host tier (~290 blocks of fp32 KV) could keep all the others staged,
+    # and its hot window (half its pool) reuses a whole prompt
     server = Server("--transport", transport, "--num-kv-blocks", "64", "--kv-host-gb", "0.2")
     stop, seen = threading.Event(), []
     watcher = threading.Thread(target=_watch, args=(server, stop, seen), daemon=True)
@@ -56,11 +57,8 @@ def test_prompts_wait_staged_while_the_decode_worker_is_full(transport):
         # staged KV held no device blocks: staged prompts waiting while the prefill worker's pool was empty
         assert any(staged >= 1 and used == 0 for staged, used in seen), seen
         # the dispatched prefills found their staged prompts cached (device or host tier)
-        assert server.metric("pdserve_prefix_cache_hit_tokens_total", worker="prefill-0") > 300
-        # nothing delivered went unconsumed, nothing staged was dropped by an abort (staged blocks the host
-        # tier no longer had at dispatch are recomputed there and counted as stage_evicted)
-        assert server.metric("pdserve_kv_wasted_bytes_total") == server.metric(
-            "pdserve_kv_wasted_bytes_total", reason="stage_evicted")
+        assert server.metric("pdserve_prefix_cache_hit_tokens_total", worker="prefill-0") >= 2 * 384
+        assert server.metric("pdserve_kv_wasted_bytes_total") == 0  # every staged block was reused
         assert server.metric("pdserve_kv_transfer_failures_total") == 0
         assert server.metric("pdserve_kv_staged_prompts", worker="prefill-0") == 0
     finally:

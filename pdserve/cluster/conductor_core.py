@@ -17,7 +17,8 @@ simulated time. What it decides:
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
 * **stage** prompts while their decode worker has no room (PD, a prefill worker that advertises
   `stage_blocks`: `--delivery scheduled`): an idle prefill worker computes the next waiting prompt ahead
-  (`stage`), one at a time, within the blocks it can keep; its KV stays in that worker's prefix cache and host
+  (`stage`), one at a time, within the blocks it can keep, if it can reuse the whole prompt
+  (`stage_max_blocks`: a long-context worker reuses at most its hot window); its KV stays in that worker's prefix cache and host
   tier (no device blocks held, no transfer open), and the prefill dispatched once blocks are reserved finds
   it there and only sends it (`Count("kv_staged")`);
 * **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
@@ -126,6 +127,7 @@ class ConductorCore:
         self.consumption = ConsumptionPredictor(admission)
         self._xfers = itertools.count()
         self.stage_blocks: dict[str, int] = {}  # prefill worker -> blocks of staged KV it can keep (0: none)
+        self.stage_max: dict[str, int] = {}  # prefill worker -> the longest prompt (blocks) it reuses whole
         self.staging: dict[str, str] = {}  # prefill worker -> the request it is staging now
 
     # ---- workers ----------------------------------------------------------------------------------------
@@ -140,6 +142,7 @@ class ConductorCore:
     def worker_ready(self, name: str, info: dict) -> None:
         self.block_size = info.get("block_size", self.block_size)
         self.stage_blocks[name] = info.get("stage_blocks", 0)
+        self.stage_max[name] = info.get("stage_max_blocks", self.stage_blocks[name])
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
 
@@ -337,7 +340,7 @@ class ConductorCore:
             return []
         mine = [f for f in self.flights.values() if f.prefill == prefill and f.kv_addr is None]
         kept = sum(self._blocks(f) for f in mine if f.staged)
-        waiting = [f for f in mine if f.waiting_room and not f.staged]
+        waiting = [f for f in mine if f.waiting_room and not f.staged and self._blocks(f) <= self.stage_max[prefill]]
         if not waiting:
             return []
         f = min(waiting, key=lambda g: (self.tiers[g.tier].rank, g.arrival_s))

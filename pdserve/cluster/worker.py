@@ -85,7 +85,7 @@ class Worker:
                    "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
                    "max_model_len": self.engine.scheduler.max_model_len,
                    "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
-                   "stage_blocks": self._stage_blocks()})
+                   "stage_blocks": self._stage_blocks(), "stage_max_blocks": stage_max_blocks(self.engine.scheduler)})
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0 and not self._held()
@@ -300,6 +300,13 @@ class Worker:
                 side.close()
         self.cmds.close(linger=0)
         self.events.close(linger=1000)
+
+
+def stage_max_blocks(scheduler) -> int:
+    """The longest prompt (blocks) whose staged KV a prefill worker can reuse whole: a long-context worker
+    reuses at most its hot window's worth of cached blocks (`HotWindow.cap_hits`)."""
+    window = scheduler.window
+    return window.window - 1 if window is not None else scheduler.blocks.num_blocks
 
 
 def _long_context(spec: WorkerSpec) -> bool:

@@ -22,6 +22,11 @@ def stage_blocks(engine: SimEngine, scheduled: bool) -> int:
     return host or engine.engine.block_manager.num_blocks // 2
 
 
+def stage_max_blocks(engine: SimEngine) -> int:
+    window = engine.scheduler.window
+    return window.window - 1 if window is not None else engine.engine.block_manager.num_blocks
+
+
 class SimStaging:
     def __init__(self, life) -> None:
         self.life = life  # the conductor's `Lifecycle` counters
