@@ -247,6 +247,27 @@ def test_eviction_never_takes_busy_unready_or_pinned():
     check_index(tier)
 
 
+def test_staged_entries_are_pinned_until_delivered_then_evictable_again():
+    from pdserve.core.kv_tiers import STAGE_PIN_S, pin_staged, unpin_staged
+    engine, io = tiered_engine(num_blocks=12, host=8)
+    prompt = [k % 40 + 1 for k in range(4 * BS + 1)]  # 4 full blocks
+    engine.add_request(prompt, greedy(1), "staged")
+    while engine.has_unfinished():
+        engine.step()
+    drain(engine, io)
+    host, now = engine.tiers.host, engine.block_manager.clock()
+    hashes = pin_staged(engine.block_manager, engine.tiers, prompt)
+    assert len(hashes) == 4 and all(host.get(h).pinned_until_s >= now + STAGE_PIN_S - 1 for h in hashes)
+    for i in range(3):  # other prompts' write-through fills the host tier: the staged entries stay
+        engine.add_request([(7 * i + 3 * k) % 45 + 2 for k in range(4 * BS + 1)], greedy(1), f"other{i}")
+        while engine.has_unfinished():
+            engine.step()
+        drain(engine, io)
+    assert all(host.get(h) is not None for h in hashes) and host.num_evicted > 0
+    unpin_staged(engine.tiers, hashes)
+    assert all(host.get(h).pinned_until_s == 0.0 for h in hashes)
+
+
 def test_eviction_is_lru_and_a_touch_refreshes():
     tier = filled(3, 3)
     tier.touch(0, 10.0)  # 0 used again: 1 is now least recently used

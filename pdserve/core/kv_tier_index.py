@@ -86,6 +86,13 @@ class TierIndex:
         slot = self._slot.get(block_hash)
         return None if slot is None or not self.cols.ready[slot] else self.cols.view(slot)
 
+    def pin_many(self, hashes: Sequence[int], until_s: float) -> int:
+        """Keep the entries of `hashes` that are here from eviction and reclaim until `until_s` (0.0: let them
+        go); returns how many are here."""
+        slots = [s for s in map(self._slot.get, hashes) if s is not None]
+        self.cols.pinned_until_s[slots] = until_s
+        return len(slots)
+
     def slot(self, block_hash: int) -> int:
         return self._slot[block_hash]
 

@@ -11,8 +11,9 @@ Staging: while the decode worker has no room for a prompt's blocks, the conducto
 it ahead (`stage`: a prefill-only pass under `<rid>@stage`, ranked after every real prefill of its tier, with
 no transfer): its KV stays in the prefix cache and the host tier (write-through), holding no device blocks.
 The prompt's real prefill, dispatched once blocks are reserved, waits for the stage pass to end, then finds
-the prompt cached and only sends it. Staged KV lost before delivery (evicted, or its request aborted) is
-counted as wasted bytes.
+the prompt cached and only sends it. Its host entries are pinned (STAGE_PIN_S at most) until then, so other
+prompts' write-through does not evict them. Staged KV lost before delivery (evicted, or its request aborted)
+is counted as wasted bytes.
 
 Decode side: `reserve` holds blocks for the whole prompt (or queues the reservation until blocks free up:
 no room, no production) and opens an inbound transfer. The transport writes each chunk straight into the
@@ -32,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
+from pdserve.core.kv_tiers import pin_staged, unpin_staged
 from pdserve.core.request import STAGE
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
@@ -89,8 +91,8 @@ class PrefillSide:
         self.water = water or WaterLevel()
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
         self.deferred: dict = {}  # request id -> its real prefill, waiting for its stage pass to end
-        self.staged: dict[str, int] = {}  # request id -> full blocks its stage pass left in the cache
-        self._stage_tokens: dict[str, int] = {}  # request id -> prompt tokens of its running stage pass
+        self.staged: dict[str, tuple] = {}  # request id -> block hashes its stage pass left in the cache
+        self._stage_prompts: dict[str, list[int]] = {}  # request id -> prompt of its running stage pass
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
         self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
         pool = getattr(engine.executor, "kv_pool", None)
@@ -127,7 +129,7 @@ class PrefillSide:
                                        service_tier=service_tier)
         req.arrival_s = math.inf  # after every real prefill of its tier (they may pause it at a chunk boundary)
         self.engine.scheduler.add_request(req)
-        self._stage_tokens[request_id] = len(prompt)
+        self._stage_prompts[request_id] = prompt
 
     def stage_ended(self, stage_id: str, ok: bool) -> str | None:
         """A request of this worker ended: for a stage pass, its request's id (after starting the real
@@ -135,12 +137,12 @@ class PrefillSide:
         if not stage_id.endswith(STAGE):
             return None
         request_id = stage_id[:-len(STAGE)]
-        tokens = self._stage_tokens.pop(request_id, 0)
+        prompt = self._stage_prompts.pop(request_id, [])
+        if ok:
+            self.staged[request_id] = pin_staged(self.engine.block_manager, self.engine.tiers, prompt)
         req = self.deferred.pop(request_id, None)
         if req is not None:
             self.engine.scheduler.add_request(req)
-        if ok:
-            self.staged[request_id] = tokens // self.block_size
         return request_id
 
     def drop_stage(self, request_id: str, cached_tokens: int | None = None) -> None:
@@ -148,8 +150,10 @@ class PrefillSide:
         were evicted before delivery), or aborted (`None`: a stage pass's blocks are wasted)."""
         self.engine.abort([request_id + STAGE])
         self.deferred.pop(request_id, None)
-        self._stage_tokens.pop(request_id, None)
-        blocks = self.staged.pop(request_id, 0)
+        self._stage_prompts.pop(request_id, None)
+        hashes = self.staged.pop(request_id, ())
+        unpin_staged(self.engine.tiers, hashes)
+        blocks = len(hashes)
         lost = blocks if cached_tokens is None else max(blocks - cached_tokens // self.block_size, 0)
         if lost:
             self.wasted_bytes["stage_aborted" if cached_tokens is None else "stage_evicted"] += lost * self.block_bytes

@@ -370,11 +370,13 @@ class SimConductor(EngineHooks):
         for out in outputs:
             f = self.flights.get(out.request_id)
             if f is None:
-                staged = self.staging.ended(out.request_id) if engine.role == "prefill" else None
+                staged = self.staging.ended(engine, out.request_id, out.finish_reason == "prefilled") if (
+                    engine.role == "prefill") else None
                 if staged is not None and staged in self.flights:
                     self._act(self._core("staged", staged, out.finish_reason == "prefilled", end_s + self.control_s))
                 continue
             if out.finish_reason == "prefilled":
+                self.staging.done(engine, f.rid)
                 f.prefilled = True
                 f.first_token = out.token_ids[-1] if out.token_ids else None
                 f.in_air = [fl for fl in f.in_air if fl in self.links.flows]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from pdserve.core.kv_tiers import pin_staged, unpin_staged
 from pdserve.core.request import STAGE
 from pdserve.sim.engine import SimEngine, SimRequest
 
@@ -31,9 +32,12 @@ class SimStaging:
     def __init__(self, life) -> None:
         self.life = life  # the conductor's `Lifecycle` counters
         self.deferred: dict[str, Callable[[], None]] = {}  # rid -> adds its real prefill
+        self.prompts: dict[str, object] = {}  # rid -> the prompt of its running stage pass
+        self.staged: dict[str, tuple] = {}  # rid -> its staged blocks' hashes (pinned in host until delivered)
 
     def stage(self, engine: SimEngine, request: SimRequest) -> None:
         """`request`: the prompt's prefill-only request, made under the stage id."""
+        self.prompts[request.request_id] = request.prompt_token_ids
         request.request_id += STAGE
         request.arrival_s = math.inf
         engine.scheduler.add_request(request)
@@ -46,17 +50,26 @@ class SimStaging:
         else:
             add()
 
-    def ended(self, request_id: str) -> str | None:
+    def ended(self, engine: SimEngine, request_id: str, ok: bool) -> str | None:
         """A request ended on a prefill engine: for a stage pass, its request's id (after adding the real
         prefill that waited for it); else None."""
         if not request_id.endswith(STAGE):
             return None
         rid = request_id[:-len(STAGE)]
+        prompt = self.prompts.pop(rid, ())
+        if ok:
+            self.staged[rid] = pin_staged(engine.engine.block_manager, engine.tiers, prompt)
         add = self.deferred.pop(rid, None)
         if add is not None:
             add()
         return rid
 
+    def done(self, engine: SimEngine, rid: str) -> None:
+        """`rid` ended on this prefill engine (prefilled or aborted): its staged host entries may go."""
+        unpin_staged(engine.tiers, self.staged.pop(rid, ()))
+        self.prompts.pop(rid, None)
+
     def abort(self, engine: SimEngine, rid: str) -> None:
         engine.engine.abort([rid + STAGE])
         self.deferred.pop(rid, None)
+        self.done(engine, rid)
