@@ -15,15 +15,15 @@ carries out its actions on simulated workers and models what the real workers do
   injected failure: recompute there); its next decode step first consumes the delivered blocks, reported to
   the core, which checks its prediction (`Observe("kv_consumption_error")`, per block). When every
   prompt token but the last is cached on the decode worker, no prefill worker is involved: the decode
-  worker computes the last prompt token, as the real one does.
+  worker computes the last prompt token, as the real one does. A reservation left waiting for room is told
+  to the core (`reserve_waiting`), whose `stage` command runs the prompt ahead on an idle prefill engine
+  (`pdserve.sim.staging`, as the real prefill worker does).
 A request may be aborted by a TTFT timeout (the client gives up); its delivered-but-unread KV is waste.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-
 from collections import Counter
 
 from pdserve.bench.metrics import RequestRecord
@@ -38,54 +38,12 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
+from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.link import LinkModel
 from pdserve.sim.staging import SimStaging, stage_blocks, stage_max_blocks
 from pdserve.sim.timemodel import StepShape
 
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
-
-
-@dataclass(eq=False)
-class Flight:
-    rid: str
-    prompt: object  # array('q') of token ids
-    params: SamplingParams
-    record: RequestRecord
-    priority: int = 0  # as the real conductor's: carried to both workers' schedulers
-    tier: str = "default"
-    decode: SimEngine | None = None
-    prefill: SimEngine | None = None
-    next_block: int = 0  # first block-table index not yet sent in full
-    flows: int = 0  # flows in the air
-    in_air: list = field(default_factory=list)  # those flows (`sim.link.Flow`)
-    prefilled: bool = False
-    done_sent: bool = False
-    delivered: float = 0.0  # bytes landed at the decode worker
-    superseded: float = 0.0  # partly filled blocks sent again later
-    deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
-    first_token: int | None = None  # sampled by the prefill worker
-    decode_request: SimRequest | None = None
-    told_waiting: bool = False  # the core heard its reservation wait for room
-    failed: bool = False
-    finished: bool = False
-
-
-@dataclass
-class Lifecycle:
-    """Counters of delivery and consumption, for the lifecycle metrics."""
-    bytes_sent: float = 0.0
-    bytes_delivered: float = 0.0
-    bytes_consumed: float = 0.0
-    blocks_consumed: int = 0
-    blocks_on_time: int = 0
-    errors_s: list = field(default_factory=list)  # actual - final prediction, per consuming request
-    dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
-    blocks_on_time_at_dispatch: int = 0
-    production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
-    staged: int = 0  # prompts computed ahead while their decode engine had no room
-    transfers: int = 0
-    transfer_failures: int = 0
-    aborted: int = 0
 
 
 class SimConductor(EngineHooks):

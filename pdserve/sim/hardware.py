@@ -123,13 +123,17 @@ def get_model(name: str) -> ModelSpec:
     return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or name)
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_dtype: its weights' and KV's bytes
+
+
 def model_from_hf_config(cfg: dict, name: str = "hf-model") -> ModelSpec:
     try:
         heads = cfg["num_attention_heads"]
         return ModelSpec(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
                          cfg.get("num_key_value_heads", heads), cfg["intermediate_size"], cfg["vocab_size"],
                          head_dim=cfg.get("head_dim") or 0, tied_embeddings=bool(cfg.get("tie_word_embeddings")),
-                         max_model_len=cfg.get("max_position_embeddings", 131072))
+                         max_model_len=cfg.get("max_position_embeddings", 131072),
+                         dtype_bytes=_DTYPE_BYTES.get(cfg.get("torch_dtype"), 2))
     except KeyError as e:
         raise InvalidRequestError(f"config.json of {name} lacks {e.args[0]}", param="model") from None
 

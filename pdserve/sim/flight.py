@@ -1,0 +1,53 @@
+"""The simulated conductor's records: one request's flight through the simulated cluster, and the counters
+of delivery and consumption the lifecycle metrics are computed from (`pdserve.sim.report.lifecycle`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.sim.engine import SimEngine, SimRequest
+
+
+@dataclass(eq=False)
+class Flight:
+    rid: str
+    prompt: object  # array('q') of token ids
+    params: SamplingParams
+    record: RequestRecord
+    priority: int = 0  # as the real conductor's: carried to both workers' schedulers
+    tier: str = "default"
+    decode: SimEngine | None = None
+    prefill: SimEngine | None = None
+    next_block: int = 0  # first block-table index not yet sent in full
+    flows: int = 0  # flows in the air
+    in_air: list = field(default_factory=list)  # those flows (`sim.link.Flow`)
+    prefilled: bool = False
+    done_sent: bool = False
+    delivered: float = 0.0  # bytes landed at the decode worker
+    superseded: float = 0.0  # partly filled blocks sent again later
+    deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
+    first_token: int | None = None  # sampled by the prefill worker
+    decode_request: SimRequest | None = None
+    told_waiting: bool = False  # the core heard its reservation wait for room
+    failed: bool = False
+    finished: bool = False
+
+
+@dataclass
+class Lifecycle:
+    """Counters of delivery and consumption, for the lifecycle metrics."""
+    bytes_sent: float = 0.0
+    bytes_delivered: float = 0.0
+    bytes_consumed: float = 0.0
+    blocks_consumed: int = 0
+    blocks_on_time: int = 0
+    errors_s: list = field(default_factory=list)  # actual - final prediction, per consuming request
+    dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
+    blocks_on_time_at_dispatch: int = 0
+    production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
+    staged: int = 0  # prompts computed ahead while their decode engine had no room
+    transfers: int = 0
+    transfer_failures: int = 0
+    aborted: int = 0
