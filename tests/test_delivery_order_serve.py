@@ -62,7 +62,7 @@ def test_priority_kv_overtakes_flex_kv_on_a_saturated_link(transport, delivery):
         assert 0.3 < effective <= 1.0, effective  # throttled: it ran near its rate while it had a backlog
         assert SERVER.metric("pdserve_kv_transfer_failures_total") == 0
         if pause:  # a flex prompt alone: its chunks wait for the link (with the priority one waiting, they
-            # did not: its backlog does not count; the prefill worker's scheduler runs the flex chunks first)
+            # did not: a flex backlog does not hold a priority prompt's production)
             client = openai.OpenAI(base_url=SERVER.url + "/v1", api_key="unused", max_retries=0, timeout=120)
             client.completions.create(model=MODEL, prompt="Flex again: " + " ".join(["lorem ipsum"] * 50),
                                       max_tokens=2, temperature=0, extra_body={"service_tier": "flex"})

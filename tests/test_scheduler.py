@@ -536,3 +536,25 @@ def test_config_that_can_never_schedule_is_rejected(kw):
     for _ in range(50):
         eng.step()
     assert not eng.has_unfinished(), "accepted a config under which no request can ever run"
+
+
+def test_a_stage_pass_not_started_gives_way_and_one_under_way_is_promoted():
+    eng = make_engine(max_num_batched_tokens=8, policy="priority")
+    prompt = [(3 * k) % VOCAB for k in range(40)]
+    stage = eng.make_request("s@stage", prompt, greedy(1), prefill_only=True)
+    stage.arrival_s = float("inf")
+    eng.scheduler.add_request(eng.make_request("busy", [1] * 30, greedy(1)))
+    eng.scheduler.add_request(stage)
+    assert eng.scheduler.claim_stage("s@stage", 1.0)  # still waiting: dropped, the real prefill goes now
+    assert "s@stage" not in eng.scheduler.requests
+    assert eng.scheduler.claim_stage("none@stage", 1.0)  # no stage pass at all
+    stage = eng.make_request("t@stage", prompt, greedy(1), prefill_only=True)
+    stage.arrival_s = float("inf")
+    eng.scheduler.add_request(stage)
+    for _ in range(6):  # "busy" prefills first, then the stage pass starts
+        eng.step()
+    assert eng.scheduler.requests["t@stage"].num_computed_tokens > 0
+    eng.add_request([2] * 30, greedy(1), request_id="later")
+    assert not eng.scheduler.claim_stage("t@stage", 0.0)  # under way: ranks as arrived at 0 now
+    eng.step()
+    assert {c.request_id for c in eng.executor.steps[-1].chunks} == {"t@stage"}  # ahead of "later"

@@ -211,6 +211,20 @@ class Scheduler(KVReservations):
                 finished.append(req)
         return finished
 
+    def claim_stage(self, stage_id: str, arrival_s: float) -> bool:
+        """The real prefill of a prompt staged here (`stage_id`: its stage pass) arrived at `arrival_s`. A pass
+        not started yet is dropped (True: add the real prefill now, in its own place in the queue); one under
+        way ranks from now on as arrived at `arrival_s` (False: the real prefill waits for it)."""
+        req = self.requests.get(stage_id)
+        if req is None:
+            return True
+        if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.finish_requests([stage_id], RequestStatus.FINISHED_ABORTED)
+            return True
+        req.arrival_s = arrival_s
+        self.running.sort(key=self.policy.sort_key)
+        return False
+
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """The step `scheduled` took `seconds` (measured, or modelled by the simulator): the step budget
         learns from it (`pdserve.core.step_budget`)."""

@@ -10,8 +10,9 @@ first output token, and a `done` record closes the transfer with it and the numb
 Staging: while the decode worker has no room for a prompt's blocks, the conductor may have this worker compute
 it ahead (`stage`: a prefill-only pass under `<rid>@stage`, ranked after every real prefill of its tier, with
 no transfer): its KV stays in the prefix cache and the host tier (write-through), holding no device blocks.
-The prompt's real prefill, dispatched once blocks are reserved, waits for the stage pass to end, then finds
-the prompt cached and only sends it. Its host entries are pinned (STAGE_PIN_S at most) until then, so other
+The prompt's real prefill, dispatched once blocks are reserved, waits for a stage pass under way (ranked from
+then on as arrived with the real prefill: `Scheduler.claim_stage`), then finds the prompt cached and only
+sends it; a stage pass not started yet is dropped and the real prefill takes its place. Its host entries are pinned (STAGE_PIN_S at most) until then, so other
 prompts' write-through does not evict them. Staged KV lost before delivery (evicted, or its request aborted)
 is counted as wasted bytes.
 
@@ -106,10 +107,11 @@ class PrefillSide:
         deadline under `--delivery scheduled`)."""
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier)
-        if request_id + STAGE in self.engine.scheduler.requests:
+        if not self.engine.scheduler.claim_stage(request_id + STAGE, req.arrival_s):
             self.engine.scheduler.check_new(req)
             self.deferred[request_id] = req  # added when the stage pass ends (`stage_ended`)
         else:
+            self._stage_prompts.pop(request_id, None)
             self.engine.scheduler.add_request(req)
         window = self.engine.scheduler.window
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through

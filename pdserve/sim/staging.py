@@ -44,10 +44,11 @@ class SimStaging:
         self.life.staged += 1
 
     def add_prefill(self, engine: SimEngine, rid: str, add: Callable[[], None]) -> None:
-        """Add a real prefill now, or when its stage pass ends."""
-        if rid + STAGE in engine.scheduler.requests:
+        """Add a real prefill now, or when its stage pass (under way, promoted) ends."""
+        if not engine.scheduler.claim_stage(rid + STAGE, engine.clock()):
             self.deferred[rid] = add
         else:
+            self.prompts.pop(rid, None)
             add()
 
     def ended(self, engine: SimEngine, request_id: str, ok: bool) -> str | None:
