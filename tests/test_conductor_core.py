@@ -168,7 +168,7 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     # the decode engines fill up: idle prefill engines stage the prompts waiting for room
     assert kinds["reserve_waiting"] > 0 and kinds["staged"] > 0
     assert any(c["type"] == "stage" for cmds in sent.values() for c in cmds)
-    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.stage_blocks, sim.core.stage_max)
+    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.stage.blocks, sim.core.stage.max_blocks)
     for name in got:
         assert got[name] == sent.get(name, []), name
     assert {rid: (e["status"], e["code"]) for rid, e in errors.items()} == failed

@@ -15,19 +15,18 @@ simulated time. What it decides:
   is left (`kv_failed`: the decode worker recomputes); each choice is counted (`kv_recovery{choice}`); a
   failed delivery aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
-* **stage** prompts while their decode worker has no room (PD, a prefill worker that advertises
-  `stage_blocks`: `--delivery scheduled`): an idle prefill worker computes the next waiting prompt ahead
-  (`stage`), one at a time, within the blocks it can keep, if it can reuse the whole prompt
-  (`stage_max_blocks`: a long-context worker reuses at most its hot window); its KV stays in that worker's prefix cache and host
-  tier (no device blocks held, no transfer open), and the prefill dispatched once blocks are reserved finds
-  it there and only sends it (`Count("kv_staged")`);
+* **stage** prompts while their decode worker has no room (PD, `--delivery scheduled`): an idle prefill
+  worker computes a waiting prompt ahead (`stage`; which one: `pdserve.cluster.staging`); its KV stays in
+  that worker's prefix cache and host tier (no device blocks held, no transfer open), and the prefill
+  dispatched once blocks are reserved finds it there and only sends it (`Count("kv_staged")`);
 * **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
   it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
   it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block).
 
-Actions: `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the request with an error the
-client sees), `Count(metric, labels)` (a counted event for the metrics), `Observe(metric, labels, value,
-weight)` (a value for a histogram, `weight` times: admission's predicted TTFT, consumption errors).
+Actions (`pdserve.cluster.actions`): `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the
+request with an error the client sees), `Count(metric, labels)` (a counted event for the metrics),
+`Observe(metric, labels, value, weight)` (a value for a histogram, `weight` times: admission's predicted TTFT,
+consumption errors).
 """
 
 from __future__ import annotations
@@ -35,49 +34,16 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from pdserve.cluster.actions import Count, Fail, Observe, Send
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.cluster.staging import StagePlan
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.online_fit import MIN_SAMPLES
 from pdserve.core.service_tiers import ServiceTiers
 
-
-@dataclass(frozen=True)
-class Send:
-    worker: str
-    cmd: dict
-
-
-@dataclass(frozen=True)
-class Fail:
-    rid: str
-    status: int
-    message: str
-    code: str
-    retry_after_s: float | None = None
-
-    @property
-    def event(self) -> dict:
-        """The error event a request's stream ends with."""
-        return {"type": "error", "status": self.status, "message": self.message, "code": self.code,
-                "etype": "server_error" if self.status >= 500 else (
-                    "rate_limit_error" if self.status == 429 else "invalid_request_error"),
-                "retry_after_s": self.retry_after_s}
-
-
-@dataclass(frozen=True)
-class Count:
-    metric: str
-    labels: tuple = ()  # ((name, value), ...)
-
-
-@dataclass(frozen=True)
-class Observe:
-    metric: str
-    labels: tuple
-    value: float
-    weight: int = 1
+__all__ = ["Backlog", "ConductorCore", "Count", "Fail", "FlightState", "Observe", "Send"]
 
 
 @dataclass
@@ -126,9 +92,7 @@ class ConductorCore:
         self.flights: dict[str, FlightState] = {}
         self.consumption = ConsumptionPredictor(admission)
         self._xfers = itertools.count()
-        self.stage_blocks: dict[str, int] = {}  # prefill worker -> blocks of staged KV it can keep (0: none)
-        self.stage_max: dict[str, int] = {}  # prefill worker -> the longest prompt (blocks) it reuses whole
-        self.staging: dict[str, str] = {}  # prefill worker -> the request it is staging now
+        self.stage = StagePlan(self.tiers)
 
     # ---- workers ----------------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
@@ -141,8 +105,7 @@ class ConductorCore:
 
     def worker_ready(self, name: str, info: dict) -> None:
         self.block_size = info.get("block_size", self.block_size)
-        self.stage_blocks[name] = info.get("stage_blocks", 0)
-        self.stage_max[name] = info.get("stage_max_blocks", self.stage_blocks[name])
+        self.stage.worker_ready(name, info)
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
 
@@ -322,7 +285,7 @@ class ConductorCore:
         f = self.flights.get(rid)
         if f is None or f.staged != "staging" or f.prefill is None:
             return []  # (no prefill needed after all: its decode worker found the prompt cached)
-        self.staging.pop(f.prefill, None)
+        self.stage.done(f.prefill, rid)
         f.staged = "staged" if ok else ""
         if ok and f.queued_tokens > 1:
             backlog, rank, left = self.backlog[f.prefill], self.tiers[f.tier].rank, f.queued_tokens - 1
@@ -333,25 +296,16 @@ class ConductorCore:
         return self._stage_next(f.prefill)
 
     def _stage_next(self, prefill: str | None) -> list:
-        """An idle prefill worker (nothing dispatched, nothing staging) stages the first prompt, in tier order,
-        whose decode worker had no room, while what it keeps staged fits in its `stage_blocks`."""
-        if (prefill is None or not self.stage_blocks.get(prefill) or prefill in self.staging
-                or not self.workers[prefill].alive or any(self.backlog[prefill].dispatched.values())):
+        """An idle prefill worker (nothing dispatched, nothing staging) may stage a waiting prompt
+        (`pdserve.cluster.staging`)."""
+        if (not self.stage.may_stage(prefill) or not self.workers[prefill].alive
+                or any(self.backlog[prefill].dispatched.values())):
             return []
-        mine = [f for f in self.flights.values() if f.prefill == prefill and f.kv_addr is None]
-        kept = sum(self._blocks(f) for f in mine if f.staged)
-        waiting = [f for f in mine if f.waiting_room and not f.staged and self._blocks(f) <= self.stage_max[prefill]]
-        if not waiting:
+        f = self.stage.pick(prefill, self.flights.values(), self.block_size)
+        if f is None:
             return []
-        f = min(waiting, key=lambda g: (self.tiers[g.tier].rank, g.arrival_s))
-        if kept + self._blocks(f) > self.stage_blocks[prefill]:
-            return []
-        f.staged, self.staging[prefill] = "staging", f.rid
         return [Count("kv_staged", (("service_tier", f.tier),)),
                 Send(prefill, {"type": "stage", **self._request_fields(f)})]
-
-    def _blocks(self, f: FlightState) -> int:
-        return -(-len(f.prompt) // self.block_size)
 
     def consumed(self, rid: str, at_s: float) -> list:
         """The decode worker's first step reading this request's delivered KV started at `at_s`."""
@@ -403,8 +357,7 @@ class ConductorCore:
         return (tier.ttft_ms is None or ttft_ms <= tier.ttft_ms) and (tier.tpot_ms is None or tpot_ms <= tier.tpot_ms)
 
     def _prefill_done(self, f: FlightState) -> None:
-        if f.prefill is not None and self.staging.get(f.prefill) == f.rid:
-            del self.staging[f.prefill]  # (its stage pass is moot or already folded into the prefill)
+        self.stage.done(f.prefill, f.rid)  # (its stage pass is moot, or folded into the prefill)
         if f.queued_tokens:
             producer = f.prefill or f.decode
             rank = self.tiers[f.tier].rank

@@ -1,0 +1,42 @@
+"""The conductor core's actions (`pdserve.cluster.conductor_core`): what its drivers carry out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Send:
+    worker: str
+    cmd: dict
+
+
+@dataclass(frozen=True)
+class Fail:
+    rid: str
+    status: int
+    message: str
+    code: str
+    retry_after_s: float | None = None
+
+    @property
+    def event(self) -> dict:
+        """The error event a request's stream ends with."""
+        return {"type": "error", "status": self.status, "message": self.message, "code": self.code,
+                "etype": "server_error" if self.status >= 500 else (
+                    "rate_limit_error" if self.status == 429 else "invalid_request_error"),
+                "retry_after_s": self.retry_after_s}
+
+
+@dataclass(frozen=True)
+class Count:
+    metric: str
+    labels: tuple = ()  # ((name, value), ...)
+
+
+@dataclass(frozen=True)
+class Observe:
+    metric: str
+    labels: tuple
+    value: float
+    weight: int = 1
