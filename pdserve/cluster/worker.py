@@ -22,6 +22,7 @@ import zmq
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
+from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import InvalidRequestError, PdserveError
 
 STATS_INTERVAL_S = 0.25
@@ -85,7 +86,7 @@ class Worker:
                    "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
                    "max_model_len": self.engine.scheduler.max_model_len,
                    "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
-                   "stage_blocks": self._stage_blocks(), "stage_max_blocks": stage_max_blocks(self.engine.scheduler)})
+                   **self._stage_capacity()})
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0 and not self._held()
@@ -110,13 +111,9 @@ class Worker:
             if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
 
-    def _stage_blocks(self) -> int:
-        """Blocks of staged KV this prefill worker offers to keep (its host tier, else half its pool) under
-        `--delivery scheduled`; 0: it stages nothing."""
-        if self.prefill is None or not self.prefill.outbox.policy.scheduled:
-            return 0
-        host = (self.engine.tiers.capacities().get("host", 0)) if self.engine.tiers is not None else 0
-        return host or self.engine.block_manager.num_blocks // 2
+    def _stage_capacity(self) -> dict:
+        scheduled = self.prefill is not None and self.prefill.outbox.policy.scheduled
+        return stage_capacity(self.engine.scheduler, self.engine.tiers, scheduled)
 
     def _held(self) -> bool:
         """A prefill worker whose links are backed up produces nothing now (backpressure)."""
@@ -283,7 +280,7 @@ class Worker:
                        kv_chunks_payload=box.chunks_payload,
                        kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report(),
                        production_paused_s=self.prefill.paused_s, kv_wasted_bytes=dict(self.prefill.wasted_bytes),
-                       kv_staged_now=len(self.prefill.staged))
+                       kv_staged_now=len(self.prefill.stages.staged))
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),
@@ -300,13 +297,6 @@ class Worker:
                 side.close()
         self.cmds.close(linger=0)
         self.events.close(linger=1000)
-
-
-def stage_max_blocks(scheduler) -> int:
-    """The longest prompt (blocks) whose staged KV a prefill worker can reuse whole: a long-context worker
-    reuses at most its hot window's worth of cached blocks (`HotWindow.cap_hits`)."""
-    window = scheduler.window
-    return window.window - 1 if window is not None else scheduler.blocks.num_blocks
 
 
 def _long_context(spec: WorkerSpec) -> bool:

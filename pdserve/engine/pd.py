@@ -8,13 +8,10 @@ worker straight from the pool, so delivery overlaps the next layers' compute. Th
 first output token, and a `done` record closes the transfer with it and the number of chunks sent.
 
 Staging: while the decode worker has no room for a prompt's blocks, the conductor may have this worker compute
-it ahead (`stage`: a prefill-only pass under `<rid>@stage`, ranked after every real prefill of its tier, with
-no transfer): its KV stays in the prefix cache and the host tier (write-through), holding no device blocks.
-The prompt's real prefill, dispatched once blocks are reserved, waits for a stage pass under way (ranked from
-then on as arrived with the real prefill: `Scheduler.claim_stage`), then finds the prompt cached and only
-sends it; a stage pass not started yet is dropped and the real prefill takes its place. Its host entries are pinned (STAGE_PIN_S at most) until then, so other
-prompts' write-through does not evict them. Staged KV lost before delivery (evicted, or its request aborted)
-is counted as wasted bytes.
+it ahead (`stage`, `pdserve.core.stage_passes`): its KV stays in the prefix cache and the host tier
+(write-through, pinned there), holding no device blocks, and the real prefill dispatched later finds it there
+and only sends it. Staged KV lost before delivery (evicted, or its request aborted) is counted as wasted
+bytes.
 
 Decode side: `reserve` holds blocks for the whole prompt (or queues the reservation until blocks free up:
 no room, no production) and opens an inbound transfer. The transport writes each chunk straight into the
@@ -29,13 +26,11 @@ last prompt token is computed here and gives the first token.
 from __future__ import annotations
 
 import time
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
-from pdserve.core.kv_tiers import pin_staged, unpin_staged
-from pdserve.core.request import STAGE
+from pdserve.core.stage_passes import StagePasses
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
@@ -91,9 +86,7 @@ class PrefillSide:
         self.keepalives_sent = 0
         self.water = water or WaterLevel()
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
-        self.deferred: dict = {}  # request id -> its real prefill, waiting for its stage pass to end
-        self.staged: dict[str, tuple] = {}  # request id -> block hashes its stage pass left in the cache
-        self._stage_prompts: dict[str, list[int]] = {}  # request id -> prompt of its running stage pass
+        self.stages = StagePasses(engine.scheduler, engine.tiers)
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
         self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
         pool = getattr(engine.executor, "kv_pool", None)
@@ -107,12 +100,8 @@ class PrefillSide:
         deadline under `--delivery scheduled`)."""
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier)
-        if not self.engine.scheduler.claim_stage(request_id + STAGE, req.arrival_s):
-            self.engine.scheduler.check_new(req)
-            self.deferred[request_id] = req  # added when the stage pass ends (`stage_ended`)
-        else:
-            self._stage_prompts.pop(request_id, None)
-            self.engine.scheduler.add_request(req)
+        self.engine.scheduler.check_new(req)  # fail now, even when it waits for its stage pass
+        self.stages.add_real(request_id, req.arrival_s, lambda: self.engine.scheduler.add_request(req))
         window = self.engine.scheduler.window
         # Chunks read in place hold their blocks until the request ends: a prompt that must slide through
         # the pool sends copies instead.
@@ -126,37 +115,18 @@ class PrefillSide:
 
     def stage(self, request_id: str, prompt: list[int], params, priority: int = 0,
               service_tier: str = "default") -> None:
-        """Compute a prompt ahead, with no transfer (see the module docstring)."""
-        req = self.engine.make_request(request_id + STAGE, prompt, params, priority, prefill_only=True,
-                                       service_tier=service_tier)
-        req.arrival_s = math.inf  # after every real prefill of its tier (they may pause it at a chunk boundary)
-        self.engine.scheduler.add_request(req)
-        self._stage_prompts[request_id] = prompt
+        """Compute a prompt ahead, with no transfer (`pdserve.core.stage_passes`)."""
+        self.stages.stage(self.engine.make_request(request_id, prompt, params, priority, prefill_only=True,
+                                                   service_tier=service_tier))
 
-    def stage_ended(self, stage_id: str, ok: bool) -> str | None:
-        """A request of this worker ended: for a stage pass, its request's id (after starting the real
-        prefill that waited for it); else None."""
-        if not stage_id.endswith(STAGE):
-            return None
-        request_id = stage_id[:-len(STAGE)]
-        prompt = self._stage_prompts.pop(request_id, [])
-        if ok:
-            self.staged[request_id] = pin_staged(self.engine.block_manager, self.engine.tiers, prompt)
-        req = self.deferred.pop(request_id, None)
-        if req is not None:
-            self.engine.scheduler.add_request(req)
-        return request_id
+    def stage_ended(self, request_id: str, ok: bool) -> str | None:
+        """A request of this worker ended: for a stage pass, its request's id; else None."""
+        return self.stages.ended(request_id, ok)
 
     def drop_stage(self, request_id: str, cached_tokens: int | None = None) -> None:
         """`request_id` ended here: prefilled with `cached_tokens` from the cache (staged blocks missing then
         were evicted before delivery), or aborted (`None`: a stage pass's blocks are wasted)."""
-        self.engine.abort([request_id + STAGE])
-        self.deferred.pop(request_id, None)
-        self._stage_prompts.pop(request_id, None)
-        hashes = self.staged.pop(request_id, ())
-        unpin_staged(self.engine.tiers, hashes)
-        blocks = len(hashes)
-        lost = blocks if cached_tokens is None else max(blocks - cached_tokens // self.block_size, 0)
+        lost = self.stages.drop(request_id, cached_tokens)
         if lost:
             self.wasted_bytes["stage_aborted" if cached_tokens is None else "stage_evicted"] += lost * self.block_bytes
 

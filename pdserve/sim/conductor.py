@@ -40,7 +40,7 @@ from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.link import LinkModel
-from pdserve.sim.staging import SimStaging, stage_blocks, stage_max_blocks
+from pdserve.sim.staging import SimStaging, engine_capacity
 from pdserve.sim.timemodel import StepShape
 
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
@@ -77,8 +77,7 @@ class SimConductor(EngineHooks):
             e.load = self.core.add_worker(e.name, e.role, e.load)
             self.core.worker_ready(e.name, {"block_size": self.block_size,
                                             "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens,
-                                            "stage_blocks": stage_blocks(e, self.links.policy.scheduled),
-                                            "stage_max_blocks": stage_max_blocks(e)})
+                                            **engine_capacity(e, self.links.policy.scheduled)})
         self.ports = {e.name: self.links.link(e.name, port_bw) for es in engines.values() for e in es}
         decode, prefill = engines.get("decode", []), engines.get("prefill", [])
         self.pending: dict[str, list[Flight]] = {e.name: [] for e in decode}
