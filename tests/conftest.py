@@ -8,6 +8,16 @@ from pathlib import Path
 import pytest
 
 
+def assert_no_blocks_held(engine) -> None:
+    """Every device block is free once the engine is idle and its copies to the host tier have finished
+    (an offload holds its block until the copy is done, so it is counted as used until then)."""
+    if engine.kv_io is not None:
+        engine.kv_io.drain()
+        engine.poll_kv()
+        assert engine.tiers.num_ops_in_flight == 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from pdserve.model.loader import resolve_model_dir

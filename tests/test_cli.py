@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import assert_no_blocks_held
 from pdserve.errors import ContextLengthExceededError, ModelNotFoundError, UnsupportedModelError
 
 
@@ -84,7 +85,7 @@ def test_python_api_errors(tmp_path, tiny_llama_dir):
     # The engine is still usable after a rejected request, and generation stops at the context limit.
     out = llm.generate([list(range(100, 120))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert_no_blocks_held(llm.engine)
 
 
 def test_unwritable_conversion_cache(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import assert_no_blocks_held, make_tiny_model
 from pdserve import LLM, SamplingParams
 
 NEW_TOKENS = 24
@@ -64,7 +64,7 @@ def test_preemption_when_pool_is_too_small(tiny_case):
     llm = LLM(str(model_dir), num_kv_blocks=30, block_size=4)  # 120 tokens for ~240 needed
     assert_same(llm.generate(prompts, GREEDY), refs)
     assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert_no_blocks_held(llm.engine)
 
 
 def test_prefix_cache_shared_prefix_and_second_turn(tiny_llama_dir):

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from conftest import assert_no_blocks_held
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.kv_meta import Tier
 from pdserve.engine.config import EngineConfig
@@ -114,11 +115,7 @@ class Pair:
         self.prefill.release_lent()
         assert not self.prefill.lent
         for engine in (self.p_engine, self.d_engine):
-            if engine.kv_io is not None:  # copies to the host tier hold their blocks until they finish
-                engine.kv_io.drain()
-                engine.poll_kv()
-                assert engine.tiers.num_ops_in_flight == 0
-            assert engine.block_manager.num_used_blocks == 0
+            assert_no_blocks_held(engine)
         assert len(self.decode.inbound) == 0 and not self.prefill.outbound
 
     def close(self):
