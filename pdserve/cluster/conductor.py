@@ -51,12 +51,13 @@ class Flight:
 class Conductor:
     def __init__(self, ctx: zmq.asyncio.Context, event_socket: zmq.asyncio.Socket, mode: str,
                  policy: RoutingPolicy, metrics=None, tiers: ServiceTiers | None = None,
-                 admission: Admission | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 admission: Admission | None = None, clock: Callable[[], float] = time.monotonic,
+                 idle_prewarm: bool = True) -> None:
         self.ctx = ctx
         self.events = event_socket
         self.mode = mode
         self.metrics = metrics
-        self.core = ConductorCore(mode, policy, tiers, admission)
+        self.core = ConductorCore(mode, policy, tiers, admission, idle_prewarm=idle_prewarm)
         self.clock = clock
         self.workers: dict[str, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}

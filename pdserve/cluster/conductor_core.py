@@ -18,7 +18,9 @@ simulated time. What it decides:
 * **stage** prompts while their decode worker has no room (PD, `--delivery scheduled`): an idle prefill
   worker computes a waiting prompt ahead (`stage`; which one: `pdserve.cluster.staging`); its KV stays in
   that worker's prefix cache and host tier (no device blocks held, no transfer open), and the prefill
-  dispatched once blocks are reserved finds it there and only sends it (`Count("kv_staged")`);
+  dispatched once blocks are reserved finds it there and only sends it (`Count("kv_staged")`); with no
+  prompt to stage, an idle prefill worker **prewarms** the hot prefix it lacks (`warm`, idle prewarm:
+  `pdserve.cluster.hot_prefixes`), so prefix-affine routing can spread that prefix's requests;
 * **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
   it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
   it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block).
@@ -37,8 +39,9 @@ from dataclasses import dataclass, field
 from pdserve.cluster.actions import Count, Fail, Observe, Send
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
+from pdserve.cluster.hot_prefixes import HotPrefixes
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
-from pdserve.cluster.staging import StagePlan
+from pdserve.cluster.staging import StagePlan, StagingEvents
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.online_fit import MIN_SAMPLES
 from pdserve.core.service_tiers import ServiceTiers
@@ -80,9 +83,9 @@ class Backlog:
     decoding: int = 0
 
 
-class ConductorCore:
+class ConductorCore(StagingEvents):
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
-                 admission: Admission | None = None, block_size: int = 16) -> None:
+                 admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True) -> None:
         self.mode, self.policy = mode, policy
         self.tiers = tiers or ServiceTiers()
         self.admission = admission
@@ -93,6 +96,8 @@ class ConductorCore:
         self.consumption = ConsumptionPredictor(admission)
         self._xfers = itertools.count()
         self.stage = StagePlan(self.tiers)
+        self.hot = HotPrefixes() if idle_prewarm and mode == "pd" else None
+        self._warms = itertools.count()
 
     # ---- workers ----------------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
@@ -123,6 +128,8 @@ class ConductorCore:
         load = self.workers[name]
         load.alive = False
         actions: list = [Count("worker_deaths", (("worker", name),))]
+        for rid in self.hot.worker_gone(name) if self.hot is not None else ():
+            self.stage.done(name, rid)
         for f in list(self.flights.values()):
             if f.decode == name:
                 actions += self._fail(f, 503, f"worker {name} died while serving this request", "worker_died")
@@ -191,7 +198,12 @@ class ConductorCore:
             f.prefill = second.name
             second.outstanding += 1
             second.remember(hashes)
-        return seen + [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
+        actions = seen + [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
+        if self.hot is not None:
+            self.hot.observe(hashes, prompt, self.block_size, now)
+            for w in self.role("prefill"):
+                actions += self._warm(w.name, now)
+        return actions
 
     def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
                ) -> Rejection | None:
@@ -268,44 +280,7 @@ class ConductorCore:
         self._prefill_done(f)
         if f.prediction is not None:
             self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
-        return self._stage_next(prefill)
-
-    # ---- staging: prompts computed ahead while their decode worker has no room ----------------------------
-    def reserve_waiting(self, rid: str, xfer: str, now: float = 0.0) -> list:
-        """The decode worker has no room for this request's blocks now: its prefill worker may stage it."""
-        f = self.flights.get(rid)
-        if f is None or f.xfer != xfer:
-            return []
-        f.waiting_room = True
-        return self._stage_next(f.prefill)
-
-    def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
-        """The prefill worker finished (or dropped) its stage pass of `rid`: only the prompt's last token is
-        left to compute when it is dispatched."""
-        f = self.flights.get(rid)
-        if f is None or f.staged != "staging" or f.prefill is None:
-            return []  # (no prefill needed after all: its decode worker found the prompt cached)
-        self.stage.done(f.prefill, rid)
-        f.staged = "staged" if ok else ""
-        if ok and f.queued_tokens > 1:
-            backlog, rank, left = self.backlog[f.prefill], self.tiers[f.tier].rank, f.queued_tokens - 1
-            backlog.tokens[rank] -= left
-            if f.dispatched:
-                backlog.dispatched[rank] -= left
-            f.queued_tokens = 1
-        return self._stage_next(f.prefill)
-
-    def _stage_next(self, prefill: str | None) -> list:
-        """An idle prefill worker (nothing dispatched, nothing staging) may stage a waiting prompt
-        (`pdserve.cluster.staging`)."""
-        if (not self.stage.may_stage(prefill) or not self.workers[prefill].alive
-                or any(self.backlog[prefill].dispatched.values())):
-            return []
-        f = self.stage.pick(prefill, self.flights.values(), self.block_size)
-        if f is None:
-            return []
-        return [Count("kv_staged", (("service_tier", f.tier),)),
-                Send(prefill, {"type": "stage", **self._request_fields(f)})]
+        return self._stage_next(prefill, now)
 
     def consumed(self, rid: str, at_s: float) -> list:
         """The decode worker's first step reading this request's delivered KV started at `at_s`."""

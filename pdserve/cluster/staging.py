@@ -5,13 +5,16 @@ prefill worker may have become idle. A prefill worker advertises in its `ready` 
 KV it can keep (`stage_blocks`: its host tier, else half its pool; 0 under `--delivery fifo`: no staging) and
 the longest prompt it can reuse whole (`stage_max_blocks`: a long-context worker reuses at most its hot window).
 One stage pass at a time per worker; the first waiting prompt in (tier rank, arrival) order whose decode worker
-had no room; only while what the worker keeps staged (staged, not yet reserved) and this prompt fit.
+had no room; only while what the worker keeps staged (staged, not yet reserved) and this prompt fit. With no
+prompt to stage and nothing routed to it, the worker warms a hot prefix it lacks instead (idle prewarm,
+`pdserve.cluster.hot_prefixes`). The events (`StagingEvents`) are a mixin of `ConductorCore`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pdserve.cluster.actions import Count, Send
 from pdserve.core.service_tiers import ServiceTiers
 
 
@@ -47,6 +50,75 @@ class StagePlan:
         """`rid`'s stage pass on `prefill` ended, or is moot."""
         if prefill is not None and self.staging.get(prefill) == rid:
             del self.staging[prefill]
+
+
+class StagingEvents:
+    """The conductor core's staging and idle-prewarm events (a mixin of `ConductorCore`, whose state it uses:
+    `flights`, `workers`, `backlog`, `tiers`, `block_size`, `stage` (a `StagePlan`) and `hot` (a
+    `pdserve.cluster.hot_prefixes.HotPrefixes`, None when idle prewarm is off))."""
+
+    # ---- staging: prompts computed ahead while their decode worker has no room ----------------------------
+    def reserve_waiting(self, rid: str, xfer: str, now: float = 0.0) -> list:
+        """The decode worker has no room for this request's blocks now: its prefill worker may stage it."""
+        f = self.flights.get(rid)
+        if f is None or f.xfer != xfer:
+            return []
+        f.waiting_room = True
+        return self._stage_next(f.prefill, now)
+
+    def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
+        """The prefill worker finished (or dropped) its stage pass of `rid`: only the prompt's last token is
+        left to compute when it is dispatched."""
+        if self.hot is not None and rid in self.hot.warming:
+            return self._warmed(rid, ok, now)
+        f = self.flights.get(rid)
+        if f is None or f.staged != "staging" or f.prefill is None:
+            return []  # (no prefill needed after all: its decode worker found the prompt cached)
+        self.stage.done(f.prefill, rid)
+        f.staged = "staged" if ok else ""
+        if ok and f.queued_tokens > 1:
+            backlog, rank, left = self.backlog[f.prefill], self.tiers[f.tier].rank, f.queued_tokens - 1
+            backlog.tokens[rank] -= left
+            if f.dispatched:
+                backlog.dispatched[rank] -= left
+            f.queued_tokens = 1
+        return self._stage_next(f.prefill, now)
+
+    def _stage_next(self, prefill: str | None, now: float = 0.0) -> list:
+        """An idle prefill worker (nothing dispatched, nothing staging) may stage a waiting prompt
+        (`StagePlan`), else warm a hot prefix it lacks."""
+        if (not self.stage.may_stage(prefill) or not self.workers[prefill].alive
+                or any(self.backlog[prefill].dispatched.values())):
+            return []
+        f = self.stage.pick(prefill, self.flights.values(), self.block_size)
+        if f is None:
+            return self._warm(prefill, now)
+        return [Count("kv_staged", (("service_tier", f.tier),)),
+                Send(prefill, {"type": "stage", **self._request_fields(f)})]
+
+    # ---- idle prewarm: hot prefixes computed ahead on an idle prefill worker -------------------------------
+    def _warm(self, prefill: str, now: float) -> list:
+        """A prefill worker with nothing routed to it waiting and no stage pass computes the hot prefix it
+        lacks that is worth the most (`pdserve.cluster.hot_prefixes`)."""
+        if (self.hot is None or not self.stage.may_stage(prefill) or not self.workers[prefill].alive
+                or any(self.backlog[prefill].tokens.values())):
+            return []
+        room = min(self.stage.blocks[prefill], self.stage.max_blocks[prefill])
+        p = self.hot.pick(self.workers[prefill], room, now)
+        if p is None:
+            return []
+        rid = f"warm-{next(self._warms)}"
+        self.hot.start(rid, prefill, p)
+        self.stage.staging[prefill] = rid
+        return [Send(prefill, {"type": "warm", "rid": rid, "prompt": p.tokens})]
+
+    def _warmed(self, rid: str, ok: bool, now: float) -> list:
+        prefill, p = self.hot.end(rid)
+        self.stage.done(prefill, rid)
+        if ok:
+            self.workers[prefill].remember(p.hashes)  # routing counts its prefix as cached there now
+        return ([Count("kv_idle_prewarms", (("worker", prefill), ("outcome", "done" if ok else "dropped")))]
+                + self._stage_next(prefill, now))
 
 
 def _blocks(f, block_size: int) -> int:

@@ -167,6 +167,8 @@ class Worker:
         elif kind == "stage":
             self.prefill.stage(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd.get("priority", 0),
                                _tier(cmd))
+        elif kind == "warm":
+            self.prefill.warm(cmd["rid"], cmd["prompt"])
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
                                 cmd.get("priority", 0), _pin(cmd), _tier(cmd))

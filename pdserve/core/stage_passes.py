@@ -7,6 +7,7 @@ infinity: real work pauses it at a chunk boundary), with no transfer. When it en
 are pinned (`pin_staged`, at most `STAGE_PIN_S`) until the real prefill has run. The real prefill
 (`add_real`) drops a pass not started yet and takes its place, or waits for a pass under way, promoted to the
 real prefill's arrival (`Scheduler.claim_stage`); then it finds the prompt cached and only sends it.
+A warm pass (`warm`) is a stage pass of a hot prefix for no request in particular (idle prewarm).
 `stage_capacity` is what a prefill worker advertises to the conductor.
 """
 
@@ -17,6 +18,12 @@ from collections.abc import Callable, Sequence
 
 from pdserve.core.kv_tiers import TieredKV, pin_staged, unpin_staged
 from pdserve.core.request import STAGE, Request, RequestStatus
+from pdserve.core.sampling_params import SamplingParams
+
+# A warm pass: one token sampled, ranked after every real request (lowest tier, least urgent priority)
+WARM_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+WARM_PRIORITY = 1 << 30
+WARM_TIER = "flex"
 
 
 def stage_capacity(scheduler, tiers: TieredKV | None, scheduled: bool) -> dict:
@@ -37,6 +44,7 @@ class StagePasses:
         self.deferred: dict[str, Callable[[], None]] = {}  # rid -> adds its real prefill when its pass ends
         self.prompts: dict[str, Sequence[int]] = {}  # rid -> the prompt of its running stage pass
         self.staged: dict[str, tuple] = {}  # rid -> its staged blocks' hashes (pinned in host until used)
+        self.warming: set[str] = set()  # ids of warm passes under way
 
     def stage(self, request: Request) -> None:
         """`request`: the prompt's prefill-only request, made under the request's own id."""
@@ -44,6 +52,12 @@ class StagePasses:
         request.request_id += STAGE
         request.arrival_s = math.inf
         self.scheduler.add_request(request)
+
+    def warm(self, request: Request) -> None:
+        """A hot prefix computed ahead for no request in particular (`pdserve.cluster.hot_prefixes`): a stage
+        pass whose KV is left to the prefix cache and the host tier (nothing pinned, nothing waits for it)."""
+        self.warming.add(request.request_id)
+        self.stage(request)
 
     def add_real(self, rid: str, arrival_s: float, add: Callable[[], None]) -> bool:
         """Add `rid`'s real prefill now (True) or when its stage pass under way ends (False)."""
@@ -61,6 +75,9 @@ class StagePasses:
             return None
         rid = request_id[:-len(STAGE)]
         prompt = self.prompts.pop(rid, ())
+        if rid in self.warming:
+            self.warming.discard(rid)
+            return rid
         if ok:
             self.staged[rid] = pin_staged(self.scheduler.blocks, self.tiers, prompt)
         add = self.deferred.pop(rid, None)

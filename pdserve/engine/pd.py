@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
-from pdserve.core.stage_passes import StagePasses
+from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
@@ -118,6 +118,11 @@ class PrefillSide:
         """Compute a prompt ahead, with no transfer (`pdserve.core.stage_passes`)."""
         self.stages.stage(self.engine.make_request(request_id, prompt, params, priority, prefill_only=True,
                                                    service_tier=service_tier))
+
+    def warm(self, request_id: str, prompt: list[int]) -> None:
+        """Compute a hot prefix ahead, for no request in particular (`pdserve.cluster.hot_prefixes`)."""
+        self.stages.warm(self.engine.make_request(request_id, prompt, WARM_PARAMS, WARM_PRIORITY,
+                                                  prefill_only=True, service_tier=WARM_TIER))
 
     def stage_ended(self, request_id: str, ok: bool) -> str | None:
         """A request of this worker ended: for a stage pass, its request's id; else None."""

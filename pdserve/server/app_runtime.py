@@ -35,7 +35,8 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
     tiers = ServiceTiers.from_specs(engine_fields.get("service_tiers") or ())
     predict = cfg.admission == "predict" or (cfg.admission is None and tiers.any_slo)
     admission = Admission(cfg.admission_margin, cfg.max_outstanding, predict)
-    conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics, tiers, admission)
+    conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics, tiers, admission,
+                          idle_prewarm=cfg.idle_prewarm)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
     procs.start()

@@ -64,6 +64,9 @@ class ServeConfig:
     delivery_backlog_s: float = 2.0
     """Backpressure: a prefill worker produces no more KV while its links would need longer than this to
     send what is queued (0: never pause)."""
+    idle_prewarm: bool = True
+    """An idle prefill worker computes the hot prompt prefixes (shared by several recent requests) it lacks,
+    so prefix-affine routing can spread their requests (pd mode, --delivery scheduled)."""
     link_gbps: float | None = None
     """Throttle each KV link (prefill worker -> decode worker) to this many Gbit/s, to emulate a slower
     network; default: as fast as the transport goes."""

@@ -121,6 +121,9 @@ class Metrics:
                                  ["service_tier"], registry=r)
         self.kv_staged_now = Gauge("pdserve_kv_staged_prompts", "Prompts a prefill worker staged and has not "
                                    "delivered yet", ["worker"], registry=r)
+        self.kv_idle_prewarms = Counter("pdserve_kv_idle_prewarms", "Hot prompt prefixes an idle prefill worker "
+                                        "computed ahead (outcome: done or dropped)", ["worker", "outcome"],
+                                        registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "

@@ -79,6 +79,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="tier bandwidth shares under scheduled delivery (default priority=0.5,default=0.4,flex=0.1)")
     p.add_argument("--delivery-backlog-s", type=float, default=2.0,
                    help="as `pdserve serve`: prefill production pauses above this much queued delivery (0: never)")
+    p.add_argument("--idle-prewarm", default=True, action=argparse.BooleanOptionalAction,
+                   help="as `pdserve serve --idle-prewarm`: idle prefill engines compute hot prefixes they lack")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="KV link bandwidth per engine, Gbit/s (default: tp x the GPU preset's network bandwidth)")
 
@@ -118,7 +120,7 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        service_tiers=tuple(args.service_tier or ()), admission=args.admission,
                        admission_margin=args.admission_margin, delivery=args.delivery,
                        link_share=args.link_share, link_gbps=args.link_gbps,
-                       delivery_backlog_s=args.delivery_backlog_s)
+                       delivery_backlog_s=args.delivery_backlog_s, idle_prewarm=args.idle_prewarm)
 
 
 def run_spec(args, spec, workloads: list, rates: list, label: str):

@@ -72,6 +72,7 @@ class ClusterSpec:
     link_share: str | None = None  # `--link-share` spec; None: the default shares
     link_gbps: float | None = None  # KV link bandwidth per engine, Gbit/s; None: tp x the GPU preset's
     delivery_backlog_s: float = 2.0  # prefill production pauses above this much queued delivery (0: never)
+    idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.cluster.hot_prefixes)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -144,7 +145,7 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links, spec.block_size, block_bytes,
                              spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s,
                              service_tiers, Admission(spec.admission_margin, predict=predict),
-                             WaterLevel(spec.delivery_backlog_s))
+                             WaterLevel(spec.delivery_backlog_s), spec.idle_prewarm)
     for role, n in roles.items():
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,

@@ -50,9 +50,10 @@ class SimConductor(EngineHooks):
     def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel, block_size: int, block_bytes: int,
                  failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
                  control_latency_s: float = 0.0, tiers: ServiceTiers | None = None,
-                 admission: Admission | None = None, water: WaterLevel | None = None) -> None:
+                 admission: Admission | None = None, water: WaterLevel | None = None,
+                 idle_prewarm: bool = True) -> None:
         self.mode, self.links = mode, links
-        self.core = ConductorCore(mode, policy, tiers, admission, block_size)
+        self.core = ConductorCore(mode, policy, tiers, admission, block_size, idle_prewarm)
         self.counts: Counter = Counter()  # the core's Count actions: (metric, labels) -> n
         self.decisions: list | None = None  # set to [] to record (event, actions) pairs
         # the live step times admission's and the consumption prediction's models learn from
@@ -148,6 +149,8 @@ class SimConductor(EngineHooks):
         elif kind == "stage":
             engine.post(lambda: self.staging.stage(engine, self._request(f.prompt, f, prefill_only=True)),
                         self.control_s)
+        elif kind == "warm":
+            engine.post(lambda: self.staging.warm(engine, rid, cmd["prompt"], self.loop.now), self.control_s)
         elif kind == "abort":
             engine.post(lambda: (engine.engine.abort([rid]), self.staging.abort(engine, rid)), self.control_s)
         elif kind == "kv_failed":
@@ -329,7 +332,7 @@ class SimConductor(EngineHooks):
             if f is None:
                 staged = self.staging.ended(engine, out.request_id, out.finish_reason == "prefilled") if (
                     engine.role == "prefill") else None
-                if staged is not None and staged in self.flights:
+                if staged is not None:  # (the core ignores a request it no longer tracks)
                     self._act(self._core("staged", staged, out.finish_reason == "prefilled", end_s + self.control_s))
                 continue
             if out.finish_reason == "prefilled":

@@ -48,6 +48,7 @@ class Lifecycle:
     blocks_on_time_at_dispatch: int = 0
     production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
     staged: int = 0  # prompts computed ahead while their decode engine had no room
+    idle_prewarms: int = 0  # hot prefixes computed ahead on idle prefill engines
     transfers: int = 0
     transfer_failures: int = 0
     aborted: int = 0

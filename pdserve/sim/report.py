@@ -68,6 +68,7 @@ def lifecycle(run: SimRun) -> dict:
         "wasted_transfer_rate": wasted,
         "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
         "production_paused_s": life.production_paused_s, "staged_prompts": life.staged,
+        "idle_prewarms": life.idle_prewarms,
     }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.core.stage_passes import StagePasses, stage_capacity
+from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses, stage_capacity
 from pdserve.sim.engine import SimEngine, SimRequest
 
 
@@ -29,6 +29,11 @@ class SimStaging:
     def stage(self, engine: SimEngine, request: SimRequest) -> None:
         self.of(engine).stage(request)
         self.life.staged += 1
+
+    def warm(self, engine: SimEngine, rid: str, prompt, now: float) -> None:
+        self.of(engine).warm(SimRequest(rid, prompt, WARM_PARAMS, arrival_s=now, priority=WARM_PRIORITY,
+                                        prefill_only=True, service_tier=WARM_TIER))
+        self.life.idle_prewarms += 1
 
     def add_prefill(self, engine: SimEngine, rid: str, add: Callable[[], None]) -> None:
         self.of(engine).add_real(rid, engine.clock(), add)

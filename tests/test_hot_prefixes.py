@@ -1,0 +1,142 @@
+"""Idle prewarm: hot prefixes counted by the conductor core and computed ahead on an idle prefill worker
+(`pdserve.cluster.hot_prefixes`, `ConductorCore._warm`), and the same in the simulator."""
+
+from __future__ import annotations
+
+from array import array
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.conductor_core import ConductorCore, Count, Send
+from pdserve.cluster.hot_prefixes import HALF_LIFE_S, MAX_HOT, HotPrefixes
+from pdserve.cluster.routing import WorkerLoad, make_routing_policy
+from pdserve.core.block_hash import hash_blocks
+from pdserve.sim.cluster import ClusterSpec, build
+from pdserve.sim.events import MESSAGE
+from pdserve.sim.hardware import get_gpu, get_model
+from pdserve.sim.timemodel import RooflineTimeModel
+
+BS = 16
+SHARED = list(range(1000, 1000 + 4 * BS))  # a 4-block prefix
+
+
+def _prompt(tail: int) -> list[int]:
+    return SHARED + [50_000 + 100 * tail + k for k in range(20)]
+
+
+def _observe(hot: HotPrefixes, prompt: list[int], now: float) -> tuple:
+    hashes = hash_blocks(prompt, BS)
+    hot.observe(hashes, prompt, BS, now)
+    return hashes
+
+
+def test_a_prefix_shared_by_recent_requests_is_hot_and_goes_to_a_worker_that_lacks_it():
+    hot = HotPrefixes()
+    _observe(hot, _prompt(1), 0.0)
+    lacking, having = WorkerLoad("prefill-1", "prefill"), WorkerLoad("prefill-0", "prefill")
+    assert hot.pick(lacking, 1000, 0.0) is None  # one request is not a pattern
+    hashes = _observe(hot, _prompt(2), 1.0)
+    having.remember(hashes)
+    p = hot.pick(lacking, 1000, 1.0)
+    assert p is not None and p.tokens == SHARED and p.hashes == tuple(hashes[:4])  # the shared blocks only
+    assert hot.pick(having, 1000, 1.0) is None  # it has the prefix already
+    assert hot.pick(WorkerLoad("prefill-2", "prefill"), 3, 1.0) is None  # it would not fit its staging room
+    # nothing new turned hot since it looked: it does not look again; a new hot prefix makes it look
+    assert hot.pick(having, 1000, 1.5) is None
+    other = list(range(7000, 7000 + 3 * BS))
+    for t in (2.0, 3.0):
+        _observe(hot, other + [t], t)
+    assert hot.pick(having, 1000, 3.0).tokens == other
+    # a prefix no one asked for in many half-lives cools down
+    assert hot.pick(lacking, 1000, 1.0 + 10 * HALF_LIFE_S) is None and not hot.hot
+
+
+def test_hot_prefixes_kept_are_bounded():
+    hot = HotPrefixes()
+    for i in range(MAX_HOT + 10):
+        prefix = [10_000 * (i + 1) + k for k in range(2 * BS)]
+        _observe(hot, prefix + [1], 0.0)
+        _observe(hot, prefix + [2], 0.0)
+    assert len(hot.hot) == MAX_HOT
+
+
+def _core() -> ConductorCore:
+    core = ConductorCore("pd", make_routing_policy("prefix-affinity"))
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+        core.worker_ready(name, {"block_size": BS, "stage_blocks": 64 if role == "prefill" else 0,
+                                 "stage_max_blocks": 64})
+    return core
+
+
+def _serve(core: ConductorCore, rid: str, now: float) -> None:
+    """`rid` reserved, prefilled and finished: its prefill worker is idle again."""
+    core.reserved(rid, core.flights[rid].xfer, True, "addr", 0, now)
+    core.prefilled(rid, now)
+    core.token(rid, 0, True, now)
+
+
+def test_an_idle_prefill_worker_warms_the_hot_prefix_and_routing_then_spreads_its_requests():
+    core = _core()
+    core.arrive("a", _prompt(1), {}, 0.0)
+    assert core.flights["a"].prefill == "prefill-0"
+    _serve(core, "a", 0.5)
+    actions = core.arrive("b", _prompt(2), {}, 1.0)  # affinity: prefill-0 again; the prefix is hot now
+    assert core.flights["b"].prefill == "prefill-0"
+    (warm,) = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "warm"]
+    assert warm.worker == "prefill-1" and warm.cmd["prompt"] == SHARED
+    # one pass at a time: the next arrival does not start another
+    assert not [a for a in core.arrive("c", _prompt(3), {}, 1.1) if isinstance(a, Send) and a.cmd["type"] == "warm"]
+    done = core.staged(warm.cmd["rid"], True, 2.0)
+    assert Count("kv_idle_prewarms", (("worker", "prefill-1"), ("outcome", "done"))) in done
+    assert core.workers["prefill-1"].prefix_blocks(hash_blocks(_prompt(4), BS)) == 4
+    # with prefill-0 busy (b and c), the next request sharing the prefix goes to prefill-1, cache and all
+    core.arrive("d", _prompt(4), {}, 2.1)
+    assert core.flights["d"].prefill == "prefill-1"
+    assert core.flights["d"].queued_tokens == len(_prompt(4)) - len(SHARED)
+
+
+def test_no_warm_pass_while_work_is_routed_there_without_staging_room_or_when_off():
+    core = ConductorCore("pd", make_routing_policy("prefix-affinity"), idle_prewarm=False)
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+        core.worker_ready(name, {"block_size": BS, "stage_blocks": 64, "stage_max_blocks": 64})
+    for i in range(4):
+        actions = core.arrive(f"r{i}", _prompt(i), {}, float(i))
+        assert not [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "warm"]
+    core = _core()
+    core.worker_ready("prefill-1", {"block_size": BS, "stage_blocks": 0})  # --delivery fifo: no staging room
+    for i in range(4):
+        actions = core.arrive(f"r{i}", _prompt(i), {}, float(i))
+        assert not [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "warm"]
+
+
+def test_a_warm_pass_on_a_dying_worker_is_forgotten():
+    core = _core()
+    core.arrive("a", _prompt(1), {}, 0.0)
+    _serve(core, "a", 0.5)
+    (warm,) = [a for a in core.arrive("b", _prompt(2), {}, 1.0) if isinstance(a, Send) and a.cmd["type"] == "warm"]
+    core.worker_died("prefill-1", 1.5)
+    assert not core.hot.warming and "prefill-1" not in core.stage.staging
+    assert core.staged(warm.cmd["rid"], True, 2.0) == []  # a late report changes nothing
+
+
+def test_the_simulator_warms_hot_prefixes_with_the_same_core():
+    model, gpu = get_model("llama-3-8b"), get_gpu("h100")
+    spec = ClusterSpec(mode="pd", num_prefill=2, num_decode=1, num_kv_blocks=2000, host_kv_gb=0)
+    loop, conductor, engines = build(spec, model, gpu, RooflineTimeModel(model, gpu, 1))
+    doc = [3000 + k for k in range(2048)]  # a shared 2,048-token document, then a question each
+
+    def arrive(i: int) -> None:
+        prompt = array("q", doc + [60_000 + 50 * i + k for k in range(50)])
+        conductor.submit(f"q{i}", prompt, 8, RequestRecord(start_s=loop.now, prompt_tokens=len(prompt)))
+
+    for i in range(6):
+        loop.at(i * 1.0, arrive, i, prio=MESSAGE)
+    loop.run()
+    assert conductor.life.idle_prewarms == 1
+    warmed = {labels: c for (metric, labels), c in conductor.counts.items() if metric == "kv_idle_prewarms"}
+    assert warmed == {(("worker", "prefill-1"), ("outcome", "done")): 1}
+    prefill = {e.name: e for e in engines if e.role == "prefill"}
+    cached = {name: e.engine.block_manager.find_prefix(doc, "probe").num_tokens for name, e in prefill.items()}
+    assert cached == {"prefill-0": 2048 - 16, "prefill-1": 2048 - 16}  # (a hit leaves the last block to compute)
+    assert prefill["prefill-1"].scheduler.stats.num_prompt_tokens == 2048  # the warm pass: the document alone
