@@ -271,3 +271,30 @@ def test_a_dead_prefill_workers_prompts_move_to_another_prefill_worker():
     assert actions.count(Count("kv_recovery", (("choice", "recompute"),))) == 2
     assert {a.cmd["xfer"] for a in actions if isinstance(a, Send)} == {core.flights["a"].xfer, "b#1"}
     assert all(a.cmd["type"] == "kv_failed" for a in actions if isinstance(a, Send))
+
+
+def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it_reports_again():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(40)), {}, 0.0)
+    core.reserved("a", "a#0", True, "addr", 0, 0.1)  # dispatched to prefill-0, which then goes silent
+    assert core.transfer_outcome("a", "held", "stale#9", 2.0) == []  # not its current transfer: nothing
+    actions = core.transfer_outcome("a", "held", "a#0", 2.1)
+    assert Count("kv_leases_lapsed", (("worker", "prefill-0"),)) in actions
+    assert Send("prefill-0", {"type": "abort", "rid": "a"}) in actions
+    assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
+    new = core.flights["a"].xfer
+    assert Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": new}) in actions
+    (prefill,) = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "prefill"]
+    assert prefill.worker == "prefill-1" and prefill.cmd["xfer"] == new
+    # stalled: routing passes prefill-0 by, even when prefill-1 is busier
+    core.arrive("b", list(range(100, 140)), {}, 2.2)
+    assert core.flights["b"].prefill == "prefill-1"
+    core.worker_steps("prefill-0", [])  # it reports again
+    core.arrive("c", list(range(200, 240)), {}, 3.0)
+    assert core.flights["c"].prefill == "prefill-0"
+    # prefilled, yet the KV never arrived whole: only the decode worker can recompute it
+    core.prefilled("a", 3.1)
+    actions = core.transfer_outcome("a", "held", new, 5.0)
+    assert actions == [Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", {"type": "kv_failed", "xfer": new})]

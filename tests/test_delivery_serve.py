@@ -1,6 +1,7 @@
 """KV delivery with real processes: a prompt queued behind others at a live prefill worker is not a failed
 delivery (the worker's `alive` records renew the decode side's lease), while a hung prefill worker's leases
-lapse and the decode worker recomputes (an explicit, counted outcome); KV received and then dropped is
+lapse, the decode worker holds the blocks and the conductor moves the prompt to another prefill worker or,
+with none, has the decode worker recompute (explicit, counted outcomes); KV received and then dropped is
 counted as wasted, by reason."""
 
 from __future__ import annotations
@@ -65,15 +66,50 @@ def test_a_prompt_queued_longer_than_the_lease_is_delivered_not_recomputed():
         server.stop()
 
 
-def test_a_hung_prefill_worker_leases_lapse_and_the_decode_worker_recomputes():
+def test_a_hung_prefill_workers_lease_lapses_and_with_no_other_the_decode_worker_recomputes():
     server = Server("--kv-timeout-s", str(LEASE_S))
     prefill = server.worker_pid("prefill-0")
     os.kill(prefill, signal.SIGSTOP)  # alive but not answering: it sends no `alive` record
     try:
         seconds = asyncio.run(_complete_all(server, [_prompt(0, 100)]))
         assert seconds[0] >= LEASE_S
-        assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_timeout",
-                             outcome="recompute") == 1
+        # the decode worker held the blocks and asked the conductor, which had no other prefill worker
+        assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_timeout", outcome="held") == 1
+        assert server.metric("pdserve_kv_leases_lapsed_total", worker="prefill-0") == 1
+        assert server.metric("pdserve_kv_recovery_total", choice="recompute") == 1
+    finally:
+        os.kill(prefill, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_hung_prefill_workers_prompt_moves_to_the_other_and_it_is_used_again_once_it_reports():
+    server = Server("--prefill", "2", "--kv-timeout-s", str(LEASE_S))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt=_prompt(i, 100), max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    prefill = server.worker_pid("prefill-0")
+    try:
+        reference = ask(1)  # the two workers idle: routed to prefill-0 (the first of equals)
+        os.kill(prefill, signal.SIGSTOP)
+        start = time.perf_counter()
+        assert ask(1) == reference  # its prompt went to prefill-0 again, lapsed there, and moved to prefill-1
+        assert time.perf_counter() - start >= LEASE_S
+        assert server.metric("pdserve_kv_leases_lapsed_total", worker="prefill-0") == 1
+        assert server.metric("pdserve_kv_recovery_total", choice="redispatch") == 1
+        assert server.metric("pdserve_kv_recovery_total", choice="recompute") == 0
+        assert server.metric("pdserve_kv_transfer_failures_total", outcome="recompute") == 0
+        assert ask(2) and server.metric("pdserve_kv_leases_lapsed_total") == 1  # stalled: passed by, no wait
+        os.kill(prefill, signal.SIGCONT)
+        time.sleep(1.0)  # its stats reach the conductor: it is usable again
+        link = "prefill-0->decode-0"
+        sent_before = server.metric("pdserve_kv_link_bytes_total", link=link)
+        assert ask(3)  # both idle again: prefill-0, the first of equals
+        time.sleep(0.6)  # its stats carry the link's bytes
+        assert server.metric("pdserve_kv_link_bytes_total", link=link) > sent_before
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 4
     finally:
         os.kill(prefill, signal.SIGCONT)
         server.stop()

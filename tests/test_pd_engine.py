@@ -7,6 +7,7 @@ must end in recompute on the decode side with the same tokens, and no block may 
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -231,6 +232,38 @@ def test_silent_sender_hits_the_lease(tiny_llama_dir, pair_factory):
     pair.prefill.add = lambda *a, **k: None  # the prefill worker never starts: nothing ever arrives
     assert pair.run(prompts) == _reference(tiny_llama_dir, prompts)
     assert pair.decode.stats.failures["failed_timeout"] == 1
+    pair.assert_no_leak()
+
+
+def test_a_lapsed_lease_is_held_for_the_conductor_then_redirected_or_recomputed(tiny_llama_dir, pair_factory):
+    """Under a conductor (`hold_lapsed`) a lapsed transfer keeps its reserved blocks: `redirect` expects the KV
+    anew into them (from another prefill worker: here the same one, under the new transfer id), `kv_failed`
+    recomputes; KV still coming under the old id is rejected."""
+    a, b = _prompts(2)
+    pair = pair_factory("shm", timeout_s=0.2)
+    pair.decode.hold_lapsed = True
+    for rid, prompt in (("a", a), ("b", b)):
+        pair.decode.reserve(rid, prompt, GREEDY, f"{rid}#0")
+    assert len(pair.decode.try_reserve()) == 2
+    time.sleep(0.3)
+    pair.decode.inbound.expire()
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "held"), ("b#0", "held")]
+    held_blocks = pair.d_engine.block_manager.block_ids("a")
+    assert held_blocks and pair.d_engine.scheduler.requests["a"].status.name == "WAITING_FOR_KV"
+    pair.decode.redirect("a#0", "a#1")
+    pair.decode.peer_failed("b#0")  # b: the decode worker recomputes it
+    assert pair.d_engine.scheduler.requests["b"].status.name == "WAITING"
+    pair.decode.timeout_s = 10.0
+    pair.decode.inbound.get("a#1").deadline_s = time.monotonic() + 10.0
+    pair.prefill.add("a", a, GREEDY, pair.decode.receiver.address, "a#1", 0)
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+    pair.decode.receive(timeout_ms=50)
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#1", "delivered")]
+    assert pair.d_engine.block_manager.block_ids("a") == held_blocks  # into the blocks it held
+    assert pair.decode_all() == dict(zip(("a", "b"), _reference(tiny_llama_dir, [a, b])))
+    assert not pair.decode.held
     pair.assert_no_leak()
 
 

@@ -169,7 +169,7 @@ class Conductor:
         elif kind == "transfer":
             if self.metrics:
                 self.metrics.observe_transfer(event)
-            self._act(core.transfer_outcome(event["rid"], event["outcome"]))
+            self._act(core.transfer_outcome(event["rid"], event["outcome"], event.get("xfer", ""), now))
         elif kind == "error":
             flight = self.flights.pop(event.get("rid"), None)
             if flight is not None:

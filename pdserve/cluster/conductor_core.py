@@ -13,6 +13,8 @@ simulated time. What it decides:
   another live prefill worker (`redirect`: the decode worker keeps its reserved blocks and expects the KV
   under a new transfer id) unless recomputing on the decode worker is predicted faster or no prefill worker
   is left (`kv_failed`: the decode worker recomputes); each choice is counted (`kv_recovery{choice}`); a
+  transfer whose lease lapsed (its prefill worker alive but silent: hung, stopped) is held by its decode worker
+  for the same choice, and that prefill worker is passed by until it reports again (`kv_leases_lapsed`); a
   failed delivery aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
 * **stage** prompts while their decode worker has no room (PD, `--delivery scheduled`): an idle prefill
@@ -118,6 +120,7 @@ class ConductorCore(StagingEvents):
         """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];
         `prefill_cap`: the prefill tokens its next step may carry (`pdserve.core.step_budget`), the chunk size
         admission predicts prefill in."""
+        self.workers[name].stalled = False  # it reports again
         if self.admission is not None and steps:
             self.admission.observe_steps(name, steps)
         if self.admission is not None and prefill_cap:
@@ -138,8 +141,8 @@ class ConductorCore(StagingEvents):
         return actions
 
     def _recover(self, f: FlightState, now: float) -> list:
-        """Its prefill worker died: move the prompt to another live prefill worker, unless none is left or
-        the decode worker would recompute it sooner (both predicted by admission's step models)."""
+        """Its prefill worker died or stalled: move the prompt to another usable prefill worker, unless none is
+        left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
         self._prefill_done(f)
         f.staged = ""  # what it staged died with it
         hashes = hash_blocks(f.prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
@@ -251,6 +254,8 @@ class ConductorCore(StagingEvents):
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
                     Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
         f.kv_addr, f.first_block = kv_addr, first_block
+        if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
+            return self._recover(f, now)
         deadline = self._predict_dispatch(f, first_block, now)
         return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "link": f.decode,
                                  "xfer": f.xfer, "first_block": first_block,
@@ -295,13 +300,30 @@ class ConductorCore(StagingEvents):
                                           ("kv_consumption_error_at_dispatch", p.at_dispatch_s))
                 if predicted is not None]
 
-    def transfer_outcome(self, rid: str, outcome: str) -> list:
+    def transfer_outcome(self, rid: str, outcome: str, xfer: str = "", now: float = 0.0) -> list:
+        """A transfer ended badly on the decode worker: `recompute` (it recomputes the prompt) or `held` (its
+        lease lapsed; it holds the blocks for this core's choice, `_lease_lapsed`)."""
         f = self.flights.get(rid)
+        if outcome == "held":
+            return self._lease_lapsed(f, xfer, now)
         if outcome != "recompute" or f is None or f.prefill is None:
             return []
         prefill = f.prefill
         self._prefill_done(f)  # its work is moot now: the decode worker recomputes
         return [Send(prefill, {"type": "abort", "rid": rid})]
+
+    def _lease_lapsed(self, f: FlightState | None, xfer: str, now: float) -> list:
+        """Its prefill worker sent nothing for the lease (hung, stopped, unreachable): it is stalled, routing
+        passes it by until it reports again, and the prompt moves to another prefill worker unless
+        recomputing on the decode worker is predicted faster or none is left (`_recover`)."""
+        if f is None or f.xfer != xfer:
+            return []  # ended (its abort frees the blocks) or already moved
+        if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
+            return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, {"type": "kv_failed", "xfer": xfer})]
+        stalled = self.workers[f.prefill]
+        stalled.stalled = True
+        return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, {"type": "abort", "rid": f.rid})]
+                + self._recover(f, now))
 
     def token(self, rid: str, index: int, finished: bool, now: float) -> list:
         f = self.flights.get(rid)

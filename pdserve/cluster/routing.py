@@ -21,8 +21,13 @@ class WorkerLoad:
     role: str
     outstanding: int = 0  # requests routed here and not finished (the gateway's own count: no lag)
     alive: bool = True
+    stalled: bool = False  # alive, but a transfer's lease lapsed on it; cleared when it reports again
     recent_blocks: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU
     max_recent_blocks: int = 65536
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and not self.stalled
 
     def prefix_blocks(self, hashes: Sequence) -> int:
         n = 0
@@ -46,7 +51,7 @@ class RoutingPolicy(Protocol):
 
 class LeastLoaded:
     def pick(self, workers: Sequence[WorkerLoad], block_hashes: Sequence) -> WorkerLoad | None:
-        live = [w for w in workers if w.alive]
+        live = [w for w in workers if w.usable]
         return min(live, key=lambda w: w.outstanding) if live else None
 
 
@@ -57,7 +62,7 @@ class PrefixAffinity:
         self.weight = weight
 
     def pick(self, workers: Sequence[WorkerLoad], block_hashes: Sequence) -> WorkerLoad | None:
-        live = [w for w in workers if w.alive]
+        live = [w for w in workers if w.usable]
         if not live:
             return None
         total = max(min(len(block_hashes), AFFINITY_BLOCKS), 1)

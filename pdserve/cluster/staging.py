@@ -87,7 +87,7 @@ class StagingEvents:
     def _stage_next(self, prefill: str | None, now: float = 0.0) -> list:
         """An idle prefill worker (nothing dispatched, nothing staging) may stage a waiting prompt
         (`StagePlan`), else warm a hot prefix it lacks."""
-        if (not self.stage.may_stage(prefill) or not self.workers[prefill].alive
+        if (not self.stage.may_stage(prefill) or not self.workers[prefill].usable
                 or any(self.backlog[prefill].dispatched.values())):
             return []
         f = self.stage.pick(prefill, self.flights.values(), self.block_size)
@@ -100,7 +100,7 @@ class StagingEvents:
     def _warm(self, prefill: str, now: float) -> list:
         """A prefill worker with nothing routed to it waiting and no stage pass computes the hot prefix it
         lacks that is worth the most (`pdserve.cluster.hot_prefixes`)."""
-        if (self.hot is None or not self.stage.may_stage(prefill) or not self.workers[prefill].alive
+        if (self.hot is None or not self.stage.may_stage(prefill) or not self.workers[prefill].usable
                 or any(self.backlog[prefill].tokens.values())):
             return []
         room = min(self.stage.blocks[prefill], self.stage.max_blocks[prefill])

@@ -66,7 +66,7 @@ class Worker:
         else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
             from pdserve.transfer import make_receiver
             receiver = make_receiver(spec.transport, spec.kv_addr, spec.kv_host)
-            self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s)
+            self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s, hold_lapsed=True)
         self.poller = zmq.Poller()
         self.poller.register(self.cmds, zmq.POLLIN)
         if self.decode is not None and self.decode.receiver.wakeup is not None:

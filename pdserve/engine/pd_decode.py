@@ -1,6 +1,10 @@
 """The decode half of prefill/decode disaggregation (`pdserve.engine.pd` has the whole story): reserve
 blocks for a prompt, take verified chunks straight into them, settle each transfer (deliver or recompute),
-and report the step that first reads delivered KV."""
+and report the step that first reads delivered KV.
+
+A transfer whose lease lapsed (its prefill worker sent nothing for the timeout: hung, stopped or unreachable)
+is, with `hold_lapsed` (a worker under a conductor), not recomputed here: its blocks stay reserved and the
+conductor decides (`redirect` to another prefill worker, or `kv_failed`: recompute here)."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ class Reservation:
 
 @dataclass
 class DecodeStats:
-    failures: Counter = field(default_factory=Counter)  # by TransferState value; outcome: recompute
+    failures: Counter = field(default_factory=Counter)  # by TransferState value; outcome: recompute or held
     wasted_bytes: Counter = field(default_factory=Counter)  # received and verified, never consumed: by reason
     bytes_received: int = 0
     chunks_received: int = 0
@@ -32,8 +36,11 @@ class DecodeStats:
 
 
 class DecodeSide:
-    def __init__(self, engine: LLMEngine, receiver: KVReceiver, kv_layers: list, timeout_s: float) -> None:
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver, kv_layers: list, timeout_s: float,
+                 hold_lapsed: bool = False) -> None:
         self.engine = engine
+        self.hold_lapsed = hold_lapsed
+        self.held: dict[str, Inbound] = {}  # lapsed transfers whose blocks wait for the conductor's choice
         self.receiver = receiver
         self.layers = kv_layers
         self.timeout_s = timeout_s
@@ -144,14 +151,23 @@ class DecodeSide:
             self.inbound.fail(header.get("xfer"), TransferState.FAILED_PEER)
 
     def redirect(self, old: str, new: str) -> None:
-        """Its prefill worker died and the conductor moved the prompt to another: expect the KV anew under
-        `new` into the same reserved blocks (what arrived under `old` is overwritten: wasted)."""
+        """Its prefill worker died or hung and the conductor moved the prompt to another: expect the KV anew
+        under `new` into the same reserved blocks (what arrived under `old` is overwritten: wasted)."""
+        held = self.held.pop(old, None)
+        if held is not None:  # (its bytes were counted wasted when its lease lapsed)
+            self.inbound.expect(new, held.request_id, held.first_block, held.num_blocks, held.timeout_s)
+            return
         inbound = self.inbound.restart(old, new)
         if inbound is not None:
             self.stats.wasted_bytes["redirected"] += inbound.num_bytes
 
     def peer_failed(self, xfer: str) -> None:
-        self.inbound.fail(xfer, TransferState.FAILED_PEER)
+        """The conductor says this KV will not come: recompute the prompt here."""
+        held = self.held.pop(xfer, None)
+        if held is None:
+            self.inbound.fail(xfer, TransferState.FAILED_PEER)
+        elif held.request_id in self.engine.scheduler.requests:
+            self.engine.scheduler.kv_failed(held.request_id)
 
     def settle(self) -> list[tuple[Inbound, str, Request | None]]:
         """Act on ended transfers: deliver or recompute. Returns [(transfer, outcome, request)] for reporting;
@@ -169,9 +185,13 @@ class DecodeSide:
                     self.unread.add(inbound.request_id)
                 settled.append((inbound, "delivered", req))
             else:
-                self.engine.scheduler.kv_failed(inbound.request_id)
                 self.stats.failures[inbound.state.value] += 1
                 self.stats.wasted_bytes[inbound.state.value] += inbound.num_bytes  # dropped, never consumed
+                if self.hold_lapsed and inbound.state is TransferState.FAILED_TIMEOUT:
+                    self.held[inbound.xfer] = inbound  # the conductor decides: redirect or kv_failed
+                    settled.append((inbound, "held", None))
+                    continue
+                self.engine.scheduler.kv_failed(inbound.request_id)
                 settled.append((inbound, "recompute", None))
         return settled
 
@@ -186,4 +206,5 @@ class DecodeSide:
     def abort(self, request_id: str) -> None:
         self.unread.discard(request_id)
         self.pending = [r for r in self.pending if r.request.request_id != request_id]
+        self.held = {x: t for x, t in self.held.items() if t.request_id != request_id}
         self.inbound.abort_request(request_id)

@@ -54,7 +54,8 @@ class ServeConfig:
     api_key_tier: str | None = None
     """The API key's default service tier: what `service_tier` auto (or none) means; default: default."""
     kv_timeout_s: float = 30.0
-    """A KV delivery with no progress for this long fails; the decode worker then recomputes the prompt."""
+    """A KV delivery whose prefill worker sent nothing (not even an `alive` record) for this long lapses: the
+    conductor moves the prompt to another prefill worker, or has the decode worker recompute it."""
     delivery: str = "scheduled"
     """KV delivery order on each link: scheduled (by service tier share, earliest predicted consumption
     first within a tier) or fifo (as produced)."""

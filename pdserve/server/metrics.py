@@ -121,6 +121,9 @@ class Metrics:
                                  ["service_tier"], registry=r)
         self.kv_staged_now = Gauge("pdserve_kv_staged_prompts", "Prompts a prefill worker staged and has not "
                                    "delivered yet", ["worker"], registry=r)
+        self.kv_leases_lapsed = Counter("pdserve_kv_leases_lapsed", "KV transfers whose prefill worker sent nothing "
+                                        "for --kv-timeout-s (the worker is passed by until it reports again)",
+                                        ["worker"], registry=r)
         self.kv_idle_prewarms = Counter("pdserve_kv_idle_prewarms", "Hot prompt prefixes an idle prefill worker "
                                         "computed ahead (outcome: done or dropped)", ["worker", "outcome"],
                                         registry=r)
@@ -128,7 +131,7 @@ class Metrics:
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "
                                          "--delivery-backlog-s of sending (backpressure)", ["worker"], registry=r)
-        self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died: moved to another "
+        self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died or stalled: moved to another "
                                    "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
                                    ["choice"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
