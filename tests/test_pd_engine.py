@@ -51,7 +51,8 @@ class Pair:
     def __init__(self, model_dir, transport, tmp_path, prefill_kw=None, decode_kw=None, timeout_s=10.0,
                  faults=None, by_reference=True):
         # Like the workers: a prefill pool in shared memory, so shm chunks go by reference.
-        self.p_engine = _engine(model_dir, shared_kv=by_reference and transport == "shm", **(prefill_kw or {}))
+        self.p_engine = _engine(model_dir, shared_kv=by_reference and transport in ("shm", "auto"),
+                                **(prefill_kw or {}))
         self.d_engine = _engine(model_dir, **(decode_kw or {}))
         sender = make_sender(transport, ring_mb=1, timeout_s=2.0)
         if faults is not None:
@@ -138,7 +139,7 @@ def pair_factory(tiny_llama_dir, tmp_path):
         p.close()
 
 
-@pytest.mark.parametrize("transport,by_reference", [("shm", True), ("shm", False), ("tcp", False)])
+@pytest.mark.parametrize("transport,by_reference", [("shm", True), ("shm", False), ("tcp", False), ("auto", True)])
 def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport, by_reference):
     prompts = _prompts()
     tiers = dict(kv_host_gb=0.01)  # with host tiers on both sides: delivery and tier copies side by side
@@ -151,6 +152,9 @@ def test_pd_tokens_equal_single_engine(tiny_llama_dir, pair_factory, transport, 
         sender = pair.prefill.sender
         # by reference: every full block; partly filled blocks always go as a copy of their bytes
         assert (sender.chunks_by_reference > 0) is by_reference and sender.chunks_copied > 0
+    if transport == "auto":  # both paths probed (two transfers each), shm's by reference
+        assert pair.prefill.sender.transfers == {"shm": 2, "tcp": 2}
+        assert pair.prefill.sender.senders["shm"].chunks_by_reference > 0
     pair.assert_no_leak()
 
 

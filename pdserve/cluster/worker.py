@@ -50,7 +50,7 @@ class Worker:
         self.events.connect(spec.event_addr)
         # A prefill worker's KV pool in shared memory: a decode worker on this host reads delivered blocks
         # straight from it (shm transport).
-        shared_kv = spec.role == "prefill" and spec.transport == "shm"
+        shared_kv = spec.role == "prefill" and spec.transport in ("shm", "auto")
         self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name,
                                                            long_context=_long_context(spec))
         layers = self.executor.kv_pool.layers
@@ -282,7 +282,9 @@ class Worker:
                        kv_chunks_payload=box.chunks_payload,
                        kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report(),
                        production_paused_s=self.prefill.paused_s, kv_wasted_bytes=dict(self.prefill.wasted_bytes),
-                       kv_staged_now=len(self.prefill.stages.staged))
+                       kv_staged_now=len(self.prefill.stages.staged),
+                       kv_path_transfers=dict(getattr(self.prefill.sender, "transfers", {})),
+                       kv_path_failovers=getattr(self.prefill.sender, "failovers", 0))
         if self.decode is not None:
             st = self.decode.stats
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),

@@ -38,7 +38,8 @@ class ServeConfig:
     instances: int = 1
     """Workers in colocated mode."""
     transport: str = "shm"
-    """KV delivery between workers: shm (same host) or tcp."""
+    """KV delivery between workers: shm (same host), tcp, or auto (both; each transfer on the path measured
+    fastest for its worker pair, the other taken when one fails)."""
     host: str = "127.0.0.1"
     """Interface the HTTP server binds."""
     port: int = 8000
@@ -84,8 +85,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
             raise InvalidRequestError(f"--mode must be pd or colocated, got {self.mode!r}", param="mode")
-        if self.transport not in ("shm", "tcp"):
-            raise InvalidRequestError(f"--transport must be shm or tcp, got {self.transport!r}", param="transport")
+        if self.transport not in ("shm", "tcp", "auto"):
+            raise InvalidRequestError(f"--transport must be shm, tcp or auto, got {self.transport!r}",
+                                      param="transport")
         for name in ("prefill", "decode", "instances", "max_body_bytes"):
             if getattr(self, name) < (0 if name == "prefill" else 1):
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive", param=name)

@@ -124,6 +124,9 @@ class Metrics:
         self.kv_leases_lapsed = Counter("pdserve_kv_leases_lapsed", "KV transfers whose prefill worker sent nothing "
                                         "for --kv-timeout-s (the worker is passed by until it reports again)",
                                         ["worker"], registry=r)
+        self.kv_path_transfers = Counter("pdserve_kv_path_transfers", "KV transfers a prefill worker started, by "
+                                         "the transport path chosen for them (--transport auto)", ["worker", "path"],
+                                         registry=r)
         self.kv_idle_prewarms = Counter("pdserve_kv_idle_prewarms", "Hot prompt prefixes an idle prefill worker "
                                         "computed ahead (outcome: done or dropped)", ["worker", "outcome"],
                                         registry=r)
@@ -172,6 +175,10 @@ class Metrics:
             self._inc_total(self.production_paused, (w, "paused"), s.get("production_paused_s", 0.0), worker=w)
             for mode in ("in_place", "payload"):
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
+            for path, n in s.get("kv_path_transfers", {}).items():  # --transport auto
+                self._inc_total(self.kv_path_transfers, (w, f"path:{path}"), n, worker=w, path=path)
+            self._inc_total(self.fallbacks, (w, "kv_path_failover"), s.get("kv_path_failovers", 0),
+                            kind="kv_path_failover")
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
 

@@ -1,0 +1,197 @@
+"""Path choice: a worker pair with more than one transport (`--transport auto`: shm and tcp) sends each transfer
+on the path measured best for that pair, and moves to another when one fails.
+
+A decode worker under `auto` listens on every transport (`MultiReceiver`); its address is the composite
+`paths:shm=ipc://...;tcp=tcp://host:port` (a plain `ipc://` or `tcp://` address is a one-path peer). The
+prefill worker's `PathSender` keeps one sender per transport and, per destination, a `PathChooser`:
+
+* a transfer stays on one path from its first chunk to its `done` (the receiver's `done` must come after the
+  transfer's chunks, which only one ordered stream guarantees);
+* each path is measured by its chunks' handoff time (seconds inside the transport's `send_chunk` per byte,
+  the per-chunk overhead included, as an EWMA), so it reflects both bandwidth and per-chunk latency;
+* the first `PROBE_TRANSFERS` transfers to a destination go on each path in turn; then every transfer takes
+  the fastest path, except one in `REPROBE_EVERY`, which goes on another to keep its estimate fresh;
+* a path whose send failed is not chosen for `DOWN_S`; a transfer whose first chunk failed there goes on
+  another path at once (counted as a failover); a failure later in a transfer fails it, as on one path.
+
+Counted per path: transfers started (`transfers`), failovers (`failovers`), as the worker's stats report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.transfer.base import KVReceiver, KVSender, Place, Received, TransferError, scratch_place
+
+PROBE_TRANSFERS = 2
+REPROBE_EVERY = 32
+DOWN_S = 30.0
+RATE_EWMA = 0.2
+MAX_TRACKED_XFERS = 1 << 16  # transfers whose path is remembered until their `done` (the oldest forgotten)
+PREFIX = "paths:"
+SCHEMES = {"ipc://": "shm", "tcp://": "tcp"}
+
+
+def parse_dest(dest: str) -> dict[str, str]:
+    """Path name -> address, from a composite `paths:...` address or a plain one."""
+    if dest.startswith(PREFIX):
+        return dict(part.split("=", 1) for part in dest[len(PREFIX):].split(";") if part)
+    for scheme, path in SCHEMES.items():
+        if dest.startswith(scheme):
+            return {path: dest}
+    raise ValueError(f"KV address {dest!r}: expected ipc://, tcp:// or {PREFIX}")
+
+
+@dataclass
+class PathStats:
+    seconds_per_byte: float | None = None  # EWMA of its chunks' handoff
+    transfers: int = 0
+    down_until: float = 0.0
+
+
+class PathChooser:
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.stats: dict[tuple[str, str], PathStats] = {}
+        self._picks: Counter = Counter()  # dest -> transfers started
+
+    def _of(self, dest: str, path: str) -> PathStats:
+        return self.stats.setdefault((dest, path), PathStats())
+
+    def pick(self, dest: str, paths: Sequence[str], exclude: str | None = None) -> str | None:
+        """The path for a new transfer to `dest` (None: none but `exclude`)."""
+        now = self.clock()
+        candidates = [p for p in paths if p != exclude]
+        if not candidates:
+            return None
+        up = [p for p in candidates if self._of(dest, p).down_until <= now] or candidates
+        unprobed = [p for p in up if self._of(dest, p).transfers < PROBE_TRANSFERS]
+        n = self._picks[dest]
+        if unprobed:
+            choice = min(unprobed, key=lambda p: self._of(dest, p).transfers)
+        else:
+            best = min(up, key=lambda p: self._of(dest, p).seconds_per_byte or 0.0)
+            others = [p for p in up if p != best]
+            choice = others[(n // REPROBE_EVERY) % len(others)] if others and n % REPROBE_EVERY == 0 else best
+        self._picks[dest] += 1
+        self._of(dest, choice).transfers += 1
+        return choice
+
+    def best(self, dest: str, paths: Sequence[str]) -> str:
+        """The fastest path measured to `dest` (for a message outside any transfer)."""
+        return min(paths, key=lambda p: self._of(dest, p).seconds_per_byte or 0.0)
+
+    def observe(self, dest: str, path: str, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0:
+            return
+        st = self._of(dest, path)
+        spb = seconds / nbytes
+        st.seconds_per_byte = spb if st.seconds_per_byte is None else (
+            st.seconds_per_byte + RATE_EWMA * (spb - st.seconds_per_byte))
+
+    def failed(self, dest: str, path: str) -> None:
+        self._of(dest, path).down_until = self.clock() + DOWN_S
+
+
+class PathSender:
+    """A `KVSender` over several transports (`--transport auto`)."""
+
+    def __init__(self, senders: dict[str, KVSender], chooser: PathChooser | None = None) -> None:
+        self.senders = senders
+        self.chooser = chooser or PathChooser()
+        self.max_chunk_bytes = min(s.max_chunk_bytes for s in senders.values())
+        self._routes: dict[str, dict[str, str]] = {}  # dest -> path -> address
+        self._xfers: OrderedDict = OrderedDict()  # transfer id -> its path, until its done or fail
+        self.transfers: Counter = Counter()  # path -> transfers started on it
+        self.failovers = 0
+
+    def share_source(self, handle, buffer) -> None:
+        for s in self.senders.values():
+            if hasattr(s, "share_source"):
+                s.share_source(handle, buffer)
+
+    def _route(self, dest: str) -> dict[str, str]:
+        route = self._routes.get(dest)
+        if route is None:
+            route = self._routes[dest] = {p: a for p, a in parse_dest(dest).items() if p in self.senders}
+            if not route:
+                raise TransferError(f"no transport in common with {dest!r}")
+        return route
+
+    def _start(self, dest: str, xfer: str, exclude: str | None = None) -> str | None:
+        path = self.chooser.pick(dest, list(self._route(dest)), exclude)
+        if path is not None:
+            self._xfers[xfer] = path
+            self.transfers[path] += 1
+            while len(self._xfers) > MAX_TRACKED_XFERS:
+                self._xfers.popitem(last=False)
+        return path
+
+    def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
+        xfer = header["xfer"]
+        path = self._xfers.get(xfer)
+        first = path is None
+        if first:
+            path = self._start(dest, xfer)
+        try:
+            return self._send(dest, path, header, pieces)
+        except TransferError:
+            self.chooser.failed(dest, path)
+            other = self._start(dest, xfer, exclude=path) if first else None
+            if other is None:
+                raise
+            self.failovers += 1
+            return self._send(dest, other, header, pieces)
+
+    def _send(self, dest: str, path: str, header: dict, pieces: list[memoryview]) -> bool:
+        start = time.perf_counter()
+        in_place = self.senders[path].send_chunk(self._route(dest)[path], header, pieces)
+        self.chooser.observe(dest, path, sum(len(p) for p in pieces), time.perf_counter() - start)
+        return in_place
+
+    def send_control(self, dest: str, header: dict) -> None:
+        route = self._route(dest)
+        xfer = header.get("xfer")
+        path = self._xfers.get(xfer) or self.chooser.best(dest, list(route))
+        if header.get("kind") in ("done", "fail"):
+            self._xfers.pop(xfer, None)
+        self.senders[path].send_control(route[path], header)
+
+    def position(self, dest: str) -> tuple:
+        return tuple((p, self.senders[p].position(a)) for p, a in self._route(dest).items())
+
+    def consumed(self, dest: str, mark: tuple) -> bool:
+        route = self._route(dest)
+        return all(self.senders[p].consumed(route[p], m) for p, m in mark)
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()
+
+
+class MultiReceiver:
+    """A `KVReceiver` listening on several transports; polled (no wakeup socket: tcp has none)."""
+
+    wakeup = None
+
+    def __init__(self, receivers: dict[str, KVReceiver]) -> None:
+        self.receivers = receivers
+        self.address = PREFIX + ";".join(f"{p}={r.address}" for p, r in receivers.items())
+
+    def arm(self) -> bool:
+        return True
+
+    def poll(self, timeout_ms: int = 0, place: Place = scratch_place) -> list[Received]:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            out = [m for r in self.receivers.values() for m in r.poll(0, place)]
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        for r in self.receivers.values():
+            r.close()
