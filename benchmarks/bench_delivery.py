@@ -47,7 +47,7 @@ def _pct(v) -> str:
 
 
 def report(results: dict[str, dict]) -> None:
-    print("delivery   rate | predictable (final / at dispatch) | eff. link util | jitter p99 ms | wasted | "
+    print("delivery   rate | predictable (final / at prefilled / at dispatch) | eff. link util | jitter p99 ms | wasted | "
           "TTFT p50/p99 ms: priority, default, flex | SLO attained")
     for delivery, res in results.items():
         for run in res["runs"]:
@@ -58,6 +58,7 @@ def report(results: dict[str, dict]) -> None:
                              for t in ("priority", "default", "flex"))
             jitter = life["p99_inter_token_jitter_ms"]
             print(f"{delivery:9s} {run['rate']:5g} | {_pct(life['schedule_predictability'])} / "
+                  f"{_pct(life.get('schedule_predictability_at_prefilled'))} / "
                   f"{_pct(life['schedule_predictability_at_dispatch'])} | {_pct(life['effective_link_utilization'])} | "
                   f"{'-' if jitter is None else f'{jitter:.2f}'} | {_pct(life['wasted_transfer_rate'])} | {ttft} | "
                   f"{_pct(summary['slo']['attainment'])}")
@@ -80,7 +81,7 @@ def serve_run(transport: str, delivery: str, args, out: Path) -> dict:
 
 
 def report_serve(results: dict[tuple[str, str], dict]) -> None:
-    print("transport delivery | predictable (final / at dispatch) | eff. link util | jitter p99 ms | wasted | "
+    print("transport delivery | predictable (final / at prefilled / at dispatch) | eff. link util | jitter p99 ms | wasted | "
           "TTFT p50/p99 ms: priority, default, flex | TPOT p50/p99 ms: priority, default, flex | errors")
     for (transport, delivery), res in results.items():
         run = res["runs"][0]
@@ -94,6 +95,7 @@ def report_serve(results: dict[tuple[str, str], dict]) -> None:
         eff = ", ".join(f"{v:.1%}" for v in kv["link_effective_utilization"].values()) or "-"
         jitter = kv["p99_inter_token_jitter_ms"]
         print(f"{transport:9s} {delivery:9s} | {_pct(kv['schedule_predictability'])} / "
+              f"{_pct(kv.get('schedule_predictability_at_prefilled'))} / "
               f"{_pct(kv['schedule_predictability_at_dispatch'])} | {eff} | "
               f"{'-' if jitter is None else f'{jitter:.1f}'} | {_pct(kv['wasted_rate'])} | {cell('ttft_ms')} | "
               f"{cell('tpot_ms')} | {summary['num_errors']}")

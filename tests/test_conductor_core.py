@@ -298,3 +298,16 @@ def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it
     core.prefilled("a", 3.1)
     actions = core.transfer_outcome("a", "held", new, 5.0)
     assert actions == [Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", {"type": "kv_failed", "xfer": new})]
+
+
+def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_prediction():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(64)), {}, 0.0)
+    core.reserved("a", "a#0", True, "addr", 0, 0.1)
+    core.prefilled("a", 1.0, 0.5)  # its last chunk leaves in 0.5 s: predicted consumed at 1.5
+    assert core.relanded("a", 1.2, 0.8) == [Count("kv_prediction_refinements", (("service_tier", "default"),))]
+    assert core.relanded("nobody", 1.2, 0.8) == []
+    errors = {o.metric: o.value for o in core.consumed("a", 2.003)}
+    assert errors == pytest.approx({"kv_consumption_error": 0.003, "kv_consumption_error_at_prefilled": 0.503})

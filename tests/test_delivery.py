@@ -153,6 +153,59 @@ def test_simulated_port_order_and_landing_estimate(mode):
             assert landed == pytest.approx({expedite: 1.0, other: 2.0})
 
 
+def test_a_landing_estimate_moves_when_another_transfer_becomes_due_and_is_exact_again():
+    """A due default transfer has the port to itself; a priority one made due later takes its share: the
+    first estimate (made when it alone was due) is early, the re-estimate (`expedite=False`: its place in
+    the order kept) is when it lands."""
+    loop, links = _links("scheduled")
+    port = links.link("p", 100.0)
+    landed = {}
+    a = links.start((port,), 100.0, 0.0, lambda: landed.setdefault("a", loop.now), tier="default")
+    first = links.eta([a])  # alone: 1 s
+    loop.at(0.5, lambda: None)
+    loop.run(0.5)
+    assert loop.now == pytest.approx(0.5)
+    b = links.start((port,), 100.0, 0.0, lambda: landed.setdefault("b", loop.now), tier="priority")
+    links.eta([b])  # b due now: the two due transfers share the port by tier (0.5 : 0.4)
+    again = links.eta([a], expedite=False)
+    loop.run(100.0)
+    assert first == pytest.approx(1.0) and landed["a"] > first + 0.1
+    assert 0.5 + again == pytest.approx(landed["a"])
+
+
+def test_a_real_links_landing_estimates_are_reported_again_when_they_move():
+    """`PrefillSide.relanded` over the real `Outbox`: a prefilled default transfer queued on a throttled
+    link; a priority one prefilled after it shares the link by tier: the default one's landing is reported
+    again (later), once."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.pd import PrefillSide
+    from pdserve.transfer.outbox import Chunk, Outbox
+
+    class Out:
+        def __init__(self, xfer: str, tier: str) -> None:
+            self.xfer, self.rid, self.tier, self.link, self.dest = xfer, xfer, tier, "decode-0", "d"
+            self.deadline_s, self.failed, self.by_copy = 1.0, None, False
+
+    box = Outbox(sender=None, policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
+    side = SimpleNamespace(outbox=box, outbound={}, closing={}, landings={})
+    a, b = Out("a", "default"), Out("b", "priority")
+    for out in (a, b):
+        side.outbound[out.rid] = out
+        for _ in range(10):
+            box.push(Chunk(out, {}, [], 100_000, [0]))  # 1 MB each: a second of the link
+    first = PrefillSide.landing_in_s(side, "a")  # prefilled: due, alone among due transfers
+    side.closing["a"] = side.outbound.pop("a")
+    assert first == pytest.approx(1.0) and PrefillSide.relanded(side) == []
+    PrefillSide.landing_in_s(side, "b")  # prefilled too: the two due transfers share the link 0.4 : 0.5
+    side.closing["b"] = side.outbound.pop("b")
+    (moved,) = PrefillSide.relanded(side)
+    assert moved[0] == "a" and moved[1] == pytest.approx(2.0, abs=0.05)
+    assert PrefillSide.relanded(side) == []  # reported once
+    del side.closing["a"]  # delivered: forgotten
+    assert PrefillSide.relanded(side) == [] and "a" not in side.landings
+
+
 def test_water_level_counts_only_the_tiers_at_or_above_the_best_waiting_one():
     from types import SimpleNamespace as R
 

@@ -72,3 +72,32 @@ def test_priority_kv_overtakes_flex_kv_on_a_saturated_link(transport, delivery):
     finally:
         SERVER.stop()
 
+
+
+def test_a_queued_transfers_consumption_is_predicted_again_when_a_priority_one_shares_its_link():
+    # 8 MB/s: a ~300-token default prompt's KV (~14 MB) queues for seconds after its prefill; a short
+    # priority prompt prefilled meanwhile takes its tier's share of the link, so the default one's landing
+    # estimate moves and the prefill worker reports it (`relanded`)
+    server = Server("--link-gbps", "0.064")
+    try:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(prompt: str, tier: str, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                            extra_body={"service_tier": tier, "ignore_eos": True})
+
+        async def both() -> None:
+            try:
+                await asyncio.gather(one("Default job: " + " ".join(["lorem ipsum dolor sit amet"] * 60),
+                                         "default", 0.0),
+                                     one("Priority: what is two plus two?", "priority", 0.8))
+            finally:
+                await client.close()
+
+        asyncio.run(both())
+        assert server.metric("pdserve_kv_prediction_refinements_total", service_tier="default") >= 1
+        assert server.metric("pdserve_kv_consumption_error_at_prefilled_seconds_count") > 0
+        assert server.metric("pdserve_kv_transfer_failures_total") == 0
+    finally:
+        server.stop()

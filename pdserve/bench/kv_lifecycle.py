@@ -3,7 +3,7 @@
 Counters are differences over the run; `link_utilization` and `link_effective_utilization` are the server's
 own windowed gauges when the run ended. `schedule_predictability` is the share of the run's delivered blocks
 first consumed within +-5 ms of the conductor's (final) prediction, from the consumption-error histogram's
-buckets (`..._at_dispatch`: of the prediction made at dispatch) — the simulator's `sim.lifecycle` names. A
+buckets (`..._at_prefilled`, `..._at_dispatch`: of the predictions made when prefilled, at dispatch) — the simulator's `sim.lifecycle` names. A
 server without pdserve's metrics (another engine) gives `None`: nothing is reported for it.
 """
 
@@ -57,6 +57,8 @@ def kv_delta(before: Samples | None, after: Samples | None) -> dict | None:
             "link_utilization": _by(after, "pdserve_kv_link_utilization", "link"),
             "link_effective_utilization": _by(after, "pdserve_kv_link_effective_utilization", "link"),
             "schedule_predictability": _on_time(before, after, "pdserve_kv_consumption_error_seconds"),
+            "schedule_predictability_at_prefilled": _on_time(before, after,
+                                                             "pdserve_kv_consumption_error_at_prefilled_seconds"),
             "schedule_predictability_at_dispatch": _on_time(before, after,
                                                             "pdserve_kv_consumption_error_at_dispatch_seconds")}
 

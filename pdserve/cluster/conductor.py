@@ -162,6 +162,9 @@ class Conductor:
             if self.metrics:
                 self.metrics.observe_prefill(event)
             self._act(core.prefilled(event["rid"], now, event.get("landing_in_s")))
+        elif kind == "relanded":
+            for rid, landing_in_s in event["items"]:
+                self._act(core.relanded(rid, now, landing_in_s))
         elif kind == "reserve_waiting":
             self._act(core.reserve_waiting(event["rid"], event["xfer"], now))
         elif kind == "staged":

@@ -287,6 +287,15 @@ class ConductorCore(StagingEvents):
             self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
         return self._stage_next(prefill, now)
 
+    def relanded(self, rid: str, now: float, landing_in_s: float) -> list:
+        """The prefill worker's link re-estimated when this prefilled transfer's last chunk leaves (another
+        transfer became due there and shares the link): the consumption prediction is refined again."""
+        f = self.flights.get(rid)
+        if f is None or f.prediction is None or f.prediction.landed_s is None:
+            return []
+        self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
+        return [Count("kv_prediction_refinements", (("service_tier", f.tier),))]
+
     def consumed(self, rid: str, at_s: float) -> list:
         """The decode worker's first step reading this request's delivered KV started at `at_s`."""
         f = self.flights.get(rid)
@@ -297,6 +306,7 @@ class ConductorCore(StagingEvents):
         self.consumption.consumed(p, f.decode, at_s)
         return [Observe(metric, (), at_s - predicted, p.blocks)
                 for metric, predicted in (("kv_consumption_error", p.final_s),
+                                          ("kv_consumption_error_at_prefilled", p.at_prefilled_s),
                                           ("kv_consumption_error_at_dispatch", p.at_dispatch_s))
                 if predicted is not None]
 

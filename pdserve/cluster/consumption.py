@@ -15,10 +15,14 @@ first token when it settles the transfer, then steps).
   consumption tail for the transfer's service tier (the median of its recent first consumption - landing of
   that tier: the wait for its next step boundary, and for a flex request also for room in the batch; the
   decode worker's median over all tiers until a tier has TIER_SAMPLES of its own).
+* Again whenever the prefill worker's link re-estimates that landing by more than `RELAND_S`
+  (`pdserve.core.delivery`): another transfer became due on the link and takes its tier's share of it
+  (`ConductorCore.relanded`; the real worker's `PrefillSide.relanded`, the simulator's `_reland`).
 
 The prediction is the transfer's delivery deadline (`--delivery scheduled` sends the earliest first within
 a tier) and is checked when the decode worker reports the first consuming step: per block, actual minus
-predicted, for the final (refined) prediction and for the one made at dispatch.
+predicted, for the final (refined) prediction, the one made when the prompt was prefilled and the one made at
+dispatch.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Prediction:
     blocks: int  # KV blocks the transfer delivers
     at_dispatch_s: float | None = None
     final_s: float | None = None  # the latest refinement
+    at_prefilled_s: float | None = None  # the first refinement, when the prompt was prefilled
     landed_s: float | None = None  # when the prefill worker's link expected the last chunk out
     tier: str = "default"
 
@@ -63,6 +68,8 @@ class ConsumptionPredictor:
         own = self.samples.get((decoder, p.tier))
         key = (decoder, p.tier) if own is not None and len(own) >= TIER_SAMPLES else decoder
         p.final_s = p.landed_s + self.tail.get(key, 0.0)
+        if p.at_prefilled_s is None:
+            p.at_prefilled_s = p.final_s
 
     def consumed(self, p: Prediction, decoder: str, at_s: float) -> None:
         """Learn the decode worker's consumption tail from a transfer that landed: the median of its recent

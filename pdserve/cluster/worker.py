@@ -222,6 +222,9 @@ class Worker:
                 self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed, "landing_in_s": landing,
                            "queue_s": _diff(out.scheduled_s, out.arrival_s),
                            "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
+                moved = self.prefill.relanded()  # the others due on its link now share it with this one
+                if moved:
+                    self.emit({"type": "relanded", "items": [[rid, landing_in_s] for rid, landing_in_s in moved]})
                 continue
             item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
                     "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens}

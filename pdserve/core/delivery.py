@@ -41,6 +41,7 @@ from pdserve.errors import InvalidRequestError
 
 DELIVERY_MODES = ("scheduled", "fifo")
 DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}
+RELAND_S = 0.001  # a prefilled transfer's landing estimate that moved by more than this is reported again
 _EPS = 1e-12
 
 

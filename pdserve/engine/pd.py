@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import DeliveryPolicy, WaterLevel, counted_tiers
+from pdserve.core.delivery import RELAND_S, DeliveryPolicy, WaterLevel, counted_tiers
 from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
@@ -88,6 +88,7 @@ class PrefillSide:
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
         self.stages = StagePasses(engine.scheduler, engine.tiers)
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
+        self.landings: dict[str, float] = {}  # prefilled, chunks queued: the landing time last reported
         self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
@@ -210,7 +211,26 @@ class PrefillSide:
     def landing_in_s(self, request_id: str) -> float | None:
         """When the last of this request's KV will have left for its decode worker, from now."""
         out = self.outbound.get(request_id)
-        return None if out is None else self.outbox.landing_in_s(out)
+        if out is None:
+            return None
+        landing = self.outbox.landing_in_s(out)
+        self.landings[request_id] = time.monotonic() + landing
+        return landing
+
+    def relanded(self) -> list[tuple[str, float]]:
+        """Prefilled transfers still queued whose landing estimate moved by more than `RELAND_S` since it was
+        last reported (another transfer became due on their link): [(request id, landing from now)]."""
+        now, moved = time.monotonic(), []
+        for rid, last in list(self.landings.items()):
+            out = self.closing.get(rid)
+            if out is None:
+                del self.landings[rid]
+                continue
+            landing = self.outbox.landing_in_s(out, expedite=False)
+            if abs(now + landing - last) > RELAND_S:
+                self.landings[rid] = now + landing
+                moved.append((rid, landing))
+        return moved
 
     def finish(self, request_id: str, prefilled: bool, first_token: int | None = None) -> str | None:
         """Close the transfer of a request that ended here (`first_token`: what it sampled); the failure

@@ -62,6 +62,14 @@ class Metrics:
         self.kv_consumption_error = Histogram(
             "pdserve_kv_consumption_error_seconds", "Per delivered KV block: its first consumption by a decode "
             "step minus the conductor's (final, refined) prediction of it", registry=r, buckets=_ERROR_BUCKETS)
+        self.kv_consumption_error_at_prefilled = Histogram(
+            "pdserve_kv_consumption_error_at_prefilled_seconds", "As pdserve_kv_consumption_error_seconds, against "
+            "the prediction made when the prompt was prefilled (before the link's later re-estimates)", registry=r,
+            buckets=_ERROR_BUCKETS)
+        self.kv_prediction_refinements = Counter(
+            "pdserve_kv_prediction_refinements", "Consumption predictions refined again after the prompt was "
+            "prefilled: its link's landing estimate moved (another transfer became due there)", ["service_tier"],
+            registry=r)
         self.kv_consumption_error_at_dispatch = Histogram(
             "pdserve_kv_consumption_error_at_dispatch_seconds", "As pdserve_kv_consumption_error_seconds, against "
             "the prediction made when the prefill was dispatched", registry=r, buckets=_ERROR_BUCKETS)

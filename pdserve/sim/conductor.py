@@ -39,7 +39,7 @@ from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.flight import Flight, Lifecycle
-from pdserve.sim.link import LinkModel
+from pdserve.sim.link import LandingWatch, LinkModel
 from pdserve.sim.staging import SimStaging, engine_capacity
 from pdserve.sim.timemodel import StepShape
 
@@ -69,6 +69,7 @@ class SimConductor(EngineHooks):
         self.life = Lifecycle()
         self.num_finished = 0
         self.staging = SimStaging(self.life)
+        self.landings = LandingWatch(links)
 
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
@@ -118,7 +119,7 @@ class SimConductor(EngineHooks):
             elif isinstance(action, Count):
                 self.counts[(action.metric, action.labels)] += 1
             elif isinstance(action, Observe):
-                self._observe(action)
+                self.life.observe(action.metric, action.value, action.weight)
             elif isinstance(action, Fail) and action.rid in self.flights:
                 f = self.flights[action.rid]
                 self._finish(f)
@@ -309,21 +310,17 @@ class SimConductor(EngineHooks):
             d = f.decode
             d.post(lambda: self.ready[d.name].append(f), delay_s)
 
+    def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:
+        """As the real prefill worker (`PrefillSide.relanded`): `f` became due on this engine's link; the
+        other prefilled transfers in the air there whose landing estimate moved are reported again."""
+        for rid, eta in self.landings.moved(engine.name, f, landing, now):
+            self._act(self._core("relanded", rid, now + self.control_s, eta - self.control_s))
+
     def _consumed(self, f: Flight, start_s: float) -> None:
         blocks = round((f.delivered - f.superseded) / self.block_bytes)
         self.life.bytes_consumed += f.delivered - f.superseded
         self.life.blocks_consumed += blocks
         self._act(self._core("consumed", f.rid, start_s))
-
-    def _observe(self, o: Observe) -> None:
-        """The core's check of its consumption prediction: actual - predicted, `weight` blocks."""
-        life, on_time = self.life, abs(o.value) <= CONSUME_TOLERANCE_S
-        if o.metric == "kv_consumption_error":
-            life.errors_s.append(o.value)
-            life.blocks_on_time += o.weight * on_time
-        elif o.metric == "kv_consumption_error_at_dispatch":
-            life.dispatch_errors_s.append(o.value)
-            life.blocks_on_time_at_dispatch += o.weight * on_time
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None:
@@ -342,6 +339,7 @@ class SimConductor(EngineHooks):
                 f.in_air = [fl for fl in f.in_air if fl in self.links.flows]
                 landing = self.links.eta(f.in_air) if f.in_air else 0.0  # the prefill worker's link's estimate
                 self._act(self._core("prefilled", f.rid, end_s + self.control_s, landing - self.control_s))
+                self._reland(engine, f, landing, end_s)
                 self._maybe_done(f, self.links.latency_s)
                 continue
             self._token(engine, f, out.token_ids, out.finished, end_s)

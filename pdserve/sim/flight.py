@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.engine import SimEngine, SimRequest
 
@@ -45,6 +46,7 @@ class Lifecycle:
     blocks_on_time: int = 0
     errors_s: list = field(default_factory=list)  # actual - final prediction, per consuming request
     dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
+    blocks_on_time_at_prefilled: int = 0  # on time against the prediction made when prefilled
     blocks_on_time_at_dispatch: int = 0
     production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
     staged: int = 0  # prompts computed ahead while their decode engine had no room
@@ -52,3 +54,15 @@ class Lifecycle:
     transfers: int = 0
     transfer_failures: int = 0
     aborted: int = 0
+
+    def observe(self, metric: str, error_s: float, blocks: int) -> None:
+        """The core's check of one of its consumption predictions: actual - predicted, for `blocks` blocks."""
+        on_time = blocks * (abs(error_s) <= CONSUME_TOLERANCE_S)
+        if metric == "kv_consumption_error":
+            self.errors_s.append(error_s)
+            self.blocks_on_time += on_time
+        elif metric == "kv_consumption_error_at_prefilled":
+            self.blocks_on_time_at_prefilled += on_time
+        elif metric == "kv_consumption_error_at_dispatch":
+            self.dispatch_errors_s.append(error_s)
+            self.blocks_on_time_at_dispatch += on_time

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import DeliveryPolicy, Item
+from pdserve.core.delivery import RELAND_S, DeliveryPolicy, Item
 from pdserve.sim.events import MESSAGE, EventLoop
 
 ALLOCATION_ROUNDS = 3
@@ -147,14 +147,15 @@ class LinkModel:
         self._advance(self.loop.now)
         return sum(max(f.remaining, 0.0) for f in link.flows if f.item.tier in tiers)
 
-    def eta(self, targets) -> float:
-        """`targets` (a prefilled transfer's flows) are due: seconds from now until they have landed, if no
-        other flow started meanwhile."""
+    def eta(self, targets, expedite: bool = True) -> float:
+        """`targets` (a prefilled transfer's flows) are due (made so now, with `expedite`): seconds from now
+        until they have landed, if no other flow started meanwhile."""
         now = self.loop.now
         self._advance(now)
-        for f in targets:  # due from now on: after the transfers that were due before (as `expedite`)
-            f.item.due, f.item.deadline_s = True, now
-        self._reschedule(now)
+        if expedite:
+            for f in targets:  # due from now on: after the transfers that were due before (as `expedite`)
+                f.item.due, f.item.deadline_s = True, now
+            self._reschedule(now)
         left = {f: f.remaining for f in self.flows}
         waiting = [f for f in targets if f in left]
         t = now
@@ -183,4 +184,30 @@ class LinkModel:
                                   "utilization": link.bytes / (link.bandwidth * duration_s) if duration_s else 0.0,
                                   "effective_utilization": link.bytes / (link.bandwidth * link.busy_s)
                                   if link.busy_s else 0.0}
+        return out
+
+
+class LandingWatch:
+    """Per prefill engine, its prefilled transfers still in the air and the landing time last reported for
+    each (as the real `PrefillSide.landings`): which estimates moved when another transfer became due."""
+
+    def __init__(self, links: LinkModel) -> None:
+        self.links = links
+        self.soon: dict[str, dict] = {}  # engine -> rid -> (flight, its landing last reported)
+
+    def moved(self, engine: str, f, landing: float, now: float) -> list[tuple[str, float]]:
+        """`f` (a flight with `in_air` flows) was prefilled now, landing in `landing` s: [(rid, new ETA)] of
+        the others on `engine`'s link whose landing moved by more than `RELAND_S`."""
+        soon, out = self.soon.setdefault(engine, {}), []
+        for rid, (g, last) in list(soon.items()):
+            g.in_air = [fl for fl in g.in_air if fl in self.links.flows]
+            if not g.in_air or g.finished:
+                del soon[rid]
+                continue
+            eta = self.links.eta(g.in_air, expedite=False)
+            if abs(now + eta - last) > RELAND_S:
+                soon[rid] = (g, now + eta)
+                out.append((rid, eta))
+        if f.in_air:
+            soon[f.rid] = (f, now + landing)
         return out

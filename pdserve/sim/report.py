@@ -54,6 +54,7 @@ def lifecycle(run: SimRun) -> dict:
     demand_capacity = sum(v["bandwidth"] * v["demand_s"] for v in links.values())
     return {
         "schedule_predictability": life.blocks_on_time / consumed if consumed else None,
+        "schedule_predictability_at_prefilled": life.blocks_on_time_at_prefilled / consumed if consumed else None,
         "schedule_predictability_at_dispatch": life.blocks_on_time_at_dispatch / consumed if consumed else None,
         "predictability_tolerance_ms": CONSUME_TOLERANCE_S * 1000,
         "prediction_abs_error_ms": _abs_ms(life.errors_s),

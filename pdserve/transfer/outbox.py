@@ -147,13 +147,15 @@ class Outbox:
     def queued(self, xfer: str) -> int:
         return self.pending.get(xfer, 0)
 
-    def landing_in_s(self, out) -> float:
-        """`out` is prefilled: its queued chunks are due. When the last of them will have gone, from now
-        (in policy order, at the link's rate; 0 when nothing of it waits or the rate is unknown yet)."""
+    def landing_in_s(self, out, expedite: bool = True) -> float:
+        """`out` is prefilled: its queued chunks are due (made so now, with `expedite`). When the last of them
+        will have gone, from now (in policy order, at the link's rate; 0 when nothing of it waits or the rate
+        is unknown yet)."""
         queue = self.queues.get(out.link)
         if queue is None:
             return 0.0
-        queue.expedite(lambda it: it.key.out is out, time.monotonic())
+        if expedite:
+            queue.expedite(lambda it: it.key.out is out, time.monotonic())
         ahead = queue.bytes_until(lambda it: it.key.out is out)
         rate = self.links[out.link].rate(self.link_rate)
         return ahead / rate if ahead and rate else 0.0
