@@ -113,6 +113,31 @@ def test_bytes_until_is_what_pick_sends_first():
     assert sent == expected
 
 
+def test_a_due_transfers_bytes_until_is_what_pick_sends_first_within_an_item_per_tier():
+    """The landing estimate of a prefilled (due) transfer comes from the tiers' virtual times, not a replay:
+    off by at most one item of each other tier."""
+    import random
+    rng = random.Random(3)
+    for trial in range(20):
+        queue = LinkQueue(DeliveryPolicy("scheduled", SHARES))
+        for i in range(300):  # 25 transfers, each of one tier
+            tier = ["priority", "default", "flex"][(i % 25) % 3]
+            queue.push((f"t{i % 25}", i), rng.randint(100, 5000), tier, float(rng.random() * 10))
+        for _ in range(rng.randint(0, 100)):
+            queue.pick()
+        for t in rng.sample(range(25), 6):  # some transfers prefilled: due
+            queue.expedite(lambda it, t=t: it.key[0] == f"t{t}", float(t))
+        target = rng.choice([it.key[0] for it in queue.items if it.due])
+        mine = lambda it: it.key[0] == target  # noqa: E731
+        estimate = queue.bytes_until(mine)
+        sent, left = 0.0, sum(1 for it in queue.items if mine(it))
+        while left:
+            item = queue.pick()
+            sent += item.nbytes
+            left -= mine(item)
+        assert abs(sent - estimate) <= 2 * 5000, (trial, sent, estimate)
+
+
 def test_token_bucket_throttles_to_its_rate():
     bucket = TokenBucket(rate=1000.0, burst=100.0)
     t, sent = 0.0, 0

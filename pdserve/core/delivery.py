@@ -32,9 +32,11 @@ links cannot carry.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.core.service_tiers import TIERS
 from pdserve.errors import InvalidRequestError
@@ -178,61 +180,131 @@ def _equal_split(items: list[Item], capacity: float) -> dict[Item, float]:
     return out
 
 
-@dataclass
 class LinkQueue:
-    """Chunks waiting for one real link, in policy order (`pick`)."""
-    policy: DeliveryPolicy
-    items: list[Item] = field(default_factory=list)
-    sent_per_share: dict[str, float] = field(default_factory=dict)  # virtual time per tier (scheduled)
-    _seq: itertools.count = field(default_factory=itertools.count)
+    """Chunks waiting for one real link, in policy order (`pick`). Kept per (tier, due) in heaps by the
+    policy's order key, with lazy removal, so a link with tens of thousands of small chunks queued (a
+    congested link's chunks are small: `Outbox.chunk_blocks`) costs O(log n) per push and pick, not O(n)."""
+
+    def __init__(self, policy: DeliveryPolicy) -> None:
+        self.policy = policy
+        self.sent_per_share: dict[str, float] = {}  # virtual time per tier (scheduled)
+        self._seq = itertools.count()
+        self._items: dict[int, Item] = {}  # seq -> item, in push order
+        self._heaps: dict[tuple[str, bool], list] = {}  # (tier, due) -> [(order key, item)]
+        self._count: Counter = Counter()  # tier -> items queued
+        self._due: Counter = Counter()  # tier -> due items queued
+        self._bytes: Counter = Counter()  # tier -> bytes queued
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._items)
+
+    @property
+    def items(self) -> list[Item]:
+        return list(self._items.values())
 
     def queued_bytes(self, tiers: set[str]) -> float:
         """Bytes queued of `tiers`."""
-        return sum(it.nbytes for it in self.items if it.tier in tiers)
+        return sum(self._bytes[t] for t in tiers)
 
     def push(self, key: object, nbytes: float, tier: str = "default", deadline_s: float = float("inf")) -> Item:
         item = Item(key, tier, deadline_s, nbytes, next(self._seq))
-        if self.policy.scheduled and not any(it.tier == tier for it in self.items):
+        if self.policy.scheduled and not self._count[tier]:
             # back from idle: start at the busiest tier's virtual time, not where it stopped
-            busy = [self.sent_per_share[it.tier] for it in self.items if it.tier in self.sent_per_share]
+            busy = [v for t, v in self.sent_per_share.items() if self._count[t]]
             self.sent_per_share[tier] = max(self.sent_per_share.get(tier, 0.0), min(busy, default=0.0))
-        self.items.append(item)
+        self._add(item)
         return item
+
+    def _add(self, item: Item) -> None:
+        self._items[item.seq] = item
+        self._count[item.tier] += 1
+        self._due[item.tier] += item.due
+        self._bytes[item.tier] += item.nbytes
+        self._enheap(item)
+
+    def _enheap(self, item: Item) -> None:
+        heapq.heappush(self._heaps.setdefault((item.tier, item.due), []), (self.policy.order_key(item), item))
+
+    def _remove(self, item: Item) -> None:
+        del self._items[item.seq]
+        self._count[item.tier] -= 1
+        self._due[item.tier] -= item.due
+        self._bytes[item.tier] -= item.nbytes
+
+    def _top(self, tier: str, due: bool) -> Item:
+        """The first live item of (tier, due) in order (stale heap entries dropped on the way)."""
+        heap = self._heaps[(tier, due)]
+        while True:
+            key, item = heap[0]
+            if self._items.get(item.seq) is item and item.due == due and key == self.policy.order_key(item):
+                return item
+            heapq.heappop(heap)
 
     def pick(self) -> Item | None:
         """Remove and return the next item to send."""
-        if not self.items:
+        if not self._items:
             return None
         policy = self.policy
         if policy.scheduled:
-            due = [it for it in self.items if it.due] or self.items  # a prefilled transfer's rest first
-            tiers = {it.tier for it in due}
+            due = any(self._due.values())  # a prefilled transfer's rest first
+            tiers = [t for t, n in (self._due if due else self._count).items() if n]
             tier = min(tiers, key=lambda t: (self.sent_per_share.get(t, 0.0), -policy.share(t), t))
-            item = min((it for it in due if it.tier == tier), key=policy.order_key)
-            share = policy.share(tier) or min((s for s in policy.shares.values() if s > 0), default=1.0) / 100
-            self.sent_per_share[tier] = self.sent_per_share.get(tier, 0.0) + item.nbytes / share
+            item = self._top(tier, due)
+            self.sent_per_share[tier] = self.sent_per_share.get(tier, 0.0) + item.nbytes / self._share(tier)
         else:
-            item = min(self.items, key=policy.order_key)
-        self.items.remove(item)
+            item = next(iter(self._items.values()))  # push order
+        self._remove(item)
         return item
+
+    def _share(self, tier: str) -> float:
+        """The share a tier's virtual time advances by (a tier without one: a hundredth of the smallest)."""
+        return self.policy.share(tier) or min((s for s in self.policy.shares.values() if s > 0), default=1.0) / 100
 
     def expedite(self, mine: Callable[[Item], bool], now: float) -> None:
         """The items `mine` picks are due from `now` on (a prefilled transfer's rest): among due items of a
         tier, the first due goes first."""
-        for it in self.items:
+        for it in self._items.values():
             if mine(it):
+                self._due[it.tier] += not it.due
                 it.due, it.deadline_s = True, now
+                self._enheap(it)  # its old heap entry is stale now
 
     def bytes_until(self, mine: Callable[[Item], bool]) -> float:
         """Bytes this link sends before the last of the items `mine` picks is out (in `pick` order, nothing
-        new arriving): the link's estimate of when a transfer lands, times its rate."""
-        if not any(mine(it) for it in self.items):
+        new arriving): the link's estimate of when a transfer lands, times its rate. For a due transfer of one
+        tier under `scheduled` (the case of a prefilled transfer), from the tiers' virtual times: exact but
+        for at most one item per other tier; otherwise by replaying `pick`."""
+        mine_items = [it for it in self._items.values() if mine(it)]
+        if not mine_items:
             return 0.0
-        trial = LinkQueue(self.policy, list(self.items), dict(self.sent_per_share))
-        left, total = sum(1 for it in self.items if mine(it)), 0.0
+        if not self.policy.scheduled:
+            last = max(it.seq for it in mine_items)
+            return sum(it.nbytes for it in self._items.values() if it.seq <= last)
+        tier = mine_items[0].tier
+        if all(it.due and it.tier == tier for it in mine_items):
+            return self._due_bytes_until(tier, max(self.policy.order_key(it) for it in mine_items))
+        return self._replay_until(mine, len(mine_items))
+
+    def _due_bytes_until(self, tier: str, last_key: tuple) -> float:
+        """Due items go first, tiers interleaved by virtual time: `tier` sends its due bytes up to `last_key`;
+        each other tier with due items, what its share allows until `tier`'s virtual time gets there."""
+        key = self.policy.order_key
+        own = sum(it.nbytes for it in self._items.values() if it.due and it.tier == tier and key(it) <= last_key)
+        end = self.sent_per_share.get(tier, 0.0) + own / self._share(tier)
+        due_bytes: Counter = Counter()
+        for it in self._items.values():
+            if it.due and it.tier != tier:
+                due_bytes[it.tier] += it.nbytes
+        others = sum(min(b, max(end - self.sent_per_share.get(t, 0.0), 0.0) * self._share(t))
+                     for t, b in due_bytes.items())
+        return own + others
+
+    def _replay_until(self, mine: Callable[[Item], bool], left: int) -> float:
+        trial = LinkQueue(self.policy)
+        trial.sent_per_share = dict(self.sent_per_share)
+        for it in self._items.values():
+            trial._add(it)  # (the same items: pick only reads them)
+        total = 0.0
         while left:
             item = trial.pick()
             total += item.nbytes
@@ -241,9 +313,9 @@ class LinkQueue:
 
     def drop(self, keep: Callable[[Item], bool]) -> list[Item]:
         """Remove the items `keep` refuses (a failed or aborted transfer's); returns them."""
-        gone = [it for it in self.items if not keep(it)]
-        if gone:
-            self.items = [it for it in self.items if keep(it)]
+        gone = [it for it in self._items.values() if not keep(it)]
+        for it in gone:
+            self._remove(it)
         return gone
 
 

@@ -38,6 +38,7 @@ class Chunk:
     partial: bool = False  # a partly filled block's bytes as they were (a copy)
     useful: bool = True  # False: a partly filled block the complete one will supersede
     detached: bool = False
+    dequeued: bool = False  # sent, or dropped with its transfer
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Outbox:
     pending: Counter = field(default_factory=Counter)  # xfer -> chunks queued
     failures: Counter = field(default_factory=Counter)
     on_drained: Callable[[object], None] | None = None  # a closing transfer's last chunk went
+    fresh: list = field(default_factory=list)  # chunks pushed since the last pump (not detached yet)
     bytes_sent: int = 0
     chunks_in_place: int = 0
     chunks_payload: int = 0
@@ -86,6 +88,7 @@ class Outbox:
         if not len(queue):
             self.links[out.link].demand_since = time.monotonic()
         queue.push(chunk, chunk.nbytes, out.tier, out.deadline_s)
+        self.fresh.append(chunk)
         self.pending[out.xfer] += 1
 
     def pump(self) -> None:
@@ -94,14 +97,21 @@ class Outbox:
             bucket = self.buckets.get(link)
             while len(queue) and (bucket is None or bucket.wait_s(time.monotonic()) <= 0):
                 self._send(link, queue.pick().key, bucket)
-            for item in queue.items:
-                _detach(item.key, self.hold)
             if not len(queue) and self.links[link].demand_since is not None:
                 stats = self.links[link]
                 stats.demand_s += time.monotonic() - stats.demand_since
                 stats.demand_since = None
+        self._detach_waiting()
+
+    def _detach_waiting(self) -> None:
+        """The chunks pushed since the last pump that are still queued wait: detach them (once each)."""
+        fresh, self.fresh = self.fresh, []
+        for chunk in fresh:
+            if not chunk.dequeued:
+                _detach(chunk, self.hold)
 
     def _send(self, link: str, chunk: Chunk, bucket: TokenBucket | None) -> None:
+        chunk.dequeued = True
         out, stats = chunk.out, self.links[link]
         self.pending[out.xfer] -= 1
         if not out.failed:
@@ -170,6 +180,8 @@ class Outbox:
         """Forget a failed or aborted transfer's queued chunks; returns how many."""
         queue = self.queues.get(out.link)
         gone = [] if queue is None else queue.drop(lambda it: it.key.out is not out)
+        for item in gone:
+            item.key.dequeued = True
         self.pending.pop(out.xfer, None)
         return len(gone)
 
