@@ -202,7 +202,7 @@ class ConductorCore(StagingEvents):
             second.outstanding += 1
             second.remember(hashes)
         actions = seen + [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
-        if self.hot is not None:
+        if self.hot is not None and self.stage.any_room:  # (no worker could ever warm what it counts)
             self.hot.observe(hashes, prompt, self.block_size, now)
             for w in self.role("prefill"):
                 actions += self._warm(w.name, now)

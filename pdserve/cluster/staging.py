@@ -29,6 +29,11 @@ class StagePlan:
         self.blocks[name] = info.get("stage_blocks", 0)
         self.max_blocks[name] = info.get("stage_max_blocks", self.blocks[name])
 
+    @property
+    def any_room(self) -> bool:
+        """Some prefill worker can keep staged (or warmed) KV at all (none under `--delivery fifo`)."""
+        return any(self.blocks.values())
+
     def may_stage(self, prefill: str | None) -> bool:
         return prefill is not None and bool(self.blocks.get(prefill)) and prefill not in self.staging
 
