@@ -30,9 +30,15 @@ def test_pure_modules_do_not_import_torch():
     assert _loaded_after_import(MODULES) == set()
 
 
+def test_the_gateway_process_does_not_import_torch():
+    # it only resolves the model directory and routes: importing torch would add seconds to every start
+    assert _loaded_after_import(["pdserve.cli", "pdserve.server.launch", "pdserve.server.app_runtime",
+                                 "pdserve.model.loader"]) == set()
+
+
 def test_the_subprocess_check_can_see_torch():
     # Guard for the test above: importing a module that does need torch is detected.
-    assert "torch" in _loaded_after_import(["pdserve.model.loader"])
+    assert "torch" in _loaded_after_import(["pdserve.kv.device_pool"])
 
 
 def _torch_imports(path: Path) -> list[int]:

