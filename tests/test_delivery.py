@@ -245,8 +245,8 @@ def test_water_level_counts_only_the_tiers_at_or_above_the_best_waiting_one():
 
 
 def test_simulated_backpressure_pauses_production_and_loses_nothing():
-    """Links far slower than prefill: with a water level the prefill engines pause (counted) and every
-    request still completes; without one they never pause."""
+    """Links far slower than prefill: with a water level the prefill engines pause and cut their chunks
+    (counted) and every request still completes; without one they never do."""
     from pdserve.sim.cluster import ClusterSpec, simulate
     from pdserve.sim.hardware import get_gpu, get_model
     from pdserve.sim.timemodel import RooflineTimeModel
@@ -260,8 +260,8 @@ def test_simulated_backpressure_pauses_production_and_loses_nothing():
         spec = ClusterSpec(mode="pd", num_prefill=1, num_decode=1, link_gbps=1.0, delivery_backlog_s=backlog)
         run = simulate(wl, spec, model, gpu, RooflineTimeModel(model, gpu, 1))
         assert all(r.ok for r in run.records)
-        paused[backlog] = run.life.production_paused_s
-    assert paused[0.05] > 0 and paused[0.0] == 0
+        paused[backlog] = run.life.production_paused_s, run.life.production_paced["capped"]
+    assert min(paused[0.05]) > 0 and paused[0.0] == (0, 0)  # paused, and chunks cut to the link's headroom
 
 
 def test_the_consumption_tail_is_learnt_per_tier_once_a_tier_has_samples_of_its_own():

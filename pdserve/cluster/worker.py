@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import msgpack
 import zmq
@@ -26,6 +27,7 @@ from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import InvalidRequestError, PdserveError
 
 STATS_INTERVAL_S = 0.25
+IDLE_STEP_MS = 2  # a prefill worker whose last step had nothing runnable looks again this soon
 
 
 def _die_with_parent() -> None:
@@ -74,6 +76,7 @@ class Worker:
         self.running = True
         self._last_stats = 0.0
         self._held_since: float | None = None
+        self._idle_step = False
         self._steps: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
 
     def emit(self, event: dict) -> None:
@@ -90,7 +93,8 @@ class Worker:
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0 and not self._held()
-            self.poller.poll(0 if busy else self._idle_ms())
+            # a prefill step that found nothing runnable (its links' headroom is spent): no busy spinning
+            self.poller.poll(0 if busy and not self._idle_step else IDLE_STEP_MS if busy else self._idle_ms())
             self._drain_commands()
             self.engine.poll_kv()
             if self.decode is not None:
@@ -98,6 +102,7 @@ class Worker:
             if sched.num_running + sched.num_waiting > 0 and not self._held():
                 start, began = time.perf_counter(), time.monotonic()
                 outputs = self.engine.step()
+                self._idle_step = self.prefill is not None and self.engine.last_scheduled.is_empty
                 self._log_step(time.perf_counter() - start)
                 if self.decode is not None:
                     self._report_consumed(began)
@@ -116,11 +121,13 @@ class Worker:
         return stage_capacity(self.engine.scheduler, self.engine.tiers, scheduled)
 
     def _held(self) -> bool:
-        """A prefill worker whose links are backed up produces nothing now (backpressure)."""
+        """A prefill worker whose links are all backed up produces nothing now (backpressure); otherwise the
+        next step is paced per link (`pdserve.core.production_pace`)."""
         if self.prefill is None:
             return False
         now = time.monotonic()
-        held = self.prefill.hold_s() > 0
+        pace = self.engine.scheduler.pace = self.prefill.pace()
+        held = pace.hold_s > 0
         if held and self._held_since is not None:
             self.prefill.paused_s += now - self._held_since
         self._held_since = now if held else None
@@ -274,7 +281,9 @@ class Worker:
                "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
                "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
                "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": self._steps,
-               "kernel_fallbacks": kernels.fallback_count(), "kv": self.engine.kv_report(),
+               "kernel_fallbacks": kernels.fallback_count(),
+               "kv_pool_prefault_fallbacks": int(getattr(self.executor.kv_pool, "prefault_failed", False)),
+               "kv": self.engine.kv_report(),
                "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
                "capped_steps": sched.step_budget.num_capped_steps,
                "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
@@ -284,7 +293,8 @@ class Worker:
                        kv_transfers_lent=len(self.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
                        kv_chunks_payload=box.chunks_payload,
                        kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report(),
-                       production_paused_s=self.prefill.paused_s, kv_wasted_bytes=dict(self.prefill.wasted_bytes),
+                       production_paused_s=self.prefill.paused_s, production_paced=dict(self.prefill.pace_counts),
+                       kv_wasted_bytes=dict(self.prefill.wasted_bytes),
                        kv_staged_now=len(self.prefill.stages.staged),
                        kv_path_transfers=dict(getattr(self.prefill.sender, "transfers", {})),
                        kv_path_failovers=getattr(self.prefill.sender, "failovers", 0))
@@ -303,7 +313,7 @@ class Worker:
             if side is not None:
                 side.close()
         self.cmds.close(linger=0)
-        self.events.close(linger=1000)
+        self.events.close(linger=100)  # the final stats, if the gateway still listens (not when it stops us)
 
 
 def _long_context(spec: WorkerSpec) -> bool:
@@ -335,11 +345,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when workers stop
     worker = Worker(spec)
+    code = 0
     try:
         worker.serve()
+    except SystemExit as e:  # SIGTERM: the gateway stops it
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:  # noqa: BLE001 - a crash: its traceback goes to the log the gateway shows
+        traceback.print_exc()
+        code = 1
     finally:
         worker.close()
-    return 0
+        kv_io = getattr(worker.executor, "kv_io", None)
+        if kv_io is not None:
+            kv_io.close()  # what the tiers' I/O thread has queued (disk writes) is done first
+        # The OS frees the pools at once; the interpreter's teardown of torch and of gigabytes of tensors
+        # takes about a second, at every stop and restart.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

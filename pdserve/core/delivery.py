@@ -23,11 +23,12 @@ tier. The simulator moves fluid flows: `DeliveryPolicy.rates` splits a capacity 
 shares and order (water-filling: a flow capped by its production rate leaves the rest to the next one).
 `TokenBucket` throttles a real link to a given rate (`--link-gbps`), to emulate a slower network.
 
-Backpressure (`WaterLevel`): a prefill worker produces no more KV while its links would need more than
-`--delivery-backlog-s` to send what is queued (real: chunks queued; simulator: bytes of the flows in the
-air) of the tiers at or above the best tier it has a prompt of (`counted_tiers`: a priority arrival is not
-held behind a flex backlog): production pauses until delivery catches up, instead of piling up KV the
-links cannot carry.
+Backpressure (`WaterLevel`): a link is backed up while it would need more than `--delivery-backlog-s` to
+send what is queued (real: chunks queued; simulator: bytes of the flows in the air) of the tiers at or above
+the best tier of the prompts bound for it (`counted_tiers`: a priority arrival is not held behind a flex
+backlog). Production is paced per link by it (`pdserve.core.production_pace`): a backed-up link's prompts
+wait, below the level a chunk is cut to what the link takes before it, and a worker whose prompts all wait
+pauses until delivery catches up, instead of piling up KV the links cannot carry.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ until reused) and it waits to recompute prompt + outputs.
 
 A running prefill ranked after a waiting request that can start now (a priority arrival while flex prompts
 are mid-prefill) yields: the arrival takes the step's budget first, the paused prefill keeps its blocks and
-gets what is left (`_run`, `_count_yields`).
+gets what is left (`_run`). A prefill worker's chunks are also paced by delivery, per link
+(`pdserve.core.production_pace`).
 
 Prefill/decode disaggregation uses the same class on both sides. A prefill worker's requests are
 `prefill_only`: they end as FINISHED_PREFILLED once their prompt's KV is computed and the first token
@@ -28,6 +29,7 @@ from pdserve.core.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.hot_window import HotWindow
 from pdserve.core.kv_reservations import KVReservations
 from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
+from pdserve.core.production_pace import ProductionPace
 from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
@@ -43,7 +45,7 @@ class SchedulerStats:
     preemptions_by_tier: Counter = field(default_factory=Counter)  # service tier -> preemptions
     num_share_preemptions: int = 0  # of them, to take the guaranteed tier's share back
     prefill_yields_by_tier: Counter = field(default_factory=Counter)  # steps a running prefill let a
-    # higher-ranked waiting request go first (`Scheduler._count_yields`), by the yielding request's tier
+    # higher-ranked waiting request go first (`Scheduler.schedule`), by the yielding request's tier
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
     num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
@@ -77,6 +79,7 @@ class Scheduler(KVReservations):
         self._step_loads: list[KVLoad] = []
         self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next step
         self.window: HotWindow | None = None  # long contexts (see `enable_long_context`)
+        self.pace: ProductionPace | None = None  # a prefill worker's per-link pacing, set before each step
         self.stats = SchedulerStats()
 
     # ---- intake ----------------------------------------------------------------------------------------
@@ -142,7 +145,8 @@ class Scheduler(KVReservations):
             budget = self._run(yielded, budget, chunks, None, None, [])
             if not preempted:
                 self._admit_waiting(budget, chunks, None)
-            self._count_yields(yielded)
+            for req in yielded:  # counted by tier: let a higher-ranked waiting request take the budget first
+                self.stats.prefill_yields_by_tier[req.service_tier] += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
         self._pending_loads, self._step_loads = {}, []
@@ -162,7 +166,7 @@ class Scheduler(KVReservations):
                     yielded.append(req)
                     i += 1
                     continue  # the allowance goes first to the waiting request that outranks it
-                n = self.step_budget.take(n, req.num_computed_tokens)
+                n = self._grant(req, n, req.num_computed_tokens)
                 if n == 0:
                     i += 1
                     continue
@@ -273,6 +277,7 @@ class Scheduler(KVReservations):
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], stop: tuple | None) -> int:
         """Start waiting requests in queue order (those ranked before `stop`, when given) while the budget,
         the batch size and the blocks allow; returns the budget left."""
+        parked: list[Request] = []
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
             if req is None or (stop is not None and self.policy.sort_key(req) > stop):
@@ -288,7 +293,10 @@ class Scheduler(KVReservations):
             if self.window is not None:
                 n = min(n, self.window.window * self.blocks.block_size - hit_tokens)
             if n > 1:
-                n = self.step_budget.take(n, hit_tokens)
+                n = self._grant(req, n, hit_tokens)
+                if n == 0 and self.pace is not None and self.pace.blocked(req.request_id):
+                    parked.append(self._pop_waiting())  # its link is backed up: later prompts may start
+                    continue
                 if n == 0:
                     break  # this step's prefill allowance is spent
             ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
@@ -307,13 +315,18 @@ class Scheduler(KVReservations):
             bisect.insort(self.running, req, key=self.policy.sort_key)
             chunks.append(self._chunk(req, n))
             budget -= n
+        for req in parked:
+            self._push_waiting(req)
         return budget
 
-    def _count_yields(self, yielded: list[Request]) -> None:
-        """A running prefill that let a higher-ranked waiting request take the budget first (it keeps its
-        blocks and gets what is left, if anything): counted by tier."""
-        for req in yielded:
-            self.stats.prefill_yields_by_tier[req.service_tier] += 1
+    def _grant(self, req: Request, n: int, start_pos: int) -> int:
+        """Tokens for a prefill chunk: what its link's production pace allows, then the step's time budget."""
+        if self.pace is not None:
+            n = self.pace.cap(req.request_id, n)
+        n = self.step_budget.take(n, start_pos) if n else 0
+        if n and self.pace is not None:
+            self.pace.spend(req.request_id, n)
+        return n
 
     def _tier_hit(self, prefix: PrefixHit) -> TierHit:
         if self.tiers is None:

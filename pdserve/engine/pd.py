@@ -29,7 +29,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import RELAND_S, DeliveryPolicy, WaterLevel, counted_tiers
+from pdserve.core.delivery import RELAND_S, DeliveryPolicy, WaterLevel
+from pdserve.core.production_pace import ProductionPace
 from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
@@ -86,6 +87,7 @@ class PrefillSide:
         self.keepalives_sent = 0
         self.water = water or WaterLevel()
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
+        self.pace_counts: Counter[str] = Counter()  # chunks capped, prompts held by their link's backlog
         self.stages = StagePasses(engine.scheduler, engine.tiers)
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
         self.landings: dict[str, float] = {}  # prefilled, chunks queued: the landing time last reported
@@ -199,10 +201,15 @@ class PrefillSide:
         self.engine.block_manager.hold(out.holder, new)
         out.held.update(new)
 
-    def hold_s(self) -> float:
-        """How long production should wait for the links to drain (`WaterLevel`): 0 = go on."""
-        tiers = counted_tiers(self.engine.scheduler.requests.values())
-        return max((self.water.hold_s(queued, rate) for queued, rate in self.outbox.backlog(tiers)), default=0.0)
+    def pace(self) -> ProductionPace:
+        """This step's production pace, per link (`pdserve.core.production_pace`); its `hold_s` > 0: the
+        worker produces nothing now (all its prompts are bound for links that are backed up)."""
+        def link_of(rid: str) -> str | None:
+            out = self.outbound.get(rid)
+            return None if out is None else out.link
+        return ProductionPace.build(self.engine.scheduler.requests.values(), link_of, self.outbox.link_backlog,
+                                    self.water, self.block_bytes / self.block_size, self.block_size,
+                                    self.pace_counts)
 
     def pump(self) -> None:
         """Send what the links allow now (the worker loop calls this between steps)."""

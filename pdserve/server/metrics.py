@@ -142,6 +142,10 @@ class Metrics:
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "
                                          "--delivery-backlog-s of sending (backpressure)", ["worker"], registry=r)
+        self.production_paced = Counter("pdserve_production_paced", "Prefill chunks a link's delivery backlog cut "
+                                         "short (outcome capped) or held back while other links' prompts ran "
+                                         "(outcome held): production paced per link", ["worker", "outcome"],
+                                         registry=r)
         self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died or stalled: moved to another "
                                    "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
                                    ["choice"], registry=r)
@@ -181,6 +185,8 @@ class Metrics:
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
             self.kv_staged_now.labels(worker=w).set(s.get("kv_staged_now", 0))
             self._inc_total(self.production_paused, (w, "paused"), s.get("production_paused_s", 0.0), worker=w)
+            for outcome, n in s.get("production_paced", {}).items():
+                self._inc_total(self.production_paced, (w, f"paced:{outcome}"), n, worker=w, outcome=outcome)
             for mode in ("in_place", "payload"):
                 self._inc_total(self.kv_chunks, (w, mode), s[f"kv_chunks_{mode}"], worker=w, mode=mode)
             for path, n in s.get("kv_path_transfers", {}).items():  # --transport auto
@@ -189,6 +195,8 @@ class Metrics:
                             kind="kv_path_failover")
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
+        # a shared KV pool whose pages could not be populated up front (Linux < 5.14): they fault in on use
+        self._inc_total(self.fallbacks, (w, "prefault"), s.get("kv_pool_prefault_fallbacks", 0), kind="kv_pool_prefault")
 
     def _observe_links(self, w: str, links: dict) -> None:
         now = time.monotonic()

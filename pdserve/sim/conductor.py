@@ -32,7 +32,8 @@ from pdserve.cluster.conductor import params_dict
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
-from pdserve.core.delivery import WaterLevel, counted_tiers
+from pdserve.core.delivery import WaterLevel
+from pdserve.core.production_pace import ProductionPace
 from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
@@ -252,17 +253,24 @@ class SimConductor(EngineHooks):
 
     # ---- prefill side: backpressure, layer-by-layer push ---------------------------------------------------
     def hold_production_s(self, engine: SimEngine) -> float:
-        """As the real prefill worker: no next step while its port needs more than the water level to send
-        what is in the air (`pdserve.core.delivery.WaterLevel`)."""
+        """As the real prefill worker: its next step is paced per link (`pdserve.core.production_pace`), here
+        the pair of ports a prompt's KV crosses; no step while every prompt's pair is backed up."""
         if engine.role != "prefill":
             return 0.0
-        port = self.ports[engine.name]
-        if not port.flows:
-            return 0.0
-        tiers = counted_tiers(engine.scheduler.requests.values())
-        hold = self.water.hold_s(self.links.queued_bytes(port, tiers), port.bandwidth)
-        self.life.production_paused_s += hold
-        return hold
+        egress = self.ports[engine.name]
+
+        def link_of(rid: str) -> str | None:
+            f = self.flights.get(rid)
+            return None if f is None or f.decode is None else f.decode.name
+
+        def backlog(dest: str, tiers: set[str]) -> list[tuple[float, float]]:
+            return [(self.links.queued_bytes(p, tiers), p.bandwidth) for p in (egress, self.ports[dest]) if p.flows]
+
+        pace = engine.scheduler.pace = ProductionPace.build(
+            engine.scheduler.requests.values(), link_of, backlog, self.water, self.block_bytes / self.block_size,
+            self.block_size, self.life.production_paced)
+        self.life.production_paused_s += pace.hold_s
+        return pace.hold_s
 
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports

@@ -3,6 +3,7 @@ of delivery and consumption the lifecycle metrics are computed from (`pdserve.si
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
@@ -49,6 +50,7 @@ class Lifecycle:
     blocks_on_time_at_prefilled: int = 0  # on time against the prediction made when prefilled
     blocks_on_time_at_dispatch: int = 0
     production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
+    production_paced: Counter = field(default_factory=Counter)  # prefill chunks capped / held per link
     staged: int = 0  # prompts computed ahead while their decode engine had no room
     idle_prewarms: int = 0  # hot prefixes computed ahead on idle prefill engines
     transfers: int = 0

@@ -68,7 +68,8 @@ def lifecycle(run: SimRun) -> dict:
         "p99_inter_token_jitter_ms": jitter_p99_ms(run.records),
         "wasted_transfer_rate": wasted,
         "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
-        "production_paused_s": life.production_paused_s, "staged_prompts": life.staged,
+        "production_paused_s": life.production_paused_s,
+        "production_paced": dict(life.production_paced), "staged_prompts": life.staged,
         "idle_prewarms": life.idle_prewarms,
     }
 

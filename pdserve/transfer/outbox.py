@@ -170,11 +170,12 @@ class Outbox:
         rate = self.links[out.link].rate(self.link_rate)
         return ahead / rate if ahead and rate else 0.0
 
-    def backlog(self, tiers: set[str]) -> list[tuple[float, float | None]]:
-        """Per link with chunks queued: (bytes queued of `tiers`, its rate: the throttle's, else the measured
-        one)."""
-        return [(queue.queued_bytes(tiers), self.links[link].rate(self.link_rate))
-                for link, queue in self.queues.items() if len(queue)]
+    def link_backlog(self, link: str, tiers: set[str]) -> list[tuple[float, float | None]]:
+        """[(bytes of `tiers` queued for `link`, its rate)]: nothing when none is queued."""
+        queue = self.queues.get(link)
+        if queue is None or not len(queue):
+            return []
+        return [(queue.queued_bytes(tiers), self.links[link].rate(self.link_rate))]
 
     def drop(self, out) -> int:
         """Forget a failed or aborted transfer's queued chunks; returns how many."""
