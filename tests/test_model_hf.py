@@ -119,6 +119,9 @@ def test_seeded_sampling_is_independent_of_batch(tiny_llama_dir):
     assert alone == batched
     different_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=8, ignore_eos=True)
     assert llm.generate([prompt], different_seed)[0].token_ids != alone
+    # resumed elsewhere from prompt + the first outputs (a request moved off a dead worker): the same stream
+    resume = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=11, seed=7, ignore_eos=True)
+    assert llm.generate([prompt + alone[:5]], resume)[0].token_ids == alone[5:]
 
 
 def test_default_model_matches_transformers_gguf(default_model_dir):

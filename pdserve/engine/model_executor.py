@@ -84,5 +84,6 @@ class ModelExecutor:
             return ExecutorOutput()
         logits = self.model.logits(hidden[batch.sample_rows])
         ids = [c.request_id for c in batch.sample_chunks]
-        tokens = self.sampler.sample(logits, ids, [c.sampling_params for c in batch.sample_chunks])
+        tokens = self.sampler.sample(logits, ids, [c.sampling_params for c in batch.sample_chunks],
+                                     [c.start_pos + c.num_tokens for c in batch.sample_chunks])
         return ExecutorOutput(dict(zip(ids, tokens)))
