@@ -200,10 +200,48 @@ def test_core_refuses_with_no_live_worker_and_fails_requests_of_a_dead_decode_wo
                                                           Send("decode-0", {"type": "kv_failed", "xfer": "a#0"})]
     died = core.worker_died("decode-0")
     assert [a for a in died if isinstance(a, Fail)] == [Fail("a", 503, "worker decode-0 died while serving this "
-                                                              "request", "worker_died")]
+                                                              "request and no live worker is left to move it "
+                                                              "to", "worker_died")]
     assert core.flights == {} and core.workers["decode-0"].outstanding == 0
     (count, fail) = core.arrive("b", [1, 2, 3], {}, 1.0)
     assert fail.status == 503 and fail.code == "no_worker"
+
+
+def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_numbered_after_them():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(40)), {"max_tokens": 10}, 0.0)
+    assert core.flights["a"].decode == "decode-0"
+    core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
+    core.prefilled("a", 0.2)
+    for i, tok in enumerate((7, 8, 9)):
+        core.token("a", i, False, 0.3 + i, tok)
+    died = core.worker_died("decode-0", 5.0)
+    assert Count("requests_migrated", (("reason", "worker_died"), ("source", "recompute"))) in died
+    (reserve,) = [a for a in died if isinstance(a, Send)]
+    assert reserve.worker == "decode-1" and reserve.cmd["prompt"] == list(range(40)) + [7, 8, 9]
+    assert reserve.cmd["params"] == {"max_tokens": 7} and reserve.cmd["xfer"] == "a#1"
+    f = core.flights["a"]
+    assert f.prefill == "prefill-0" and f.first_token_s == 0.3 and f.num_tokens == 3
+    assert core.workers["decode-0"].outstanding == 0 and core.backlog["decode-0"].decoding == 0
+    core.reserved("a", "a#1", True, "addr-1", 0, 5.1)
+    core.prefilled("a", 5.2)
+    core.token("a", 3, False, 5.3, 10)  # the driver numbers the new worker's tokens after the 3 streamed
+    assert f.outputs == [7, 8, 9, 10] and core.backlog["decode-1"].decoding == 1
+    core.token("a", 9, True, 6.0, 16)
+    assert core.flights == {} and core.workers["decode-1"].outstanding == 0
+    assert core.backlog["decode-1"].decoding == 0 and core.workers["prefill-0"].outstanding == 0
+
+
+def test_a_request_whose_streamed_tokens_are_unknown_fails_explicitly_when_its_worker_dies():
+    core = ConductorCore("colocated", make_routing_policy("least-loaded"))
+    core.add_worker("colocated-0", "colocated")
+    core.add_worker("colocated-1", "colocated")
+    core.arrive("a", [1, 2, 3], {"max_tokens": 5}, 0.0)
+    core.token("a", 0, False, 0.1)  # a simulator: no token ids
+    died = core.worker_died(core.flights["a"].decode, 1.0)
+    assert [a.code for a in died if isinstance(a, Fail)] == ["worker_died"] and core.flights == {}
 
 
 def test_core_counts_slo_attainment_per_tier():

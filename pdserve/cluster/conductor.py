@@ -88,6 +88,14 @@ class Conductor:
         return all(w.info for w in self.workers.values())
 
     def worker_died(self, name: str) -> None:
+        """A worker process ended (or was killed as hung). The prefill workers forget a dead decode worker
+        first (its rings, connections, lent blocks: nothing of it is reused), then the core moves its
+        requests (`pdserve.cluster.migration`) and its prompts (`_recover`)."""
+        addr = self.workers[name].info.get("kv_addr")
+        if addr:
+            for w in self.role("prefill"):
+                if w.name != name:
+                    self._send(w.name, {"type": "peer_gone", "addr": addr})
         self._act(self.core.worker_died(name, self.clock()))
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -146,12 +154,16 @@ class Conductor:
         kind, now, core = event["type"], self.clock(), self.core
         if kind == "tokens":
             for item in event["items"]:
+                state = core.flights.get(item["rid"])
+                if state is None or state.decode != event.get("worker", state.decode):
+                    continue  # ended, or from a worker it has moved away from (one that died)
+                item["i"] += state.offset  # numbered over its whole output, across moves
                 flight = self.flights.get(item["rid"])
                 if flight is not None:
                     flight.events.put_nowait(item)
                     if item["fin"]:
                         self.flights.pop(item["rid"], None)
-                self._act(core.token(item["rid"], item["i"], bool(item["fin"]), now))
+                self._act(core.token(item["rid"], item["i"], bool(item["fin"]), now, item["t"]))
         elif kind == "reserved":
             self._act(core.reserved(event["rid"], event["xfer"], event["needs_prefill"], event["kv_addr"],
                                     event["first_block"], now))

@@ -42,6 +42,7 @@ from pdserve.cluster.actions import Count, Fail, Observe, Send
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.hot_prefixes import HotPrefixes
+from pdserve.cluster.migration import MigrationEvents
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.cluster.staging import StagePlan, StagingEvents
 from pdserve.core.block_hash import hash_blocks
@@ -74,6 +75,14 @@ class FlightState:
     first_block: int = 0
     waiting_room: bool = False  # PD: its decode worker had no room for its blocks when asked
     staged: str = ""  # PD: "staging" (computed ahead on its prefill worker) -> "staged" (done there)
+    outputs: list = field(default_factory=list)  # the token ids streamed so far (all of them, across moves)
+    offset: int = 0  # of them, streamed before it moved to where it runs now (its prompt there: + these)
+    started: bool = False  # where it runs now has streamed its first token
+
+    @property
+    def resumed_prompt(self) -> list:
+        """What it computes where it runs now: the prompt, and the outputs streamed before it moved there."""
+        return self.prompt + self.outputs[:self.offset] if self.offset else self.prompt
 
 
 @dataclass
@@ -85,7 +94,7 @@ class Backlog:
     decoding: int = 0
 
 
-class ConductorCore(StagingEvents):
+class ConductorCore(StagingEvents, MigrationEvents):
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True) -> None:
         self.mode, self.policy = mode, policy
@@ -135,7 +144,7 @@ class ConductorCore(StagingEvents):
             self.stage.done(name, rid)
         for f in list(self.flights.values()):
             if f.decode == name:
-                actions += self._fail(f, 503, f"worker {name} died while serving this request", "worker_died")
+                actions += self._migrate(f, "worker_died")
             elif f.prefill == name:
                 actions += self._recover(f, now)
         return actions
@@ -145,9 +154,9 @@ class ConductorCore(StagingEvents):
         left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
         self._prefill_done(f)
         f.staged = ""  # what it staged died with it
-        hashes = hash_blocks(f.prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        hashes = hash_blocks(f.resumed_prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         other = self._pick("prefill", hashes)
-        tokens = len(f.prompt)
+        tokens = len(f.resumed_prompt)
         if other is not None and self.admission is not None:
             there = self.admission.predict_ttft_s(other.name, f.decode, tokens, sum(self.backlog[other.name]
                                                   .dispatched.values()), 0, 0)
@@ -174,8 +183,7 @@ class ConductorCore(StagingEvents):
                priority: int = 0, pin: tuple | None = None) -> list:
         f = FlightState(rid, prompt, params, tier, now, priority, pin)
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        first = self._pick("colocated" if self.mode == "colocated" else "decode", hashes)
-        second = self._pick("prefill", hashes) if self.mode == "pd" else None
+        first, second = self._route(hashes)
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
@@ -187,26 +195,37 @@ class ConductorCore(StagingEvents):
         if rejection is not None:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
                            Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
-        self.flights[rid] = f
-        f.decode = first.name
-        producer = second if second is not None else first
-        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)  # not cached
-        self.backlog[producer.name].tokens[self.tiers[tier].rank] += f.queued_tokens
-        first.outstanding += 1
-        first.remember(hashes)
-        if self.mode == "colocated":
-            return seen + [Send(first.name, {"type": "generate", **self._request_fields(f)})]
-        f.xfer = f"{rid}#{next(self._xfers)}"
-        if second is not None:
-            f.prefill = second.name
-            second.outstanding += 1
-            second.remember(hashes)
-        actions = seen + [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
+        actions = seen + self._place(f, first, second, hashes)
         if self.hot is not None and self.stage.any_room:  # (no worker could ever warm what it counts)
             self.hot.observe(hashes, prompt, self.block_size, now)
             for w in self.role("prefill"):
                 actions += self._warm(w.name, now)
         return actions
+
+    def _route(self, hashes) -> tuple[WorkerLoad | None, WorkerLoad | None]:
+        """(the decode or colocated worker, the prefill worker in PD mode)."""
+        first = self._pick("colocated" if self.mode == "colocated" else "decode", hashes)
+        return first, self._pick("prefill", hashes) if self.mode == "pd" and first is not None else None
+
+    def _place(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes) -> list:
+        """Start `f` on the workers chosen for it: generate (colocated), or reserve blocks on `first` for the
+        prompt `second` will prefill (PD)."""
+        self.flights[f.rid] = f
+        f.decode = first.name
+        producer = second if second is not None else first
+        prompt = f.resumed_prompt
+        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)  # not cached
+        self.backlog[producer.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
+        first.outstanding += 1
+        first.remember(hashes)
+        if self.mode == "colocated":
+            return [Send(first.name, {"type": "generate", **self._request_fields(f)})]
+        f.xfer = f"{f.rid}#{next(self._xfers)}"
+        if second is not None:
+            f.prefill = second.name
+            second.outstanding += 1
+            second.remember(hashes)
+        return [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
 
     def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
                ) -> Rejection | None:
@@ -225,7 +244,8 @@ class ConductorCore(StagingEvents):
         return self.admission is not None and self.admission.predict and self.tiers[tier].ttft_ms is not None
 
     def _request_fields(self, f: FlightState) -> dict:
-        return {"rid": f.rid, "prompt": f.prompt, "params": f.params, "priority": f.priority, "pin": f.pin,
+        params = f.params if not f.offset else {**f.params, "max_tokens": f.params["max_tokens"] - f.offset}
+        return {"rid": f.rid, "prompt": f.resumed_prompt, "params": params, "priority": f.priority, "pin": f.pin,
                 "tier": f.tier}
 
     def _pick(self, role: str, hashes) -> WorkerLoad | None:
@@ -271,7 +291,7 @@ class ConductorCore(StagingEvents):
         tokens[rank] += f.queued_tokens
         f.dispatched = True
         predicted = self.consumption.at_dispatch(now, f.prefill, f.decode, f.queued_tokens, ahead, behind)
-        blocks = -(-len(f.prompt) // self.block_size) - first_block
+        blocks = -(-len(f.resumed_prompt) // self.block_size) - first_block
         f.prediction = Prediction(blocks, predicted, predicted, tier=f.tier)
         return predicted
 
@@ -335,13 +355,18 @@ class ConductorCore(StagingEvents):
         return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, {"type": "abort", "rid": f.rid})]
                 + self._recover(f, now))
 
-    def token(self, rid: str, index: int, finished: bool, now: float) -> list:
+    def token(self, rid: str, index: int, finished: bool, now: float, token_id: int | None = None) -> list:
+        """The request's token `index` (counted over its whole output, across moves) came out; `token_id`:
+        which one (kept so the request can move if its worker dies; a simulator reports only some)."""
         f = self.flights.get(rid)
         if f is None or index < f.num_tokens:
             return []  # a duplicate (a simulator may report only some tokens: the first and the last)
+        if token_id is not None and index == len(f.outputs):
+            f.outputs.append(token_id)
         f.num_tokens = index + 1
-        if f.first_token_s is None:
-            f.first_token_s = now
+        if not f.started:  # the first token from where it runs now
+            f.started = True
+            f.first_token_s = f.first_token_s or now
             if f.prefilled_s is not None and self.admission is not None:
                 self.admission.observe_delivery(f.decode, now - f.prefilled_s)
             self._prefill_done(f)
@@ -380,7 +405,7 @@ class ConductorCore(StagingEvents):
         if self.flights.pop(f.rid, None) is None:
             return
         self._prefill_done(f)
-        if f.first_token_s is not None:
+        if f.started:
             self.backlog[f.decode].decoding -= 1
         self.workers[f.decode].outstanding -= 1
 

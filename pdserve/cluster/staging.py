@@ -127,4 +127,4 @@ class StagingEvents:
 
 
 def _blocks(f, block_size: int) -> int:
-    return -(-len(f.prompt) // block_size)
+    return -(-len(f.resumed_prompt) // block_size)

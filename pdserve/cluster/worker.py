@@ -185,6 +185,8 @@ class Worker:
             self.decode.peer_failed(cmd["xfer"])
         elif kind == "redirect":
             self.decode.redirect(cmd["old"], cmd["xfer"])
+        elif kind == "peer_gone" and self.prefill is not None:
+            self.prefill.peer_gone(cmd["addr"])
 
     # ---- decode side ------------------------------------------------------------------------------------
     def _decode_bookkeeping(self) -> None:
@@ -200,7 +202,7 @@ class Worker:
                        "state": inbound.state.value, "bytes": inbound.num_bytes,
                        "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name})
             if req is not None and inbound.first_token is not None:  # the prefill worker's first token
-                self.emit({"type": "tokens", "items": [{
+                self.emit({"type": "tokens", "worker": self.spec.name, "items": [{
                     "rid": req.request_id, "i": 0, "t": inbound.first_token,
                     "fin": req.status.finish_reason if req.is_finished else None,
                     "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
@@ -240,7 +242,7 @@ class Worker:
                             prefill_s=_diff(out.prefilled_s, out.scheduled_s))
             items.append(item)
         if items:
-            self.emit({"type": "tokens", "items": items})
+            self.emit({"type": "tokens", "worker": self.spec.name, "items": items})
 
     def _cancel_failed_deliveries(self) -> None:
         for rid in self.prefill.failed_requests():

@@ -271,6 +271,24 @@ class PrefillSide:
             self.lent.append(Lent(out.holder, out.dest, self.sender.position(out.dest),
                                   time.monotonic() + self.lease_s))
 
+    def peer_gone(self, dest: str) -> int:
+        """The decode worker at `dest` died (or restarted): its transfers end here without a word to it (the
+        conductor moves their requests), the blocks held or lent for it are freed and the sender forgets it
+        (a restarted worker at the same address gets a fresh ring or connection). Returns how many ended."""
+        gone = [out for out in (*self.outbound.values(), *self.closing.values()) if out.dest == dest]
+        for out in gone:
+            self.outbox.drop(out)
+            self.outbound.pop(out.rid, None)
+            self.closing.pop(out.rid, None)
+            self.landings.pop(out.rid, None)
+            if out.held:
+                self.engine.block_manager.free(out.holder)
+        for lent in [lent for lent in self.lent if lent.dest == dest]:
+            self.engine.block_manager.free(lent.holder)
+            self.lent.remove(lent)
+        self.sender.forget(dest)
+        return len(gone)
+
     def release_lent(self, now: float | None = None) -> int:
         """Free the blocks of transfers the receiver has taken (or whose lease ran out). Returns how many
         transfers were released."""

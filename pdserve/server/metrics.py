@@ -150,6 +150,10 @@ class Metrics:
                                    "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
                                    ["choice"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
+        self.requests_migrated = Counter("pdserve_requests_migrated", "Requests moved to another worker when theirs "
+                                         "died, their KV rebuilt by recomputing prompt + outputs (source "
+                                         "recompute) or from a checkpoint (source checkpoint)",
+                                         ["reason", "source"], registry=r)
         self._totals: dict[tuple[str, str], float] = {}
 
     def _inc_total(self, counter, key: tuple[str, str], total: float, **labels) -> None:

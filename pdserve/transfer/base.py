@@ -148,6 +148,9 @@ class KVSender(Protocol):
 
     def send_control(self, dest: str, header: dict) -> None: ...
 
+    def forget(self, dest: str) -> None:
+        """`dest` died or restarted: drop what is kept for it (a ring, a connection), sending nothing."""
+
     def close(self) -> None: ...
 
 

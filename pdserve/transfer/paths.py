@@ -167,6 +167,11 @@ class PathSender:
         route = self._route(dest)
         return all(self.senders[p].consumed(route[p], m) for p, m in mark)
 
+    def forget(self, dest: str) -> None:
+        route = self._routes.pop(dest, None) or {}
+        for path, addr in route.items():
+            self.senders[path].forget(addr)
+
     def close(self) -> None:
         for s in self.senders.values():
             s.close()

@@ -187,6 +187,13 @@ class ShmSender:
             except zmq.ZMQError:
                 pass  # the receiver's poll timeout covers a lost doorbell
 
+    def forget(self, dest: str) -> None:
+        """`dest` died (or restarted): drop its ring and socket; a later send to it starts afresh."""
+        peer = self._peers.pop(dest, None)
+        if peer is not None:
+            peer[0].close(linger=0)
+            peer[1].close()
+
     def close(self) -> None:
         for sock, ring in self._peers.values():
             try:

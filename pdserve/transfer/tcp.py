@@ -84,6 +84,12 @@ class TcpSender:
             sock.close()
             raise TransferError(f"tcp send to {dest} failed: {e or 'timed out'}") from e
 
+    def forget(self, dest: str) -> None:
+        """`dest` died (or restarted): drop its connection; a later send to it connects afresh."""
+        sock = self._sockets.pop(dest, None)
+        if sock is not None:
+            sock.close()
+
     def close(self) -> None:
         for sock in self._sockets.values():
             sock.close()

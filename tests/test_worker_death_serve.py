@@ -1,0 +1,81 @@
+"""Worker death without a lost request, with real processes and the `openai` SDK (issue 15): kill -9 a decode
+worker while its requests stream; each goes on on the other decode worker (prompt + outputs recomputed by the
+prefill worker), and every client's text is the one an undisturbed run gives, greedy and seeded alike."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from serve_util import Server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+TOKENS = 40
+
+
+def _requests() -> list[dict]:
+    out = []
+    for i in range(4):
+        sampled = {"temperature": 0.8, "seed": 100 + i} if i % 2 else {"temperature": 0}
+        out.append({"prompt": f"Tale {i}: once upon a time, in a village by the sea,", **sampled})
+    return out
+
+
+async def _stream(client, req: dict, started: asyncio.Event | None) -> str:
+    text, chunks = "", 0
+    stream = await client.completions.create(model=MODEL, max_tokens=TOKENS, stream=True,
+                                             extra_body={"ignore_eos": True}, **req)
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        chunks += 1
+        if started is not None and chunks >= 6:
+            started.set()
+    return text
+
+
+def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
+    server = Server("--prefill", "1", "--decode", "2")
+    try:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        reqs = _requests()
+
+        async def undisturbed() -> list[str]:
+            return await asyncio.gather(*(_stream(client, r, None) for r in reqs))
+
+        async def disturbed() -> list[str]:
+            started = [asyncio.Event() for _ in reqs]
+            tasks = [asyncio.create_task(_stream(client, r, e)) for r, e in zip(reqs, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            os.kill(victim, signal.SIGKILL)  # every stream is mid-way: half of them on this worker
+            return await asyncio.gather(*tasks)
+
+        victim = server.worker_pid("decode-0")
+        reference = asyncio.run(undisturbed())
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        texts = asyncio.run(disturbed())
+        assert texts == reference
+        time.sleep(0.3)
+        assert server.metric("pdserve_worker_deaths_total", worker="decode-0") == 1
+        migrated = server.metric("pdserve_requests_migrated_total", reason="worker_died", source="recompute")
+        assert migrated >= 1
+        # the survivors serve on, and nothing of the dead worker's is held by the prefill worker
+        again = asyncio.run(undisturbed_again(server, reqs[:1]))
+        assert again == reference[:1]
+        assert server.metric("pdserve_kv_transfers_lent", worker="prefill-0") == 0
+    finally:
+        server.stop()
+
+
+async def undisturbed_again(server: Server, reqs: list[dict]) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    try:
+        return await asyncio.gather(*(_stream(client, r, None) for r in reqs))
+    finally:
+        await client.close()
