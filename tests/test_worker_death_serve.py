@@ -1,6 +1,8 @@
 """Worker death without a lost request, with real processes and the `openai` SDK (issue 15): kill -9 a decode
 worker while its requests stream; each goes on on the other decode worker (prompt + outputs recomputed by the
-prefill worker), and every client's text is the one an undisturbed run gives, greedy and seeded alike."""
+prefill worker), and every client's text is the one an undisturbed run gives, greedy and seeded alike. The
+dead worker is restarted and registers again; then a SIGSTOP'd worker is taken for hung after the heartbeat
+timeout, killed, its streams moved the same way, and restarted."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -18,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = 40
+HEARTBEAT_S = 4.0
 
 
 def _requests() -> list[dict]:
@@ -41,7 +45,7 @@ async def _stream(client, req: dict, started: asyncio.Event | None) -> str:
 
 
 def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
-    server = Server("--prefill", "1", "--decode", "2")
+    server = Server("--prefill", "1", "--decode", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S))
     try:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         reqs = _requests()
@@ -69,6 +73,26 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
         again = asyncio.run(undisturbed_again(server, reqs[:1]))
         assert again == reference[:1]
         assert server.metric("pdserve_kv_transfers_lent", worker="prefill-0") == 0
+        # decode-0 comes back: restarted, registered, ready
+        _wait(lambda: _states(server)["decode-0"] == ("ready", 1), 60)
+        # a stopped worker (SIGSTOP: alive, silent) is taken for hung once the heartbeat times out: killed,
+        # its streams go on elsewhere, unchanged, and it is restarted too
+        victim = server.worker_pid("decode-1")
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        stopped = time.monotonic()
+        os_kill = os.kill
+
+        async def stopped_mid_stream() -> list[str]:
+            started = [asyncio.Event() for _ in reqs]
+            tasks = [asyncio.create_task(_stream(client, r, e)) for r, e in zip(reqs, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            os_kill(victim, signal.SIGSTOP)
+            return await asyncio.gather(*tasks)
+
+        assert asyncio.run(stopped_mid_stream()) == reference
+        assert time.monotonic() - stopped >= HEARTBEAT_S  # they waited for the heartbeat, then moved
+        assert server.metric("pdserve_requests_migrated_total", reason="worker_hung") >= 1
+        _wait(lambda: _states(server)["decode-1"] == ("ready", 1), 60)
     finally:
         server.stop()
 
@@ -79,3 +103,14 @@ async def undisturbed_again(server: Server, reqs: list[dict]) -> list[str]:
         return await asyncio.gather(*(_stream(client, r, None) for r in reqs))
     finally:
         await client.close()
+
+
+def _states(server: Server) -> dict:
+    return {w["name"]: (w["state"], w["restarts"]) for w in httpx.get(server.url + "/health").json()["workers"]}
+
+
+def _wait(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)

@@ -31,6 +31,7 @@ class WorkerHandle:
     socket: zmq.Socket
     info: dict = field(default_factory=dict)  # its `ready` event
     stats: dict = field(default_factory=dict)  # its latest `stats` event
+    last_seen: float = field(default_factory=time.monotonic)  # its latest event of any kind (heartbeat)
 
     @property
     def name(self) -> str:
@@ -87,7 +88,7 @@ class Conductor:
     def ready(self) -> bool:
         return all(w.info for w in self.workers.values())
 
-    def worker_died(self, name: str) -> None:
+    def worker_died(self, name: str, reason: str = "worker_died", restarting: bool = False) -> None:
         """A worker process ended (or was killed as hung). The prefill workers forget a dead decode worker
         first (its rings, connections, lent blocks: nothing of it is reused), then the core moves its
         requests (`pdserve.cluster.migration`) and its prompts (`_recover`)."""
@@ -96,7 +97,13 @@ class Conductor:
             for w in self.role("prefill"):
                 if w.name != name:
                     self._send(w.name, {"type": "peer_gone", "addr": addr})
-        self._act(self.core.worker_died(name, self.clock()))
+        self._act(self.core.worker_died(name, self.clock(), reason, restarting))
+
+    def worker_restarting(self, name: str) -> None:
+        """A dead worker's process is started again: it is not ready (routing passes it by) until its `ready`
+        event registers it again."""
+        worker = self.workers[name]
+        worker.info, worker.stats, worker.last_seen = {}, {}, self.clock()
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
@@ -195,9 +202,10 @@ class Conductor:
 
     def _on_worker_event(self, kind: str, event: dict) -> None:
         worker = self.workers[event["worker"]]
+        worker.last_seen = self.clock()
         if kind == "ready":
             worker.info = event
-            self.core.worker_ready(worker.name, event)
+            self._act(self.core.worker_ready(worker.name, event))
         elif kind == "stats":
             worker.stats = event
             self.core.worker_steps(worker.name, event.get("steps"), event.get("prefill_cap"))

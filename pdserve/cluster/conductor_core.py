@@ -9,13 +9,11 @@ simulated time. What it decides:
   `pdserve.cluster.admission`);
 * in PD mode, ask the decode worker to **reserve** KV blocks, then **dispatch** the prefill to the prefill
   worker once they are reserved (or not at all, when the decode worker has every prompt token but the last);
-* react to **failures**: a dead decode worker fails its requests; a dead prefill worker's prompts move to
-  another live prefill worker (`redirect`: the decode worker keeps its reserved blocks and expects the KV
-  under a new transfer id) unless recomputing on the decode worker is predicted faster or no prefill worker
-  is left (`kv_failed`: the decode worker recomputes); each choice is counted (`kv_recovery{choice}`); a
-  transfer whose lease lapsed (its prefill worker alive but silent: hung, stopped) is held by its decode worker
-  for the same choice, and that prefill worker is passed by until it reports again (`kv_leases_lapsed`); a
-  failed delivery aborts the moot prefill;
+* react to **failures** (`pdserve.cluster.recovery`): a dead decode worker's requests move to a live one
+  with their outputs so far (nothing lost, no token changed); a dead prefill worker's prompts move to another
+  prefill worker unless recomputing on the decode worker is predicted faster or none is left; a transfer
+  whose lease lapsed (its prefill worker alive but silent) is held by its decode worker for the same choice,
+  and that prefill worker is passed by until it reports again; a failed delivery aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
 * **stage** prompts while their decode worker has no room (PD, `--delivery scheduled`): an idle prefill
   worker computes a waiting prompt ahead (`stage`; which one: `pdserve.cluster.staging`); its KV stays in
@@ -42,11 +40,10 @@ from pdserve.cluster.actions import Count, Fail, Observe, Send
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.hot_prefixes import HotPrefixes
-from pdserve.cluster.migration import MigrationEvents
+from pdserve.cluster.recovery import RecoveryEvents
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.cluster.staging import StagePlan, StagingEvents
 from pdserve.core.block_hash import hash_blocks
-from pdserve.core.online_fit import MIN_SAMPLES
 from pdserve.core.service_tiers import ServiceTiers
 
 __all__ = ["Backlog", "ConductorCore", "Count", "Fail", "FlightState", "Observe", "Send"]
@@ -94,7 +91,7 @@ class Backlog:
     decoding: int = 0
 
 
-class ConductorCore(StagingEvents, MigrationEvents):
+class ConductorCore(StagingEvents, RecoveryEvents):
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True) -> None:
         self.mode, self.policy = mode, policy
@@ -108,6 +105,7 @@ class ConductorCore(StagingEvents, MigrationEvents):
         self._xfers = itertools.count()
         self.stage = StagePlan(self.tiers)
         self.hot = HotPrefixes() if idle_prewarm and mode == "pd" else None
+        self.orphans: list[FlightState] = []  # moved off a dead worker, waiting for one to be ready
         self._warms = itertools.count()
 
     # ---- workers ----------------------------------------------------------------------------------------
@@ -119,11 +117,18 @@ class ConductorCore(StagingEvents, MigrationEvents):
     def role(self, role: str) -> list[WorkerLoad]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def worker_ready(self, name: str, info: dict) -> None:
+    def worker_ready(self, name: str, info: dict) -> list:
+        """Its `ready` event: at start, or once restarted after a death (it takes work again, from scratch)."""
+        load = self.workers[name]
+        if not load.alive:
+            load.alive, load.stalled, load.outstanding = True, False, 0
+            load.recent_blocks.clear()
+            self.backlog[name] = Backlog()
         self.block_size = info.get("block_size", self.block_size)
         self.stage.worker_ready(name, info)
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
+        return self._adopt_orphans() if self.orphans else []
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
         """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];
@@ -136,7 +141,9 @@ class ConductorCore(StagingEvents, MigrationEvents):
             self.admission.model(name).budget = prefill_cap
         return []
 
-    def worker_died(self, name: str, now: float = 0.0) -> list:
+    def worker_died(self, name: str, now: float = 0.0, reason: str = "worker_died", restarting: bool = False
+                    ) -> list:
+        """`restarting`: it is being started again (its requests may wait for it when no other can take them)."""
         load = self.workers[name]
         load.alive = False
         actions: list = [Count("worker_deaths", (("worker", name),))]
@@ -144,38 +151,11 @@ class ConductorCore(StagingEvents, MigrationEvents):
             self.stage.done(name, rid)
         for f in list(self.flights.values()):
             if f.decode == name:
-                actions += self._migrate(f, "worker_died")
+                actions += self._migrate(f, reason, restarting)
             elif f.prefill == name:
                 actions += self._recover(f, now)
-        return actions
-
-    def _recover(self, f: FlightState, now: float) -> list:
-        """Its prefill worker died or stalled: move the prompt to another usable prefill worker, unless none is
-        left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
-        self._prefill_done(f)
-        f.staged = ""  # what it staged died with it
-        hashes = hash_blocks(f.resumed_prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        other = self._pick("prefill", hashes)
-        tokens = len(f.resumed_prompt)
-        if other is not None and self.admission is not None:
-            there = self.admission.predict_ttft_s(other.name, f.decode, tokens, sum(self.backlog[other.name]
-                                                  .dispatched.values()), 0, 0)
-            decode = self.admission.model(f.decode)  # its fit knows prefill only if it ran some
-            here = decode.prefill_s(tokens) if decode.prefill_steps() >= MIN_SAMPLES else None
-            if there is not None and here is not None and here < there:
-                other = None  # recomputing is predicted faster
-        if other is None:
-            return [Count("kv_recovery", (("choice", "recompute"),)),
-                    Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
-        f.prefill, f.dispatched = other.name, False
-        other.outstanding += 1
-        f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
-        self.backlog[other.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
-        actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
-        if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker
-            old, f.xfer = f.xfer, f"{f.rid}#{next(self._xfers)}"
-            actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
-            actions += self.reserved(f.rid, f.xfer, True, f.kv_addr, f.first_block, now)
+        if self.orphans and not restarting and self._route(())[0] is None:
+            actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
         return actions
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -341,19 +321,6 @@ class ConductorCore(StagingEvents, MigrationEvents):
         prefill = f.prefill
         self._prefill_done(f)  # its work is moot now: the decode worker recomputes
         return [Send(prefill, {"type": "abort", "rid": rid})]
-
-    def _lease_lapsed(self, f: FlightState | None, xfer: str, now: float) -> list:
-        """Its prefill worker sent nothing for the lease (hung, stopped, unreachable): it is stalled, routing
-        passes it by until it reports again, and the prompt moves to another prefill worker unless
-        recomputing on the decode worker is predicted faster or none is left (`_recover`)."""
-        if f is None or f.xfer != xfer:
-            return []  # ended (its abort frees the blocks) or already moved
-        if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
-            return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, {"type": "kv_failed", "xfer": xfer})]
-        stalled = self.workers[f.prefill]
-        stalled.stalled = True
-        return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, {"type": "abort", "rid": f.rid})]
-                + self._recover(f, now))
 
     def token(self, rid: str, index: int, finished: bool, now: float, token_id: int | None = None) -> list:
         """The request's token `index` (counted over its whole output, across moves) came out; `token_id`:

@@ -98,10 +98,10 @@ def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        workers = gateway.conductor.workers.values()
-        alive = all(w.load.alive for w in workers)
-        return JSONResponse({"status": "ok" if alive else "degraded",
-                             "workers": {w.name: w.load.alive for w in workers}}, status_code=200 if alive else 503)
+        """{"status": ok | degraded | unavailable, "workers": [{name, role, pid, state, restarts}]}; 503 while
+        no decode-capable worker is ready (`pdserve.server.supervisor`)."""
+        status, body = gateway.supervisor.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics():

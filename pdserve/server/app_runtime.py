@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.server.api import BodyLimit, create_app
 from pdserve.server.gateway import Gateway
 from pdserve.server.metrics import Metrics
+from pdserve.server.supervisor import Supervisor
 from pdserve.tokenizer import Tokenizer
 
 
@@ -49,7 +49,9 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         app = BodyLimit(create_app(gateway, cfg.api_key), cfg.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                                lifespan="off", timeout_graceful_shutdown=3))
-        monitor = asyncio.create_task(_monitor(conductor, procs, server, cfg))
+        supervisor = gateway.supervisor = Supervisor(conductor, procs, cfg.restart_workers, cfg.max_restarts,
+                                                      cfg.heartbeat_timeout_s)
+        monitor = asyncio.create_task(_monitor(supervisor, server, cfg))
         await server.serve()
         monitor.cancel()
         return 0
@@ -86,18 +88,11 @@ async def _wait_ready(conductor: Conductor, procs, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _monitor(conductor: Conductor, procs, server: uvicorn.Server, cfg) -> None:
+async def _monitor(supervisor: Supervisor, server: uvicorn.Server, cfg) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     shape = (f"{cfg.prefill} prefill + {cfg.decode} decode, {cfg.transport}" if cfg.mode == "pd"
              else f"{cfg.instances} colocated")
     print(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}",
           flush=True)
-    seen: set[str] = set()
-    while True:
-        for name in procs.dead():
-            if name not in seen:
-                seen.add(name)
-                print(f"pdserve: worker {name} died:\n{procs.log_tail(name)}", file=sys.stderr, flush=True)
-                conductor.worker_died(name)
-        await asyncio.sleep(0.2)
+    await supervisor.run()

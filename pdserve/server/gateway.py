@@ -58,6 +58,7 @@ class Gateway:
         self.max_model_len = max_model_len
         self.pins: dict[str, Pin] = {}  # live prewarms
         self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
+        self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -81,6 +81,13 @@ class ServeConfig:
     """How far (a fraction of the SLO) a prediction may exceed the SLO before the request is refused."""
     max_outstanding: int = 4096
     """Most requests one worker may have in flight; more are refused (429 queue_full), whatever their tier."""
+    restart_workers: bool = True
+    """Start a dead (or hung) worker again, after a backoff of 1 s doubling per restart (at most 30 s)."""
+    max_restarts: int = 5
+    """Most times one worker is restarted; after that it stays dead."""
+    heartbeat_timeout_s: float = 20.0
+    """A ready worker that sent nothing (it reports every 0.25 s) for this long is killed as hung and its
+    requests move to the others."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -96,6 +103,8 @@ class ServeConfig:
                                       param="api_key_tier")
         if self.admission not in (None, "predict", "off"):
             raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
+        if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
+            raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
         if not self.admission_margin >= 0 or self.max_outstanding < 1:
             raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
         check_mode(self.delivery)
@@ -143,6 +152,14 @@ class WorkerProcesses:
                 [sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()], stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             log.close()
+
+    def restart(self, name: str) -> None:
+        """Start worker `name` again (its log goes on in the same file)."""
+        spec = next(s for s in self.specs if s.name == name)
+        log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()],
+                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]

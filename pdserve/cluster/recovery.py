@@ -1,0 +1,120 @@
+"""When a worker dies or hangs: its requests and prompts go on elsewhere, with nothing lost or changed.
+
+**A dead prefill worker** (`_recover`), or one whose transfer's lease lapsed (`_lease_lapsed`: alive but
+silent, so it is marked stalled until it reports again): its prompts move to another usable prefill worker
+(`redirect`: the decode worker keeps its reserved blocks and expects the KV under a new transfer id), unless
+recomputing on the decode worker is predicted faster or no prefill worker is left (`kv_failed`); each choice
+is counted (`kv_recovery{choice}`).
+
+**A dead decode (or colocated) worker** (`_migrate`): the conductor core keeps every token each request has streamed (`FlightState.outputs`). When its decode
+worker dies, the request moves: it is routed again (no admission: it was admitted once, and a refusal now
+would lose it) and placed on a live worker as if it had just arrived with the prompt + the outputs so far as
+its prompt and what is left of `max_tokens` (`FlightState.offset` marks the split; `resumed_prompt`). In PD
+mode a prefill worker recomputes that whole context and sends its KV; the token it samples is the next one of
+the stream, at the same sequence position, so a greedy request's text is the one an undisturbed run gives
+and a seeded one keeps its seed's stream (`pdserve.model.sampler`: draws keyed by seed and position). The
+tokens the new worker streams are numbered from `offset` on (the gateway's driver adds it), so the client's
+stream goes on with no duplicate or missing token. Counted: `requests_migrated{reason, source}` (`source`:
+`recompute`; restoring from a KV checkpoint in the host/disk tier is not built yet). With no live worker to
+take it, or when the driver cannot tell which tokens were streamed (a simulator reports only some), the
+request ends with an explicit 503, unless its worker is being restarted: then it waits for a worker to be
+ready (`orphans`; `ConductorCore.worker_ready`), and fails only if none will be.
+
+A mixin of `ConductorCore`, whose state and helpers it uses (`flights`, `workers`, `backlog`, `admission`,
+`block_size`, `_route`, `_place`, `_pick`, `_prefill_done`, `_finish`, `_fail`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.cluster.actions import Count, Fail, Send
+from pdserve.cluster.routing import AFFINITY_BLOCKS
+from pdserve.core.block_hash import hash_blocks
+from pdserve.core.online_fit import MIN_SAMPLES
+
+
+class RecoveryEvents:
+    def _migrate(self, f, reason: str, restarting: bool = False) -> list:
+        """Move `f` off its dead decode worker; `restarting`: that worker is being started again, so with no
+        live worker to take it now the request waits for one (`orphans`, placed by `_adopt_orphans`)."""
+        dead, prefill = f.decode, f.prefill
+        if len(f.outputs) < f.num_tokens:
+            return self._fail(f, 503, f"worker {dead} died while serving this request", "worker_died")
+        actions = [Send(prefill, {"type": "abort", "rid": f.rid})] if prefill not in (None, dead) else []
+        self._finish(f)
+        moved = dataclasses.replace(
+            f, decode=None, prefill=None, xfer="", queued_tokens=0, dispatched=False, prefilled_s=None,
+            prediction=None, kv_addr=None, first_block=0, waiting_room=False, staged="", offset=len(f.outputs),
+            started=False, outputs=list(f.outputs))
+        prompt = moved.resumed_prompt
+        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        actions.append(Count("requests_migrated", (("reason", reason), ("source", "recompute"))))
+        first, second = self._route(hashes)
+        if first is not None:  # (with no live prefill worker, the decode worker recomputes: `reserved`)
+            return actions + self._place(moved, first, second, hashes)
+        if restarting:
+            self.orphans.append(moved)
+            return actions
+        return actions[:-1] + [Fail(f.rid, 503, f"worker {dead} died while serving this request and no live "
+                                    "worker is left to move it to", "worker_died")]
+
+    def _adopt_orphans(self) -> list:
+        """A worker is ready (again): the requests waiting for one are placed."""
+        actions, waiting, self.orphans = [], self.orphans, []
+        for f in waiting:
+            hashes = hash_blocks(f.resumed_prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+            first, second = self._route(hashes)
+            if first is None:
+                self.orphans.append(f)
+            else:
+                actions += self._place(f, first, second, hashes)
+        return actions
+
+    def _fail_orphans(self) -> list:
+        """No worker that could take them is coming back."""
+        waiting, self.orphans = self.orphans, []
+        return [Fail(f.rid, 503, "its worker died and no live worker is left to move it to", "worker_died")
+                for f in waiting]
+
+    def _recover(self, f, now: float) -> list:
+        """Its prefill worker died or stalled: move the prompt to another usable prefill worker, unless none is
+        left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
+        self._prefill_done(f)
+        f.staged = ""  # what it staged died with it
+        hashes = hash_blocks(f.resumed_prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        other = self._pick("prefill", hashes)
+        tokens = len(f.resumed_prompt)
+        if other is not None and self.admission is not None:
+            there = self.admission.predict_ttft_s(other.name, f.decode, tokens, sum(self.backlog[other.name]
+                                                  .dispatched.values()), 0, 0)
+            decode = self.admission.model(f.decode)  # its fit knows prefill only if it ran some
+            here = decode.prefill_s(tokens) if decode.prefill_steps() >= MIN_SAMPLES else None
+            if there is not None and here is not None and here < there:
+                other = None  # recomputing is predicted faster
+        if other is None:
+            return [Count("kv_recovery", (("choice", "recompute"),)),
+                    Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+        f.prefill, f.dispatched = other.name, False
+        other.outstanding += 1
+        f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
+        self.backlog[other.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
+        actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
+        if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker
+            old, f.xfer = f.xfer, f"{f.rid}#{next(self._xfers)}"
+            actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
+            actions += self.reserved(f.rid, f.xfer, True, f.kv_addr, f.first_block, now)
+        return actions
+
+    def _lease_lapsed(self, f, xfer: str, now: float) -> list:
+        """Its prefill worker sent nothing for the lease (hung, stopped, unreachable): it is stalled, routing
+        passes it by until it reports again, and the prompt moves to another prefill worker unless
+        recomputing on the decode worker is predicted faster or none is left (`_recover`)."""
+        if f is None or f.xfer != xfer:
+            return []  # ended (its abort frees the blocks) or already moved
+        if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
+            return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, {"type": "kv_failed", "xfer": xfer})]
+        stalled = self.workers[f.prefill]
+        stalled.stalled = True
+        return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, {"type": "abort", "rid": f.rid})]
+                + self._recover(f, now))

@@ -1,0 +1,99 @@
+"""Worker supervision in the gateway: death, hangs, restarts, and the state `/health` reports.
+
+Every 0.2 s the supervisor looks at each worker process:
+
+* a process that ended is **dead**: the conductor hears of it (`Conductor.worker_died`: the prefill workers
+  forget it, its requests move to live workers, `pdserve.cluster.migration`, its prompts to another prefill
+  worker) and, with `--restart-workers` (the default), it is started again after a backoff (1 s, doubling per
+  restart of that worker, at most 30 s), at most `--max-restarts` times;
+* a **ready** worker that sent nothing for `--heartbeat-timeout-s` (every worker reports its stats every
+  0.25 s, also when idle; a stopped, swapped-out or wedged process does not) is taken for hung: it is killed
+  (SIGKILL) and handled as dead, its requests moving the same way (`reason="worker_hung"`);
+* a restarted worker is **starting** until its `ready` event; then it registers with the conductor again
+  (routing passes it by until then) and takes work.
+
+`health()` is what `GET /health` answers: each worker's name, role, pid, state and restarts, and 503 while no
+decode-capable worker (decode, or colocated) is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+BACKOFF_S = 1.0
+BACKOFF_MAX_S = 30.0
+TICK_S = 0.2
+
+
+@dataclass
+class WorkerState:
+    name: str
+    role: str
+    state: str = "starting"  # starting | ready | draining | dead
+    pid: int | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # dead, to be started again then
+
+
+class Supervisor:
+    def __init__(self, conductor, procs, restart: bool = True, max_restarts: int = 5,
+                 heartbeat_timeout_s: float = 20.0, clock=time.monotonic) -> None:
+        self.conductor, self.procs = conductor, procs
+        self.restart, self.max_restarts = restart, max_restarts
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.workers = {s.name: WorkerState(s.name, s.role) for s in procs.specs}
+        for w in self.workers.values():  # (at start the gateway serves once every worker is ready)
+            info = conductor.workers[w.name].info
+            if info:
+                w.state, w.pid = "ready", info.get("pid")
+
+    def health(self) -> tuple[int, dict]:
+        workers = [{"name": w.name, "role": w.role, "pid": w.pid, "state": w.state, "restarts": w.restarts}
+                   for w in self.workers.values()]
+        serving = any(w.state == "ready" and w.role in ("decode", "colocated") for w in self.workers.values())
+        whole = all(w.state == "ready" for w in self.workers.values())
+        status = "ok" if whole else "degraded" if serving else "unavailable"
+        return (200 if serving else 503), {"status": status, "workers": workers}
+
+    async def run(self) -> None:
+        while True:
+            self.tick()
+            await asyncio.sleep(TICK_S)
+
+    def tick(self) -> None:
+        now = self.clock()
+        for w in self.workers.values():
+            proc = self.procs.procs.get(w.name)
+            if w.state != "dead" and (proc is None or proc.poll() is not None):
+                self._died(w, now, "worker_died")
+            elif w.state == "starting" and self.conductor.workers[w.name].info:
+                w.state, w.pid = "ready", self.conductor.workers[w.name].info.get("pid")
+            elif w.state == "ready" and now - self.conductor.workers[w.name].last_seen > self.heartbeat_timeout_s:
+                print(f"pdserve: worker {w.name} sent nothing for {self.heartbeat_timeout_s:g} s: killed as hung",
+                      file=sys.stderr, flush=True)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                self._died(w, now, "worker_hung")
+            elif w.state == "dead" and w.restart_at is not None and now >= w.restart_at:
+                self._start_again(w)
+
+    def _died(self, w: WorkerState, now: float, reason: str) -> None:
+        print(f"pdserve: worker {w.name} died:\n{self.procs.log_tail(w.name)}", file=sys.stderr, flush=True)
+        w.state = "dead"
+        again = self.restart and w.restarts < self.max_restarts
+        w.restart_at = now + min(BACKOFF_S * 2 ** w.restarts, BACKOFF_MAX_S) if again else None
+        self.conductor.worker_died(w.name, reason, restarting=again)
+
+    def _start_again(self, w: WorkerState) -> None:
+        w.restarts += 1
+        w.restart_at = None
+        self.conductor.worker_restarting(w.name)
+        self.procs.restart(w.name)
+        w.state, w.pid = "starting", self.procs.procs[w.name].pid
+        print(f"pdserve: worker {w.name} restarted (restart {w.restarts} of at most {self.max_restarts})",
+              file=sys.stderr, flush=True)
