@@ -30,6 +30,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: frozenset[str] =
         if hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name])
             continue
+        if typing.get_origin(hint) is tuple:  # repeatable
+            parser.add_argument(flag, action="append", type=str, default=None, help=helps[f.name] + " (repeatable)",
+                                metavar=f.name.upper())
+            continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         parser.add_argument(flag, type=base if base in (int, float) else str, default=f.default,
                             help=helps[f.name], metavar=f.name.upper())
@@ -78,7 +82,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.server.launch import ServeConfig, serve
-    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
+    cfg = ServeConfig(**{k: tuple(v or ()) if isinstance(getattr(ServeConfig, k, None), tuple) else v
+                         for k, v in values.items()})  # repeatable flags: tuples
     engine = dataclasses.asdict(engine_config_from_args(args))
     engine.pop("model")
     return serve(cfg, engine)

@@ -244,6 +244,22 @@ def test_a_request_whose_streamed_tokens_are_unknown_fails_explicitly_when_its_w
     assert [a.code for a in died if isinstance(a, Fail)] == ["worker_died"] and core.flights == {}
 
 
+def test_a_tiers_waiting_queue_is_bounded_and_a_first_token_makes_room():
+    core = ConductorCore("colocated", make_routing_policy("least-loaded"), max_queue=2)
+    core.add_worker("colocated-0", "colocated")
+    core.arrive("a", [1, 2], {"max_tokens": 4}, 0.0)
+    core.arrive("b", [1, 2], {"max_tokens": 4}, 0.0)
+    refused = core.arrive("c", [1, 2], {"max_tokens": 4}, 0.0)
+    (fail,) = [a for a in refused if isinstance(a, Fail)]
+    assert (fail.status, fail.code, fail.retry_after_s) == (429, "server_overloaded", 1.0)
+    assert core.arrive("f", [1, 2], {"max_tokens": 4}, 0.0, tier="flex")[0].cmd["type"] == "generate"
+    core.token("a", 0, False, 0.1, 5)  # a is running now: one waits
+    assert core.arrive("c", [1, 2], {"max_tokens": 4}, 0.2)[0].cmd["type"] == "generate"
+    core.abort("b")
+    core.token("a", 3, True, 0.3, 6)
+    assert core.waiting == {"default": 1, "flex": 1}
+
+
 def test_core_counts_slo_attainment_per_tier():
     tiers = ServiceTiers.from_specs(["default:ttft_ms=100,tpot_ms=10"])
     core = ConductorCore("colocated", make_routing_policy("least-loaded"), tiers)

@@ -53,12 +53,12 @@ class Conductor:
     def __init__(self, ctx: zmq.asyncio.Context, event_socket: zmq.asyncio.Socket, mode: str,
                  policy: RoutingPolicy, metrics=None, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, clock: Callable[[], float] = time.monotonic,
-                 idle_prewarm: bool = True) -> None:
+                 idle_prewarm: bool = True, max_queue: int | None = None) -> None:
         self.ctx = ctx
         self.events = event_socket
         self.mode = mode
         self.metrics = metrics
-        self.core = ConductorCore(mode, policy, tiers, admission, idle_prewarm=idle_prewarm)
+        self.core = ConductorCore(mode, policy, tiers, admission, idle_prewarm=idle_prewarm, max_queue=max_queue)
         self.clock = clock
         self.workers: dict[str, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}

@@ -93,7 +93,8 @@ class Backlog:
 
 class ConductorCore(StagingEvents, RecoveryEvents):
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
-                 admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True) -> None:
+                 admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True,
+                 max_queue: int | None = None) -> None:
         self.mode, self.policy = mode, policy
         self.tiers = tiers or ServiceTiers()
         self.admission = admission
@@ -106,6 +107,8 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         self.stage = StagePlan(self.tiers)
         self.hot = HotPrefixes() if idle_prewarm and mode == "pd" else None
         self.orphans: list[FlightState] = []  # moved off a dead worker, waiting for one to be ready
+        self.max_queue = max_queue  # most requests of one tier waiting for their first token (None: no bound)
+        self.waiting: dict[str, int] = {}  # tier -> requests placed that have not streamed a token yet
         self._warms = itertools.count()
 
     # ---- workers ----------------------------------------------------------------------------------------
@@ -167,6 +170,10 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
+        if self.max_queue is not None and self.waiting.get(tier, 0) >= self.max_queue:
+            return [Count("admission_rejected", (("service_tier", tier), ("reason", "server_overloaded"))),
+                    Fail(rid, 429, f"the {tier} tier's queue is full ({self.max_queue} requests waiting); "
+                         "try again later", "server_overloaded", 1.0)]
         rejection = self._admit(f, first, second, hashes, now)
         predicted = self.admission.last_ttft_s if self.admission is not None else None
         seen = [] if predicted is None else [Observe("predicted_ttft", (("service_tier", tier),), predicted)]
@@ -191,6 +198,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         """Start `f` on the workers chosen for it: generate (colocated), or reserve blocks on `first` for the
         prompt `second` will prefill (PD)."""
         self.flights[f.rid] = f
+        self.waiting[f.tier] = self.waiting.get(f.tier, 0) + 1
         f.decode = first.name
         producer = second if second is not None else first
         prompt = f.resumed_prompt
@@ -333,6 +341,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         f.num_tokens = index + 1
         if not f.started:  # the first token from where it runs now
             f.started = True
+            self.waiting[f.tier] -= 1
             f.first_token_s = f.first_token_s or now
             if f.prefilled_s is not None and self.admission is not None:
                 self.admission.observe_delivery(f.decode, now - f.prefilled_s)
@@ -374,6 +383,8 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         self._prefill_done(f)
         if f.started:
             self.backlog[f.decode].decoding -= 1
+        else:
+            self.waiting[f.tier] -= 1
         self.workers[f.decode].outstanding -= 1
 
     def _fail(self, f: FlightState, status: int, message: str, code: str) -> list:

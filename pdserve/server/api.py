@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -73,17 +74,62 @@ class _ClientGone(Exception):
     pass
 
 
-def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+class SendTimeout:
+    """ASGI middleware: a response whose client takes no data for `timeout_s` (it stopped reading, so the
+    server's write would wait forever and tokens pile up behind it) is cut: the connection closes and the
+    request is aborted (what the handler put in `scope[ON_CUT]` is called). Counted:
+    `pdserve_streams_cut_total`."""
 
-    if api_key:
-        @app.middleware("http")
-        async def _check_key(request: Request, call_next):
-            if request.url.path.startswith("/v1/") and \
-                    request.headers.get("authorization") != f"Bearer {api_key}":
+    def __init__(self, app, timeout_s: float, metrics=None) -> None:
+        self.app, self.timeout_s, self.metrics = app, timeout_s, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def timed_send(message):
+            try:
+                await asyncio.wait_for(send(message), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise _SlowReader from None
+
+        try:
+            await self.app(scope, receive, timed_send)
+        except* _SlowReader:  # (a streaming response's task group raises it in a group)
+            if self.metrics is not None:
+                self.metrics.streams_cut.inc()
+            for abort in scope.get(ON_CUT, ()):  # at once: the response's generator is closed only when collected
+                abort()
+
+
+class _SlowReader(Exception):
+    pass
+
+
+ON_CUT = "pdserve.on_cut"  # scope key: callables that abort a response's requests when SendTimeout cuts it
+
+
+def _key_check(keys: dict[str, str | None]):
+    """The middleware admitting /v1/* requests with a known `Authorization: Bearer` key (401 otherwise); the
+    key's default service tier goes with the request (`request.state.key_tier`)."""
+    async def check(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.startswith("Bearer ") else ""
+            match = [k for k in keys if hmac.compare_digest(k.encode(), token.encode())]
+            if not match:
                 return JSONResponse(error_body("invalid or missing API key", "authentication_error", None,
                                                "invalid_api_key"), status_code=401)
-            return await call_next(request)
+            request.state.key_tier = keys[match[0]]
+        return await call_next(request)
+    return check
+
+
+def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> FastAPI:
+    """`keys`: the accepted API keys and their default service tiers (none: no key needed)."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    if keys:
+        app.middleware("http")(_key_check(keys))
 
     @app.exception_handler(PdserveError)
     async def _pdserve_error(_, e: PdserveError):
@@ -155,7 +201,7 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 
 async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat: bool):
-    tier = gateway.conductor.tiers.resolve(body.service_tier, gateway.auto_tier)
+    tier = gateway.conductor.tiers.resolve(body.service_tier, getattr(http.state, "key_tier", gateway.auto_tier))
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": gateway.model_name, "service_tier": tier}
     if body.stream:
@@ -164,6 +210,7 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat:
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
         # Admitted (or refused with a 4xx/5xx status) before the stream starts.
         flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier)
+        http.scope.setdefault(ON_CUT, []).append(lambda: asyncio.ensure_future(gateway.conductor.abort(flight.rid)))
         return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, chat, include_usage),
                                  media_type="text/event-stream")
     try:

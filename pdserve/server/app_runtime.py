@@ -15,7 +15,8 @@ from pdserve.core.service_tiers import ServiceTiers
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.errors import PdserveError
 from pdserve.model.config import ModelConfig
-from pdserve.server.api import BodyLimit, create_app
+from pdserve.server.api import BodyLimit, SendTimeout, create_app
+from pdserve.server.launch import api_keys
 from pdserve.server.gateway import Gateway
 from pdserve.server.metrics import Metrics
 from pdserve.server.supervisor import Supervisor
@@ -36,7 +37,7 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
     predict = cfg.admission == "predict" or (cfg.admission is None and tiers.any_slo)
     admission = Admission(cfg.admission_margin, cfg.max_outstanding, predict)
     conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics, tiers, admission,
-                          idle_prewarm=cfg.idle_prewarm)
+                          idle_prewarm=cfg.idle_prewarm, max_queue=cfg.max_queue)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
     procs.start()
@@ -46,7 +47,8 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
                           min(w.info["max_model_len"] for w in conductor.workers.values()))
         gateway.auto_tier = cfg.api_key_tier
-        app = BodyLimit(create_app(gateway, cfg.api_key), cfg.max_body_bytes)
+        app = SendTimeout(BodyLimit(create_app(gateway, api_keys(cfg)), cfg.max_body_bytes), cfg.stream_timeout_s,
+                          metrics)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                                lifespan="off", timeout_graceful_shutdown=3))
         supervisor = gateway.supervisor = Supervisor(conductor, procs, cfg.restart_workers, cfg.max_restarts,

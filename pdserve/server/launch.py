@@ -50,10 +50,18 @@ class ServeConfig:
     """Routing policy: prefix-affinity or least-loaded."""
     max_body_bytes: int = 1 << 20
     """Largest accepted request body (413 above)."""
-    api_key: str | None = None
-    """When set, /v1/* requests must send `Authorization: Bearer <key>` (401 otherwise)."""
+    api_key: tuple[str, ...] = ()
+    """An API key: with any key given, /v1/* requests must send one as `Authorization: Bearer <key>` (401
+    otherwise)."""
+    api_keys_file: str | None = None
+    """A file of API keys, one per line, each optionally followed by its default service tier (`KEY flex`);
+    blank lines and lines starting with # are skipped."""
     api_key_tier: str | None = None
-    """The API key's default service tier: what `service_tier` auto (or none) means; default: default."""
+    """The default service tier of the --api-key keys (and of every request when no key is set): what
+    `service_tier` auto (or none) means; default: default."""
+    stream_timeout_s: float = 60.0
+    """A streaming client that takes no data for this long (it stopped reading) is cut off and its request
+    aborted, so a slow reader holds no growing buffer."""
     kv_timeout_s: float = 30.0
     """A KV delivery whose prefill worker sent nothing (not even an `alive` record) for this long lapses: the
     conductor moves the prompt to another prefill worker, or has the decode worker recompute it."""
@@ -81,6 +89,9 @@ class ServeConfig:
     """How far (a fraction of the SLO) a prediction may exceed the SLO before the request is refused."""
     max_outstanding: int = 4096
     """Most requests one worker may have in flight; more are refused (429 queue_full), whatever their tier."""
+    max_queue: int | None = None
+    """Most requests of one service tier waiting for their first token; more are refused at once with 429
+    server_overloaded and Retry-After (default: no bound)."""
     restart_workers: bool = True
     """Start a dead (or hung) worker again, after a backoff of 1 s doubling per restart (at most 30 s)."""
     max_restarts: int = 5
@@ -103,6 +114,10 @@ class ServeConfig:
                                       param="api_key_tier")
         if self.admission not in (None, "predict", "off"):
             raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
+        if not self.stream_timeout_s > 0:
+            raise InvalidRequestError("--stream-timeout-s must be positive", param="stream_timeout_s")
+        if self.max_queue is not None and self.max_queue < 1:
+            raise InvalidRequestError("--max-queue must be positive", param="max_queue")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
         if not self.admission_margin >= 0 or self.max_outstanding < 1:
@@ -118,6 +133,27 @@ class ServeConfig:
 
 
 SERVE_FIELDS = {f.name for f in fields(ServeConfig)}
+
+
+def api_keys(cfg: ServeConfig) -> dict[str, str | None]:
+    """Every accepted API key -> its default service tier (None: the server's default)."""
+    keys = {key: cfg.api_key_tier for key in cfg.api_key}
+    if cfg.api_keys_file is None:
+        return keys
+    try:
+        lines = Path(cfg.api_keys_file).expanduser().read_text().splitlines()
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read --api-keys-file {cfg.api_keys_file!r}: {e.strerror}",
+                                  param="api_keys_file") from e
+    for number, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 2 or (len(fields) == 2 and fields[1] not in ("priority", "default", "flex")):
+            raise InvalidRequestError(f"--api-keys-file line {number}: expected `KEY [priority|default|flex]`",
+                                      param="api_keys_file")
+        keys[fields[0]] = fields[1] if len(fields) == 2 else cfg.api_key_tier
+    return keys
 
 
 def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -> list[WorkerSpec]:
@@ -196,6 +232,7 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
     from pdserve.model.loader import resolve_model_dir
 
     check_port_free(cfg.host, cfg.port)
+    api_keys(cfg)  # a bad keys file fails now, before any worker starts
     model_dir = resolve_model_dir(cfg.model)  # converts a GGUF once, before any worker starts
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -87,7 +87,8 @@ class Metrics:
                                         "to first token of arriving requests (compare with the TTFT histogram)",
                                         ["service_tier"], registry=r, buckets=_LATENCY_BUCKETS)
         self.admission_rejected = Counter("pdserve_admission_rejected", "Requests refused on arrival: "
-                                          "slo_ttft / slo_tpot (predicted SLO miss), queue_full, no_worker",
+                                          "slo_ttft / slo_tpot (predicted SLO miss), queue_full, "
+                                          "server_overloaded (--max-queue), no_worker",
                                           ["service_tier", "reason"], registry=r)
         self.backlog = Gauge("pdserve_prefill_backlog_tokens", "Prompt tokens routed to a worker and not yet "
                              "prefilled (the conductor's view; admission's queueing input), by tier class",
@@ -149,6 +150,9 @@ class Metrics:
         self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died or stalled: moved to another "
                                    "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
                                    ["choice"], registry=r)
+        self.streams_cut = Counter("pdserve_streams_cut", "Responses cut because the client took no data for "
+                                   "--stream-timeout-s (it stopped reading); their requests were aborted",
+                                   registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
         self.requests_migrated = Counter("pdserve_requests_migrated", "Requests moved to another worker when theirs "
                                          "died, their KV rebuilt by recomputing prompt + outputs (source "
