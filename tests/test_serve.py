@@ -15,6 +15,7 @@ import json
 import os
 import random
 import signal
+import socket
 import time
 import uuid
 
@@ -322,6 +323,31 @@ def test_priority_serves_an_urgent_request_before_queued_ones(shape_server):
     asyncio.run(main())
     assert order[:2] == ["short", "urgent"] and sorted(order[2:]) == ["low0", "low1"]
     _wait_blocks(server, lambda used: all(v == 0 for v in used.values()))  # `long` aborted everywhere
+
+
+def test_listeners_bind_loopback_and_a_foreign_kv_peer_is_refused(shape_server, reference):
+    """Every listening socket of the server's processes is on loopback; the tcp transport reads nothing from a
+    connection without this deployment's hello (`pdserve.transfer.peer_auth`): refused and counted."""
+    import psutil
+    server = shape_server
+    procs = [psutil.Process(server.proc.pid), *(psutil.Process(p) for p in server.worker_pids())]
+    listening = [c.laddr for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
+    if server.shape != "tcp":
+        return
+    from pdserve.transfer.peer_auth import hello
+    decode = psutil.Process(server.worker_pid("decode-0"))
+    (port,) = [c.laddr.port for c in decode.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    for payload in (b"\xff" * 64, hello(b"not this deployment's secret....") + b"\x00" * 64):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(payload)
+            s.settimeout(10)
+            try:
+                assert s.recv(1) == b""  # closed on us
+            except ConnectionResetError:  # (closed with our bytes unread)
+                pass
+    assert _eventually(lambda: server.metric("pdserve_rejected_connections_total", endpoint="kv_tcp") == 2)
+    check_completions_and_chat(server, reference, (0,))  # our own peers are served as before
 
 
 def test_the_only_decode_worker_killed_is_restarted_and_its_requests_finish_unchanged(shape_server):

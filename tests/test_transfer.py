@@ -135,13 +135,24 @@ def test_tcp_garbage_ends_that_stream_only(link):
     if not receiver.address.startswith("tcp://"):
         pytest.skip("tcp only")
     from pdserve.transfer.tcp import parse_address
+    from pdserve.transfer.peer_auth import hello
+    foreign = socket.create_connection(parse_address(receiver.address))
+    foreign.sendall(b"\xff" * 64)  # no hello of this deployment: refused, counted, nothing read
+    stolen = socket.create_connection(parse_address(receiver.address))
+    stolen.sendall(hello(b"another deployment's secret....."))
     junk = socket.create_connection(parse_address(receiver.address))
-    junk.sendall(b"\xff" * 64)  # a prefix claiming a 4 GiB meta
+    junk.sendall(hello() + b"\xff" * 64)  # a peer of ours, then a prefix claiming a 4 GiB meta
     _send(sender, receiver, {"kind": "chunk", "ok": 1}, b"x" * 100)
     got = _drain(receiver, 2)
     kinds = sorted(str(h.get("kind")) for h, _, _ in got)
     assert kinds == ["bad", "chunk"] and receiver.num_bad_records == 1
-    junk.close()
+    for _ in range(100):
+        if receiver.rejected_connections == 2:
+            break
+        receiver.poll(timeout_ms=20)
+    assert receiver.rejected_connections == 2
+    for s in (foreign, stolen, junk):
+        s.close()
 
 
 def _chunk(xfer, layer, first, count, nbytes=10):
@@ -261,8 +272,10 @@ def test_tcp_payload_split_across_polls_asks_again_where_the_rest_goes():
 
     from pdserve.transfer.base import encode_meta
     from pdserve.transfer.tcp import PREFIX, parse_address
+    from pdserve.transfer.peer_auth import hello
     receiver = make_receiver("tcp")
     raw = socket.create_connection(parse_address(receiver.address))
+    raw.sendall(hello())  # this deployment's peer
 
     def frame(i: int, payload: bytes) -> tuple[bytes, int]:
         meta = encode_meta({"kind": "chunk", "i": i})

@@ -302,6 +302,7 @@ class Worker:
                        kv_path_failovers=getattr(self.prefill.sender, "failovers", 0))
         if self.decode is not None:
             st = self.decode.stats
+            out["rejected_connections"] = {"kv_tcp": getattr(self.decode.receiver, "rejected_connections", 0)}
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),
                        kv_wasted_bytes=dict(st.wasted_bytes),
                        kv_late_chunks=self.decode.inbound.num_late_chunks,

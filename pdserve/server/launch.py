@@ -23,6 +23,7 @@ from pathlib import Path
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.core.delivery import check_mode, parse_link_share
 from pdserve.errors import InvalidRequestError
+from pdserve.transfer import peer_auth
 
 
 @dataclass(frozen=True)
@@ -180,13 +181,16 @@ class WorkerProcesses:
         self.specs = specs
         self.run_dir = Path(run_dir)
         self.procs: dict[str, subprocess.Popen] = {}
+        # the deployment's secret (tcp peers' hello, `pdserve.transfer.peer_auth`): in the workers' environment,
+        # never on a command line
+        self.env = {**os.environ, peer_auth.ENV: peer_auth.new_secret()}
 
     def start(self) -> None:
         for spec in self.specs:
             log = open(self.run_dir / f"{spec.name}.log", "wb")  # noqa: SIM115 - the child owns it
             self.procs[spec.name] = subprocess.Popen(
                 [sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()], stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
             log.close()
 
     def restart(self, name: str) -> None:
@@ -194,7 +198,8 @@ class WorkerProcesses:
         spec = next(s for s in self.specs if s.name == name)
         log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()],
-                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.env)
         log.close()
 
     def dead(self) -> list[str]:

@@ -153,6 +153,9 @@ class Metrics:
         self.streams_cut = Counter("pdserve_streams_cut", "Responses cut because the client took no data for "
                                    "--stream-timeout-s (it stopped reading); their requests were aborted",
                                    registry=r)
+        self.rejected_connections = Counter("pdserve_rejected_connections", "Connections refused because the peer "
+                                            "did not prove it belongs to this deployment (kv_tcp: no valid "
+                                            "hello)", ["endpoint"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
         self.requests_migrated = Counter("pdserve_requests_migrated", "Requests moved to another worker when theirs "
                                          "died, their KV rebuilt by recomputing prompt + outputs (source "
@@ -201,6 +204,8 @@ class Metrics:
                 self._inc_total(self.kv_path_transfers, (w, f"path:{path}"), n, worker=w, path=path)
             self._inc_total(self.fallbacks, (w, "kv_path_failover"), s.get("kv_path_failovers", 0),
                             kind="kv_path_failover")
+        for endpoint, n in s.get("rejected_connections", {}).items():
+            self._inc_total(self.rejected_connections, (w, f"rejected:{endpoint}"), n, endpoint=endpoint)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
         # a shared KV pool whose pages could not be populated up front (Linux < 5.14): they fault in on use

@@ -197,6 +197,10 @@ class MultiReceiver:
                 return out
             time.sleep(0.0005)
 
+    @property
+    def rejected_connections(self) -> int:
+        return sum(getattr(r, "rejected_connections", 0) for r in self.receivers.values())
+
     def close(self) -> None:
         for r in self.receivers.values():
             r.close()

@@ -9,7 +9,8 @@ the only one). The receiver reads prefix and meta, asks its caller where the pay
 
 Why not ZeroMQ here (the control plane is ZeroMQ): a ZeroMQ message lands in a buffer ZeroMQ allocates, so
 every chunk would be copied once more into the pool, and the sender needs a staging copy that outlives the
-call. A send blocks at most `timeout_s` (a receiver that stops reading fills the socket buffers), then
+call. Every connection opens with the sender's hello (`pdserve.transfer.peer_auth`): the receiver reads
+nothing from a peer of another deployment. A send blocks at most `timeout_s` (a receiver that stops reading fills the socket buffers), then
 raises `TransferError`; so does a refused or reset connection.
 """
 
@@ -22,8 +23,13 @@ import time
 
 from pdserve.transfer.base import (FaultInjector, Place, Received, TransferError, checksum, decode_record,
                                    encode_meta, scratch_place)
+from pdserve.transfer.peer_auth import HELLO, HelloCheck, hello
 
 PREFIX = struct.Struct("<IIQ")
+
+
+class ForeignPeer(Exception):
+    """A connection that did not open with this deployment's hello (`pdserve.transfer.peer_auth`)."""
 
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1,024)
 _SOCK_BUF = 8 << 20
@@ -36,8 +42,10 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class TcpSender:
-    def __init__(self, timeout_s: float = 10.0, faults: FaultInjector | None = None) -> None:
+    def __init__(self, timeout_s: float = 10.0, faults: FaultInjector | None = None,
+                 secret: bytes | None = None) -> None:
         self._timeout_s = timeout_s
+        self._secret = secret  # None: the deployment's (`peer_auth.deployment_secret`)
         self._sockets: dict[str, socket.socket] = {}
         self.faults = faults or FaultInjector()
         self.bytes_sent = 0
@@ -52,6 +60,11 @@ class TcpSender:
                 raise TransferError(f"tcp connect to {dest} failed: {e}") from e
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+            try:
+                _send_all(sock, [hello(self._secret)], deadline)  # this deployment's: `peer_auth`
+            except OSError as e:
+                sock.close()
+                raise TransferError(f"tcp hello to {dest} failed: {e or 'timed out'}") from e
             self._sockets[dest] = sock
         return sock
 
@@ -114,8 +127,10 @@ def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
 class _Stream:
     """One accepted connection: a record parser that writes payloads where `place` says."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, check: HelloCheck) -> None:
         self.sock = sock
+        self.check = check
+        self.hello = bytearray()  # until it is whole and verified, nothing else is read
         self.head = bytearray(PREFIX.size)  # the prefix, then the meta
         self.filled = 0
         self.header: dict | None = None
@@ -130,6 +145,8 @@ class _Stream:
         if self.placed is not None:
             self._replace(place)
         try:
+            if self.hello is not None:
+                self._read_hello()
             while True:
                 if self.header is None:
                     self._read_head(place)
@@ -138,6 +155,16 @@ class _Stream:
                     out.append(self._finish())
         except BlockingIOError:
             return out
+
+    def _read_hello(self) -> None:
+        while len(self.hello) < HELLO.size:
+            chunk = self.sock.recv(HELLO.size - len(self.hello))
+            if not chunk:
+                raise EOFError
+            self.hello += chunk
+        if not self.check.verify(bytes(self.hello)):
+            raise ForeignPeer("a connection without this deployment's hello")
+        self.hello = None
 
     def _recv_into(self, view: memoryview) -> int:
         n = self.sock.recv_into(view)
@@ -200,7 +227,7 @@ class _Stream:
 
 
 class TcpReceiver:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", secret: bytes | None = None) -> None:
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
@@ -208,6 +235,7 @@ class TcpReceiver:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._streams: dict[socket.socket, _Stream] = {}
         self.num_bad_records = 0
+        self.auth = HelloCheck(secret)  # `auth.rejected`: foreign connections refused
 
     wakeup = None  # its sockets are plain TCP: a caller with transfers in flight polls (`arm` is a no-op)
 
@@ -222,7 +250,7 @@ class TcpReceiver:
         for stream in list(self._streams.values()):  # read every connection until it would block
             try:
                 out += stream.read(place)
-            except EOFError:
+            except (EOFError, ForeignPeer):  # (a foreign one: refused and counted, `auth.rejected`)
                 self._drop(stream)
             except (OSError, ValueError) as e:  # a broken stream: nothing more from it is trusted
                 self.num_bad_records += 1
@@ -238,13 +266,17 @@ class TcpReceiver:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
-            self._streams[sock] = _Stream(sock)
+            self._streams[sock] = _Stream(sock, self.auth)
             self._selector.register(sock, selectors.EVENT_READ)
 
     def _drop(self, stream: _Stream) -> None:
         self._streams.pop(stream.sock, None)
         self._selector.unregister(stream.sock)
         stream.sock.close()
+
+    @property
+    def rejected_connections(self) -> int:
+        return self.auth.rejected
 
     def close(self) -> None:
         for stream in list(self._streams.values()):
