@@ -1,0 +1,198 @@
+"""Chaos rounds against a real `pdserve serve` (issue 15): under N concurrent greedy streams, one fault per
+round; each round reports requests lost (ended with an error or incomplete), wrong outputs (text differs
+from the undisturbed reference), errors by code, KV blocks still held once the round is over (leaked), and
+the recovery time (fault -> /health ok with every worker ready again).
+
+Rounds: kill -9 a decode worker; kill -9 a prefill worker; SIGSTOP a decode worker past the heartbeat timeout;
+1% of KV chunks corrupted (its own server, `PDSERVE_FAULT_CORRUPT_CHUNKS=100`); clients disconnecting
+mid-stream (`--disconnects` of them, then the reference streams again); a burst of 10x the streams.
+
+    .venv/bin/python benchmarks/chaos.py [--streams 32] [--tokens 48] [--disconnects 1000] [--out bench_results/chaos.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_proc import Server  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+HEARTBEAT_S = 4.0
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Story {i}: in a town by the river there lived a" for i in range(n)]
+
+
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, started=None) -> tuple[str, str | None]:
+    """(text, error code or None)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text, chunks = "", 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return text, json.loads(await r.aread())["error"]["code"] or str(r.status_code)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    return text, data["error"].get("code") or "error"
+                text += data["choices"][0]["text"]
+                chunks += 1
+                if started is not None and chunks == 4:
+                    started.set()
+    except httpx.HTTPError as e:
+        return text, type(e).__name__
+    return text, None
+
+
+async def run_streams(url: str, ps: list[str], tokens: int, fault=None) -> list[tuple[str, str | None]]:
+    """All `ps` at once; `fault()` is called once every stream has its first tokens."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
+        started = [asyncio.Event() for _ in ps]
+        tasks = [asyncio.create_task(stream(client, url, p, tokens, e)) for p, e in zip(ps, started)]
+        if fault is not None:
+            done = asyncio.gather(*(e.wait() for e in started))
+            try:
+                await asyncio.wait_for(done, 300)
+            finally:
+                fault()
+        return await asyncio.gather(*tasks)
+
+
+def worker_pid(server: Server, name: str) -> int:
+    for child in psutil.Process(server.proc.pid).children():
+        if f'{{"name": "{name}"'.encode() in " ".join(child.cmdline()).encode():
+            return child.pid
+    raise LookupError(name)
+
+
+def wait_recovered(server: Server, since: float, timeout_s: float = 180) -> float | None:
+    """Seconds from `since` until /health is ok with every worker ready (None: not within the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            h = httpx.get(server.url + "/health", timeout=5).json()
+            if h["status"] == "ok" and all(w["state"] == "ready" for w in h["workers"]):
+                return time.monotonic() - since
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return None
+
+
+def leaked_blocks(server: Server, settle_s: float = 3.0) -> float:
+    """KV blocks live requests hold, once nothing runs (settled: the workers report every 0.25 s)."""
+    time.sleep(settle_s)
+    return sum(v for (n, _), v in server.metrics().items() if n == "pdserve_kv_blocks_used")
+
+
+def judge(results, reference: list[str]) -> dict:
+    errors = Counter(code for _, code in results if code is not None)
+    lost = sum(1 for text, code in results if code is not None)
+    wrong = sum(1 for (text, code), ref in zip(results, reference) if code is None and text != ref)
+    return {"requests": len(results), "lost": lost, "wrong": wrong, "errors": dict(errors)}
+
+
+def fault_round(server: Server, name: str, sig, ps, ref, tokens) -> dict:
+    pid, when = worker_pid(server, name), {}
+
+    def fault():
+        os.kill(pid, sig)
+        when["t"] = time.monotonic()
+
+    out = judge(asyncio.run(run_streams(server.url, ps, tokens, fault)), ref)
+    out["recovery_s"] = wait_recovered(server, when["t"])
+    out["leaked_blocks"] = leaked_blocks(server)
+    return out
+
+
+def disconnect_round(server: Server, n: int, tokens: int) -> dict:
+    async def one(client, i):
+        body = {"model": MODEL, "prompt": f"Client {i} asks:", "max_tokens": tokens, "stream": True,
+                "ignore_eos": True}
+        try:
+            async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    break  # gone after the first bytes
+        except httpx.HTTPError:
+            pass
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+            await asyncio.gather(*(one(client, i) for i in range(n)))
+
+    start = time.monotonic()
+    asyncio.run(all_of_them())
+    return {"clients": n, "seconds": time.monotonic() - start, "leaked_blocks": leaked_blocks(server, 5.0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--disconnects", type=int, default=1000)
+    ap.add_argument("--out", default="bench_results/chaos.json")
+    args = ap.parse_args()
+    out_dir = Path(args.out).parent
+    ps = prompts(args.streams)
+    report = {"cpu": platform.processor() or subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+              .split("Model name:")[1].splitlines()[0].strip(), "streams": args.streams, "tokens": args.tokens,
+              "rounds": {}}
+    server = Server(["--prefill", "2", "--decode", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S)],
+                    out_dir / "chaos_server.log")
+    try:
+        server.warm_up()
+        ref = [t for t, _ in asyncio.run(run_streams(server.url, ps, args.tokens))]
+        rounds = report["rounds"]
+        rounds["kill -9 decode"] = fault_round(server, "decode-0", signal.SIGKILL, ps, ref, args.tokens)
+        rounds["kill -9 prefill"] = fault_round(server, "prefill-0", signal.SIGKILL, ps, ref, args.tokens)
+        rounds["SIGSTOP decode"] = fault_round(server, "decode-1", signal.SIGSTOP, ps, ref, args.tokens)
+        rounds["disconnects"] = disconnect_round(server, args.disconnects, args.tokens)
+        again = judge(asyncio.run(run_streams(server.url, ps, args.tokens)), ref)
+        rounds["disconnects"].update(after=again)
+        burst = ps * 10
+        start = time.monotonic()
+        rounds["10x burst"] = judge(asyncio.run(run_streams(server.url, burst, args.tokens)), ref * 10)
+        rounds["10x burst"].update(seconds=time.monotonic() - start, leaked_blocks=leaked_blocks(server))
+    finally:
+        server.stop()
+    os.environ["PDSERVE_FAULT_CORRUPT_CHUNKS"] = "100"
+    try:
+        server = Server(["--prefill", "1", "--decode", "1"], out_dir / "chaos_corrupt.log")
+    finally:
+        del os.environ["PDSERVE_FAULT_CORRUPT_CHUNKS"]
+    try:
+        server.warm_up()
+        got = judge(asyncio.run(run_streams(server.url, ps, args.tokens)), ref)
+        m = server.metrics()
+        got["failed_checksum"] = sum(v for (n, lab), v in m.items() if n == "pdserve_kv_transfer_failures_total"
+                                     and dict(lab).get("reason") == "failed_checksum")
+        got["leaked_blocks"] = leaked_blocks(server)
+        report["rounds"]["corrupt 1% of chunks"] = got
+    finally:
+        server.stop()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
