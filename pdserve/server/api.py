@@ -11,6 +11,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -134,6 +135,12 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
     @app.exception_handler(PdserveError)
     async def _pdserve_error(_, e: PdserveError):
         return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error", None, code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):
