@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_proc import Server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-HEARTBEAT_S = 4.0
+HEARTBEAT_S = 10.0
 
 
 def prompts(n: int) -> list[str]:
@@ -97,10 +97,15 @@ def wait_recovered(server: Server, since: float, timeout_s: float = 180) -> floa
     return None
 
 
-def leaked_blocks(server: Server, settle_s: float = 3.0) -> float:
-    """KV blocks live requests hold, once nothing runs (settled: the workers report every 0.25 s)."""
-    time.sleep(settle_s)
-    return sum(v for (n, _), v in server.metrics().items() if n == "pdserve_kv_blocks_used")
+def leaked_blocks(server: Server, settle_s: float = 20.0) -> float:
+    """KV blocks live requests hold once nothing runs: polled until 0 or `settle_s` (aborts and lent blocks
+    are released within a few worker loops; the workers report every 0.25 s)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        time.sleep(0.5)
+        used = sum(v for (n, _), v in server.metrics().items() if n == "pdserve_kv_blocks_used")
+        if used == 0 or time.monotonic() > deadline:
+            return used
 
 
 def judge(results, reference: list[str]) -> dict:
@@ -140,7 +145,7 @@ def disconnect_round(server: Server, n: int, tokens: int) -> dict:
 
     start = time.monotonic()
     asyncio.run(all_of_them())
-    return {"clients": n, "seconds": time.monotonic() - start, "leaked_blocks": leaked_blocks(server, 5.0)}
+    return {"clients": n, "seconds": time.monotonic() - start, "leaked_blocks": leaked_blocks(server)}
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ class WorkerHandle:
     info: dict = field(default_factory=dict)  # its `ready` event
     stats: dict = field(default_factory=dict)  # its latest `stats` event
     last_seen: float = field(default_factory=time.monotonic)  # its latest event of any kind (heartbeat)
+    loop_age_s: float = 0.0  # its latest heartbeat: how long ago its main loop last came round
 
     @property
     def name(self) -> str:
@@ -103,7 +104,7 @@ class Conductor:
         """A dead worker's process is started again: it is not ready (routing passes it by) until its `ready`
         event registers it again."""
         worker = self.workers[name]
-        worker.info, worker.stats, worker.last_seen = {}, {}, self.clock()
+        worker.info, worker.stats, worker.last_seen, worker.loop_age_s = {}, {}, self.clock(), 0.0
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
@@ -146,6 +147,10 @@ class Conductor:
         worker = self.workers[name]
         if worker.load.alive:
             worker.socket.send(msgpack.packb(cmd), zmq.NOBLOCK)
+
+    def events_pending(self) -> bool:
+        """Worker events wait unread in the gateway's socket (its event loop is behind)."""
+        return bool(self.events.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     # ---- events -----------------------------------------------------------------------------------------
     async def run_events(self) -> None:
@@ -203,7 +208,9 @@ class Conductor:
     def _on_worker_event(self, kind: str, event: dict) -> None:
         worker = self.workers[event["worker"]]
         worker.last_seen = self.clock()
-        if kind == "ready":
+        if kind == "beat":
+            worker.loop_age_s = event["loop_age_s"]
+        elif kind == "ready":
             worker.info = event
             self._act(self.core.worker_ready(worker.name, event))
         elif kind == "stats":

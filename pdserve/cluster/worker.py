@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -27,6 +28,7 @@ from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import InvalidRequestError, PdserveError
 
 STATS_INTERVAL_S = 0.25
+HEARTBEAT_S = 0.5  # how often the heartbeat thread reports
 IDLE_STEP_MS = 2  # a prefill worker whose last step had nothing runnable looks again this soon
 
 
@@ -74,6 +76,8 @@ class Worker:
         if self.decode is not None and self.decode.receiver.wakeup is not None:
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
+        self.loop_s = time.monotonic()  # the main loop's last pass (the heartbeat thread reports its age)
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         self._last_stats = 0.0
         self._held_since: float | None = None
         self._idle_step = False
@@ -113,6 +117,7 @@ class Worker:
                 self._cancel_failed_deliveries()
                 self.prefill.release_lent()
             self._maybe_stats()
+            self.loop_s = time.monotonic()
             if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
 
@@ -309,6 +314,23 @@ class Worker:
                        kv_lease_renewals=self.decode.inbound.num_renewals,
                        pending_reservations=len(self.decode.pending))
         return out
+
+    def _beat(self) -> None:
+        """Heartbeat, from its own thread and socket: the process is alive (a stopped or swapped-out one sends
+        none), and how long ago its main loop last came round (a wedged loop shows as a growing age; a long
+        step too, so the gateway's timeout must exceed the longest step). `pdserve.server.supervisor`."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # a gateway that is behind needs only the latest beats
+        sock.connect(self.spec.event_addr)
+        while self.running:
+            try:
+                sock.send(msgpack.packb({"type": "beat", "worker": self.spec.name,
+                                         "loop_age_s": time.monotonic() - self.loop_s}), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            time.sleep(HEARTBEAT_S)
+        sock.close()
 
     def close(self) -> None:
         self.emit(dict(self.stats(), type="stats"))

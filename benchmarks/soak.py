@@ -1,0 +1,122 @@
+"""Soak: steady mixed load on a real `pdserve serve` for a while; the RSS of every process over time, and
+errors (issue 15). Target: no error, RSS growth <= 5% after warm-up.
+
+Load: `--clients` closed-loop clients, each sending one request after another: prompts of 8-600 tokens
+(some sharing a prefix), 4-96 output tokens, greedy or seeded sampling, streaming or not, a few abandoned
+mid-stream. RSS (psutil) of the gateway and each worker every `--sample-s`; growth = last sample / the
+sample at the end of warm-up (the first `--warmup-frac` of the run), per process.
+
+    .venv/bin/python benchmarks/soak.py --minutes 30 [--clients 6] [--out bench_results/soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_proc import Server  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+WORDS = "the quick brown fox jumps over a lazy dog while river boats drift past old mills".split()
+
+
+def request_body(rng: random.Random) -> dict:
+    shared = "System: you are a careful assistant. " * rng.choice((0, 8))
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 400)))
+    body = {"model": MODEL, "prompt": shared + words, "max_tokens": rng.randint(4, 96), "ignore_eos": True,
+            "stream": rng.random() < 0.5}
+    if rng.random() < 0.5:
+        body["temperature"] = 0
+    else:
+        body.update(temperature=0.8, seed=rng.randint(0, 1 << 30))
+    return body
+
+
+async def client_loop(url: str, rng: random.Random, until: float, errors: Counter, done: Counter) -> None:
+    async with httpx.AsyncClient(timeout=300) as c:
+        while time.monotonic() < until:
+            body = request_body(rng)
+            try:
+                if body["stream"]:
+                    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                        if r.status_code != 200:
+                            errors[str(r.status_code)] += 1
+                            continue
+                        abandon = rng.random() < 0.05
+                        async for line in r.aiter_lines():
+                            if '"error"' in line:
+                                errors["stream_error"] += 1
+                            if abandon:
+                                break
+                else:
+                    r = await c.post(url + "/v1/completions", json=body)
+                    if r.status_code != 200:
+                        errors[str(r.status_code)] += 1
+                        continue
+                done["requests"] += 1
+            except httpx.HTTPError as e:
+                errors[type(e).__name__] += 1
+
+
+async def sampler(server: Server, until: float, every_s: float, samples: list) -> None:
+    root = psutil.Process(server.proc.pid)
+    start = time.monotonic()
+    while time.monotonic() < until:
+        row = {"t": round(time.monotonic() - start, 1)}
+        for p in [root, *root.children()]:
+            try:
+                name = "gateway" if p.pid == root.pid else json.loads(p.cmdline()[-1])["name"]
+                row[name] = p.memory_info().rss
+            except (psutil.Error, ValueError, IndexError, KeyError):
+                pass
+        samples.append(row)
+        await asyncio.sleep(every_s)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--sample-s", type=float, default=10)
+    ap.add_argument("--warmup-frac", type=float, default=0.2)
+    ap.add_argument("--out", default="bench_results/soak.json")
+    args = ap.parse_args()
+    out = Path(args.out)
+    server = Server(["--prefill", "1", "--decode", "1"], out.parent / "soak_server.log")
+    errors, done, samples = Counter(), Counter(), []
+    try:
+        server.warm_up()
+        until = time.monotonic() + args.minutes * 60
+
+        async def run():
+            rngs = [random.Random(i) for i in range(args.clients)]
+            await asyncio.gather(sampler(server, until, args.sample_s, samples),
+                                 *(client_loop(server.url, r, until, errors, done) for r in rngs))
+
+        asyncio.run(run())
+    finally:
+        server.stop()
+    warm = samples[max(int(len(samples) * args.warmup_frac) - 1, 0)]
+    last = samples[-1]
+    growth = {k: last[k] / warm[k] - 1 for k in last if k != "t" and k in warm}
+    report = {"minutes": args.minutes, "clients": args.clients, "requests": done["requests"],
+              "errors": dict(errors), "rss_growth_after_warmup": growth,
+              "rss_mb_last": {k: v / 2**20 for k, v in last.items() if k != "t"}, "samples": samples}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
