@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-all test-fast bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/pdserve serve
 
+# ~15 min on 2 cores; `test-all` adds the other transport/mode of the slowest serve tests
 test: setup
+	$(PY) -m pytest -q -m "not extended"
+
+test-all: setup
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -42,7 +42,8 @@ async def _finish_order() -> list[str]:
 SERVER: Server
 
 
-@pytest.mark.parametrize("transport,delivery", [("shm", "scheduled"), ("tcp", "scheduled"), ("shm", "fifo")])
+@pytest.mark.parametrize("transport,delivery", [("shm", "scheduled"), ("tcp", "scheduled"),
+                                                pytest.param("shm", "fifo", marks=pytest.mark.extended)])
 def test_priority_kv_overtakes_flex_kv_on_a_saturated_link(transport, delivery):
     global SERVER
     # tcp also checks backpressure: 32-token chunks, each more KV than 0.1 s of the link carries, so the

@@ -176,7 +176,7 @@ def long_reference():
     return LLM(num_kv_blocks=600, kv_host_gb=0).generate(LONG, SamplingParams(temperature=0, max_tokens=8))[0]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "pd"])
+@pytest.mark.parametrize("mode", [pytest.param("colocated", marks=pytest.mark.extended), "pd"])
 def test_a_context_four_times_the_device_pool_matches_the_reference(long_reference, mode):
     """64 device blocks (1,024 tokens) per worker and a 512-token hot window; the prompt is ~4,500 tokens:
     its older blocks are read from the host tier layer by layer (PD: the prefill worker slides its window,

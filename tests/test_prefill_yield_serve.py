@@ -40,7 +40,7 @@ async def _run(url: str) -> tuple[list[str], dict[str, str]]:
     return done, texts
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.extended)])
 def test_a_priority_arrival_pauses_a_flex_prefill_at_the_next_chunk(transport):
     server = Server("--transport", transport, "--max-num-batched-tokens", "16")
     try:

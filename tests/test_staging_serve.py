@@ -33,7 +33,7 @@ def _watch(server: Server, stop: threading.Event, seen: list) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.extended)])
 def test_prompts_wait_staged_while_the_decode_worker_is_full(transport):
     # 64 blocks of 16 tokens: the decode worker holds two of these requests at a time (25 blocks each, + 6 as
     # they decode); the prefill worker's host tier (~290 blocks of fp32 KV) could keep all the others staged,
