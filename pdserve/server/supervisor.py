@@ -7,9 +7,10 @@ Every 0.2 s the supervisor looks at each worker process:
   worker) and, with `--restart-workers` (the default), it is started again after a backoff (1 s, doubling per
   restart of that worker, at most 30 s), at most `--max-restarts` times;
 * a **ready** worker is taken for hung when for `--heartbeat-timeout-s` it sent no heartbeat (a thread of
-  its own sends one every 0.5 s: a stopped or swapped-out process sends none) or its heartbeats say its main
-  loop has not come round (wedged); not while the gateway has events it has not read yet (then the gateway is
-  behind, not the worker). It is killed (SIGKILL) and handled as dead, its requests moving the same way
+  its own sends one every 0.5 s: a stopped or swapped-out process sends none), or when its heartbeats say its
+  main loop has not come round for `STUCK_FACTOR` times that (wedged: a busy worker's long steps on an
+  overloaded host are work, not a hang, and chaos.py showed a 10 s bound killing busy workers); never while
+  the gateway has events it has not read yet (then the gateway is behind, not the worker). It is killed (SIGKILL) and handled as dead, its requests moving the same way
   (`reason="worker_hung"`);
 * a restarted worker is **starting** until its `ready` event; then it registers with the conductor again
   (routing passes it by until then) and takes work.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 30.0
 TICK_S = 0.2
+STUCK_FACTOR = 6  # a main loop that has not come round for this many heartbeat timeouts is wedged
 
 
 @dataclass
@@ -75,22 +77,26 @@ class Supervisor:
                 self._died(w, now, "worker_died")
             elif w.state == "starting" and self.conductor.workers[w.name].info:
                 w.state, w.pid = "ready", self.conductor.workers[w.name].info.get("pid")
-            elif w.state == "ready" and self._hung(w.name, now):
-                print(f"pdserve: worker {w.name} sent no heartbeat, or its loop did not come round, for "
-                      f"{self.heartbeat_timeout_s:g} s: killed as hung", file=sys.stderr, flush=True)
+            elif w.state == "ready" and (why := self._hung(w.name, now)):
+                print(f"pdserve: worker {w.name} {why}: killed as hung", file=sys.stderr, flush=True)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 self._died(w, now, "worker_hung")
             elif w.state == "dead" and w.restart_at is not None and now >= w.restart_at:
                 self._start_again(w)
 
-    def _hung(self, name: str, now: float) -> bool:
-        """No heartbeat (stopped, swapped out) or a main loop that has not come round (wedged) for the timeout.
-        Not while the gateway itself is behind on its events (a busy gateway is not a hung worker)."""
+    def _hung(self, name: str, now: float) -> str:
+        """Why `name` is taken for hung ("": it is not). Silent (no heartbeat: stopped, swapped out) for the
+        timeout; or its main loop has not come round for STUCK_FACTOR x the timeout (a step that long is no
+        work any more: wedged). Not while the gateway itself is behind on its events."""
         handle = self.conductor.workers[name]
-        silent = now - handle.last_seen > self.heartbeat_timeout_s
-        stuck = handle.loop_age_s > self.heartbeat_timeout_s
-        return (silent or stuck) and not self.conductor.events_pending()
+        if self.conductor.events_pending():
+            return ""
+        if now - handle.last_seen > self.heartbeat_timeout_s:
+            return f"sent no heartbeat for {self.heartbeat_timeout_s:g} s"
+        if handle.loop_age_s > STUCK_FACTOR * self.heartbeat_timeout_s:
+            return f"has been in one step for {handle.loop_age_s:.0f} s"
+        return ""
 
     def _died(self, w: WorkerState, now: float, reason: str) -> None:
         print(f"pdserve: worker {w.name} died:\n{self.procs.log_tail(w.name)}", file=sys.stderr, flush=True)
