@@ -234,6 +234,22 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     assert core.backlog["decode-1"].decoding == 0 and core.workers["prefill-0"].outstanding == 0
 
 
+def test_with_no_live_worker_a_moved_request_waits_for_the_restarted_one_unless_its_client_left():
+    core = ConductorCore("colocated", make_routing_policy("least-loaded"))
+    core.add_worker("colocated-0", "colocated")
+    for rid in ("a", "b"):
+        core.arrive(rid, [1, 2, 3], {"max_tokens": 5}, 0.0)
+        core.token(rid, 0, False, 0.1, 7)
+    died = core.worker_died("colocated-0", 1.0, restarting=True)
+    assert not [a for a in died if isinstance(a, Fail)] and [o.rid for o in core.orphans] == ["a", "b"]
+    assert core.abort("b") == [] and [o.rid for o in core.orphans] == ["a"]  # its client left meanwhile
+    (generate,) = core.worker_ready("colocated-0", {})
+    assert generate.cmd["prompt"] == [1, 2, 3, 7] and generate.cmd["params"] == {"max_tokens": 4}
+    assert core.orphans == [] and core.waiting == {"default": 1}
+    core.worker_died("colocated-0", 2.0)  # and it stays dead this time: nothing waits for it
+    assert core.orphans == [] and core.flights == {}
+
+
 def test_a_request_whose_streamed_tokens_are_unknown_fails_explicitly_when_its_worker_dies():
     core = ConductorCore("colocated", make_routing_policy("least-loaded"))
     core.add_worker("colocated-0", "colocated")

@@ -243,6 +243,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         """The client is gone (or a stop string ended it): stop it everywhere."""
         f = self.flights.get(rid)
         if f is None:
+            self.orphans = [o for o in self.orphans if o.rid != rid]  # (it was waiting for a worker)
             return []
         workers = [w for w in (f.decode, f.prefill) if w is not None]  # before `_finish` lets the prefill go
         self._finish(f)
