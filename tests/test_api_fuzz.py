@@ -1,6 +1,7 @@
-"""Fuzzing the HTTP API from the OpenAPI schema it serves (schemathesis), against a real server (issue 15):
-for every operation, generated requests (valid and invalid per the schema) get no 5xx, every error is OpenAI's `{"error": {message, type,
-param, code}}`, and no worker dies. A tiny random model keeps a generation to milliseconds."""
+"""Fuzzing the HTTP API from the OpenAPI schema it serves (schemathesis), against a real server (issue 15): for
+every operation, generated requests (valid and invalid per the schema) get no 5xx, every error is OpenAI's
+`{"error": {message, type, param, code}}`, and no worker dies. A tiny random model keeps a generation to
+milliseconds."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ class Conductor:
     def worker_died(self, name: str, reason: str = "worker_died", restarting: bool = False) -> None:
         """A worker process ended (or was killed as hung). The prefill workers forget a dead decode worker
         first (its rings, connections, lent blocks: nothing of it is reused), then the core moves its
-        requests (`pdserve.cluster.migration`) and its prompts (`_recover`)."""
+        requests and its prompts (`pdserve.cluster.recovery`)."""
         addr = self.workers[name].info.get("kv_addr")
         if addr:
             for w in self.role("prefill"):

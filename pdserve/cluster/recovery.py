@@ -6,19 +6,20 @@ silent, so it is marked stalled until it reports again): its prompts move to ano
 recomputing on the decode worker is predicted faster or no prefill worker is left (`kv_failed`); each choice
 is counted (`kv_recovery{choice}`).
 
-**A dead decode (or colocated) worker** (`_migrate`): the conductor core keeps every token each request has streamed (`FlightState.outputs`). When its decode
-worker dies, the request moves: it is routed again (no admission: it was admitted once, and a refusal now
-would lose it) and placed on a live worker as if it had just arrived with the prompt + the outputs so far as
-its prompt and what is left of `max_tokens` (`FlightState.offset` marks the split; `resumed_prompt`). In PD
-mode a prefill worker recomputes that whole context and sends its KV; the token it samples is the next one of
-the stream, at the same sequence position, so a greedy request's text is the one an undisturbed run gives
-and a seeded one keeps its seed's stream (`pdserve.model.sampler`: draws keyed by seed and position). The
-tokens the new worker streams are numbered from `offset` on (the gateway's driver adds it), so the client's
-stream goes on with no duplicate or missing token. Counted: `requests_migrated{reason, source}` (`source`:
-`recompute`; restoring from a KV checkpoint in the host/disk tier is not built yet). With no live worker to
-take it, or when the driver cannot tell which tokens were streamed (a simulator reports only some), the
-request ends with an explicit 503, unless its worker is being restarted: then it waits for a worker to be
-ready (`orphans`; `ConductorCore.worker_ready`), and fails only if none will be.
+**A dead decode (or colocated) worker** (`_migrate`): the conductor core keeps every token each request has
+streamed (`FlightState.outputs`). When its decode worker dies, the request moves: it is routed again (no
+admission: it was admitted once, and a refusal now would lose it) and placed on a live worker as if it had
+just arrived with the prompt + the outputs so far as its prompt and what is left of `max_tokens`
+(`FlightState.offset` marks the split; `resumed_prompt`). In PD mode a prefill worker recomputes that whole
+context and sends its KV; the token it samples is the next one of the stream, at the same sequence position,
+so a greedy request's text is the one an undisturbed run gives and a seeded one keeps its seed's stream
+(`pdserve.model.sampler`: draws keyed by seed and position). The tokens the new worker streams are numbered
+from `offset` on (the gateway's driver adds it), so the client's stream goes on with no duplicate or missing
+token. Counted: `requests_migrated{reason, source}` (`source`: `recompute`; restoring from a KV checkpoint in
+the host/disk tier is not built yet). With no live worker to take it, or when the driver cannot tell which
+tokens were streamed (a simulator reports only some), the request ends with an explicit 503, unless its worker
+is being restarted: then it waits for a worker to be ready (`orphans`; `ConductorCore.worker_ready`), and
+fails only if none will be.
 
 A mixin of `ConductorCore`, whose state and helpers it uses (`flights`, `workers`, `backlog`, `admission`,
 `block_size`, `_route`, `_place`, `_pick`, `_prefill_done`, `_finish`, `_fail`).

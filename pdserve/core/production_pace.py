@@ -80,7 +80,9 @@ class ProductionPace:
     def blocked(self, request_id: str) -> bool:
         """No tokens for `request_id` this step: its link is held, or its headroom went to earlier chunks."""
         link = self.link_of(request_id)
-        return link is not None and (link in self.held or (link in self.granted and self.headroom[link] < self.bytes_per_token))
+        if link is None:
+            return False
+        return link in self.held or (link in self.granted and self.headroom[link] < self.bytes_per_token)
 
     def cap(self, request_id: str, n: int) -> int:
         """At most `n` tokens for a chunk of `request_id`: what its link's headroom takes (the link's first
@@ -89,7 +91,7 @@ class ProductionPace:
         room = None if link is None else self.headroom.get(link)
         if room is None:
             return n
-        if self.blocked(request_id):  # held: while other links' prompts run; capped: the step's headroom is spent
+        if self.blocked(request_id):  # held: other links' prompts run; capped: the step's headroom is spent
             self.counts["held" if link in self.held else "capped"] += 1
             return 0
         floor = 0 if link in self.granted else self.min_tokens

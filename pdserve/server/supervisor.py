@@ -3,15 +3,15 @@
 Every 0.2 s the supervisor looks at each worker process:
 
 * a process that ended is **dead**: the conductor hears of it (`Conductor.worker_died`: the prefill workers
-  forget it, its requests move to live workers, `pdserve.cluster.migration`, its prompts to another prefill
+  forget it, its requests move to live workers, `pdserve.cluster.recovery`, its prompts to another prefill
   worker) and, with `--restart-workers` (the default), it is started again after a backoff (1 s, doubling per
   restart of that worker, at most 30 s), at most `--max-restarts` times;
-* a **ready** worker is taken for hung when for `--heartbeat-timeout-s` it sent no heartbeat (a thread of
-  its own sends one every 0.5 s: a stopped or swapped-out process sends none), or when its heartbeats say its
+* a **ready** worker is taken for hung when for `--heartbeat-timeout-s` it sent no heartbeat (a thread of its
+  own sends one every 0.5 s: a stopped or swapped-out process sends none), or when its heartbeats say its
   main loop has not come round for `STUCK_FACTOR` times that (wedged: a busy worker's long steps on an
   overloaded host are work, not a hang, and chaos.py showed a 10 s bound killing busy workers); never while
-  the gateway has events it has not read yet (then the gateway is behind, not the worker). It is killed (SIGKILL) and handled as dead, its requests moving the same way
-  (`reason="worker_hung"`);
+  the gateway has events it has not read yet (then the gateway is behind, not the worker). It is killed
+  (SIGKILL) and handled as dead, its requests moving the same way (`reason="worker_hung"`);
 * a restarted worker is **starting** until its `ready` event; then it registers with the conductor again
   (routing passes it by until then) and takes work.
 

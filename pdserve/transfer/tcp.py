@@ -10,9 +10,8 @@ the only one). The receiver reads prefix and meta, asks its caller where the pay
 Why not ZeroMQ here (the control plane is ZeroMQ): a ZeroMQ message lands in a buffer ZeroMQ allocates, so
 every chunk would be copied once more into the pool, and the sender needs a staging copy that outlives the
 call. Every connection opens with the sender's hello (`pdserve.transfer.peer_auth`): the receiver reads
-nothing from a peer of another deployment. A send blocks at most `timeout_s` (a receiver that stops reading fills the socket buffers), then
-raises `TransferError`; so does a refused or reset connection.
-"""
+nothing from a peer of another deployment. A send blocks at most `timeout_s` (a receiver that stops reading
+fills the socket buffers), then raises `TransferError`; so does a refused or reset connection."""
 
 from __future__ import annotations
 
