@@ -76,23 +76,28 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
         # decode-0 comes back: restarted, registered, ready
         _wait(lambda: _states(server)["decode-0"] == ("ready", 1), 60)
         # a stopped worker (SIGSTOP: alive, silent) is taken for hung once the heartbeat times out: killed,
-        # its streams go on elsewhere, unchanged, and it is restarted too
-        victim = server.worker_pid("decode-1")
+        # its streams go on elsewhere, unchanged, and it is restarted too. The victim: the decode worker with
+        # the most of them (the restarted one may have been given all, or none)
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        stopped = time.monotonic()
-        os_kill = os.kill
+        stopped = []
 
         async def stopped_mid_stream() -> list[str]:
             started = [asyncio.Event() for _ in reqs]
             tasks = [asyncio.create_task(_stream(client, r, e)) for r, e in zip(reqs, started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-            os_kill(victim, signal.SIGSTOP)
+            await asyncio.sleep(0.6)  # a stats report from each worker (every 0.25 s) counts them
+            name = max(("decode-0", "decode-1"),
+                       key=lambda w: server.metric("pdserve_num_requests_running", worker=w))
+            stopped.extend([name, time.monotonic()])
+            os.kill(server.worker_pid(name), signal.SIGSTOP)
             return await asyncio.gather(*tasks)
 
         assert asyncio.run(stopped_mid_stream()) == reference
-        assert time.monotonic() - stopped >= HEARTBEAT_S  # they waited for the heartbeat, then moved
+        name, at = stopped
+        assert time.monotonic() - at >= HEARTBEAT_S  # they waited for the heartbeat, then moved
         assert server.metric("pdserve_requests_migrated_total", reason="worker_hung") >= 1
-        _wait(lambda: _states(server)["decode-1"] == ("ready", 1), 60)
+        _wait(lambda: _states(server)[name][0] == "ready", 60)
+        assert server.metric("pdserve_worker_deaths_total", worker=name) >= 1
     finally:
         server.stop()
 

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
-import threading
 
 import torch
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.hugepages import huge_zeros
+from pdserve.paging import Populating
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
 def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
@@ -40,7 +38,7 @@ class DeviceKVPool:
         self.block_size = block_size
         shape = (2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.handle: str | None = None
-        self.prefault_failed = False
+        self.prefault: Populating | None = None
         self.shared_buffer: mmap.mmap | None = None
         if shared and torch.device(device).type == "cpu":
             self.layers = self._shared_layers(shape, dtype, config.num_layers)
@@ -61,21 +59,15 @@ class DeviceKVPool:
         # process and in every reader mapping them, on the hot path), but in the background: populating
         # 2 GB takes seconds, and the worker is ready to serve meanwhile.
         self.shared_buffer = mmap.mmap(fd, per_layer * num_layers, flags=mmap.MAP_SHARED)
-        self.prefault = threading.Thread(target=self._populate, name="kv-pool-populate", daemon=True)
-        self.prefault.start()
+        self.prefault = Populating(self.shared_buffer, write=True, name="kv-pool-populate")
         self.handle = f"/proc/{os.getpid()}/fd/{fd}"  # the fd stays open: it is how readers find the pool
         return [torch.frombuffer(self.shared_buffer, dtype=dtype, count=count, offset=i * per_layer).view(shape)
                 for i in range(num_layers)]
 
-    def _populate(self) -> None:
-        """madvise(MADV_POPULATE_WRITE): page tables filled, contents untouched (blocks may already be in use);
-        ctypes lets go of the GIL meanwhile. Before Linux 5.14 pages fault in on first use (`prefault_failed`,
-        counted as a fallback)."""
-        buf = self.shared_buffer
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        self.prefault_failed = libc.madvise(addr, len(buf), MADV_POPULATE_WRITE) != 0
+    @property
+    def prefault_failed(self) -> bool:
+        """The pool's pages could not be populated ahead (before Linux 5.14): they fault in on first use."""
+        return self.prefault is not None and self.prefault.failed
 
     @property
     def nbytes(self) -> int:

@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from pdserve.paging import Populating
 from pdserve.transfer.base import (PREFIX, FaultInjector, Place, Received, TransferError, checksum, copy_into,
                                    decode_record, encode_meta, scratch_place)
 
@@ -279,6 +280,7 @@ class _Sources:
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
+        self.populating: list[Populating] = []
 
     def get(self, handle: str) -> memoryview | None:
         entry = self._maps.get(handle)
@@ -287,10 +289,12 @@ class _Sources:
                 fd = os.open(handle, os.O_RDONLY)
             except OSError:  # the sender is gone
                 return None
-            try:  # mapped whole at once: no page faults later, on the hot path
-                m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            try:
+                m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
+            # made resident in the background, off the GIL (`pdserve.paging`): the first reads may fault
+            self.populating.append(Populating(m, write=False, name="kv-source-populate"))
             entry = self._maps[handle] = (m, memoryview(m))
         return entry[1]
 
