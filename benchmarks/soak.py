@@ -3,8 +3,11 @@ errors (issue 15). Target: no error, RSS growth <= 5% after warm-up.
 
 Load: `--clients` closed-loop clients, each sending one request after another: prompts of 8-600 tokens
 (some sharing a prefix), 4-96 output tokens, greedy or seeded sampling, streaming or not, a few abandoned
-mid-stream. RSS (psutil) of the gateway and each worker every `--sample-s`; growth = last sample / the
-sample at the end of warm-up (the first `--warmup-frac` of the run), per process.
+mid-stream. RSS (psutil) of the gateway and each worker every `--sample-s`, with the KV blocks each worker's
+tiers (device pool, host, disk) hold (/metrics); growth = last sample / the sample at the end of warm-up, per
+process. Warm-up ends once the KV caches are full: at the first sample where every worker's tiers hold at least
+90% of the blocks they hold at the end (a worker's RSS grows with its pools and host tier as they fill; what
+grows after that is a leak); if that never happens, after the first `--warmup-frac` of the run.
 
     .venv/bin/python benchmarks/soak.py --minutes 30 [--clients 6] [--out bench_results/soak.json]
 """
@@ -25,6 +28,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_proc import Server  # noqa: E402
+
+from pdserve.bench.server_proc import scrape_metrics  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = "the quick brown fox jumps over a lazy dog while river boats drift past old mills".split()
@@ -79,8 +84,27 @@ async def sampler(server: Server, until: float, every_s: float, samples: list) -
                 row[name] = p.memory_info().rss
             except (psutil.Error, ValueError, IndexError, KeyError):
                 pass
+        try:
+            metrics = await asyncio.to_thread(scrape_metrics, server.url)
+        except httpx.HTTPError:
+            metrics = {}
+        for (name, labels), value in metrics.items():
+            if name == "pdserve_kv_tier_blocks":
+                key = "kv_blocks:" + dict(labels)["worker"]
+                row[key] = row.get(key, 0) + int(value)
         samples.append(row)
         await asyncio.sleep(every_s)
+
+
+def warmup_end(samples: list[dict], frac: float) -> tuple[dict, str]:
+    """The sample that ends warm-up (see the module docstring) and why."""
+    last = samples[-1]
+    kv = [k for k in last if k.startswith("kv_blocks:") and last[k] > 0]
+    for row in samples:
+        if kv and all(row.get(k, 0) >= 0.9 * last[k] for k in kv):
+            return row, f"KV caches full (>= 90% of their final blocks) at t={row['t']} s"
+    row = samples[max(int(len(samples) * frac) - 1, 0)]
+    return row, f"KV caches never full: the first {frac:.0%} of the run (t={row['t']} s)"
 
 
 def main() -> int:
@@ -106,12 +130,13 @@ def main() -> int:
         asyncio.run(run())
     finally:
         server.stop()
-    warm = samples[max(int(len(samples) * args.warmup_frac) - 1, 0)]
+    warm, why = warmup_end(samples, args.warmup_frac)
     last = samples[-1]
-    growth = {k: last[k] / warm[k] - 1 for k in last if k != "t" and k in warm}
+    rss = [k for k in last if k != "t" and not k.startswith("kv_blocks:")]
+    growth = {k: last[k] / warm[k] - 1 for k in rss if k in warm}
     report = {"minutes": args.minutes, "clients": args.clients, "requests": done["requests"],
-              "errors": dict(errors), "rss_growth_after_warmup": growth,
-              "rss_mb_last": {k: v / 2**20 for k, v in last.items() if k != "t"}, "samples": samples}
+              "errors": dict(errors), "warmup": why, "rss_growth_after_warmup": growth,
+              "rss_mb_last": {k: last[k] / 2**20 for k in rss}, "samples": samples}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))

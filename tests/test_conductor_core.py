@@ -234,6 +234,35 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     assert core.backlog["decode-1"].decoding == 0 and core.workers["prefill-0"].outstanding == 0
 
 
+def test_a_dead_decode_workers_checkpointed_request_moves_with_a_restore_of_its_checkpoint():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(40)), {"max_tokens": 30}, 0.0)
+    core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
+    core.prefilled("a", 0.2)
+    for i in range(20):
+        core.token("a", i, False, 0.3 + i, 100 + i)
+    core.checkpointed("a", "decode-1", 48)  # not its worker: ignored
+    core.checkpointed("a", "decode-0", 56)
+    core.checkpointed("a", "decode-0", 48)  # an older report: the newest stays
+    died = core.worker_died("decode-0", 30.0)
+    assert Count("requests_migrated", (("reason", "worker_died"), ("source", "checkpoint"))) in died
+    (reserve,) = [a for a in died if isinstance(a, Send)]
+    assert reserve.worker == "decode-1" and reserve.cmd["restore"] == {"peer": "decode-0", "tokens": 56}
+    assert reserve.cmd["prompt"] == list(range(40)) + [100 + i for i in range(20)]
+    f = core.flights["a"]
+    assert f.checkpoint == 0 and f.restore == {"peer": "decode-0", "tokens": 56}
+    # the decode worker has every token but the checkpoint's tail: no prefill is dispatched
+    assert core.reserved("a", reserve.cmd["xfer"], False, "addr-1", 3, 30.1) == []
+    assert core.workers["prefill-0"].outstanding == 0
+    # without a newer checkpoint, a second move restores from the first dead worker's files again
+    core.token("a", 20, False, 31.0, 120)
+    core.add_worker("decode-2", "decode")
+    (again,) = [a for a in core.worker_died("decode-1", 32.0) if isinstance(a, Send)]
+    assert again.worker == "decode-2" and again.cmd["restore"] == {"peer": "decode-0", "tokens": 56}
+
+
 def test_with_no_live_worker_a_moved_request_waits_for_the_restarted_one_unless_its_client_left():
     core = ConductorCore("colocated", make_routing_policy("least-loaded"))
     core.add_worker("colocated-0", "colocated")

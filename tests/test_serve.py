@@ -350,6 +350,47 @@ def test_listeners_bind_loopback_and_a_foreign_kv_peer_is_refused(shape_server, 
     check_completions_and_chat(server, reference, (0,))  # our own peers are served as before
 
 
+def test_a_foreign_process_cannot_command_a_worker_or_speak_for_one(shape_server, reference):
+    """The ZeroMQ sockets (commands, events, shm ring announcements) speak CurveZMQ with the deployment's keys
+    (`pdserve.transfer.zmq_auth`): a plain socket or one with keys of its own is refused, and counted."""
+    import msgpack
+    import zmq
+    server = shape_server
+    name = "colocated-0" if server.shape == "colocated" else "decode-0"
+    pid = server.worker_pid(name)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        spec = json.loads(f.read().split(b"\0")[-2])
+    targets = [(spec["cmd_addr"], {"type": "shutdown"}), (spec["event_addr"], {"type": "ready", "worker": name})]
+    if spec["transport"] != "tcp":  # its KV receiver takes shm ring announcements there
+        targets.append((spec["kv_addr"], {"ring": "psm_forged"}))
+    before = {e: server.metric("pdserve_rejected_connections_total", endpoint=e) for e in ("control", "kv_shm")}
+    ctx = zmq.Context()
+    try:
+        for addr, message in targets:
+            for curve in (False, True):
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                if curve:  # CURVE with keys of its own: it cannot know the deployment's
+                    public, secret = zmq.curve_keypair()
+                    sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, public
+                sock.connect(addr)
+                try:
+                    sock.send(msgpack.packb(message), zmq.NOBLOCK)  # never delivered: no handshake succeeds
+                except zmq.Again:
+                    pass
+
+        def refused(endpoint: str) -> float:
+            return server.metric("pdserve_rejected_connections_total", endpoint=endpoint) - before[endpoint]
+
+        assert _eventually(lambda: refused("control") >= 4)
+        if len(targets) == 3:
+            assert _eventually(lambda: refused("kv_shm") >= 2)
+        check_completions_and_chat(server, reference, (0,))  # the worker got no shutdown, nor the gateway a lie
+        assert server.worker_pid(name) == pid
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_the_only_decode_worker_killed_is_restarted_and_its_requests_finish_unchanged(shape_server):
     """SIGKILL the worker that decodes a stream and a non-streaming request (the only one that can): /health
     turns 503 (`unavailable`, the worker `dead` then `starting`), the worker is restarted, registers again, and

@@ -147,10 +147,10 @@ def test_tcp_garbage_ends_that_stream_only(link):
     kinds = sorted(str(h.get("kind")) for h, _, _ in got)
     assert kinds == ["bad", "chunk"] and receiver.num_bad_records == 1
     for _ in range(100):
-        if receiver.rejected_connections == 2:
+        if receiver.rejected_connections == {"kv_tcp": 2}:
             break
         receiver.poll(timeout_ms=20)
-    assert receiver.rejected_connections == 2
+    assert receiver.rejected_connections == {"kv_tcp": 2}
     for s in (foreign, stolen, junk):
         s.close()
 

@@ -1,6 +1,7 @@
 """Worker death without a lost request, with real processes and the `openai` SDK (issue 15): kill -9 a decode
-worker while its requests stream; each goes on on the other decode worker (prompt + outputs recomputed by the
-prefill worker), and every client's text is the one an undisturbed run gives, greedy and seeded alike. The
+worker while its requests stream; each goes on on the other decode worker (from its KV checkpoint: the blocks
+the dead worker wrote through to its disk tier, the rest computed there), and every client's text is the one an
+undisturbed run gives, greedy and seeded alike. The
 dead worker is restarted and registers again; then a SIGSTOP'd worker is taken for hung after the heartbeat
 timeout, killed, its streams moved the same way, and restarted."""
 
@@ -32,20 +33,23 @@ def _requests() -> list[dict]:
     return out
 
 
-async def _stream(client, req: dict, started: asyncio.Event | None) -> str:
+async def _stream(client, req: dict, started: asyncio.Event | None, after: int = 6) -> str:
     text, chunks = "", 0
     stream = await client.completions.create(model=MODEL, max_tokens=TOKENS, stream=True,
                                              extra_body={"ignore_eos": True}, **req)
     async for chunk in stream:
         text += chunk.choices[0].text
         chunks += 1
-        if started is not None and chunks >= 6:
+        if started is not None and chunks >= after:
             started.set()
     return text
 
 
-def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
-    server = Server("--prefill", "1", "--decode", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S))
+def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
+    # with a disk tier: the killed worker's requests resume from their KV checkpoints (the recompute path,
+    # with no disk tier: `test_serve.py`'s restart test)
+    server = Server("--prefill", "1", "--decode", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S),
+                    "--kv-disk-dir", str(tmp_path / "kv"), "--kv-checkpoint-tokens", "16")
     try:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         reqs = _requests()
@@ -55,9 +59,9 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
 
         async def disturbed() -> list[str]:
             started = [asyncio.Event() for _ in reqs]
-            tasks = [asyncio.create_task(_stream(client, r, e)) for r, e in zip(reqs, started)]
+            tasks = [asyncio.create_task(_stream(client, r, e, after=20)) for r, e in zip(reqs, started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-            os.kill(victim, signal.SIGKILL)  # every stream is mid-way: half of them on this worker
+            os.kill(victim, signal.SIGKILL)  # every stream is half way: half of them on this worker
             return await asyncio.gather(*tasks)
 
         victim = server.worker_pid("decode-0")
@@ -67,8 +71,10 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged():
         assert texts == reference
         time.sleep(0.3)
         assert server.metric("pdserve_worker_deaths_total", worker="decode-0") == 1
-        migrated = server.metric("pdserve_requests_migrated_total", reason="worker_died", source="recompute")
-        assert migrated >= 1
+        # each had a checkpoint (its prompt's and first outputs' blocks on disk): resumed from there
+        assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="checkpoint") >= 1
+        assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="recompute") == 0
+        assert server.metric("pdserve_fallbacks_total", kind="kv_checkpoint_missing") == 0
         # the survivors serve on, and nothing of the dead worker's is held by the prefill worker
         again = asyncio.run(undisturbed_again(server, reqs[:1]))
         assert again == reference[:1]

@@ -23,6 +23,7 @@ from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, 
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
+from pdserve.transfer.zmq_auth import Refusals, secure_client
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Conductor:
         self.clock = clock
         self.workers: dict[str, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}
+        self.refusals = Refusals(event_socket)  # events from outside the deployment (`zmq_auth`)
+        self._refused = 0
 
     @property
     def block_size(self) -> int:
@@ -79,6 +82,7 @@ class Conductor:
         sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        secure_client(sock)  # (`pdserve.transfer.zmq_auth`)
         sock.connect(cmd_addr)
         self.workers[name] = WorkerHandle(self.core.add_worker(name, role), sock)
 
@@ -148,6 +152,13 @@ class Conductor:
         if worker.load.alive:
             worker.socket.send(msgpack.packb(cmd), zmq.NOBLOCK)
 
+    def count_refusals(self) -> None:
+        """Connection attempts on the events socket from outside the deployment, into the metrics."""
+        n = self.refusals.count()
+        if n > self._refused and self.metrics:
+            self.metrics.rejected_connections.labels(endpoint="control").inc(n - self._refused)
+        self._refused = n
+
     def events_pending(self) -> bool:
         """Worker events wait unread in the gateway's socket (its event loop is behind)."""
         return bool(self.events.getsockopt(zmq.EVENTS) & zmq.POLLIN)
@@ -210,6 +221,9 @@ class Conductor:
         worker.last_seen = self.clock()
         if kind == "beat":
             worker.loop_age_s = event["loop_age_s"]
+        elif kind == "checkpointed":
+            for rid, tokens in event["items"]:
+                self._act(self.core.checkpointed(rid, worker.name, tokens))
         elif kind == "ready":
             worker.info = event
             self._act(self.core.worker_ready(worker.name, event))

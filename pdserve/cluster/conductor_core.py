@@ -75,6 +75,8 @@ class FlightState:
     outputs: list = field(default_factory=list)  # the token ids streamed so far (all of them, across moves)
     offset: int = 0  # of them, streamed before it moved to where it runs now (its prompt there: + these)
     started: bool = False  # where it runs now has streamed its first token
+    checkpoint: int = 0  # tokens (of prompt + outputs) whose KV its decode worker reported on disk
+    restore: dict | None = None  # {peer, tokens}: it moved off dead `peer`, whose checkpoint it resumes from
 
     @property
     def resumed_prompt(self) -> list:
@@ -206,14 +208,15 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         self.backlog[producer.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
         first.outstanding += 1
         first.remember(hashes)
+        restore = {"restore": f.restore} if f.restore else {}
         if self.mode == "colocated":
-            return [Send(first.name, {"type": "generate", **self._request_fields(f)})]
+            return [Send(first.name, {"type": "generate", **self._request_fields(f), **restore})]
         f.xfer = f"{f.rid}#{next(self._xfers)}"
         if second is not None:
             f.prefill = second.name
             second.outstanding += 1
             second.remember(hashes)
-        return [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer})]
+        return [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer, **restore})]
 
     def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
                ) -> Rejection | None:

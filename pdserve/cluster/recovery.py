@@ -15,11 +15,13 @@ context and sends its KV; the token it samples is the next one of the stream, at
 so a greedy request's text is the one an undisturbed run gives and a seeded one keeps its seed's stream
 (`pdserve.model.sampler`: draws keyed by seed and position). The tokens the new worker streams are numbered
 from `offset` on (the gateway's driver adds it), so the client's stream goes on with no duplicate or missing
-token. Counted: `requests_migrated{reason, source}` (`source`: `recompute`; restoring from a KV checkpoint in
-the host/disk tier is not built yet). With no live worker to take it, or when the driver cannot tell which
-tokens were streamed (a simulator reports only some), the request ends with an explicit 503, unless its worker
-is being restarted: then it waits for a worker to be ready (`orphans`; `ConductorCore.worker_ready`), and
-fails only if none will be.
+token. With a disk KV tier, its decode worker reports checkpoints (`checkpointed`: the first N tokens' KV is
+on disk, `pdserve.engine.checkpoints`); a request with one moves with `restore` = {dead worker, N}: the worker
+taking it adopts those blocks from the dead one's disk folder and computes only the rest itself, no prefill
+worker. Counted: `requests_migrated{reason, source}` (`source`: `checkpoint` or `recompute`). With no live
+worker to take it, or when the driver cannot tell which tokens were streamed (a simulator reports only some),
+the request ends with an explicit 503, unless its worker is being restarted: then it waits for a worker to be
+ready (`orphans`; `ConductorCore.worker_ready`), and fails only if none will be.
 
 A mixin of `ConductorCore`, whose state and helpers it uses (`flights`, `workers`, `backlog`, `admission`,
 `block_size`, `_route`, `_place`, `_pick`, `_prefill_done`, `_finish`, `_fail`).
@@ -44,13 +46,15 @@ class RecoveryEvents:
             return self._fail(f, 503, f"worker {dead} died while serving this request", "worker_died")
         actions = [Send(prefill, {"type": "abort", "rid": f.rid})] if prefill not in (None, dead) else []
         self._finish(f)
+        restore = {"peer": dead, "tokens": f.checkpoint} if f.checkpoint else f.restore  # (an earlier one's)
         moved = dataclasses.replace(
             f, decode=None, prefill=None, xfer="", queued_tokens=0, dispatched=False, prefilled_s=None,
             prediction=None, kv_addr=None, first_block=0, waiting_room=False, staged="", offset=len(f.outputs),
-            started=False, outputs=list(f.outputs))
+            started=False, outputs=list(f.outputs), checkpoint=0, restore=restore)
         prompt = moved.resumed_prompt
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        actions.append(Count("requests_migrated", (("reason", reason), ("source", "recompute"))))
+        source = "checkpoint" if restore else "recompute"
+        actions.append(Count("requests_migrated", (("reason", reason), ("source", source))))
         first, second = self._route(hashes)
         if first is not None:  # (with no live prefill worker, the decode worker recomputes: `reserved`)
             return actions + self._place(moved, first, second, hashes)
@@ -59,6 +63,14 @@ class RecoveryEvents:
             return actions
         return actions[:-1] + [Fail(f.rid, 503, f"worker {dead} died while serving this request and no live "
                                     "worker is left to move it to", "worker_died")]
+
+    def checkpointed(self, rid: str, worker: str, tokens: int) -> list:
+        """`worker` has the KV of the first `tokens` tokens of `rid` (prompt + outputs) on disk
+        (`pdserve.engine.checkpoints`): should it die, the request resumes from there."""
+        f = self.flights.get(rid)
+        if f is not None and f.decode == worker and tokens > f.checkpoint:
+            f.checkpoint = tokens
+        return []
 
     def _adopt_orphans(self) -> list:
         """A worker is ready (again): the requests waiting for one are placed."""

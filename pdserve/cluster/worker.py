@@ -4,7 +4,7 @@
 
 Commands (gateway -> worker, msgpack dicts with "type"): generate, prefill, reserve, abort, kv_failed,
 redirect, unpin, shutdown. Events (worker -> gateway): ready, reserved, prefilled, consumed, tokens, error,
-transfer, stats. The loop never blocks while it has work: it drains commands and KV messages, grants reservations, settles transfers,
+transfer, checkpointed, stats. The loop never blocks while it has work: it drains commands and KV messages, grants reservations, settles transfers,
 runs one engine step and reports; idle, it waits on its sockets for at most 20 ms.
 """
 
@@ -26,6 +26,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
 from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 
 STATS_INTERVAL_S = 0.25
 HEARTBEAT_S = 0.5  # how often the heartbeat thread reports
@@ -47,10 +48,14 @@ class Worker:
 
         self.spec = spec
         self.ctx = zmq.Context.instance()
+        # every socket speaks CurveZMQ with this deployment's keys (`pdserve.transfer.zmq_auth`)
         self.cmds = self.ctx.socket(zmq.PULL)
+        secure_server(self.cmds)
         self.cmds.bind(spec.cmd_addr)
+        self.cmd_refusals = Refusals(self.cmds)
         self.events = self.ctx.socket(zmq.PUSH)
         self.events.setsockopt(zmq.LINGER, 1000)
+        secure_client(self.events)
         self.events.connect(spec.event_addr)
         # A prefill worker's KV pool in shared memory: a decode worker on this host reads delivered blocks
         # straight from it (shm transport).
@@ -71,6 +76,10 @@ class Worker:
             from pdserve.transfer import make_receiver
             receiver = make_receiver(spec.transport, spec.kv_addr, spec.kv_host)
             self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s, hold_lapsed=True)
+            disk = getattr(getattr(self.executor, "kv_io", None), "disk", None)
+            if disk is not None and self.engine.tiers is not None and self.engine.tiers.disk is not None:
+                from pdserve.engine.checkpoints import KVCheckpoints
+                self.decode.checkpoints = KVCheckpoints(self.engine, disk, spec.engine.get("kv_checkpoint_tokens", 0))
         self.poller = zmq.Poller()
         self.poller.register(self.cmds, zmq.POLLIN)
         if self.decode is not None and self.decode.receiver.wakeup is not None:
@@ -169,6 +178,8 @@ class Worker:
                 self.prefill.finish(cmd["rid"], prefilled=False)
                 self.prefill.drop_stage(cmd["rid"])
         elif kind == "generate":
+            if cmd.get("restore") and self.decode.checkpoints is not None:  # found as prefix hits below
+                self.decode.checkpoints.adopt(cmd["restore"]["peer"], cmd["prompt"][:cmd["restore"]["tokens"]])
             req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
                                            cmd.get("priority", 0), pin=_pin(cmd), service_tier=_tier(cmd))
             self.engine.scheduler.add_request(req)
@@ -183,7 +194,7 @@ class Worker:
             self.prefill.warm(cmd["rid"], cmd["prompt"])
         elif kind == "reserve":
             self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
-                                cmd.get("priority", 0), _pin(cmd), _tier(cmd))
+                                cmd.get("priority", 0), _pin(cmd), _tier(cmd), cmd.get("restore"))
         elif kind == "unpin":
             self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
         elif kind == "kv_failed":
@@ -277,6 +288,9 @@ class Worker:
         self._last_stats = now
         self.emit(self.stats())
         self._steps = []
+        checkpoints = self.decode and self.decode.checkpoints
+        if checkpoints and checkpoints.every and (due := checkpoints.due()):
+            self.emit({"type": "checkpointed", "worker": self.spec.name, "items": due})
 
     def stats(self) -> dict:
         from pdserve.model import kernels
@@ -291,6 +305,8 @@ class Worker:
                "kernel_fallbacks": kernels.fallback_count(),
                "kv_pool_prefault_fallbacks": int(getattr(self.executor.kv_pool, "prefault_failed", False)),
                "kv": self.engine.kv_report(),
+               "rejected_connections": {"control": self.cmd_refusals.count(),
+                                        **(self.decode.receiver.rejected_connections if self.decode else {})},
                "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
                "capped_steps": sched.step_budget.num_capped_steps,
                "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
@@ -307,12 +323,12 @@ class Worker:
                        kv_path_failovers=getattr(self.prefill.sender, "failovers", 0))
         if self.decode is not None:
             st = self.decode.stats
-            out["rejected_connections"] = {"kv_tcp": getattr(self.decode.receiver, "rejected_connections", 0)}
             out.update(kv_bytes_received=st.bytes_received, kv_failures=dict(st.failures),
                        kv_wasted_bytes=dict(st.wasted_bytes),
                        kv_late_chunks=self.decode.inbound.num_late_chunks,
                        kv_lease_renewals=self.decode.inbound.num_renewals,
-                       pending_reservations=len(self.decode.pending))
+                       pending_reservations=len(self.decode.pending),
+                       kv_checkpoint_fallbacks=self.decode.checkpoint_fallbacks)
         return out
 
     def _beat(self) -> None:
@@ -322,6 +338,7 @@ class Worker:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)  # a gateway that is behind needs only the latest beats
+        secure_client(sock)
         sock.connect(self.spec.event_addr)
         while self.running:
             try:
@@ -337,6 +354,7 @@ class Worker:
         for side in (self.prefill and self.prefill.sender, self.decode and self.decode.receiver):
             if side is not None:
                 side.close()
+        self.cmd_refusals.close()
         self.cmds.close(linger=0)
         self.events.close(linger=100)  # the final stats, if the gateway still listens (not when it stops us)
 

@@ -102,6 +102,14 @@ class KVBlockManager:
     def block_ids(self, request_id: str) -> tuple[BlockId, ...]:
         return tuple(self._tables.get(request_id, ()))
 
+    def registered_hashes(self, request_id: str) -> list[BlockHash]:
+        """Hashes of the request's full blocks registered in the prefix cache, in sequence order."""
+        return self._hashes.get(request_id, [])
+
+    def sequence_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Hashes of every full block of `token_ids` (this cache's salt included)."""
+        return hash_blocks(token_ids, self.block_size, extra_key=self._salt)
+
     def ref_count(self, block_id: BlockId) -> int:
         return int(self._ref[block_id])
 

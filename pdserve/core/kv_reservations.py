@@ -72,11 +72,14 @@ class KVReservations:
     def kv_delivered(self, request_id: str, first_token: int | None = None) -> Request:
         """The prompt's KV is in the reserved blocks. With `first_token` (sampled by the prefill worker) the
         request decodes from there, or ends if that token stops it (check `is_finished`); without one, only
-        the last prompt token's KV is missing and is computed here, giving the first token."""
+        the prompt's uncached tail (the last token; after a restore, more) is computed here, giving the first token."""
         req = self._reserved(request_id)
         if req.cold_hashes:  # its head arrived in host entries: now servable (and copied to disk)
             self.tiers.commit_cold(req.cold_hashes)
-        req.num_computed_tokens = req.num_prompt_tokens - (first_token is None)
+        # without a first token: what is not cached here is computed here (the last prompt token; or a
+        # restored checkpoint's tail, `pdserve.engine.checkpoints`)
+        req.num_computed_tokens = (req.num_prompt_tokens if first_token is not None
+                                   else min(req.num_cached_prompt_tokens, req.num_prompt_tokens - 1))
         self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
         req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
         bisect.insort(self.running, req, key=self.policy.sort_key)

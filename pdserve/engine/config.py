@@ -34,6 +34,10 @@ class EngineConfig:
     """Disk KV tier directory (none: no disk tier). Blocks in host are copied there too; it survives restarts."""
     kv_disk_gb: float = 16.0
     """Disk KV tier size per worker, in GiB (with --kv-disk-dir)."""
+    kv_checkpoint_tokens: int = 256
+    """With a disk tier (`pdserve serve`): a decode worker reports a request's KV checkpoint (its leading blocks,
+    written through to disk) each time it grew by this many tokens; when the worker dies, the request resumes
+    on another from there, computing only the rest (0: never; such requests are recomputed in full)."""
     kv_hot_window_tokens: int = 4096
     """Long contexts: the most KV tokens one request keeps on the device (at most half the pool); its older
     blocks are read from the host tier layer by layer, so a context may outgrow the device pool (needs a
@@ -68,6 +72,9 @@ class EngineConfig:
         from pdserve.errors import InvalidRequestError
         if not self.kv_host_gb >= 0:
             raise InvalidRequestError(f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", param="kv_host_gb")
+        if not self.kv_checkpoint_tokens >= 0:
+            raise InvalidRequestError(f"kv_checkpoint_tokens must be >= 0, got {self.kv_checkpoint_tokens!r}",
+                                      param="kv_checkpoint_tokens")
         if not self.kv_disk_gb > 0:
             raise InvalidRequestError(f"kv_disk_gb must be positive, got {self.kv_disk_gb!r}", param="kv_disk_gb")
         if self.kv_eviction_policy not in EVICTION_POLICIES:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.core.policy import insert_in_order
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
+from pdserve.engine.checkpoints import KVCheckpoints
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, mixed_pieces, scatter_blocks
 from pdserve.transfer.base import KVReceiver, TransferState
@@ -24,6 +25,7 @@ from pdserve.transfer.inbound import Inbound, InboundTransfers
 class Reservation:
     request: Request
     xfer: str
+    local: int = 1  # prompt tokens this worker computes itself when the rest is cached here (restore: more)
 
 
 @dataclass
@@ -50,16 +52,26 @@ class DecodeSide:
         # first), so a reservation queue never undoes the order the waiting queue would keep.
         self.pending: list[Reservation] = []
         self.stats = DecodeStats()
+        self.checkpoints: KVCheckpoints | None = None  # with a disk tier (`pdserve.engine.checkpoints`)
+        self.checkpoint_fallbacks = 0  # restores that went to a prefill worker after all (blocks missing)
         self.unread: set[str] = set()  # delivered, not yet read by a step
         self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
-                pin: tuple[str, float] | None = None, service_tier: str = "default") -> None:
+                pin: tuple[str, float] | None = None, service_tier: str = "default",
+                restore: dict | None = None) -> None:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
-        could never be served (the caller turns that into an error for the client)."""
+        could never be served (the caller turns that into an error for the client). `restore`: {peer, tokens},
+        a request moved off the dead worker `peer` whose first `tokens` tokens' KV it left on disk: adopted
+        here, and the rest computed here (no prefill worker) when they all hit."""
         req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier)
         self.engine.scheduler.check_new(req)  # fail fast, before queueing
-        insert_in_order(self.pending, Reservation(req, xfer), lambda r: r.request, self.engine.scheduler.policy)
+        local = 1
+        if restore and self.checkpoints is not None:
+            self.checkpoints.adopt(restore["peer"], prompt[:restore["tokens"]])
+            local = max(len(prompt) - restore["tokens"], 1)
+        insert_in_order(self.pending, Reservation(req, xfer, local), lambda r: r.request,
+                        self.engine.scheduler.policy)
 
     def try_reserve(self) -> list[tuple[Reservation, int]]:
         """Grant queued reservations in policy order while blocks last: [(reservation, first block to
@@ -72,9 +84,11 @@ class DecodeSide:
                 break
             self.pending.pop(0)
             first = cached // self.block_size
-            # Every prompt token but the last cached here: no prefill worker, the last one is computed here.
-            needed = 0 if cached >= res.request.num_prompt_tokens - 1 else (
+            # Every prompt token but the last cached here (a restore: but its checkpoint's tail): no prefill
+            # worker, the rest is computed here.
+            needed = 0 if cached >= res.request.num_prompt_tokens - res.local else (
                 -(-res.request.num_prompt_tokens // self.block_size) - first)
+            self.checkpoint_fallbacks += needed > 0 and res.local > 1
             self.inbound.expect(res.xfer, res.request.request_id, first, needed, self.timeout_s)
             if needed == 0:
                 self.inbound.complete_now(res.xfer)

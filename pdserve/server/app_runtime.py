@@ -20,6 +20,7 @@ from pdserve.server.launch import api_keys
 from pdserve.server.gateway import Gateway
 from pdserve.server.metrics import Metrics
 from pdserve.server.supervisor import Supervisor
+from pdserve.transfer.zmq_auth import secure_server
 from pdserve.tokenizer import Tokenizer
 
 
@@ -31,6 +32,7 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
     engine_fields = procs.specs[0].engine
     ctx = zmq.asyncio.Context()
     events = ctx.socket(zmq.PULL)
+    secure_server(events)  # this deployment's workers only (`pdserve.transfer.zmq_auth`)
     events.bind(procs.specs[0].event_addr)
     metrics = Metrics()
     tiers = ServiceTiers.from_specs(engine_fields.get("service_tiers") or ())
@@ -61,6 +63,7 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         event_task.cancel()
         for w in conductor.workers.values():
             w.socket.close(linger=0)
+        conductor.refusals.close()
         events.close(linger=0)
         ctx.term()
 

@@ -181,9 +181,10 @@ class WorkerProcesses:
         self.specs = specs
         self.run_dir = Path(run_dir)
         self.procs: dict[str, subprocess.Popen] = {}
-        # the deployment's secret (tcp peers' hello, `pdserve.transfer.peer_auth`): in the workers' environment,
-        # never on a command line
-        self.env = {**os.environ, peer_auth.ENV: peer_auth.new_secret()}
+        # the deployment's secret (tcp peers' hello, `pdserve.transfer.peer_auth`; CurveZMQ keys,
+        # `pdserve.transfer.zmq_auth`): in the gateway's and the workers' environment, never on a command line
+        os.environ.setdefault(peer_auth.ENV, peer_auth.new_secret())
+        self.env = dict(os.environ)
 
     def start(self) -> None:
         for spec in self.specs:

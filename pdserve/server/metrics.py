@@ -210,6 +210,8 @@ class Metrics:
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
         # a shared KV pool whose pages could not be populated up front (Linux < 5.14): they fault in on use
         self._inc_total(self.fallbacks, (w, "prefault"), s.get("kv_pool_prefault_fallbacks", 0), kind="kv_pool_prefault")
+        self._inc_total(self.fallbacks, (w, "checkpoint"), s.get("kv_checkpoint_fallbacks", 0),
+                        kind="kv_checkpoint_missing")
 
     def _observe_links(self, w: str, links: dict) -> None:
         now = time.monotonic()

@@ -71,6 +71,7 @@ class Supervisor:
 
     def tick(self) -> None:
         now = self.clock()
+        self.conductor.count_refusals()
         for w in self.workers.values():
             proc = self.procs.procs.get(w.name)
             if w.state != "dead" and (proc is None or proc.poll() is not None):

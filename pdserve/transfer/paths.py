@@ -198,8 +198,12 @@ class MultiReceiver:
             time.sleep(0.0005)
 
     @property
-    def rejected_connections(self) -> int:
-        return sum(getattr(r, "rejected_connections", 0) for r in self.receivers.values())
+    def rejected_connections(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.receivers.values():
+            for endpoint, n in r.rejected_connections.items():
+                out[endpoint] = out.get(endpoint, 0) + n
+        return out
 
     def close(self) -> None:
         for r in self.receivers.values():

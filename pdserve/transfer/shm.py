@@ -37,6 +37,7 @@ import numpy as np
 import zmq
 
 from pdserve.paging import Populating
+from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 from pdserve.transfer.base import (PREFIX, FaultInjector, Place, Received, TransferError, checksum, copy_into,
                                    decode_record, encode_meta, scratch_place)
 
@@ -140,6 +141,7 @@ class ShmSender:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, int(self._timeout_s * 1000))
+            secure_client(sock)
             sock.connect(dest)
             ring = _Ring(self._ring_bytes)
             try:
@@ -310,7 +312,9 @@ class ShmReceiver:
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)  # ring announcements only
         self._sock.setsockopt(zmq.LINGER, 0)
+        secure_server(self._sock)  # this deployment's senders only (`pdserve.transfer.zmq_auth`)
         self._sock.bind(address)
+        self._refusals = Refusals(self._sock)
         self.address = address
         self._rings: dict[str, _InRing] = {}
         self._sources = _Sources()
@@ -372,7 +376,13 @@ class ShmReceiver:
         self._rings.pop(ring.name, None)
         ring.close()
 
+    @property
+    def rejected_connections(self) -> dict[str, int]:
+        """Connection attempts refused (not of this deployment), by endpoint."""
+        return {"kv_shm": self._refusals.count()}
+
     def close(self) -> None:
+        self._refusals.close()
         self._sock.close(linger=0)
         for ring in list(self._rings.values()):
             self._drop(ring)

@@ -274,8 +274,9 @@ class TcpReceiver:
         stream.sock.close()
 
     @property
-    def rejected_connections(self) -> int:
-        return self.auth.rejected
+    def rejected_connections(self) -> dict[str, int]:
+        """Connections refused, by endpoint (`pdserve_rejected_connections_total`)."""
+        return {"kv_tcp": self.auth.rejected}
 
     def close(self) -> None:
         for stream in list(self._streams.values()):

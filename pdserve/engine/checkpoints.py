@@ -1,0 +1,89 @@
+"""KV checkpoints of a decode worker's requests, for moving them when the worker dies (issue 15).
+
+**Taking one.** A worker with a disk KV tier already writes every full block through to it (device -> host ->
+disk, `pdserve.core.kv_tiers`), its decoded tokens' blocks included: a running request's leading blocks that
+are on disk are its checkpoint, in files that outlive the process (`<dir>/<identity>/<worker>/<hash>.kv`,
+`pdserve.kv.disk_store`). `KVCheckpoints.due` tells the conductor how many of a request's tokens are there,
+each time that number grew by `every` tokens (`--kv-checkpoint-tokens`) since the last report.
+
+**Restoring one.** When the worker dies, the conductor moves each request with a checkpoint to another worker
+with `restore: {peer, tokens}` (`pdserve.cluster.recovery`). That worker `adopt`s the dead peer's files of
+the request's first `tokens` tokens: each is hard-linked into its own disk folder and indexed in its disk tier,
+in chain order, up to the first one missing. The request then finds them as prefix hits like any other
+(prefetched disk -> host -> device); the worker computes the rest itself (at most about `every` tokens, the
+part decoded since the checkpoint, plus the block being filled), with no prefill worker. Each file is checked
+(header, checksum, block hash) when read; a damaged or missing one is a miss, and a miss past what the
+worker can compute itself sends the request to a prefill worker as if there were no checkpoint, counted
+(`pdserve_fallbacks_total{kind="kv_checkpoint_missing"}`). Equal hashes mean equal token prefixes under the
+same model identity folder, so adopted KV is never another sequence's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from pdserve.core.kv_meta import BlockMeta, Tier
+from pdserve.core.request import RequestStatus
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.disk_store import DiskKVStore
+
+
+class KVCheckpoints:
+    def __init__(self, engine: LLMEngine, disk: DiskKVStore, every: int) -> None:
+        self.engine = engine
+        self.disk = disk
+        self.every = every
+        self.reported: dict[str, int] = {}  # request id -> tokens on disk at its last report
+        self.missing = 0  # restores that found fewer blocks than asked for
+
+    def due(self) -> list[tuple[str, int]]:
+        """[(request id, tokens of it whose KV is on disk)] for the running requests whose checkpoint grew by
+        `every` tokens since their last report (counted from the start of the request's sequence here)."""
+        blocks, index = self.engine.block_manager, self.engine.tiers.disk
+        out, live = [], set()
+        for req in self.engine.scheduler.running:
+            if req.status is not RequestStatus.DECODING:
+                continue
+            rid = req.request_id
+            live.add(rid)
+            last = self.reported.get(rid, 0)
+            start = last // blocks.block_size  # (blocks are written in order: look past the last report only)
+            durable = (start + index.ready_prefix(blocks.registered_hashes(rid)[start:])[0]) * blocks.block_size
+            if durable - last >= self.every:
+                self.reported[rid] = durable
+                out.append((rid, durable))
+        self.reported = {rid: n for rid, n in self.reported.items() if rid in live}
+        return out
+
+    def adopt(self, peer: str, token_ids: Sequence[int]) -> int:
+        """Take the dead worker `peer`'s disk blocks of `token_ids` (whole blocks, in chain order, up to the first
+        one missing) into this worker's disk tier. Returns how many tokens they cover."""
+        tiers, blocks = self.engine.tiers, self.engine.block_manager
+        hashes = blocks.sequence_hashes(token_ids)
+        source = self.disk.dir.parent / peer
+        now, wall = blocks.clock(), time.time()
+        count = 0
+        for h in hashes:
+            if tiers.disk.get(h) is None and not self._link(source, h, now, wall):
+                break
+            count += 1
+        if count < len(hashes):
+            self.missing += 1
+        return count * blocks.block_size
+
+    def _link(self, source, block_hash: int, now: float, wall: float) -> bool:
+        mine, theirs = self.disk.path(block_hash), source / self.disk.path(block_hash).name
+        try:
+            produced = theirs.stat().st_mtime
+            os.link(theirs, mine)
+        except FileExistsError:
+            pass  # an earlier run of this worker left it: indexed below all the same
+        except OSError:
+            return False
+        meta = BlockMeta(block_hash, Tier.DISK, -1, now - max(wall - produced, 0.0), now, heat_at_s=now)
+        if self.engine.tiers.disk.restore(meta):
+            return True
+        mine.unlink(missing_ok=True)  # this worker's disk tier is full
+        return False
