@@ -7,6 +7,7 @@ counted as wasted, by reason."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import time
@@ -92,7 +93,13 @@ def test_a_hung_prefill_workers_prompt_moves_to_the_other_and_it_is_used_again_o
 
     prefill = server.worker_pid("prefill-0")
     try:
-        reference = ask(1)  # the two workers idle: routed to prefill-0 (the first of equals)
+        # the two workers idle: prompt 1 goes to prefill-0 (the first of equals), prompt 5 meanwhile to
+        # prefill-1, so the worker prompt 1 moves to below has served once (a cold first step is slow)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(ask, 1)
+            time.sleep(0.3)
+            ask(5)
+            reference = first.result()
         os.kill(prefill, signal.SIGSTOP)
         start = time.perf_counter()
         assert ask(1) == reference  # its prompt went to prefill-0 again, lapsed there, and moved to prefill-1
@@ -109,7 +116,7 @@ def test_a_hung_prefill_workers_prompt_moves_to_the_other_and_it_is_used_again_o
         assert ask(3)  # both idle again: prefill-0, the first of equals
         time.sleep(0.6)  # its stats carry the link's bytes
         assert server.metric("pdserve_kv_link_bytes_total", link=link) > sent_before
-        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 4
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 5
     finally:
         os.kill(prefill, signal.SIGCONT)
         server.stop()

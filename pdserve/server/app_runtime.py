@@ -52,9 +52,10 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         app = SendTimeout(BodyLimit(create_app(gateway, api_keys(cfg)), cfg.max_body_bytes), cfg.stream_timeout_s,
                           metrics)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                               lifespan="off", timeout_graceful_shutdown=3))
+                                               lifespan="off",
+                                               timeout_graceful_shutdown=cfg.drain_timeout_s))
         supervisor = gateway.supervisor = Supervisor(conductor, procs, cfg.restart_workers, cfg.max_restarts,
-                                                      cfg.heartbeat_timeout_s)
+                                                      cfg.heartbeat_timeout_s, cfg.ready_timeout_s)
         monitor = asyncio.create_task(_monitor(supervisor, server, cfg))
         await server.serve()
         monitor.cancel()
@@ -100,4 +101,4 @@ async def _monitor(supervisor: Supervisor, server: uvicorn.Server, cfg) -> None:
              else f"{cfg.instances} colocated")
     print(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}",
           flush=True)
-    await supervisor.run()
+    await supervisor.run(stopping=lambda: server.should_exit)

@@ -82,7 +82,8 @@ class ServeConfig:
     """Throttle each KV link (prefill worker -> decode worker) to this many Gbit/s, to emulate a slower
     network; default: as fast as the transport goes."""
     ready_timeout_s: float = 600.0
-    """How long to wait for every worker to load its model."""
+    """How long to wait for every worker to load its model (at start; a restarted worker not ready by then is
+    killed and started again after the next backoff)."""
     admission: str | None = None
     """Prediction-based admission: predict (refuse at once, with 429 slo_unattainable, a request whose
     predicted TTFT or TPOT misses its service tier's SLO) or off; default: predict when any tier has an SLO."""
@@ -100,6 +101,9 @@ class ServeConfig:
     heartbeat_timeout_s: float = 20.0
     """A ready worker that sent nothing (it reports every 0.25 s) for this long is killed as hung and its
     requests move to the others."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM or SIGINT: no new connections; the requests in flight finish for at most this long (streams
+    too), then the workers stop."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -119,6 +123,8 @@ class ServeConfig:
             raise InvalidRequestError("--stream-timeout-s must be positive", param="stream_timeout_s")
         if self.max_queue is not None and self.max_queue < 1:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
+        if not self.drain_timeout_s >= 0:
+            raise InvalidRequestError("--drain-timeout-s must be >= 0", param="drain_timeout_s")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
         if not self.admission_margin >= 0 or self.max_outstanding < 1:

@@ -13,10 +13,13 @@ Every 0.2 s the supervisor looks at each worker process:
   the gateway has events it has not read yet (then the gateway is behind, not the worker). It is killed
   (SIGKILL) and handled as dead, its requests moving the same way (`reason="worker_hung"`);
 * a restarted worker is **starting** until its `ready` event; then it registers with the conductor again
-  (routing passes it by until then) and takes work.
+  (routing passes it by until then) and takes work; one not ready within `--ready-timeout-s` is killed and
+  handled as dead again (`worker_start_timeout`), with the next backoff;
+* once the server is stopping (SIGTERM/SIGINT: it takes no new connections, the requests in flight finish
+  for at most `--drain-timeout-s`), the ready workers are **draining** and no worker is restarted.
 
 `health()` is what `GET /health` answers: each worker's name, role, pid, state and restarts, and 503 while no
-decode-capable worker (decode, or colocated) is ready.
+decode-capable worker (decode, or colocated) is ready, or while draining.
 """
 
 from __future__ import annotations
@@ -41,14 +44,17 @@ class WorkerState:
     pid: int | None = None
     restarts: int = 0
     restart_at: float | None = None  # dead, to be started again then
+    started_at: float | None = None  # restarted then, not ready yet
 
 
 class Supervisor:
     def __init__(self, conductor, procs, restart: bool = True, max_restarts: int = 5,
-                 heartbeat_timeout_s: float = 20.0, clock=time.monotonic) -> None:
+                 heartbeat_timeout_s: float = 20.0, ready_timeout_s: float = 600.0, clock=time.monotonic) -> None:
         self.conductor, self.procs = conductor, procs
         self.restart, self.max_restarts = restart, max_restarts
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.draining = False
         self.clock = clock
         self.workers = {s.name: WorkerState(s.name, s.role) for s in procs.specs}
         for w in self.workers.values():  # (at start the gateway serves once every worker is ready)
@@ -62,12 +68,24 @@ class Supervisor:
         serving = any(w.state == "ready" and w.role in ("decode", "colocated") for w in self.workers.values())
         whole = all(w.state == "ready" for w in self.workers.values())
         status = "ok" if whole else "degraded" if serving else "unavailable"
+        if self.draining:
+            return 503, {"status": "draining", "workers": workers}
         return (200 if serving else 503), {"status": status, "workers": workers}
 
-    async def run(self) -> None:
+    async def run(self, stopping=lambda: False) -> None:
+        """Tick until cancelled; `stopping()` true: the server is shutting down (drain)."""
         while True:
+            if stopping() and not self.draining:
+                self.drain()
             self.tick()
             await asyncio.sleep(TICK_S)
+
+    def drain(self) -> None:
+        """The server is stopping: its workers finish what they have; none is started again."""
+        self.draining = True
+        for w in self.workers.values():
+            if w.state == "ready":
+                w.state = "draining"
 
     def tick(self) -> None:
         now = self.clock()
@@ -77,13 +95,19 @@ class Supervisor:
             if w.state != "dead" and (proc is None or proc.poll() is not None):
                 self._died(w, now, "worker_died")
             elif w.state == "starting" and self.conductor.workers[w.name].info:
-                w.state, w.pid = "ready", self.conductor.workers[w.name].info.get("pid")
+                w.state, w.pid, w.started_at = "ready", self.conductor.workers[w.name].info.get("pid"), None
+            elif w.state == "starting" and w.started_at is not None and now - w.started_at > self.ready_timeout_s:
+                print(f"pdserve: worker {w.name} not ready after {self.ready_timeout_s:g} s: killed",
+                      file=sys.stderr, flush=True)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                self._died(w, now, "worker_start_timeout")
             elif w.state == "ready" and (why := self._hung(w.name, now)):
                 print(f"pdserve: worker {w.name} {why}: killed as hung", file=sys.stderr, flush=True)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 self._died(w, now, "worker_hung")
-            elif w.state == "dead" and w.restart_at is not None and now >= w.restart_at:
+            elif w.state == "dead" and w.restart_at is not None and now >= w.restart_at and not self.draining:
                 self._start_again(w)
 
     def _hung(self, name: str, now: float) -> str:
@@ -111,6 +135,6 @@ class Supervisor:
         w.restart_at = None
         self.conductor.worker_restarting(w.name)
         self.procs.restart(w.name)
-        w.state, w.pid = "starting", self.procs.procs[w.name].pid
+        w.state, w.pid, w.started_at = "starting", self.procs.procs[w.name].pid, self.clock()
         print(f"pdserve: worker {w.name} restarted (restart {w.restarts} of at most {self.max_restarts})",
               file=sys.stderr, flush=True)
