@@ -93,6 +93,14 @@ def one_server(args, every: int, prompts: list[str], log_dir: Path) -> dict:
         server.stop()
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=4)
@@ -105,7 +113,7 @@ def main() -> int:
     out = Path(args.out)
     prompts = [prompt(i, args.prompt_words) for i in range(args.streams)]
     rows = [one_server(args, every, prompts, out.parent) for every in (args.every, 0)]
-    report = {"cpu": platform.processor() or platform.machine(), "args": vars(args), "rows": rows}
+    report = {"cpu": cpu_name(), "args": vars(args), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
