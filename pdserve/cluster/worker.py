@@ -4,8 +4,9 @@
 
 Commands (gateway -> worker, msgpack dicts with "type"): generate, prefill, reserve, abort, kv_failed,
 redirect, unpin, shutdown. Events (worker -> gateway): ready, reserved, prefilled, consumed, tokens, error,
-transfer, checkpointed, stats. The loop never blocks while it has work: it drains commands and KV messages, grants reservations, settles transfers,
-runs one engine step and reports; idle, it waits on its sockets for at most 20 ms.
+transfer, checkpointed, stats (and, from a thread of their own, beat). The loop never blocks while it has
+work: it drains commands and KV messages, grants reservations, settles transfers, runs one engine step and
+reports; idle, it waits on its sockets for at most 20 ms.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class Worker:
             disk = getattr(getattr(self.executor, "kv_io", None), "disk", None)
             if disk is not None and self.engine.tiers is not None and self.engine.tiers.disk is not None:
                 from pdserve.engine.checkpoints import KVCheckpoints
-                self.decode.checkpoints = KVCheckpoints(self.engine, disk, spec.engine.get("kv_checkpoint_tokens", 0))
+                every = spec.engine.get("kv_checkpoint_tokens", 0)
+                self.decode.checkpoints = KVCheckpoints(self.engine, disk, every)
         self.poller = zmq.Poller()
         self.poller.register(self.cmds, zmq.POLLIN)
         if self.decode is not None and self.decode.receiver.wakeup is not None:
