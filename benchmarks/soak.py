@@ -6,7 +6,7 @@ Load: `--clients` closed-loop clients, each sending one request after another: p
 mid-stream. RSS (psutil) of the gateway and each worker every `--sample-s`, with the KV blocks each worker's
 tiers (device pool, host, disk) hold (/metrics); growth = last sample / the sample at the end of warm-up, per
 process. Warm-up ends once the KV caches are full: at the first sample where every worker's tiers hold at least
-90% of the blocks they hold at the end (a worker's RSS grows with its pools and host tier as they fill; what
+99% of the blocks they hold at the end (a worker's RSS grows with its pools and host tier as they fill; what
 grows after that is a leak); if that never happens, after the first `--warmup-frac` of the run.
 
     .venv/bin/python benchmarks/soak.py --minutes 30 [--clients 6] [--out bench_results/soak.json]
@@ -101,8 +101,8 @@ def warmup_end(samples: list[dict], frac: float) -> tuple[dict, str]:
     last = samples[-1]
     kv = [k for k in last if k.startswith("kv_blocks:") and last[k] > 0]
     for row in samples:
-        if kv and all(row.get(k, 0) >= 0.9 * last[k] for k in kv):
-            return row, f"KV caches full (>= 90% of their final blocks) at t={row['t']} s"
+        if kv and all(row.get(k, 0) >= 0.99 * last[k] for k in kv):
+            return row, f"KV caches full (>= 99% of their final blocks) at t={row['t']} s"
     row = samples[max(int(len(samples) * frac) - 1, 0)]
     return row, f"KV caches never full: the first {frac:.0%} of the run (t={row['t']} s)"
 
