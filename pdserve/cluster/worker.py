@@ -180,8 +180,12 @@ class Worker:
                 self.prefill.finish(cmd["rid"], prefilled=False)
                 self.prefill.drop_stage(cmd["rid"])
         elif kind == "generate":
-            if cmd.get("restore") and self.decode.checkpoints is not None:  # found as prefix hits below
-                self.decode.checkpoints.adopt(cmd["restore"]["peer"], cmd["prompt"][:cmd["restore"]["tokens"]])
+            restore = cmd.get("restore")
+            if restore and self.decode.checkpoints is not None:
+                # the adopted blocks are found as prefix hits below; what is missing is computed here, counted
+                tokens = restore["tokens"]
+                adopted = self.decode.checkpoints.adopt(restore["peer"], cmd["prompt"][:tokens])
+                self.decode.checkpoint_fallbacks += adopted < tokens
             req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
                                            cmd.get("priority", 0), pin=_pin(cmd), service_tier=_tier(cmd))
             self.engine.scheduler.add_request(req)

@@ -36,7 +36,6 @@ class KVCheckpoints:
         self.disk = disk
         self.every = every
         self.reported: dict[str, int] = {}  # request id -> tokens on disk at its last report
-        self.missing = 0  # restores that found fewer blocks than asked for
 
     def due(self) -> list[tuple[str, int]]:
         """[(request id, tokens of it whose KV is on disk)] for the running requests whose checkpoint grew by
@@ -69,12 +68,11 @@ class KVCheckpoints:
             if tiers.disk.get(h) is None and not self._link(source, h, now, wall):
                 break
             count += 1
-        if count < len(hashes):
-            self.missing += 1
         return count * blocks.block_size
 
     def _link(self, source, block_hash: int, now: float, wall: float) -> bool:
-        mine, theirs = self.disk.path(block_hash), source / self.disk.path(block_hash).name
+        mine = self.disk.path(block_hash)
+        theirs = source / mine.name
         try:
             produced = theirs.stat().st_mtime
             os.link(theirs, mine)

@@ -53,7 +53,7 @@ class DecodeSide:
         self.pending: list[Reservation] = []
         self.stats = DecodeStats()
         self.checkpoints: KVCheckpoints | None = None  # with a disk tier (`pdserve.engine.checkpoints`)
-        self.checkpoint_fallbacks = 0  # restores that went to a prefill worker after all (blocks missing)
+        self.checkpoint_fallbacks = 0  # restores short of blocks: recomputed by a prefill worker (or here)
         self.unread: set[str] = set()  # delivered, not yet read by a step
         self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
 

@@ -13,7 +13,6 @@ from pdserve.model.hugepages import huge_zeros
 from pdserve.paging import Populating
 
 
-
 def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
     """How many blocks of `block_size` tokens fit in `budget_bytes` for this model."""
     per_block = config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size

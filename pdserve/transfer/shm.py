@@ -37,9 +37,9 @@ import numpy as np
 import zmq
 
 from pdserve.paging import Populating
-from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 from pdserve.transfer.base import (PREFIX, FaultInjector, Place, Received, TransferError, checksum, copy_into,
                                    decode_record, encode_meta, scratch_place)
+from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 
 _META = 128  # tail and waiting at 0 and 8 (the receiver's line), head at 64 (the sender's line)
 _WRAP = 0xFFFFFFFF  # a prefix with this meta length: the rest of the lap is unused
@@ -282,7 +282,6 @@ class _Sources:
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
-        self.populating: list[Populating] = []
 
     def get(self, handle: str) -> memoryview | None:
         entry = self._maps.get(handle)
@@ -296,7 +295,7 @@ class _Sources:
             finally:
                 os.close(fd)
             # made resident in the background, off the GIL (`pdserve.paging`): the first reads may fault
-            self.populating.append(Populating(m, write=False, name="kv-source-populate"))
+            Populating(m, write=False, name="kv-source-populate")  # (a daemon thread; the prefill side counts failures)
             entry = self._maps[handle] = (m, memoryview(m))
         return entry[1]
 
