@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 from pdserve.bench.server_proc import free_port, scrape_metrics, wait_ready
 
@@ -16,14 +17,21 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = "unused"
+        # the server's and its workers' output goes to a file, not a pipe nobody reads: a full pipe would
+        # block whichever process writes next
+        self.log = tempfile.NamedTemporaryFile(prefix="pdserve-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+            stdout=self.log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         why = wait_ready(self.proc, self.url, timeout_s)
         if why is not None:
-            output = self.proc.stdout.read() if self.proc.poll() is not None else ""
             self.stop()
-            raise RuntimeError(f"server {why}: {output}")
+            raise RuntimeError(f"server {why}: {self.output()}")
+
+    def output(self) -> str:
+        """What the server and its workers printed so far."""
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         return scrape_metrics(self.url)
@@ -53,3 +61,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            self.log.close()
+            if os.path.exists(self.log.name):
+                os.unlink(self.log.name)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = 40
+LONG = 160  # the SIGSTOP half: long enough that streams are still running when the worker is stopped
 HEARTBEAT_S = 4.0
 
 
@@ -33,9 +34,9 @@ def _requests() -> list[dict]:
     return out
 
 
-async def _stream(client, req: dict, started: asyncio.Event | None, after: int = 6) -> str:
+async def _stream(client, req: dict, started: asyncio.Event | None, after: int = 6, tokens: int = TOKENS) -> str:
     text, chunks = "", 0
-    stream = await client.completions.create(model=MODEL, max_tokens=TOKENS, stream=True,
+    stream = await client.completions.create(model=MODEL, max_tokens=tokens, stream=True,
                                              extra_body={"ignore_eos": True}, **req)
     async for chunk in stream:
         text += chunk.choices[0].text
@@ -54,8 +55,8 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         reqs = _requests()
 
-        async def undisturbed() -> list[str]:
-            return await asyncio.gather(*(_stream(client, r, None) for r in reqs))
+        async def undisturbed(tokens: int = TOKENS) -> list[str]:
+            return await asyncio.gather(*(_stream(client, r, None, tokens=tokens) for r in reqs))
 
         async def disturbed() -> list[str]:
             started = [asyncio.Event() for _ in reqs]
@@ -66,6 +67,8 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
 
         victim = server.worker_pid("decode-0")
         reference = asyncio.run(undisturbed())
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        long_reference = asyncio.run(undisturbed(LONG))
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         texts = asyncio.run(disturbed())
         assert texts == reference
@@ -89,16 +92,18 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
 
         async def stopped_mid_stream() -> list[str]:
             started = [asyncio.Event() for _ in reqs]
-            tasks = [asyncio.create_task(_stream(client, r, e)) for r, e in zip(reqs, started)]
+            tasks = [asyncio.create_task(_stream(client, r, e, after=2, tokens=LONG))
+                     for r, e in zip(reqs, started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             await asyncio.sleep(0.6)  # a stats report from each worker (every 0.25 s) counts them
-            name = max(("decode-0", "decode-1"),
-                       key=lambda w: server.metric("pdserve_num_requests_running", worker=w))
+            running = {w: server.metric("pdserve_num_requests_running", worker=w) for w in ("decode-0", "decode-1")}
+            name = max(running, key=running.get)
+            assert running[name] >= 1 and not any(t.done() for t in tasks), running
             stopped.extend([name, time.monotonic()])
             os.kill(server.worker_pid(name), signal.SIGSTOP)
             return await asyncio.gather(*tasks)
 
-        assert asyncio.run(stopped_mid_stream()) == reference
+        assert asyncio.run(stopped_mid_stream()) == long_reference
         name, at = stopped
         assert time.monotonic() - at >= HEARTBEAT_S  # they waited for the heartbeat, then moved
         assert server.metric("pdserve_requests_migrated_total", reason="worker_hung") >= 1
