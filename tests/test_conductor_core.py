@@ -56,7 +56,7 @@ def _simulate_and_record():
     return conductor, records
 
 
-def _replay_on_real_conductor(decisions, tmp_path, stage_blocks: dict, stage_max: dict
+def _replay_on_real_conductor(decisions, tmp_path, stage_blocks: dict, stage_max: dict, capacity: dict
                               ) -> tuple[dict, dict, Metrics]:
     """Feed the recorded events to the gateway's conductor; return the commands each worker socket got, the
     error events of refused or failed requests, and the metrics."""
@@ -77,7 +77,8 @@ def _replay_on_real_conductor(decisions, tmp_path, stage_blocks: dict, stage_max
             conductor.add_worker(name, name.split("-")[0], f"ipc://{tmp_path}/{name}.cmd")
             conductor.on_event({"type": "ready", "worker": name, "block_size": 16,
                                 "max_num_batched_tokens": 8192 if name.startswith("prefill") else 2048,
-                                "stage_blocks": stage_blocks.get(name, 0), "stage_max_blocks": stage_max[name]})
+                                "stage_blocks": stage_blocks.get(name, 0), "stage_max_blocks": stage_max[name],
+                                "kv_capacity_blocks": capacity[name]})
         flights = {}
         for event, args, kwargs, _ in decisions:
             now[0] = _time_of(event, args)
@@ -168,7 +169,9 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     # the decode engines fill up: idle prefill engines stage the prompts waiting for room
     assert kinds["reserve_waiting"] > 0 and kinds["staged"] > 0
     assert any(c["type"] == "stage" for cmds in sent.values() for c in cmds)
-    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.stage.blocks, sim.core.stage.max_blocks)
+    capacity = {name: load.max_recent_blocks for name, load in sim.core.workers.items()}
+    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.stage.blocks, sim.core.stage.max_blocks,
+                                                     capacity)
     for name in got:
         assert got[name] == sent.get(name, []), name
     assert {rid: (e["status"], e["code"]) for rid, e in errors.items()} == failed

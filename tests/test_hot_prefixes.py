@@ -140,3 +140,30 @@ def test_the_simulator_warms_hot_prefixes_with_the_same_core():
     cached = {name: e.engine.block_manager.find_prefix(doc, "probe").num_tokens for name, e in prefill.items()}
     assert cached == {"prefill-0": 2048 - 16, "prefill-1": 2048 - 16}  # (a hit leaves the last block to compute)
     assert prefill["prefill-1"].scheduler.stats.num_prompt_tokens == 2048  # the warm pass: the document alone
+
+
+def test_counts_that_decayed_to_nothing_are_forgotten_so_steady_load_keeps_the_table_flat():
+    # a stream of distinct prompts, one every second: the table holds the last few half-lives' hashes,
+    # not every hash seen (the gateway's memory under steady load: `benchmarks/soak.py`)
+    hot = HotPrefixes()
+    sizes = []
+    for t in range(int(12 * HALF_LIFE_S)):
+        _observe(hot, [t * 1000 + k for k in range(3 * BS)], float(t))
+        sizes.append(len(hot._counts))
+    per_prompt = 3
+    assert sizes[-1] <= per_prompt * (4 * HALF_LIFE_S + 2)  # 1/16 of a count: four half-lives
+    assert sizes[-1] == sizes[int(6 * HALF_LIFE_S)]  # flat
+    # a shared prefix seen within the window is kept, and still turns hot
+    _observe(hot, _prompt(1), 1000.0)
+    _observe(hot, _prompt(2), 1000.0 + HALF_LIFE_S / 2)
+    assert hot.pick(WorkerLoad("prefill-1", "prefill"), 1000, 1000.0 + HALF_LIFE_S / 2) is not None
+
+
+def test_a_worker_remembers_no_more_block_hashes_than_its_kv_capacity():
+    core = ConductorCore("pd", make_routing_policy("prefix-affinity"))
+    load = core.add_worker("decode-0", "decode")
+    core.worker_ready("decode-0", {"block_size": BS, "kv_capacity_blocks": 8})
+    assert load.max_recent_blocks == 8
+    for t in range(20):
+        load.remember(hash_blocks([t * 1000 + k for k in range(2 * BS)], BS))
+    assert len(load.recent_blocks) == 8

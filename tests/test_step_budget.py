@@ -192,3 +192,16 @@ def test_a_ttft_slo_bounds_every_step_and_the_cold_start_uses_seconds_per_token(
         cold = _cap(budget, []) + (_ % 3) * 7  # (varied sizes, so the fit can separate a from b)
     assert _cap(budget, []) == pytest.approx((TTFT_SHARE * 1.0 - A) / PER_TOKEN, rel=0.05)  # the fit, warm
     assert StepBudget(ServiceTiers.from_specs(["flex"]), 4096, 16).active is False
+
+
+def test_admission_never_predicts_a_step_faster_than_the_fastest_one_seen():
+    # steps whose time the context explains better than a fixed cost: the fit's intercept comes out negative
+    # and is dropped, so a tiny prompt alone would be predicted at next to nothing
+    from pdserve.cluster.admission import WorkerModel
+    model = WorkerModel()
+    for i in range(32):
+        model.observe(0, 0, 1, 100 + 50 * i, 0.010 + 0.0001 * (50 * i) - 0.004)
+        model.observe(6, 36, 0, 0, 0.012)
+    assert model.fit.coefficients()[0] == 0  # the intercept was dropped
+    assert model.prefill_s(3) >= 0.006  # at least the fastest step seen (the first decode step: 6 ms)
+    assert model.decode_s(1) >= 0.006

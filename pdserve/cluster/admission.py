@@ -20,7 +20,8 @@ tier rank or better (priority goes before default and flex; `pdserve.core.servic
 rejected (HTTP 429, code `slo_unattainable`, `Retry-After`) when a prediction exceeds its tier's SLO by more
 than `margin` (a fraction). A tier without an SLO is never rejected by prediction; every tier is rejected
 (`queue_full`) when its worker has `max_outstanding` requests already. Until a worker has reported
-`online_fit.MIN_SAMPLES` steps, nothing is predicted (everything is admitted).
+`online_fit.MIN_SAMPLES` steps, nothing is predicted (everything is admitted); no whole step is predicted
+faster than the fastest of its recent steps.
 """
 
 from __future__ import annotations
@@ -64,14 +65,18 @@ class WorkerModel:
     def _prefill_chunk_s(self, n: int, prompt: int) -> float | None:
         """A step of `n` prompt tokens made of prompts of about `prompt` tokens (the quadratic term is per
         prompt: sum of squares ~ n * prompt)."""
-        return self.fit.predict((1.0, n, n * min(n, prompt), 0.0, 0.0))
+        return self._step(self.fit.predict((1.0, n, n * min(n, prompt), 0.0, 0.0)))
+
+    def _step(self, seconds: float | None) -> float | None:
+        """A whole step's prediction, at least the fastest recent step."""
+        return None if seconds is None else max(seconds, self.fit.fastest())
 
     def prefill_steps(self) -> int:
         """Recent steps that carried prefill tokens."""
         return sum(1 for row in self.fit.rows if row[1] > 0)
 
     def decode_s(self, batch: int) -> float | None:
-        return self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch)) if batch else 0.0
+        return self._step(self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch))) if batch else 0.0
 
     def tpot_s(self, batch: int, slo_s: float | None = None) -> float | None:
         """Time per output token with `batch` decoding: a decode step, stretched by the share of the worker's

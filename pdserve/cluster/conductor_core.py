@@ -41,7 +41,7 @@ from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.hot_prefixes import HotPrefixes
 from pdserve.cluster.recovery import RecoveryEvents
-from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.cluster.routing import AFFINITY_BLOCKS, MAX_RECENT_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.cluster.staging import StagePlan, StagingEvents
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
@@ -130,6 +130,8 @@ class ConductorCore(StagingEvents, RecoveryEvents):
             load.recent_blocks.clear()
             self.backlog[name] = Backlog()
         self.block_size = info.get("block_size", self.block_size)
+        if info.get("kv_capacity_blocks"):  # what it no longer holds need not be remembered
+            load.max_recent_blocks = min(info["kv_capacity_blocks"], MAX_RECENT_BLOCKS)
         self.stage.worker_ready(name, info)
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)

@@ -5,7 +5,8 @@ conversation) to the prefill worker that saw it last, so a hot prefix can keep o
 another sits idle with nothing cached. In PD mode the conductor core counts, for each prompt it routes, the
 requests that shared each of its leading blocks (chained block hashes: block k stands for the whole prefix up
 to k), a count that halves every `HALF_LIFE_S`. A prefix is hot from `HOT_COUNT` (two requests within a
-half-life) and is forgotten once its count has fallen below half that.
+half-life) and is forgotten once its count has fallen below half that; a block hash's count is dropped once it
+has decayed below `FORGET_COUNT`.
 
 When a prefill worker is idle (nothing routed to it waiting, no stage pass), the core asks `pick` for the
 hot prefix it lacks (by its remembered prefixes, `WorkerLoad.prefix_blocks`) that is worth the most (decayed
@@ -25,6 +26,7 @@ HOT_COUNT = 1.5  # decayed count of requests that makes a prefix hot: two within
 HALF_LIFE_S = 60.0
 MIN_BLOCKS = 2  # shorter prefixes are not worth a pass
 MAX_TRACKED = 1 << 16  # block hashes counted (least recently seen dropped first)
+FORGET_COUNT = 1 / 16  # a hash whose count decayed below this is dropped (a single request: after 4 half-lives)
 MAX_HOT = 64  # hot prefixes kept as candidates (the least valuable dropped first)
 
 
@@ -63,9 +65,20 @@ class HotPrefixes:
                 deepest, count = k + 1, entry[0]
         while len(counts) > MAX_TRACKED:
             counts.popitem(last=False)
+        self._forget(now)
         if deepest >= MIN_BLOCKS:
             self._remember(hashes[deepest - 1], HotPrefix(list(prompt[:deepest * block_size]),
                                                           tuple(hashes[:deepest]), count, now))
+
+    def _forget(self, now: float) -> None:
+        """Drop the least recently seen hashes whose count has decayed to nothing: under steady load the table
+        holds the last few half-lives' prompts, not all it has seen up to `MAX_TRACKED`."""
+        counts = self._counts
+        while counts:
+            count, at_s = next(iter(counts.values()))
+            if count * 0.5 ** (max(now - at_s, 0.0) / HALF_LIFE_S) >= FORGET_COUNT:
+                return
+            counts.popitem(last=False)
 
     def _remember(self, key, prefix: HotPrefix) -> None:
         if key not in self.hot:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 
 AFFINITY_BLOCKS = 256  # prefix affinity looks at a prompt's first blocks only (4,096 tokens at block 16)
+MAX_RECENT_BLOCKS = 65536  # block hashes remembered per worker, at most (fewer: its KV capacity, once known)
 
 
 @dataclass
@@ -23,7 +24,7 @@ class WorkerLoad:
     alive: bool = True
     stalled: bool = False  # alive, but a transfer's lease lapsed on it; cleared when it reports again
     recent_blocks: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU
-    max_recent_blocks: int = 65536
+    max_recent_blocks: int = MAX_RECENT_BLOCKS
 
     @property
     def usable(self) -> bool:

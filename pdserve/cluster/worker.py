@@ -25,6 +25,7 @@ import zmq
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
+from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
@@ -102,6 +103,7 @@ class Worker:
         self.emit({"type": "ready", "worker": self.spec.name, "role": self.spec.role, "pid": os.getpid(),
                    "kv_addr": self.decode.receiver.address if self.decode else "",
                    "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
+                   "kv_capacity_blocks": capacity_blocks(self.engine.block_manager, self.engine.tiers),
                    "max_model_len": self.engine.scheduler.max_model_len,
                    "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
                    **self._stage_capacity()})

@@ -357,6 +357,11 @@ class TieredKV:
         return len(self._ops)
 
 
+def capacity_blocks(blocks: KVBlockManager, tiers: TieredKV | None) -> int:
+    """The KV blocks a worker can hold, all its tiers together (what its `ready` event reports)."""
+    return sum(tiers.capacities().values()) if tiers is not None else blocks.num_blocks
+
+
 def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, lifecycle: LifecycleConfig,
                     restored: Sequence[tuple[int, float, float]] = (), wall_now: float | None = None) -> TieredKV:
     """Tiers sized by `capacity` (`host_blocks`, `disk_blocks`, `block_bytes`), the disk tier re-indexing

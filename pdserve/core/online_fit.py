@@ -42,6 +42,11 @@ class OnlineFit:
         coef = self.coefficients()
         return None if coef is None else float(np.dot(coef, x))
 
+    def fastest(self) -> float:
+        """The shortest time among the recent samples: no whole step takes less (a fit whose intercept came
+        out negative, and was dropped, predicts a tiny step at next to nothing)."""
+        return min(row[-1] for row in self.rows) if self.rows else 0.0
+
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: refit without the columns that came out negative until

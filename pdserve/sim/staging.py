@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses, stage_capacity
 from pdserve.sim.engine import SimEngine, SimRequest
 
 
 def engine_capacity(engine: SimEngine, scheduled: bool) -> dict:
-    return stage_capacity(engine.scheduler, engine.tiers, scheduled and engine.role == "prefill")
+    return {**stage_capacity(engine.scheduler, engine.tiers, scheduled and engine.role == "prefill"),
+            "kv_capacity_blocks": capacity_blocks(engine.scheduler.blocks, engine.tiers)}
 
 
 class SimStaging:
