@@ -230,7 +230,7 @@ class Worker:
                     "rid": req.request_id, "i": 0, "t": inbound.first_token,
                     "fin": req.status.finish_reason if req.is_finished else None,
                     "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
-                    "prefill_s": None}]})
+                    "prefill_s": None, **(inbound.logprobs or {})}]})
 
     def _report_consumed(self, began: float) -> None:
         """The step that just ran read delivered KV for the first time: when it began (the conductor checks
@@ -251,7 +251,8 @@ class Worker:
                 self.prefill.drop_stage(out.request_id, out.num_cached_tokens)
                 landing = self.prefill.landing_in_s(out.request_id)
                 failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled",
-                                             first_token=out.token_ids[-1] if out.token_ids else None)
+                                             first_token=out.token_ids[-1] if out.token_ids else None,
+                                             logprobs=_logprobs(out) or None)
                 self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed, "landing_in_s": landing,
                            "queue_s": _diff(out.scheduled_s, out.arrival_s),
                            "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
@@ -260,7 +261,8 @@ class Worker:
                     self.emit({"type": "relanded", "items": [[rid, landing_in_s] for rid, landing_in_s in moved]})
                 continue
             item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
-                    "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens}
+                    "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens,
+                    **_logprobs(out)}
             if len(out.token_ids) == 1:
                 item.update(queue_s=_diff(out.scheduled_s, out.arrival_s),
                             prefill_s=_diff(out.prefilled_s, out.scheduled_s))
@@ -384,6 +386,17 @@ def _tier(cmd: dict) -> str:
     if tier not in TIERS:
         raise InvalidRequestError(f"unknown service tier {tier!r}", param="service_tier")
     return tier
+
+
+def _logprobs(out) -> dict:
+    """The logprobs an output carries when asked for: its newest token's ("lp") and, with its first token,
+    the prompt's ("plp")."""
+    extra = {}
+    if out.logprobs:
+        extra["lp"] = out.logprobs[-1]
+    if out.prompt_logprobs is not None and len(out.token_ids) == 1:
+        extra["plp"] = out.prompt_logprobs
+    return extra
 
 
 def _diff(a: float | None, b: float | None) -> float | None:

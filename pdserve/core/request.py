@@ -84,6 +84,8 @@ class Request:
     finished_s: float | None = None
     # Tie-breaker for equal arrival times, so queue order is total and deterministic.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    logprobs: list = field(default_factory=list)  # per output token, when asked for (`pdserve.model.logprobs`)
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), when asked for
     # Prompt followed by outputs; appended to in place so the hot path never concatenates.
     all_token_ids: list[int] = field(init=False)
 

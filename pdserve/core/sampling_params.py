@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # most alternatives returned per token (OpenAI's chat top_logprobs bound)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # each sampled token's logprob and this many top alternatives (None: none)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, CLI) but store tuples so the object stays hashable and frozen.
@@ -50,6 +54,11 @@ class SamplingParams:
                                       param="temperature")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+                                          param=name)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}",
                                       param="top_k")

@@ -44,6 +44,9 @@ class ScheduledChunk:
     # Long contexts: host slots holding the first len(cold_slots) blocks; `block_ids` then starts at that
     # logical block (position p is in block_ids[p // block_size - len(cold_slots)])
     cold_slots: tuple[int, ...] = ()
+    # prompt logprobs: the prompt tokens this chunk's rows predict (positions start_pos + 1 on, within the
+    # prompt); empty when they are not asked for
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -71,4 +74,8 @@ class ExecutorOutput:
     """What one step produced: the sampled token of every chunk that had `sample=True`."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # asked-for logprobs (`pdserve.model.logprobs`): per request, the sampled token's entry, and the entries
+    # of the prompt tokens its chunk predicted
+    logprobs: dict[str, list] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     step_s: float | None = None  # the step's modelled duration (the simulator); None: the engine measures it

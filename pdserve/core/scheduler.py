@@ -197,12 +197,18 @@ class Scheduler(KVReservations):
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if chunk.request_id in result.prompt_logprobs:  # (from the start again after a preemption)
+                if chunk.start_pos == 0:
+                    req.prompt_logprobs = [None]  # the first prompt token has no logprob
+                req.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 req.status = RequestStatus.DECODING
                 req.prefilled_s = req.prefilled_s or now
             if not chunk.sample:
                 continue
             req.append_output_token(result.sampled_token_ids[req.request_id])
+            if req.request_id in result.logprobs:
+                req.logprobs.append(result.logprobs[req.request_id])
             if req.prefill_only:  # the first token goes with the KV; the decode worker checks stops
                 self._finish(req, RequestStatus.FINISHED_PREFILLED)
                 finished.append(req)
@@ -283,7 +289,10 @@ class Scheduler(KVReservations):
             if req is None or (stop is not None and self.policy.sort_key(req) > stop):
                 break
             prefix = self.blocks.find_prefix(req.all_token_ids, req.request_id)
-            lower = self._tier_hit(prefix)
+            if req.sampling_params.prompt_logprobs is not None:  # every prompt token's logits are needed
+                prefix, lower = PrefixHit((), prefix.block_hashes, prefix.block_size), _NO_TIER_HIT
+            else:
+                lower = self._tier_hit(prefix)
             if lower.waiting:
                 break  # its prefix is being fetched from disk: it goes first once that is in host
             if self.window is not None:
@@ -350,7 +359,9 @@ class Scheduler(KVReservations):
             block_ids=self.blocks.block_ids(req.request_id),
             sample=start + n == req.num_tokens,
             sampling_params=req.sampling_params,
-            cold_slots=self.tiers.cold_slots(req.cold_hashes) if req.cold_hashes else ())
+            cold_slots=self.tiers.cold_slots(req.cold_hashes) if req.cold_hashes else (),
+            prompt_targets=tuple(req.prompt_token_ids[start + 1:start + n + 1])
+            if req.sampling_params.prompt_logprobs is not None else ())
 
     def _drop_cold(self, req: Request) -> None:
         if req.cold_hashes:

@@ -42,6 +42,10 @@ class RequestOutput:
     finished_s: float | None = None
     scheduled_s: float | None = None
     prefilled_s: float | None = None
+    # when asked for (`SamplingParams.logprobs` / `prompt_logprobs`), entries as `pdserve.model.logprobs`
+    # makes them: one per token of `token_ids`, and one per prompt token (the first: None)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -154,7 +158,9 @@ class LLMEngine:
         return RequestOutput(
             req.request_id, req.prompt_token_ids, req.output_token_ids, text, delta, req.is_finished,
             req.status.finish_reason, req.num_cached_prompt_tokens, req.arrival_s, req.first_token_s,
-            req.finished_s, req.scheduled_s, req.prefilled_s)
+            req.finished_s, req.scheduled_s, req.prefilled_s,
+            req.logprobs if req.sampling_params.logprobs is not None else None,
+            req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

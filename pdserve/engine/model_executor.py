@@ -17,6 +17,7 @@ from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
 from pdserve.kv.tier_io import build_tier_io
 from pdserve.model.config import ModelConfig
 from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
+from pdserve.model import logprobs
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_safetensors_dir, resolve_dtype
 from pdserve.model.sampler import Sampler
@@ -76,14 +77,32 @@ class ModelExecutor:
         if scheduled.is_empty:
             return ExecutorOutput()
         host_kv = self.kv_io.host.data if self.kv_io is not None else None
-        batch = build_input_batch(order_chunks(scheduled.chunks), self.layout, self.device, self.dtype, host_kv)
+        ordered = order_chunks(scheduled.chunks)
+        batch = build_input_batch(ordered, self.layout, self.device, self.dtype, host_kv)
         observer = self.layer_observer
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta,
                                     None if observer is None else lambda i: observer(scheduled, i))
+        out = ExecutorOutput(prompt_logprobs=self._prompt_logprobs(ordered, hidden))
         if not batch.sample_chunks:
-            return ExecutorOutput()
+            return out
         logits = self.model.logits(hidden[batch.sample_rows])
         ids = [c.request_id for c in batch.sample_chunks]
         tokens = self.sampler.sample(logits, ids, [c.sampling_params for c in batch.sample_chunks],
                                      [c.start_pos + c.num_tokens for c in batch.sample_chunks])
-        return ExecutorOutput(dict(zip(ids, tokens)))
+        out.sampled_token_ids.update(zip(ids, tokens))
+        for row, (c, token) in enumerate(zip(batch.sample_chunks, tokens)):
+            k = c.sampling_params.logprobs
+            if k is not None:
+                out.logprobs[c.request_id] = logprobs.entries(logits[row:row + 1], [token], k)[0]
+        return out
+
+    def _prompt_logprobs(self, ordered: list, hidden: torch.Tensor) -> dict[str, list]:
+        """The entries of the prompt tokens each chunk's rows predict, for the requests that asked."""
+        found, row = {}, 0
+        for c in ordered:
+            if c.prompt_targets:
+                found[c.request_id] = logprobs.prompt_entries(
+                    lambda rows: self.model.logits(hidden[rows.to(hidden.device)]), row, c.prompt_targets,
+                    c.sampling_params.prompt_logprobs)
+            row += c.num_tokens
+        return found

@@ -54,6 +54,7 @@ class Outbound:
     deadline_s: float = float("inf")  # predicted first consumption (monotonic clock)
     num_tokens: int = 0  # the prompt's
     first_token: int | None = None  # sampled here; sent with the closing record
+    logprobs: dict | None = None  # and its logprobs, the prompt's, when asked for ({"lp": ..., "plp": ...})
     rid: str = ""
 
     @property
@@ -239,12 +240,15 @@ class PrefillSide:
                 moved.append((rid, landing))
         return moved
 
-    def finish(self, request_id: str, prefilled: bool, first_token: int | None = None) -> str | None:
-        """Close the transfer of a request that ended here (`first_token`: what it sampled); the failure
-        message if delivery failed. A prefilled transfer with chunks still queued closes after the last."""
+    def finish(self, request_id: str, prefilled: bool, first_token: int | None = None,
+               logprobs: dict | None = None) -> str | None:
+        """Close the transfer of a request that ended here (`first_token`: what it sampled, `logprobs`: the
+        logprobs asked for); the failure message if delivery failed. A prefilled transfer with chunks still
+        queued closes after the last."""
         out = self.outbound.pop(request_id, None) or self.closing.pop(request_id, None)
         if out is None:
             return None
+        out.logprobs = logprobs
         if prefilled and not out.failed and self.outbox.queued(out.xfer):
             out.first_token, self.closing[request_id] = first_token, out
             return None
@@ -261,7 +265,7 @@ class PrefillSide:
         try:
             if prefilled and not out.failed:
                 self.sender.send_control(out.dest, {"kind": "done", "xfer": out.xfer, "num_chunks": out.num_chunks,
-                                                    "first_token": first_token})
+                                                    "first_token": first_token, "logprobs": out.logprobs})
             else:
                 self.sender.send_control(out.dest, {"kind": "fail", "xfer": out.xfer,
                                                     "reason": out.failed or "aborted"})

@@ -17,8 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.server.gateway import Gateway
+from pdserve.server.choices import Collected, Shape
 from pdserve.server.protocol import (ChatRequest, CompletionRequest, PrewarmRequest, chat_messages,
-                                     check_supported, completion_prompts, sampling_params)
+                                     check_supported, completion_prompts, logprobs_asked, sampling_params)
 
 
 def error_body(message: str, etype: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -169,9 +170,14 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
     async def completions(body: CompletionRequest, http: Request):
         _check_model(gateway, body.model)
         check_supported(body)
-        prompts = [gateway.encode(p) for p in completion_prompts(body.prompt)]
-        params = [sampling_params(body, gateway.max_tokens_for(p, body.max_tokens)) for p in prompts]
-        return await _respond(gateway, http, body, prompts, params, chat=False)
+        given = completion_prompts(body.prompt)
+        prompts = [gateway.encode(p) for p in given]
+        echo_only = body.echo and body.max_tokens == 0  # the prompt scored, nothing generated (one token run)
+        asked = 1 if echo_only else body.max_tokens
+        params = [sampling_params(body, gateway.max_tokens_for(p, asked)) for p in prompts]
+        shape = Shape(False, gateway.tokenizer, logprobs_asked(body), body.echo, echo_only,
+                      [p if isinstance(p, str) else gateway.tokenizer.decode(p) for p in given])
+        return await _respond(gateway, http, body, prompts, params, shape)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
@@ -180,7 +186,8 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
         prompt = gateway.tokenizer.encode_chat(chat_messages(body))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, gateway.max_tokens_for(prompt, requested))
-        return await _respond(gateway, http, body, [prompt], [params], chat=True)
+        return await _respond(gateway, http, body, [prompt], [params], Shape(True, gateway.tokenizer,
+                                                                              logprobs_asked(body)))
 
     @app.post("/v1/kv/prewarm")
     async def prewarm(body: PrewarmRequest):
@@ -207,9 +214,9 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
                                  param="model")
 
 
-async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat: bool):
+async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape: Shape):
     tier = gateway.conductor.tiers.resolve(body.service_tier, getattr(http.state, "key_tier", gateway.auto_tier))
-    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+    meta = {"id": ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": gateway.model_name, "service_tier": tier}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -218,26 +225,23 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, chat:
         # Admitted (or refused with a 4xx/5xx status) before the stream starts.
         flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier)
         http.scope.setdefault(ON_CUT, []).append(lambda: asyncio.ensure_future(gateway.conductor.abort(flight.rid)))
-        return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, chat, include_usage),
+        return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, shape, include_usage),
                                  media_type="text/event-stream")
     try:
-        results = await _collect_all(gateway, http, prompts, params, body.priority, tier)
+        results = await _collect_all(gateway, http, prompts, params, body.priority, tier, shape.echo_only)
     except _ClientGone:
         return Response(status_code=499)
-    choices, completion_tokens, cached = [], 0, 0
-    for index, (text, n, reason, hit) in enumerate(results):
-        completion_tokens += n
-        cached += hit
-        choices.append({"index": index, "finish_reason": reason, "logprobs": None,
-                        **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})})
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens, cached)}
+    choices = [shape.choice(i, r, prompts[i]) for i, r in enumerate(results)]
+    usage = _usage(sum(len(p) for p in prompts), sum(r.num_tokens for r in results), sum(r.cached for r in results))
+    return {**meta, "object": "chat.completion" if shape.chat else "text_completion", "choices": choices,
+            "usage": usage}
 
 
-async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int, tier: str):
+async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int, tier: str,
+                       echo_only: bool = False) -> list[Collected]:
     """Run every prompt to the end, unless the client leaves first: then their requests are aborted."""
-    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority, tier) for p, sp in zip(prompts, params)))
+    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority, tier, echo_only)
+                                for p, sp in zip(prompts, params)))
     watcher = asyncio.ensure_future(_wait_disconnect(http))
     try:
         done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -254,12 +258,17 @@ async def _wait_disconnect(http: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def _collect(gateway: Gateway, prompt, params, priority: int, tier: str):
-    text, n, reason, cached = [], 0, None, 0
+async def _collect(gateway: Gateway, prompt, params, priority: int, tier: str, echo_only: bool) -> Collected:
+    out = Collected()
     async for d in gateway.generate(prompt, params, priority, tier=tier):
-        text.append(d.text)
-        n, reason, cached = d.num_tokens, d.finish_reason, d.cached_tokens
-    return "".join(text), n, reason, cached
+        if d.prompt_logprobs is not None:
+            out.prompt_logprobs = d.prompt_logprobs
+        out.cached = d.cached_tokens
+        if echo_only:  # (its one generated token is not part of the answer)
+            out.reason = "length"
+            break
+        out.add(d)
+    return out
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
@@ -267,24 +276,32 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, chat: bool, include_usage: bool):
-    obj = "chat.completion.chunk" if chat else "text_completion"
+async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, shape: Shape, include_usage: bool):
+    obj = "chat.completion.chunk" if shape.chat else "text_completion"
 
-    def event(choice_delta: dict, reason: str | None, usage=None, choices=True) -> str:
-        payload = {**meta, "object": obj, "choices": [{"index": 0, **choice_delta, "logprobs": None,
+    def event(choice_delta: dict, reason: str | None, usage=None, choices=True, logprobs=None) -> str:
+        payload = {**meta, "object": obj, "choices": [{"index": 0, **choice_delta, "logprobs": logprobs,
                                                         "finish_reason": reason}] if choices else []}
         if include_usage:
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
 
-    if chat:
+    if shape.chat:
         yield event({"delta": {"role": "assistant", "content": ""}}, None)
-    n, cached = 0, 0
+    n, cached, stream = 0, 0, shape.stream()
     try:
         async for d in gateway.stream(flight, prompt, params):
-            n, cached = d.num_tokens, d.cached_tokens
-            if d.text or d.finished:
-                yield event({"delta": {"content": d.text}} if chat else {"text": d.text}, d.finish_reason)
+            cached = d.cached_tokens
+            if shape.echo and d.num_tokens == 1:  # the prompt first, with its logprobs when asked for
+                yield event({"text": shape.prompt_texts[0]}, "length" if shape.echo_only else None,
+                            logprobs=stream.prompt(prompt, d.prompt_logprobs))
+            if shape.echo_only:
+                break
+            n = d.num_tokens
+            logprobs = stream.token(d)
+            if d.text or d.finished or logprobs is not None:
+                yield event({"delta": {"content": d.text}} if shape.chat else {"text": d.text}, d.finish_reason,
+                            logprobs=logprobs)
     except PdserveError as e:
         yield f"data: {json.dumps(error_body(e.message, e.error_type, e.param, e.code))}\n\n"
     if include_usage:

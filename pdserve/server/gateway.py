@@ -46,6 +46,9 @@ class Delta:
     finished: bool
     finish_reason: str | None
     cached_tokens: int
+    token_id: int | None = None  # the token this delta is for
+    logprob: list | None = None  # its logprobs entry, when asked for (`pdserve.model.logprobs`)
+    prompt_logprobs: list | None = None  # with the first delta, when asked for: one entry per prompt token
 
 
 class Gateway:
@@ -151,7 +154,8 @@ class Gateway:
                 stopped = detok.push([item["t"]])
                 finished = stopped or bool(item["fin"])
                 reason = "stop" if stopped else item["fin"]
-                yield Delta(detok.take_new_text(final=finished), count, finished, reason, cached)
+                yield Delta(detok.take_new_text(final=finished), count, finished, reason, cached, item["t"],
+                            item.get("lp"), item.get("plp") if count == 1 else None)
             self.metrics.e2e.observe(time.monotonic() - arrival)
             self.metrics.requests.labels(finish_reason=reason, service_tier=tier).inc()
         finally:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.errors import InvalidRequestError
 
 
@@ -56,6 +56,7 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
 
 
 class PrewarmRequest(BaseModel):
@@ -73,17 +74,38 @@ def check_supported(req: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise InvalidRequestError(f"{name} is not supported", param=name)
-    if req.logprobs:
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
+    logprobs_asked(req)
+
+
+def logprobs_asked(req: _Common) -> int | None:
+    """The alternatives per token a request asks for (None: no logprobs): completions' `logprobs: k`, chat's
+    `logprobs: true` with `top_logprobs: k`; 400 for anything else."""
+    bound = f"an integer in [0, {MAX_LOGPROBS}]"
+    if isinstance(req, ChatRequest):
+        if req.logprobs is not None and not isinstance(req.logprobs, bool):
+            raise InvalidRequestError("logprobs must be a boolean for chat completions", param="logprobs")
+        k = req.top_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"top_logprobs must be {bound}, got {k!r}", param="top_logprobs")
+        if k and not req.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (k or 0) if req.logprobs else None
+    k = req.logprobs
+    if k is None:
+        return None
+    if isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be {bound}, got {k!r}", param="logprobs")
+    return k
 
 
 def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
+    k = logprobs_asked(req)
+    echo = isinstance(req, CompletionRequest) and req.echo
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, max_tokens=max_tokens,
-        stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), seed=req.seed, ignore_eos=req.ignore_eos)
+        stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), seed=req.seed, ignore_eos=req.ignore_eos,
+        logprobs=k, prompt_logprobs=k if echo else None)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

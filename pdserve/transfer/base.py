@@ -16,7 +16,8 @@ and verifies the checksum over what it wrote before the chunk counts. Meta dicts
 
     chunk: {"kind": "chunk", "xfer": str, "layer": int, "first": int (block-table index of the first block),
             "count": int}                 (the receiver adds "nbytes" and "checksum" from the prefix)
-    done:  {"kind": "done", "xfer": str, "num_chunks": int, "first_token": int (what the prefill sampled)}
+    done:  {"kind": "done", "xfer": str, "num_chunks": int, "first_token": int (what the prefill sampled),
+           "logprobs": {"lp": entry, "plp": [entry | None, ...]} | None (when the request asked)}
     fail:  {"kind": "fail", "xfer": str, "reason": str}   (the sender gave up)
     alive: {"kind": "alive", "xfer": str}   (the sender holds the transfer, queued or producing: the
                                              receiver's lease starts over; sent at least every third of it)

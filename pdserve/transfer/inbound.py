@@ -32,6 +32,7 @@ class Inbound:
     num_chunks: int = 0
     num_bytes: int = 0
     first_token: int | None = None  # sampled by the prefill worker, from its `done`
+    logprobs: dict | None = None  # its logprobs and the prompt's, when asked for (`done`'s "logprobs")
     _masks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -122,6 +123,8 @@ class InboundTransfers:
         ok = (inbound.complete and header.get("num_chunks") == inbound.num_chunks and isinstance(token, int)
               and 0 <= token < vocab_size)
         inbound.first_token = token if ok else None
+        extra = header.get("logprobs")
+        inbound.logprobs = extra if ok and isinstance(extra, dict) else None
         self._end(inbound, TransferState.COMPLETED if ok else TransferState.FAILED_INCOMPLETE)
 
     def fail(self, xfer: str, state: TransferState) -> None:
