@@ -130,3 +130,33 @@ def _wait(predicate, timeout_s: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
+
+
+def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_path):
+    # colocated: the survivor adopts the dead worker's checkpoint (its disk files) and computes the rest itself
+    server = Server("--mode", "colocated", "--instances", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S),
+                    "--kv-disk-dir", str(tmp_path / "kv"), "--kv-checkpoint-tokens", "16")
+    try:
+        reqs = _requests()
+
+        async def run(kill: bool) -> list[str]:
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            started = [asyncio.Event() for _ in reqs]
+            tasks = [asyncio.create_task(_stream(client, r, e, after=20)) for r, e in zip(reqs, started)]
+            if kill:
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+                await asyncio.sleep(0.6)  # a stats report: the checkpoints of the first 16-token blocks
+                os.kill(server.worker_pid("colocated-0"), signal.SIGKILL)
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                await client.close()
+
+        reference = asyncio.run(run(kill=False))
+        assert asyncio.run(run(kill=True)) == reference
+        time.sleep(0.3)
+        assert server.metric("pdserve_worker_deaths_total", worker="colocated-0") == 1
+        assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="checkpoint") >= 1
+        assert server.metric("pdserve_fallbacks_total", kind="kv_checkpoint_missing") == 0
+    finally:
+        server.stop()
