@@ -506,6 +506,7 @@ def part_bandwidth(args) -> dict:
     import xxhash
 
     from pdserve.core.kv_tiers import KVLoad, KVOp
+    from pdserve.kv.codec import KVCodec
     from pdserve.kv.device_pool import DeviceKVPool
     from pdserve.kv.disk_store import DiskKVStore
     from pdserve.kv.host_store import HostKVStore
@@ -518,7 +519,7 @@ def part_bandwidth(args) -> dict:
     total = n * BLOCK_BYTES
     print(f"\n[bandwidth] {n} blocks x {BLOCK_BYTES} B = {total / 1e6:.0f} MB per pass, ops of {batch} blocks, "
           f"{reps} timed passes, torch threads {torch.get_num_threads()}", flush=True)
-    pool = DeviceKVPool(_Config(), n, BLOCK, torch.float32, torch.device("cpu"))
+    pool = DeviceKVPool(_Config(), n, BLOCK, KVCodec("auto", HEAD_DIM, torch.float32), torch.device("cpu"))
     for layer in pool.layers:
         layer.normal_()
     host = HostKVStore(n, LAYERS, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)

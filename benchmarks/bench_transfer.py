@@ -51,9 +51,11 @@ def _pool(num_blocks: int, shared: bool = False):
     """A KV pool like the workers' (the prefill worker's in shared memory), filled with random values."""
     import torch
 
+    from pdserve.kv.codec import KVCodec
     from pdserve.kv.device_pool import DeviceKVPool
     torch.set_num_threads(1)
-    pool = DeviceKVPool(_Config(), num_blocks, BLOCK, torch.float32, torch.device("cpu"), shared=shared)
+    pool = DeviceKVPool(_Config(), num_blocks, BLOCK, KVCodec("auto", HEAD_DIM, torch.float32), torch.device("cpu"),
+                        shared=shared)
     for layer in pool.layers:
         layer.normal_()
     return pool

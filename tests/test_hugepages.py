@@ -39,10 +39,12 @@ def test_arena_pieces_are_aligned_disjoint_and_outlive_the_arena():
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 def test_cpu_kv_pool_is_on_huge_page_mappings():
+    from pdserve.kv.codec import KVCodec
     from pdserve.kv.device_pool import DeviceKVPool
     from pdserve.model.config import ModelConfig
     cfg = ModelConfig(family="llama", vocab_size=10, hidden_size=64, intermediate_size=8, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
                       tie_word_embeddings=True)
-    pool = DeviceKVPool(cfg, num_blocks=4096, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    pool = DeviceKVPool(cfg, num_blocks=4096, block_size=16,
+                        codec=KVCodec("auto", 16, torch.float32), device=torch.device("cpu"))
     assert all(t.data_ptr() % HUGE_PAGE == 0 and (t == 0).all() for t in pool.layers)

@@ -13,6 +13,9 @@ class EngineConfig:
     """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    kv_cache_dtype: str = "auto"
+    """KV cache codec: auto (the model dtype), fp16, bf16, fp8_e4m3, int8 or int4 (scales per token and head,
+    inside each block; the pool, delivery and the host and disk tiers hold the coded blocks)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_gb: float = 2.0
@@ -66,6 +69,8 @@ class EngineConfig:
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
         self._check_tiers()
+        from pdserve.core.kv_codecs import check
+        check(self.kv_cache_dtype)
 
     def _check_tiers(self) -> None:
         from pdserve.core.kv_meta import EVICTION_POLICIES

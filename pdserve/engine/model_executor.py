@@ -13,6 +13,7 @@ import torch
 from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidRequestError
+from pdserve.kv.codec import KVCodec
 from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
 from pdserve.kv.tier_io import build_tier_io
 from pdserve.model.config import ModelConfig
@@ -30,6 +31,7 @@ class ExecutorInfo:
     max_model_len: int
     dtype: str
     device: str
+    kv_cache_dtype: str = "auto"
 
 
 def pick_device(name: str) -> torch.device:
@@ -53,12 +55,13 @@ class ModelExecutor:
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = LlamaModel(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
                                 max_positions=max_len)
+        self.codec = KVCodec(config.kv_cache_dtype, model_config.head_dim, self.dtype)
         num_blocks = config.num_kv_blocks or blocks_for_budget(
-            model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.dtype)
-        self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.dtype, self.device,
+            model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.codec)
+        self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.codec, self.device,
                                     shared=shared_kv)
         # host and disk tiers below the pool (`worker` names this worker's folder in the disk tier)
-        self.kv_io = build_tier_io(config, model_config, model_dir, self.kv_pool.layers, self.dtype, worker)
+        self.kv_io = build_tier_io(config, model_config, model_dir, self.kv_pool.layers, self.codec, worker)
         if self.kv_io is not None:  # its thread (and the host tier's memory) ends with this executor
             weakref.finalize(self, self.kv_io.close)
         self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
@@ -67,7 +70,7 @@ class ModelExecutor:
         # (a prefill worker delivers it from there while the next layers compute).
         self.layer_observer: Callable[[SchedulerOutput, int], None] | None = None
         self.info = ExecutorInfo(num_blocks, config.block_size, max_len, str(self.dtype).removeprefix("torch."),
-                                 str(self.device))
+                                 str(self.device), self.codec.name)
 
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         for request_id in scheduled.finished_request_ids:
@@ -78,7 +81,7 @@ class ModelExecutor:
             return ExecutorOutput()
         host_kv = self.kv_io.host.data if self.kv_io is not None else None
         ordered = order_chunks(scheduled.chunks)
-        batch = build_input_batch(ordered, self.layout, self.device, self.dtype, host_kv)
+        batch = build_input_batch(ordered, self.layout, self.device, self.dtype, host_kv, self.codec)
         observer = self.layer_observer
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta,
                                     None if observer is None else lambda i: observer(scheduled, i))

@@ -8,19 +8,21 @@ import os
 
 import torch
 
+from pdserve.kv.codec import KVCodec
 from pdserve.model.config import ModelConfig
 from pdserve.model.hugepages import huge_zeros
 from pdserve.paging import Populating
 
 
-def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
-    """How many blocks of `block_size` tokens fit in `budget_bytes` for this model."""
-    per_block = config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size
+def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, codec: KVCodec) -> int:
+    """How many blocks of `block_size` tokens fit in `budget_bytes` for this model in `codec`."""
+    per_block = 2 * config.num_layers * config.num_kv_heads * codec.token_bytes * block_size
     return max(budget_bytes // per_block, 1)
 
 
 class DeviceKVPool:
-    """One tensor per layer, `[2 (k|v), num_kv_heads, num_blocks, block_size, head_dim]`.
+    """One tensor per layer, `[2 (k|v), num_kv_heads, num_blocks, block_size, head_dim]` in the model dtype, or
+    `[..., block_size, token_bytes]` uint8 token records of a coded KV (`pdserve.kv.codec`).
 
     Slot s = block_id * block_size + offset. Memory is allocated with `torch.zeros` so on CPU
     untouched pages cost nothing until used.
@@ -31,11 +33,12 @@ class DeviceKVPool:
     process mapping it does; nothing is left in /dev/shm by a crash.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, codec: KVCodec,
                  device: torch.device, shared: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        dtype = codec.storage
+        shape = (2, config.num_kv_heads, num_blocks, block_size, codec.width)
         self.handle: str | None = None
         self.prefault: Populating | None = None
         self.shared_buffer: mmap.mmap | None = None

@@ -123,19 +123,21 @@ class TierIO:
         return {}
 
 
-def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor], dtype: torch.dtype,
+def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor], codec,
                   worker: str) -> TierIO | None:
-    """The host (and disk) tiers `config` asks for, around the device pool `layers`; None without a host tier."""
+    """The host (and disk) tiers `config` asks for, around the device pool `layers` (whose blocks are in
+    `codec`, a KVCodec: the tiers hold them as they are); None without a host tier."""
     if not config.kv_host_gb:
         return None
-    block_bytes = model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+    block_bytes = 2 * model_config.num_layers * model_config.num_kv_heads * codec.token_bytes * config.block_size
     num_slots = max(int(config.kv_host_gb * 2**30) // block_bytes, 1)
     host = HostKVStore(num_slots, model_config.num_layers, model_config.num_kv_heads, config.block_size,
-                       model_config.head_dim, dtype, pin=layers[0].device.type == "cuda")
+                       codec.width, codec.storage, pin=layers[0].device.type == "cuda")
     disk, disk_blocks = None, 0
     if config.kv_disk_dir:
         from pdserve.kv.disk_store import HEADER, model_identity
-        identity = model_identity(model_dir, str(dtype).removeprefix("torch."), config.block_size, "L2HBD")
+        kind = str(codec.model_dtype).removeprefix("torch.") if codec.name == "auto" else codec.name
+        identity = model_identity(model_dir, kind, config.block_size, "L2HBD")
         disk = DiskKVStore(config.kv_disk_dir, identity, worker, host.slot_nbytes)
         disk_blocks = max(int(config.kv_disk_gb * 2**30) // (block_bytes + HEADER.size), 1)
     return TierIO(layers, host, disk, disk_blocks)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kv.codec import KVCodec
 from pdserve.model import kernels
 from pdserve.model.rope import RotaryEmbedding
 
@@ -42,6 +43,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     decode_lens: torch.Tensor | None = None  # [B] int64 context length of each decode (for the kernel)
     host_kv: torch.Tensor | None = None  # the host tier [slots, layers, 2, Hkv, bs, D] (long contexts)
+    codec: KVCodec | None = None  # the pool's KV codec when it is not `auto` (caches hold token records)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,9 +55,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_rows: torch.Tensor, num_heads: int, num_kv: int):
+                  v_cache: torch.Tensor, slot_rows: torch.Tensor, num_heads: int, num_kv: int,
+                  codec: KVCodec | None = None):
     """qkv: [T, (H + 2 Hkv) * D]; cos, sin: [T, 1, D]. Applies the rotary embedding to q and k, writes k
-    and v into the cache -> q [T, H, D], k, v [T, Hkv, D]."""
+    and v into the cache -> q [T, H, D], k, v [T, Hkv, D] (through `codec`: k and v as the cache holds them)."""
+    if codec is not None:
+        return _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads, num_kv, codec)
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     v = qkv[:, (num_heads + num_kv) * d:].view(t, num_kv, d)
@@ -72,10 +77,41 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q, k, v
 
 
-def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[Hkv, num_blocks, bs, D] cache, block rows [Hkv * N] -> [Hkv, N * bs, D] (N blocks per head)."""
-    num_kv, _, block_size, d = cache.shape
-    return cache.view(-1, block_size * d).index_select(0, rows).view(num_kv, -1, d)
+def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int, codec: KVCodec):
+    """rope_write_kv into a coded pool: q and k rotated, k and v encoded into their token records (the
+    kernels, else torch), and returned decoded from those records."""
+    t, d = qkv.shape[0], codec.head_dim
+    rows_k, rows_v = qkv.new_empty(num_kv * t, d), qkv.new_empty(num_kv * t, d)  # [Hkv * T, D]: slot_rows' order
+    if kernels.usable(qkv, cos, sin) and kernels.usable_coded(codec, k_cache, v_cache):
+        kernels.used("rope_write_kv", "kernel")
+        q, k = qkv.new_empty(t, num_heads, d), qkv.new_empty(t, num_kv, d)
+        kernels.rope_write_kv(qkv, cos, sin, q, k, rows_k, rows_v, torch.arange(num_kv * t))
+        kernels.used("kv_encode", "kernel")
+        k_out, v_out = torch.empty_like(rows_k), torch.empty_like(rows_v)
+        kernels.kv_encode(codec, rows_k, k_cache, slot_rows, k_out)
+        kernels.kv_encode(codec, rows_v, v_cache, slot_rows, v_out)
+    else:
+        kernels.used("rope_write_kv", "torch")
+        kernels.used("kv_encode", "torch")
+        qk = RotaryEmbedding.apply(qkv[:, :(num_heads + num_kv) * d].view(t, -1, d), cos, sin)
+        q, k = qk.split([num_heads, num_kv], dim=1)
+        rows_k.copy_(k.transpose(0, 1).reshape(-1, d))
+        rows_v.copy_(qkv[:, (num_heads + num_kv) * d:].reshape(t, num_kv, d).transpose(0, 1).reshape(-1, d))
+        outs = []
+        for rows, cache in ((rows_k, k_cache), (rows_v, v_cache)):
+            records = codec.encode(rows)
+            cache.view(-1, codec.width).index_copy_(0, slot_rows, records)
+            outs.append(codec.decode(records).to(qkv.dtype))
+        k_out, v_out = outs
+    return q.contiguous(), k_out.view(num_kv, t, d).transpose(0, 1), v_out.view(num_kv, t, d).transpose(0, 1)
+
+
+def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor, codec: KVCodec | None = None) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] cache, block rows [Hkv * N] -> [Hkv, N * bs, D] (N blocks per head); a coded
+    cache's records are decoded (fp32)."""
+    num_kv, _, block_size, width = cache.shape
+    blocks = cache.view(-1, block_size * width).index_select(0, rows).view(num_kv, -1, width)
+    return blocks if codec is None else codec.decode(blocks)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -85,7 +121,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         b = meta.num_decodes
-        if meta.decode_lens is not None and kernels.usable(q, k_cache, v_cache, out):
+        if meta.codec is not None and meta.decode_lens is not None and \
+                kernels.usable_coded(meta.codec, q, k_cache, v_cache, out):
+            kernels.used("decode_attention", f"kernel_{meta.codec.name}")
+            kernels.decode_attention_coded(meta.codec, q[:b], k_cache, v_cache, meta.decode_rows, meta.decode_lens,
+                                           out[:b], scale)
+        elif meta.codec is None and meta.decode_lens is not None and kernels.usable(q, k_cache, v_cache, out):
             kernels.used("decode_attention", "kernel")
             kernels.decode_attention(q[:b], k_cache, v_cache, meta.decode_rows, meta.decode_lens, out[:b], scale)
         else:
@@ -94,8 +135,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in meta.prefills:
         kernels.used("prefill_attention", "torch_sdpa")
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        cold = None if chunk.cold_slots is None else _cold_kv(meta.host_kv, chunk.cold_slots, layer, q.device)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, cold)
+        cold = None if chunk.cold_slots is None else \
+            _cold_kv(meta.host_kv, chunk.cold_slots, layer, q.device, meta.codec)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, cold, meta.codec)
     return out
 
 
@@ -103,8 +145,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[0]
-    keys = _gather_blocks(k_cache, meta.decode_rows).view(num_kv, b, -1, head_dim)  # [Hkv, B, L, D]
-    values = _gather_blocks(v_cache, meta.decode_rows).view(num_kv, b, -1, head_dim)
+    keys = _gather_blocks(k_cache, meta.decode_rows, meta.codec).to(q.dtype).view(num_kv, b, -1, head_dim)
+    values = _gather_blocks(v_cache, meta.decode_rows, meta.codec).to(q.dtype).view(num_kv, b, -1, head_dim)
     # Group query heads by their KV head so GQA needs no repeat: q [Hkv, B, G, D] @ k^T [Hkv, B, D, L]
     qg = q.view(b, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale + meta.decode_bias  # [Hkv, B, G, L]
@@ -112,27 +154,31 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return torch.matmul(probs, values).transpose(0, 1)  # [B, Hkv, G, D]
 
 
-def _cold_kv(host_kv: torch.Tensor, slots: torch.Tensor, layer: int, device: torch.device):
+def _cold_kv(host_kv: torch.Tensor, slots: torch.Tensor, layer: int, device: torch.device,
+             codec: KVCodec | None = None):
     """One layer's K and V of a long context's oldest blocks, from the host tier: [Hkv, n * bs, D] each.
     Read layer by layer, right before that layer's attention, so the device holds one layer of them at once."""
     blocks = host_kv[slots, layer].to(device, non_blocking=True)  # [n, 2, Hkv, bs, D]
-    n, _, num_kv, bs, d = blocks.shape
-    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, num_kv, n * bs, d)
+    n, _, num_kv, bs, width = blocks.shape
+    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, num_kv, n * bs, width)
     kernels.used("cold_kv", "host_tier")
+    if codec is not None:
+        kv = codec.decode(kv)
     return kv[0], kv[1]
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float, cold=None) -> torch.Tensor:
+                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float, cold=None,
+                       codec: KVCodec | None = None) -> torch.Tensor:
     # SDPA wants [1, H, S, D]
     qh = q.transpose(0, 1).unsqueeze(0)
     if chunk.kv_rows is not None:  # earlier context lives in the cache: read it all back
         ctx = chunk.start_pos + chunk.q_len
-        kh = _gather_blocks(k_cache, chunk.kv_rows)
-        vh = _gather_blocks(v_cache, chunk.kv_rows)
+        kh = _gather_blocks(k_cache, chunk.kv_rows, codec)
+        vh = _gather_blocks(v_cache, chunk.kv_rows, codec)
         if cold is not None:  # the oldest blocks come from the host tier
             kh, vh = torch.cat([cold[0], kh], dim=1), torch.cat([cold[1], vh], dim=1)
-        kh, vh = kh[:, :ctx].unsqueeze(0), vh[:, :ctx].unsqueeze(0)
+        kh, vh = kh[:, :ctx].unsqueeze(0).to(q.dtype), vh[:, :ctx].unsqueeze(0).to(q.dtype)
     else:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(

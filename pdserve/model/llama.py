@@ -84,7 +84,7 @@ class LlamaModel:
             # CPU fp32: compiled kernels for everything but the four matmuls (counted torch fallback else)
             h = kernels.add_rms_norm(x, None, layer.attn_norm, cfg.rms_norm_eps)
             q, k, v = rope_write_kv(layer.qkv(h), cos, sin, cache[0], cache[1], meta.slot_rows, cfg.num_heads,
-                                    cfg.num_kv_heads)
+                                    cfg.num_kv_heads, meta.codec)
             if layer_done is not None:
                 layer_done(i)
             attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, i))

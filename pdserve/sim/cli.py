@@ -43,6 +43,10 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="h100", help="a100-80g | a800 | h100 | h200 | l40s")
     p.add_argument("--time-model", default="roofline", help="roofline | fitted:PATH.json")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache codec, as `pdserve serve --kv-cache-dtype`: auto (the model's dtype) | fp16 | "
+                        "bf16 | fp8_e4m3 | int8 | int4; sizes the KV pool, link and tier bytes and adds the "
+                        "codec's dequant cost to attention's KV reads")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: what fits)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--prefill-budget", type=int, default=8192, help="token budget per prefill step")
@@ -133,7 +137,7 @@ def run_spec(args, spec, workloads: list, rates: list, label: str):
     from pdserve.sim.report import SimResult, add_run
     from pdserve.sim.timemodel import make_time_model
 
-    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    model, gpu = get_model(args.model, args.kv_cache_dtype), get_gpu(args.gpu)
     time_model = make_time_model(args.time_model, model, gpu, spec.tp)
     price = args.price_per_gpu_hour if args.price_per_gpu_hour is not None else gpu.price_per_hour
     mix, _ = tier_flags(args)
@@ -142,7 +146,7 @@ def run_spec(args, spec, workloads: list, rates: list, label: str):
                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                        workload_description=workloads[0].description,
                        cluster={**vars(spec), "gpu": gpu.name, "num_gpus": spec.num_gpus,
-                                "time_model": args.time_model})
+                                "time_model": args.time_model, **kv_cache_info(model, gpu, spec, time_model)})
     for i, (rate, wl) in enumerate(zip(rates, workloads)):
         with Progress(TextColumn(f"{label} rate {rate or '-'}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), disable=args.no_progress) as bar:
@@ -154,6 +158,22 @@ def run_spec(args, spec, workloads: list, rates: list, label: str):
             bar.update(task, completed=len(wl))
         add_run(result, rate, run, spec.num_gpus, price)
     return result
+
+
+def kv_cache_info(model, gpu, spec, time_model) -> dict:
+    """What the KV codec makes of the cluster: bytes per token, blocks per engine, the fitted model's scaling."""
+    from pdserve.sim.hardware import kv_pool_blocks
+    info = {"kv_cache_dtype": model.kv_cache_dtype, "kv_bytes_per_token": model.kv_bytes_per_token,
+            "kv_dequant_overhead": model.kv_dequant_overhead,
+            "kv_pool_blocks": spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size)}
+    scaling = getattr(time_model, "meta", {}).get("kv_codec_scaling")
+    return {**info, "time_model_kv_scaling": scaling} if scaling else info
+
+
+def check_kv_cache_dtype(args) -> None:
+    """A bad --kv-cache-dtype fails before any work, in one line."""
+    from pdserve.core.kv_codecs import check
+    check(args.kv_cache_dtype)
 
 
 def _workloads(args):
@@ -168,6 +188,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from pdserve.bench.tier_mix import tier_flags
     tier_flags(args)  # bad tier flags fail before any work
+    check_kv_cache_dtype(args)
     rates, workloads = _workloads(args)
     spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)
     label = args.label or (Path(args.output).name if args.output else f"{args.mode} {spec.num_gpus}x{args.gpu}")
@@ -181,6 +202,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.sim.plan import plan
+    check_kv_cache_dtype(args)
     return plan(args)
 
 

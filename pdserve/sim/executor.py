@@ -43,4 +43,4 @@ class SimExecutor:
         if self.history is not None:
             self.history.append(scheduled)
         token = self.token_id
-        return ExecutorOutput({c.request_id: token for c in scheduled.chunks if c.sample}, self.last_duration)
+        return ExecutorOutput({c.request_id: token for c in scheduled.chunks if c.sample}, step_s=self.last_duration)

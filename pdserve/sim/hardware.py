@@ -6,15 +6,17 @@ bandwidth (`mbu`) a good serving engine reaches. The KV tiers below the device p
 GPU's host link and the node's NVMe drives (`host_link_bw`, `disk_read_bw`, `disk_write_bw`; sources and
 assumptions next to the table). Prices are indicative on-demand cloud rates in USD per GPU-hour; pass your
 own with `--price-per-gpu-hour`. Model presets hold only what the time model needs; any Hugging Face
-`config.json` path works too.
+`config.json` path works too. A model's `kv_cache_dtype` (`pdserve.core.kv_codecs`, `auto` = the weights'
+dtype) sizes its KV bytes per token, hence the device pool, the KV link and the host/disk tier blocks.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pdserve.core import kv_codecs
 from pdserve.errors import InvalidRequestError
 
 GB = 1e9
@@ -69,8 +71,12 @@ class ModelSpec:
     vocab: int
     head_dim: int = 0  # 0: hidden // num_heads
     tied_embeddings: bool = False
-    dtype_bytes: int = 2  # bf16 weights and KV
+    dtype_bytes: int = 2  # bf16 weights (and KV under kv_cache_dtype auto)
     max_model_len: int = 131072
+    kv_cache_dtype: str = "auto"  # a `pdserve.core.kv_codecs` name: how the KV pool, links and tiers code KV
+
+    def __post_init__(self) -> None:
+        kv_codecs.token_bytes(self.kv_cache_dtype, self.hd, self.dtype_bytes)  # a bad name or head size: one line
 
     @property
     def hd(self) -> int:
@@ -88,7 +94,14 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.hd * self.dtype_bytes
+        """K and V of one token, every layer and KV head, coded in `kv_cache_dtype` (scales included)."""
+        return kv_codecs.kv_bytes_per_token(self.kv_cache_dtype, self.num_layers, self.num_kv_heads, self.hd,
+                                            self.dtype_bytes)
+
+    @property
+    def kv_dequant_overhead(self) -> float:
+        """Decoding the KV codes, as a share of the time attention takes to read their bytes."""
+        return kv_codecs.CODECS[self.kv_cache_dtype].dequant_overhead
 
     @property
     def weight_bytes(self) -> int:
@@ -111,16 +124,19 @@ def get_gpu(name: str) -> GPUSpec:
     return GPUS[key]
 
 
-def get_model(name: str) -> ModelSpec:
-    """A preset by name, or a Hugging Face `config.json` (or the directory holding it)."""
+def get_model(name: str, kv_cache_dtype: str = "auto") -> ModelSpec:
+    """A preset by name, or a Hugging Face `config.json` (or the directory holding it), its KV coded in
+    `kv_cache_dtype`."""
+    kv_codecs.check(kv_cache_dtype)
     if name.lower() in MODELS:
-        return MODELS[name.lower()]
+        return replace(MODELS[name.lower()], kv_cache_dtype=kv_cache_dtype)
     path = Path(name)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise InvalidRequestError(f"unknown model {name!r}: not a preset ({', '.join(sorted(MODELS))}) "
                                   "nor a config.json path", param="model")
-    return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or name)
+    model = model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or name)
+    return replace(model, kv_cache_dtype=kv_cache_dtype)
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_dtype: its weights' and KV's bytes

@@ -4,7 +4,7 @@ Candidates are every TP degree in `--tp-options` that fits the model, and for ea
 engine count whose GPUs fit in `--gpus` (plus colocated deployments with `--include-colocated`). They are
 simulated cheapest first (fewest GPUs; at equal cost, more decode engines first); the first one whose SLO
 attainment reaches `--attainment` wins, and its simulated evidence is printed. A rate sweep (`--rates`)
-requires every swept rate to pass.
+requires every swept rate to pass. `--kv-cache-dtype` codes every candidate's KV (pool, links, tiers).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pdserve.sim.hardware import get_gpu, get_model, kv_pool_blocks
 
 def candidates(args) -> list[tuple[str, int, int, int]]:
     """(mode, tp, prefill engines, decode or colocated engines), cheapest first."""
-    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    model, gpu = get_model(args.model, getattr(args, "kv_cache_dtype", "auto")), get_gpu(args.gpu)
     out = []
     for tp in sorted({int(t) for t in args.tp_options.split(",") if t.strip()}):
         try:

@@ -169,7 +169,25 @@ def print_sim_table(result: SimResult, console: Console | None = None) -> None:
                       "-" if usd is None else f"{usd:.4f}", f"{s['simulator']['speedup']:.0f}x")
     console = console or Console(width=max(Console().width, 120))
     console.print(table)
+    line = kv_cache_line(result.cluster)
+    if line:
+        console.print(line)
     console.print(_tier_table(result))
+
+
+def kv_cache_line(cluster: dict) -> str | None:
+    """One line on the KV codec: bytes per token, pool blocks per engine, any fitted-model scaling."""
+    if "kv_cache_dtype" not in cluster:
+        return None
+    blocks, bs = cluster["kv_pool_blocks"], cluster.get("block_size", 0)
+    line = (f"KV cache {cluster['kv_cache_dtype']}: {cluster['kv_bytes_per_token']} bytes/token, "
+            f"{blocks} blocks ({blocks * bs} tokens) per engine, dequant +{cluster['kv_dequant_overhead']:.0%} "
+            "of KV reads")
+    scaling = cluster.get("time_model_kv_scaling")
+    if scaling:
+        line += (f"; fitted time model measured with {scaling['measured']}: decode context term x"
+                 f"{scaling['decode_context_scale']:.3f}, prefill terms unscaled")
+    return line
 
 
 def _gb(n: float) -> str:

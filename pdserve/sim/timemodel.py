@@ -7,7 +7,9 @@ over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
 * `RooflineTimeModel`: per step, max(FLOPs / reachable FLOP/s, bytes / reachable bandwidth) over `tp` GPUs,
   plus the tensor-parallel all-reduces. FLOPs: 2 x weights x tokens (linear layers), 4 x layers x q-width x
   attended token pairs (attention), 2 x vocab x hidden per sampled row (lm head). Bytes: weights once, KV of
-  the attended context read, new KV written.
+  the attended context read, new KV written, all KV at the model's `kv_cache_dtype` size (scales included);
+  decoding the codes costs the codec's `dequant_overhead` share of the KV-read term (read bytes x (1 + it)),
+  the weights and the KV writes none.
 * `FittedTimeModel`: DistServe's form, fitted to measurements of the real engine:
   prefill `a + b * sum(tokens) + c * sum(tokens^2)`, decode `a + b * sum(context) + c * batch`.
   A mixed batch (colocated chunked prefill) costs the prefill part plus the decode part without its `a`.
@@ -17,18 +19,23 @@ over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
   `benchmarks/bench_fidelity.py` measures the table on the idle real server). JSON: `"wake": [[gap_s, extra_s]]`,
   and optionally `"wake_decode"` for pure decode steps (else they use `wake` too).
   Coefficients live in JSON (see `FittedTimeModel.to_json`); `fit_time_model` fits them with least squares.
+  KV codecs (`fitted_for_codec`): the fit was measured with one KV dtype (its JSON's `kv_cache_dtype`, else
+  `auto`); simulating another scales the one term that reads cached KV, the decode context term `b`, by the
+  ratio of the codecs' bytes per token and of their (1 + dequant_overhead). The prefill terms stay as
+  measured: their form has no cached-KV term (the quadratic term is attention compute over the chunk).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from pdserve.core.schedule import SchedulerOutput
+from pdserve.core import kv_codecs
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.hardware import GPUSpec, ModelSpec
 
@@ -89,7 +96,9 @@ class RooflineTimeModel:
         self._flops_s = tp * gpu.bf16_flops * gpu.mfu
         self._bytes_s = tp * gpu.mem_bw * gpu.mbu
         self._weight_bytes = m.weight_bytes
-        self._kv_token_bytes = m.kv_bytes_per_token
+        self._kv_token_bytes = m.kv_bytes_per_token  # written per new token
+        dq = m.kv_dequant_overhead  # read per attended key, decoding the codes included (auto: exact ints)
+        self._kv_read_bytes = self._kv_token_bytes * (1.0 + dq) if dq else self._kv_token_bytes
         allreduces = 2 * m.num_layers if tp > 1 else 0  # two per layer (attention out, MLP out)
         self._comm = allreduces * (2 * (tp - 1) / tp) * m.hidden * m.dtype_bytes / gpu.nvlink_bw
         self._fixed_s = overhead_s + allreduces * ALLREDUCE_LATENCY_S
@@ -100,7 +109,8 @@ class RooflineTimeModel:
             return 0.0
         flops = (self._linear_flops * tokens + self._attn_flops * (shape.prefill_pairs + shape.decode_context)
                  + self._head_flops * shape.sampled)
-        nbytes = self._weight_bytes + self._kv_token_bytes * (shape.decode_context + shape.prefill_context + tokens)
+        nbytes = (self._weight_bytes + self._kv_read_bytes * (shape.decode_context + shape.prefill_context)
+                  + self._kv_token_bytes * tokens)
         return max(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * tokens + self._fixed_s
 
     def wake_time(self, idle_s: float, decode: bool = False) -> float:
@@ -112,7 +122,7 @@ class RooflineTimeModel:
         n = num_seqs
         ctx = context + n * np.arange(1, k + 1, dtype=np.int64)
         flops = self._linear_flops * n + self._attn_flops * ctx + self._head_flops * n
-        nbytes = self._weight_bytes + self._kv_token_bytes * (ctx + n)
+        nbytes = self._weight_bytes + self._kv_read_bytes * ctx + self._kv_token_bytes * n
         return np.maximum(flops / self._flops_s, nbytes / self._bytes_s) + self._comm * n + self._fixed_s
 
 
@@ -196,14 +206,37 @@ def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = N
     return FittedTimeModel(Coefficients(*map(float, cp)), Coefficients(*map(float, cd)), meta)
 
 
+def codec_decode_scale(model: ModelSpec, measured: str) -> float:
+    """How much longer (or shorter) `model`'s cached-KV reads take in its `kv_cache_dtype` than in the
+    `measured` codec: the bytes-per-token ratio times the ratio of (1 + dequant_overhead)."""
+    def cost(name: str) -> float:
+        return (kv_codecs.token_bytes(name, model.hd, model.dtype_bytes)
+                * (1.0 + kv_codecs.CODECS[name].dequant_overhead))
+    return cost(model.kv_cache_dtype) / cost(measured)
+
+
+def fitted_for_codec(fitted: FittedTimeModel, model: ModelSpec) -> FittedTimeModel:
+    """`fitted` (measured with its meta's `kv_cache_dtype`, else auto) for `model`'s KV codec: the decode
+    context term scaled by `codec_decode_scale`; the same model when the codecs cost the same. The scale and
+    what it touched are recorded in the meta (`kv_codec_scaling`)."""
+    measured = kv_codecs.check(str(fitted.meta.get("kv_cache_dtype", "auto")), "fitted time model kv_cache_dtype")
+    scale = codec_decode_scale(model, measured)
+    if scale == 1.0:
+        return fitted
+    meta = {**fitted.meta, "kv_codec_scaling": {"measured": measured, "simulated": model.kv_cache_dtype,
+                                                "decode_context_scale": scale, "prefill": "unscaled"}}
+    return FittedTimeModel(fitted.prefill, replace(fitted.decode, b=fitted.decode.b * scale), meta,
+                           fitted.wake, fitted.wake_decode)
+
+
 def make_time_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> TimeModel:
-    """`roofline` or `fitted:PATH.json`."""
+    """`roofline` or `fitted:PATH.json` (for `model`'s KV codec, `fitted_for_codec`)."""
     if spec == "roofline":
         return RooflineTimeModel(model, gpu, tp)
     if spec.startswith("fitted:"):
         path = Path(spec.split(":", 1)[1])
         try:
-            return FittedTimeModel.from_json(path.read_text())
+            return fitted_for_codec(FittedTimeModel.from_json(path.read_text()), model)
         except OSError as e:
             raise InvalidRequestError(f"cannot read {path}: {e.strerror or e}", param="time_model") from None
     raise InvalidRequestError(f"unknown time model {spec!r}: roofline | fitted:PATH.json", param="time_model")

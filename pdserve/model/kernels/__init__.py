@@ -77,12 +77,16 @@ def usable(*tensors: torch.Tensor) -> bool:
         if not (t.is_cpu and t.dtype is _FP32 and t.is_contiguous()):
             supported = False
             break
+    return _ready(supported, "unsupported tensors (need CPU, fp32, contiguous)", tensors)
+
+
+def _ready(supported: bool, what: str, tensors) -> bool:
+    """True when the library can serve a call the caller found `supported`; else one counted fallback."""
     if supported and not _disabled and _library() is not None:
         return True
     _count_fallback("disabled (PDSERVE_KERNELS=0 or kernels.disabled())" if _disabled else
-                    f"unsupported tensors (need CPU, fp32, contiguous): "
-                    f"{[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}" if not supported else
-                    _load_error)
+                    f"{what}: {[(str(t.device), str(t.dtype), t.is_contiguous()) for t in tensors]}"
+                    if not supported else _load_error)
     return False
 
 
@@ -185,6 +189,45 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv, _, bs, _ = k_cache.shape
     _lib.pd_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
                              lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, bs, rows.numel() // (hkv * b), scale)
+
+
+_CODEC_IDS = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "int8": 4, "int4": 5}
+
+
+def usable_coded(codec, *tensors: torch.Tensor) -> bool:
+    """As `usable`, for the KV codec kernels: fp32 tensors and uint8 pools (kernels/kv_codec.c)."""
+    supported = codec.name in _CODEC_IDS and codec.head_dim % 4 == 0
+    for t in tensors:
+        if not (supported and t.is_cpu and t.dtype in (_FP32, torch.uint8) and t.is_contiguous()):
+            supported = False
+            break
+    return _ready(supported, f"unsupported KV codec or tensors ({codec.name})", tensors)
+
+
+def kv_encode(codec, rows: torch.Tensor, cache: torch.Tensor, slot_rows: torch.Tensor, decoded: torch.Tensor) -> None:
+    """Kernel only (callers check `usable_coded`): rows [N, D] fp32 -> token records at `slot_rows` of a coded
+    cache [Hkv, num_blocks, bs, token_bytes]; `decoded` [N, D] gets what the records decode to."""
+    n, d = rows.shape
+    if codec.rotation is not None:  # coded in a rotated basis (pdserve.kv.codec)
+        rows = rows @ codec.rotation
+    _lib.pd_kv_encode(_CODEC_IDS[codec.name], rows.data_ptr(), n, d, cache.data_ptr(), slot_rows.data_ptr(),
+                      codec.token_bytes, decoded.data_ptr())
+    if codec.rotation is not None:
+        decoded.copy_(decoded @ codec.rotation)
+
+
+def decode_attention_coded(codec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           rows: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """`decode_attention` over a coded pool (caches [Hkv, blocks, bs, token_bytes] uint8); kernel only."""
+    b, hq, d = q.shape
+    hkv, _, bs, tb = k_cache.shape
+    rotated = codec.rotation is not None  # keys and values coded in a rotated basis: so are q and the output
+    target, q = (torch.empty_like(out), (q @ codec.rotation).contiguous()) if rotated else (out, q)
+    _lib.pd_decode_attention_coded(_CODEC_IDS[codec.name], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   rows.data_ptr(), lens.data_ptr(), target.data_ptr(), b, hq, hkv, d, bs, tb,
+                                   rows.numel() // (hkv * b), scale)
+    if rotated:
+        out.copy_((target.view(b, hq, d) @ codec.rotation).view(b, hq * d))
 
 
 class PackedWeight:

@@ -20,7 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name("kernels.c"), Path(__file__).with_name("gemm.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "gemm.c", "kv_codec.c")]
+HEADERS = [Path(__file__).with_name("attend.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11"]
 
@@ -55,7 +56,7 @@ def _flags() -> list[str]:
 
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(_flags()), version, platform.machine(),
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(_flags()), version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / key / "libpdserve_kernels.so"
 
@@ -92,6 +93,8 @@ SIGNATURES = {
     "pd_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "pd_gemm_pack": [_P, _P, _I, _I],
     "pd_gemm": [_P, _I64, _P, _P, _I, _I, _I],
+    "pd_kv_encode": [_I, _P, _I64, _I, _P, _P, _I, _P],
+    "pd_decode_attention_coded": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F],
 }
 
 

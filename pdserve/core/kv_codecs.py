@@ -1,0 +1,61 @@
+"""KV cache codecs by name: how many bytes one token of one KV head takes in each (torch-free; the real
+worker's `pdserve.kv.codec` and the simulator both size pools, links and tiers from here).
+
+A coded KV block is self-describing: each token's record holds its codes followed by its own parameters,
+so a block carries its scales wherever it goes (the pool, the wire, the host and disk tiers):
+
+- `fp16`, `bf16`: the value itself, 2 bytes per element, no parameters.
+- `fp8_e4m3`: e4m3 codes of value / scale, then the scale (fp32, absmax / 448) of the token and head.
+- `int8`: symmetric codes round(value / scale) in [-127, 127], then the scale (fp32, absmax / 127).
+- `int4`: the token rotated by a Hadamard matrix (spreading the outlier channels of keys), then two groups of
+  D / 2 channels, each coded asymmetrically in 16 levels with an fp16 scale and minimum; two codes per byte.
+- `auto`: the model's dtype, unencoded (float32 on CPU, bfloat16 on CUDA): today's pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    name: str
+    bits: int  # per element; 0 for auto (the model dtype's)
+    param_bytes: int  # parameters per token and head (scales, minima)
+    dequant_overhead: float  # decoding the codes, as a share of the time attention takes to read their bytes
+
+
+CODECS: dict[str, CodecSpec] = {s.name: s for s in (
+    CodecSpec("auto", 0, 0, 0.0),
+    CodecSpec("fp16", 16, 0, 0.0),
+    CodecSpec("bf16", 16, 0, 0.0),
+    CodecSpec("fp8_e4m3", 8, 4, 0.05),  # a scale multiply per token (the cast is native on Hopper)
+    CodecSpec("int8", 8, 4, 0.05),
+    CodecSpec("int4", 4, 8, 0.15),  # unpacking two codes per byte, then a multiply-add
+)}
+
+
+def check(name: str, param: str = "kv_cache_dtype") -> str:
+    """`name` if it names a codec, else a one-line error listing the ones there are."""
+    if name not in CODECS:
+        raise InvalidRequestError(f"unknown {param} {name!r}; choose from {', '.join(CODECS)}", param=param)
+    return name
+
+
+def token_bytes(name: str, head_dim: int, model_dtype_bytes: int) -> int:
+    """Bytes of one token of one KV head (its K or its V) in codec `name`."""
+    spec = CODECS[check(name)]
+    if spec.bits == 0:
+        return head_dim * model_dtype_bytes
+    if name == "int4" and head_dim % 4:
+        raise InvalidRequestError(f"kv_cache_dtype int4 needs a head size divisible by 4, got {head_dim}",
+                                  param="kv_cache_dtype")
+    return head_dim * spec.bits // 8 + spec.param_bytes
+
+
+def kv_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                       model_dtype_bytes: int) -> int:
+    """K and V of one token over every layer and KV head."""
+    return 2 * num_layers * num_kv_heads * token_bytes(name, head_dim, model_dtype_bytes)

@@ -1,0 +1,203 @@
+/* CPU kernels of the KV codecs (pdserve/kv/codec.py is the torch reference they match bit for bit):
+ * writing new keys and values as token records, and paged decode attention that reads the records of a
+ * coded pool in place, decoding each CHUNK of keys and values into a small buffer on the stack before the
+ * fp32 scoring and value sums of attend.h.
+ *
+ * A record (one token of one KV head) is its codes then its fp32 parameters:
+ *   fp16 (saturated at +-65504), bf16: 2 bytes per element; fp8_e4m3: codes of x / s, then s = absmax / 448;
+ *   int8: round(x / s) in [-127, 127], then s = absmax / 127; int4 (of x already rotated, see codec.py): two
+ *   groups of d / 2, each round((x - lo) / s) in [0, 15] with s = (max - lo) / 15 and lo rounded to fp16
+ *   first, two codes per byte (even element in the low nibble), then fp16 s0, lo0, s1, lo1.
+ * A zero scale (an all-equal or all-zero row) is stored as 1. Rounding is to nearest even (nearbyintf in
+ * the default rounding mode), as torch rounds.
+ */
+#include "attend.h"
+
+enum { PD_FP16 = 1, PD_BF16 = 2, PD_FP8 = 3, PD_INT8 = 4, PD_INT4 = 5 };
+
+static float fp8_table[256];
+
+__attribute__((constructor)) static void fp8_init(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
+        if ((c & 0x7F) == 0x7F) v = NAN;
+        fp8_table[c] = c & 0x80 ? -v : v;
+    }
+}
+
+static inline uint8_t fp8_encode(float y) { /* |y| <= 448 */
+    uint8_t sign = signbit(y) ? 0x80 : 0;
+    float a = fabsf(y);
+    if (a < 0.015625f) /* subnormals, steps of 2^-9; 8 steps is the smallest normal, 0x08 */
+        return sign | (uint8_t)nearbyintf(a * 512.f);
+    int e;
+    float f = frexpf(a, &e); /* a = (1 + m / 8) * 2^(e - 1) */
+    int m = (int)nearbyintf((f * 2.f - 1.f) * 8.f), ex = e - 1;
+    if (m == 8) m = 0, ex++;
+    int code = ((ex + 7) << 3) | m;
+    return sign | (uint8_t)(code > 0x7E ? 0x7E : code);
+}
+
+static inline uint16_t bf16_encode(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float bf16_decode(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static inline float nonzero(float s) { return s > 0.f ? s : 1.f; }
+
+/* n elements (even) -> n / 2 bytes of codes and params[0..1] = fp16 scale, minimum; dec[n] decoded. */
+static void encode_int4_group(const float *x, int n, uint8_t *codes, _Float16 *params, float *dec) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < n; i++) lo = x[i] < lo ? x[i] : lo, hi = x[i] > hi ? x[i] : hi;
+    _Float16 s16 = (_Float16)nonzero((hi - lo) / 15.f), lo16 = (_Float16)lo;
+    float s = (float)s16;
+    lo = (float)lo16;
+    for (int i = 0; i < n; i += 2) {
+        float a = nearbyintf((x[i] - lo) / s), b = nearbyintf((x[i + 1] - lo) / s);
+        int qa = a < 0.f ? 0 : a > 15.f ? 15 : (int)a, qb = b < 0.f ? 0 : b > 15.f ? 15 : (int)b;
+        codes[i / 2] = (uint8_t)(qa | (qb << 4));
+        dec[i] = (float)qa * s + lo, dec[i + 1] = (float)qb * s + lo;
+    }
+    memcpy(params, &s16, 2), memcpy(params + 1, &lo16, 2);
+}
+
+/* One row x[d] -> its record; dec[d] gets what the record decodes to. */
+static void encode_row(int codec, const float *x, int d, uint8_t *rec, float *dec) {
+    float amax = 0.f;
+    for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    if (codec == PD_FP16) {
+        for (int i = 0; i < d; i++) {
+            _Float16 h = (_Float16)(x[i] < -65504.f ? -65504.f : x[i] > 65504.f ? 65504.f : x[i]);
+            memcpy(rec + 2 * i, &h, 2), dec[i] = (float)h;
+        }
+    } else if (codec == PD_BF16) {
+        for (int i = 0; i < d; i++) {
+            uint16_t h = bf16_encode(x[i]);
+            memcpy(rec + 2 * i, &h, 2), dec[i] = bf16_decode(h);
+        }
+    } else if (codec == PD_INT8 || codec == PD_FP8) {
+        float top = codec == PD_INT8 ? 127.f : 448.f, s = nonzero(amax / top);
+        for (int i = 0; i < d; i++) {
+            float y = x[i] / s;
+            y = y < -top ? -top : y > top ? top : y;
+            if (codec == PD_INT8) {
+                int8_t q = (int8_t)nearbyintf(y);
+                rec[i] = (uint8_t)q, dec[i] = (float)q * s;
+            } else {
+                rec[i] = fp8_encode(y), dec[i] = fp8_table[rec[i]] * s;
+            }
+        }
+        memcpy(rec + d, &s, 4);
+    } else { /* PD_INT4 */
+        for (int g = 0; g < 2; g++)
+            encode_int4_group(x + g * d / 2, d / 2, rec + g * d / 4, (_Float16 *)(rec + d / 2) + 2 * g,
+                              dec + g * d / 2);
+    }
+}
+
+/* x: [n, d] rows; each goes to record rows[i] of `cache` (records of `tb` bytes); dec: [n, d] decoded. */
+void pd_kv_encode(int codec, const float *x, int64_t n, int d, uint8_t *cache, const int64_t *rows, int tb,
+                  float *dec) {
+#pragma omp parallel for schedule(static) if (n * d >= (1 << 15))
+    for (int64_t i = 0; i < n; i++) encode_row(codec, x + i * d, d, cache + rows[i] * tb, dec + i * d);
+}
+
+/* One record -> out[d]. */
+static inline __attribute__((always_inline)) void decode_row(int codec, const uint8_t *rec, int d, float *out) {
+    if (codec == PD_INT8 && d % VL == 0) {
+        float s;
+        memcpy(&s, rec + d, 4);
+        vf sv = vsplat(s);
+        for (int i = 0; i < d; i += VL) {
+            typedef int8_t vb __attribute__((vector_size(8), aligned(1)));
+            vb c;
+            memcpy(&c, rec + i, 8);
+            vstore(out + i, __builtin_convertvector(c, vf) * sv);
+        }
+    } else if (codec == PD_INT8) {
+        float s;
+        memcpy(&s, rec + d, 4);
+        for (int i = 0; i < d; i++) out[i] = (float)(int8_t)rec[i] * s;
+    } else if (codec == PD_INT4) {
+        _Float16 p[4];
+        memcpy(p, rec + d / 2, 8);
+        for (int g = 0; g < 2; g++) {
+            float s = (float)p[2 * g], lo = (float)p[2 * g + 1];
+            for (int i = g * d / 2; i < (g + 1) * d / 2; i += 2) {
+                uint8_t c = rec[i / 2];
+                out[i] = (float)(c & 15) * s + lo, out[i + 1] = (float)(c >> 4) * s + lo;
+            }
+        }
+    } else if (codec == PD_FP8) {
+        float s;
+        memcpy(&s, rec + d, 4);
+        for (int i = 0; i < d; i++) out[i] = fp8_table[rec[i]] * s;
+    } else if (codec == PD_FP16) {
+        for (int i = 0; i < d; i++) {
+            _Float16 h;
+            memcpy(&h, rec + 2 * i, 2), out[i] = (float)h;
+        }
+    } else {
+        for (int i = 0; i < d; i++) {
+            uint16_t h;
+            memcpy(&h, rec + 2 * i, 2), out[i] = bf16_decode(h);
+        }
+    }
+}
+
+/* One (sequence, KV head) over a coded pool: CHUNK keys and values at a time decoded to the stack, then
+ * scored and summed as the fp32 kernel does. */
+static inline __attribute__((always_inline)) void attend_one_coded(
+        int codec, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int64_t *rows,
+        int64_t len, float *out, int g_heads, int d, int bs, int tb, float scale) {
+    float m[g_heads], l[g_heads], acc[g_heads * d];
+    float s[g_heads][CHUNK + VL];
+    float kbuf[CHUNK * d], vbuf[CHUNK * d];
+    const float *kr[CHUNK], *vr[CHUNK];
+    int64_t block_bytes = (int64_t)bs * tb, blk = 0;
+    int off = 0;
+    for (int g = 0; g < g_heads; g++) m[g] = -INFINITY, l[g] = 0.f;
+    memset(acc, 0, sizeof acc);
+    for (int64_t start = 0; start < len; start += CHUNK) {
+        int n = len - start < CHUNK ? (int)(len - start) : CHUNK;
+        for (int t = 0; t < n; t++) {
+            int64_t at = rows[blk] * block_bytes + (int64_t)off * tb;
+            decode_row(codec, k_cache + at, d, kbuf + t * d);
+            decode_row(codec, v_cache + at, d, vbuf + t * d);
+            kr[t] = kbuf + t * d, vr[t] = vbuf + t * d;
+            if (++off == bs) off = 0, blk++;
+        }
+        score_keys(q, kr, vr, n, s, g_heads, d, scale);
+        softmax_update(s, n, m, l, acc, g_heads, d);
+        accumulate_values(s, vr, n, acc, g_heads, d);
+    }
+    for (int g = 0; g < g_heads; g++)
+        for (int i = 0; i < d; i++) out[g * d + i] = acc[g * d + i] / l[g];
+}
+
+/* As pd_decode_attention (kernels.c), over a coded pool: k_cache, v_cache [Hkv * num_blocks, bs, tb] bytes. */
+void pd_decode_attention_coded(int codec, const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                               const int64_t *rows, const int64_t *lens, float *out, int b, int hq, int hkv,
+                               int d, int bs, int tb, int max_blocks, float scale) {
+    int g_heads = hq / hkv;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int i = 0; i < b; i++)
+        for (int h = 0; h < hkv; h++) {
+            const int64_t *r = rows + ((int64_t)h * b + i) * max_blocks;
+            int64_t off = ((int64_t)i * hq + (int64_t)h * g_heads) * d;
+            if (d == 64)
+                attend_one_coded(codec, q + off, k_cache, v_cache, r, lens[i], out + off, g_heads, 64, bs, tb, scale);
+            else
+                attend_one_coded(codec, q + off, k_cache, v_cache, r, lens[i], out + off, g_heads, d, bs, tb, scale);
+        }
+}

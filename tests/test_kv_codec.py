@@ -1,0 +1,137 @@
+"""KV codecs: encode/decode round trips within each codec's error bound (hypothesis), the CPU kernels equal to
+the torch reference bit for bit, attention over a coded pool against exact attention, and an engine whose
+pool, host tier and capacity follow the codec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.core import kv_codecs
+from pdserve.errors import InvalidRequestError
+from pdserve.kv.codec import KVCodec
+from pdserve.model import kernels
+from pdserve.model.attention import _decode_attention, paged_attention
+from test_kernels import decode_batch
+
+CODED = ["fp16", "bf16", "fp8_e4m3", "int8", "int4"]
+# worst error of one element, relative to the largest magnitude of its token (a bound, not a typical error)
+BOUND = {"fp16": 1e-3, "bf16": 8e-3, "fp8_e4m3": 7e-2, "int8": 5e-3, "int4": 0.2}
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable")
+
+
+def rows(seed: int, n: int, d: int, scale: float, outlier: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * scale
+    x[:, 3] *= outlier  # keys have a few large channels
+    return x
+
+
+@pytest.mark.parametrize("name", CODED)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), scale=st.floats(1e-3, 1e3), outlier=st.floats(1, 50))
+def test_round_trip_within_bound(name, seed, n, scale, outlier):
+    codec = KVCodec(name, 64, torch.float32)
+    x = rows(seed, n, 64, scale if name != "fp16" else min(scale, 100), outlier)
+    records = codec.encode(x)
+    assert records.dtype == torch.uint8 and records.shape == (n, codec.token_bytes)
+    err = (codec.decode(records) - x).abs().amax(dim=1) / x.abs().amax(dim=1)
+    assert err.max().item() <= BOUND[name]
+    assert torch.equal(codec.encode(codec.decode(records)), records) or name in ("int4", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("name", CODED)
+def test_zero_and_constant_rows_are_exact(name):
+    codec = KVCodec(name, 64, torch.float32)
+    x = torch.stack([torch.zeros(64), torch.full((64,), 0.5)])
+    if name == "int4":  # coded rotated: a constant row is not constant there
+        torch.testing.assert_close(codec.decode(codec.encode(x)), x, atol=1e-3, rtol=0)
+    else:
+        assert torch.equal(codec.decode(codec.encode(x)), x)
+
+
+def test_fp16_saturates():
+    codec = KVCodec("fp16", 64, torch.float32)
+    x = torch.full((1, 64), 1e6)
+    assert codec.decode(codec.encode(x)).eq(65504).all()
+
+
+def test_token_bytes_and_errors():
+    assert [kv_codecs.token_bytes(n, 64, 4) for n in ["auto", *CODED]] == [256, 128, 128, 68, 68, 40]
+    # int8 >= 3.5x and int4 >= 6x the tokens of fp32 in the same bytes
+    assert 256 / 68 >= 3.5 and 256 / 40 >= 6
+    with pytest.raises(InvalidRequestError, match="choose from auto, fp16, bf16, fp8_e4m3, int8, int4"):
+        kv_codecs.check("int3")
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", CODED)
+def test_kernel_encode_is_bit_exact(name):
+    codec = KVCodec(name, 64, torch.float32)
+    x = rows(7, 3 * 8 * 16, 64, 2.0, 40.0)
+    x[5], x[6] = 0.0, 1.5
+    slots = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))
+    cache = torch.zeros(3, 8, 16, codec.width, dtype=torch.uint8)
+    decoded = torch.empty_like(x)
+    kernels.kv_encode(codec, x, cache, slots, decoded)
+    records = codec.encode(x)
+    expected = torch.zeros_like(cache)
+    expected.view(-1, codec.width).index_copy_(0, slots, records)
+    assert torch.equal(cache, expected)
+    torch.testing.assert_close(decoded, codec.decode(records), rtol=1e-6, atol=1e-6)  # int4: the rotation back
+
+
+def coded_pool(codec: KVCodec, fp: torch.Tensor) -> torch.Tensor:
+    """An fp32 pool [2, Hkv, nb, bs, D] as `codec` stores it."""
+    two, hkv, nb, bs, d = fp.shape
+    return codec.encode(fp.reshape(-1, d)).view(two, hkv, nb, bs, codec.width)
+
+
+@pytest.mark.parametrize("name", CODED)
+def test_decode_attention_through_codec_vs_exact(name):
+    lengths = [1, 16, 17, 200, 65]
+    batch = decode_batch(lengths, 16, num_blocks=96, num_kv=3)
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(2, 3, 96, 16, 64, generator=g)
+    pool[0, :, :, :, 5] *= 8  # an outlier key channel
+    q = torch.randn(len(lengths), 9, 64, generator=g)
+    exact = _decode_attention(q, pool[0], pool[1], batch.meta, 0.125).reshape(len(lengths), -1)
+    codec = KVCodec(name, 64, torch.float32)
+    coded = coded_pool(codec, pool)
+    meta = batch.meta.__class__(**{**batch.meta.__dict__, "codec": codec})
+    with kernels.disabled():
+        torch_out = paged_attention(q, None, None, coded[0], coded[1], meta, 0.125)
+    rel = (torch_out - exact).norm() / exact.norm()
+    assert rel < {"int4": 0.1, "fp8_e4m3": 0.05, "int8": 0.03}.get(name, 0.01), rel
+    if kernels.available():  # the kernel reads the same records: equal to the torch path up to fp32 rounding
+        out = paged_attention(q, None, None, coded[0], coded[1], meta, 0.125)
+        assert kernels.paths_used()["decode_attention"].get(f"kernel_{name}")
+        torch.testing.assert_close(out, torch_out, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_engine_pool_tiers_and_capacity_follow_the_codec(tiny_llama_dir, name):
+    from pdserve.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+    auto = LLM(str(tiny_llama_dir), kv_cache_gb=0.01, kv_host_gb=0.01)
+    coded = LLM(str(tiny_llama_dir), kv_cache_gb=0.01, kv_host_gb=0.01, kv_cache_dtype=name)
+    ex_a, ex_c = auto.engine.executor, coded.engine.executor
+    d = ex_a.model.config.head_dim
+    ratio = d * 4 / kv_codecs.token_bytes(name, d, 4)
+    assert ex_c.info.num_kv_blocks >= int(ex_a.info.num_kv_blocks * ratio * 0.99)
+    assert ex_c.kv_pool.layers[0].dtype == torch.uint8 and ex_c.kv_io.host.data.dtype == torch.uint8
+    assert ex_c.kv_io.host.num_slots >= int(ex_a.kv_io.host.num_slots * ratio * 0.99)
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    prompt = list(range(3, 40))
+    first = coded.generate([prompt], sp)[0]
+    assert len(first.token_ids) == 8
+    again = coded.generate([prompt], sp)[0]  # its coded blocks reused from the prefix cache, same tokens
+    assert again.num_cached_tokens > 0 and again.token_ids == first.token_ids
+
+
+def test_unknown_kv_cache_dtype_is_a_clear_error():
+    from pdserve.engine.config import EngineConfig
+    with pytest.raises(InvalidRequestError, match="unknown kv_cache_dtype 'fp4'"):
+        EngineConfig(kv_cache_dtype="fp4")
