@@ -135,3 +135,27 @@ def test_unknown_kv_cache_dtype_is_a_clear_error():
     from pdserve.engine.config import EngineConfig
     with pytest.raises(InvalidRequestError, match="unknown kv_cache_dtype 'fp4'"):
         EngineConfig(kv_cache_dtype="fp4")
+
+
+@pytest.mark.parametrize("src,dst", [("auto", "int8"), ("int8", "auto"), ("bf16", "int4"), ("fp8_e4m3", "fp16")])
+def test_a_delivered_chunk_transcodes_token_by_token(src, dst):
+    from pdserve.kv.block_io import chunk_nbytes, gather_blocks
+    from pdserve.kv.transcode import codec_of, payload_nbytes, transcode
+    a, b = KVCodec(src, 64, torch.float32), KVCodec(dst, 64, torch.float32)
+    values = rows(3, 2 * 3 * 10 * 16, 64, 1.0, 10.0).view(2, 3, 10, 16, 64)
+    layer = values if src == "auto" else coded_pool(a, values)
+    ids = [7, 2, 3]
+    wire = bytearray(chunk_nbytes(layer, len(ids)))
+    gather_blocks(layer, ids, wire)
+    assert len(wire) == payload_nbytes(a, 3, 16, len(ids))
+    got = transcode(memoryview(wire), codec_of(a.format, b), b)
+    tokens = layer[:, :, ids].reshape(-1, a.width)  # wire order: [2 * Hkv, count, block_size]
+    expected = b.encode(a.decode(tokens))
+    assert bytes(got) == bytes(expected.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def test_unknown_chunk_formats_name_no_codec():
+    from pdserve.kv.transcode import codec_of
+    own = KVCodec("int8", 64, torch.float32)
+    assert codec_of("float32", own).name == "auto" and codec_of("int4", own).name == "int4"
+    assert codec_of("int3", own) is None and codec_of("int64", own) is None and codec_of(5, own) is None

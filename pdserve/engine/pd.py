@@ -93,6 +93,8 @@ class PrefillSide:
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
         self.landings: dict[str, float] = {}  # prefilled, chunks queued: the landing time last reported
         self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
+        codec = getattr(engine.executor, "codec", None)  # named in each chunk: a receiver of another transcodes
+        self.kv_format = None if codec is None else codec.format
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
@@ -192,6 +194,8 @@ class PrefillSide:
         for i in range(0, len(block_ids), per_chunk):
             ids = block_ids[i:i + per_chunk]
             header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
+            if self.kv_format is not None:
+                header["kv"] = self.kv_format
             pieces = _pieces(tensor, ids)
             if partial or out.by_copy:  # the block changes, or leaves the pool: its bytes as they are now
                 pieces = [memoryview(bytes(p)) for p in pieces]

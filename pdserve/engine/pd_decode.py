@@ -17,6 +17,7 @@ from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.checkpoints import KVCheckpoints
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, mixed_pieces, scatter_blocks
+from pdserve.kv.transcode import codec_of, payload_nbytes, transcode
 from pdserve.transfer.base import KVReceiver, TransferState
 from pdserve.transfer.inbound import Inbound, InboundTransfers
 
@@ -34,6 +35,7 @@ class DecodeStats:
     wasted_bytes: Counter = field(default_factory=Counter)  # received and verified, never consumed: by reason
     bytes_received: int = 0
     chunks_received: int = 0
+    chunks_transcoded: int = 0  # arrived in another KV format than this pool's
     transfers_completed: int = 0
 
 
@@ -47,6 +49,7 @@ class DecodeSide:
         self.layers = kv_layers
         self.timeout_s = timeout_s
         self.block_size = engine.block_manager.block_size
+        self.codec = getattr(engine.executor, "codec", None)  # this pool's; chunks in another are transcoded
         self.inbound = InboundTransfers(len(kv_layers))
         # Waiting for blocks, in the scheduler's queue-policy order (fcfs: arrival; priority: lowest value
         # first), so a reservation queue never undoes the order the waiting queue would keep.
@@ -122,11 +125,30 @@ class DecodeSide:
         inbound = self.inbound.target(header) if header.get("kind") == "chunk" else None
         if inbound is None:
             return None
+        layer = self.layers[header["layer"]]
+        source = self._source_codec(header)
+        if source is not None:  # another format: staged, transcoded once verified
+            if source is False or payload_nbytes(source, layer.shape[1], self.block_size, header["count"]) \
+                    != header.get("nbytes"):
+                return None  # booked as a bad chunk below
+            return [memoryview(bytearray(header["nbytes"]))]
+        if chunk_nbytes(layer, header["count"]) != header.get("nbytes"):
+            return None  # not this pool's block format: booked as a bad chunk below
+        return self._targets(header, inbound) or [memoryview(bytearray(header["nbytes"]))]  # staged: scattered
+
+    def _source_codec(self, header: dict):
+        """None when a chunk is in this pool's format; else its codec, or False when it names none."""
+        fmt = header.get("kv")
+        if self.codec is None or fmt is None or fmt == self.codec.format:
+            return None
+        return codec_of(fmt, self.codec) or False
+
+    def _targets(self, header: dict, inbound: Inbound) -> list[memoryview] | None:
+        """The pool's (or host tier's) bytes a chunk's payload goes to, in wire order; None on another device
+        (staged, then scattered)."""
         table = self.engine.block_manager.block_ids(inbound.request_id)
         first, count = header["first"], header["count"]
         layer = self.layers[header["layer"]]
-        if chunk_nbytes(layer, count) != header.get("nbytes"):
-            return None  # not this pool's block format: booked as a bad chunk below
         cold = self.engine.scheduler.requests[inbound.request_id].cold_hashes
         if first < len(cold):  # a long prompt's head goes into host tier entries (CPU pools only)
             tiers = self.engine.tiers
@@ -136,7 +158,7 @@ class DecodeSide:
         ids = list(table[first - len(cold):first - len(cold) + count])
         if layer.device.type == "cpu":
             return block_pieces(layer, ids)
-        return [memoryview(bytearray(header["nbytes"]))]  # staged; scattered once verified
+        return None
 
     def _on_message(self, msg) -> None:
         header = msg.header
@@ -149,12 +171,12 @@ class DecodeSide:
             inbound = self.inbound.accept_chunk(header, msg.verified)
             if inbound is None:
                 return
-            layer = self.layers[header["layer"]]
-            if layer.device.type != "cpu":
-                table = self.engine.block_manager.block_ids(inbound.request_id)
-                first, count = header["first"], header["count"]
-                cold = len(self.engine.scheduler.requests[inbound.request_id].cold_hashes)
-                scatter_blocks(layer, list(table[first - cold:first - cold + count]), msg.views[0])
+            source = self._source_codec(header)
+            if source is not None:
+                self._land(header, inbound, transcode(msg.views[0], source, self.codec))
+                self.stats.chunks_transcoded += 1
+            elif self.layers[header["layer"]].device.type != "cpu":
+                self._land(header, inbound, msg.views[0])
             self.stats.chunks_received += 1
             self.stats.bytes_received += header["nbytes"]
         elif kind == "done":
@@ -163,6 +185,20 @@ class DecodeSide:
             self.inbound.renew(header.get("xfer"))
         elif kind == "fail":
             self.inbound.fail(header.get("xfer"), TransferState.FAILED_PEER)
+
+    def _land(self, header: dict, inbound: Inbound, payload) -> None:
+        """A staged payload (this pool's format) into the blocks its chunk fills."""
+        targets = self._targets(header, inbound)
+        if targets is None:  # a pool on another device
+            table = self.engine.block_manager.block_ids(inbound.request_id)
+            first, count = header["first"], header["count"]
+            cold = len(self.engine.scheduler.requests[inbound.request_id].cold_hashes)
+            scatter_blocks(self.layers[header["layer"]], list(table[first - cold:first - cold + count]), payload)
+            return
+        at = 0
+        for piece in targets:
+            piece[:] = payload[at:at + len(piece)]
+            at += len(piece)
 
     def redirect(self, old: str, new: str) -> None:
         """Its prefill worker died or hung and the conductor moved the prompt to another: expect the KV anew

@@ -36,6 +36,11 @@ class KVCodec:
         # spreads the few outlier channels of keys over all of them, so one scale per token fits every channel.
         self.rotation = _hadamard(head_dim) if name == "int4" else None
 
+    @property
+    def format(self) -> str:
+        """What a delivered chunk's header names its payload's format: the codec, or the dtype of `auto`."""
+        return self.name if self.coded else str(self.storage).removeprefix("torch.")
+
     def __repr__(self) -> str:
         return f"KVCodec({self.name}, head_dim={self.head_dim})"
 

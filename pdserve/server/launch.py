@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.core import kv_codecs
 from pdserve.core.delivery import check_mode, parse_link_share
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth
@@ -75,6 +76,11 @@ class ServeConfig:
     delivery_backlog_s: float = 2.0
     """Backpressure: a prefill worker produces no more KV while its links would need longer than this to
     send what is queued (0: never pause)."""
+    prefill_kv_cache_dtype: str | None = None
+    """--kv-cache-dtype of the prefill workers only (pd mode); default: --kv-cache-dtype."""
+    decode_kv_cache_dtype: str | None = None
+    """--kv-cache-dtype of the decode workers only (pd mode), e.g. int8 under a prefill worker's auto: the
+    decode worker transcodes the KV it receives; default: --kv-cache-dtype."""
     idle_prewarm: bool = True
     """An idle prefill worker computes the hot prompt prefixes (shared by several recent requests) it lacks,
     so prefix-affine routing can spread their requests (pd mode, --delivery scheduled)."""
@@ -130,6 +136,9 @@ class ServeConfig:
         if not self.admission_margin >= 0 or self.max_outstanding < 1:
             raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
         check_mode(self.delivery)
+        for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
+            if getattr(self, name) is not None:
+                kv_codecs.check(getattr(self, name), name)
         parse_link_share(self.link_share)
         if not self.delivery_backlog_s >= 0:
             raise InvalidRequestError("--delivery-backlog-s must be >= 0", param="delivery_backlog_s")
@@ -172,7 +181,9 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
     for role in roles:
         i = counts[role] = counts.get(role, -1) + 1
         name = f"{role}-{i}"
-        specs.append(WorkerSpec(name=name, role=role, model_dir=model_dir, engine=engine,
+        codec = {"prefill": cfg.prefill_kv_cache_dtype, "decode": cfg.decode_kv_cache_dtype}.get(role)
+        specs.append(WorkerSpec(name=name, role=role, model_dir=model_dir,
+                                engine=engine if codec is None else dict(engine, kv_cache_dtype=codec),
                                 cmd_addr=f"ipc://{run_dir}/{name}.cmd", event_addr=f"ipc://{run_dir}/events",
                                 transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv",
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,

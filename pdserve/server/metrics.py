@@ -39,6 +39,9 @@ class Metrics:
                                           registry=r, buckets=_LATENCY_BUCKETS)
         self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes delivered and verified",
                                          ["worker"], registry=r)
+        self.kv_transcoded = Counter("pdserve_kv_chunks_transcoded", "KV chunks a decode worker received in another "
+                                     "KV format than its pool's (--decode-kv-cache-dtype) and transcoded",
+                                     ["worker"], registry=r)
         self.kv_transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV deliveries",
                                             ["reason", "outcome"], registry=r)
         self.kv_chunks = Counter("pdserve_kv_chunks_sent", "KV chunks a prefill worker sent: in_place = the decode "
@@ -187,6 +190,7 @@ class Metrics:
         for tier, n in s.get("prefill_yields_by_tier", {}).items():
             self._inc_total(self.prefill_yields, (w, f"yield:{tier}"), n, worker=w, service_tier=tier)
         self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
+        self._inc_total(self.kv_transcoded, (w, "transcoded"), s.get("kv_chunks_transcoded", 0), worker=w)
         if "kv_lease_renewals" in s:  # a decode worker
             self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)
         for reason, n in s.get("kv_wasted_bytes", {}).items():  # decode: delivered; prefill: staged
