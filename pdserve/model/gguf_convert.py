@@ -37,13 +37,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
-def convert_gguf_cached(path: Path) -> Path:
+def convert_gguf_cached(path: Path, in_child: bool = False) -> Path:
+    """The converted directory of GGUF `path`, converting it first if no earlier run did. `in_child`: convert
+    in a child process, so a long-lived caller (the server's gateway) does not keep the ~400 MB the
+    conversion leaves in its heap."""
     path = path.resolve()
     st = path.stat()
     key = xxhash.xxh64(f"{path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
+    if in_child:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(convert_gguf_cached, path).result()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))

@@ -34,8 +34,9 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """Return a Hugging Face style directory for `model` (None = the embedded default), converting GGUF."""
+def resolve_model_dir(model: str | Path | None, convert_in_child: bool = False) -> Path:
+    """Return a Hugging Face style directory for `model` (None = the embedded default), converting GGUF (in a
+    child process with `convert_in_child`)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model path {str(path)!r} does not exist (pdserve cannot download models)")
@@ -44,7 +45,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
             raise UnsupportedModelError(f"{str(path)!r} is a file but not a .gguf; give a GGUF file or a "
                                         "Hugging Face model directory")
         from pdserve.model.gguf_convert import convert_gguf_cached
-        return convert_gguf_cached(path)
+        return convert_gguf_cached(path, convert_in_child)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{str(path)!r} has no config.json; it is not a Hugging Face model directory")
     return path

@@ -256,7 +256,7 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
 
     check_port_free(cfg.host, cfg.port)
     api_keys(cfg)  # a bad keys file fails now, before any worker starts
-    model_dir = resolve_model_dir(cfg.model)  # converts a GGUF once, before any worker starts
+    model_dir = resolve_model_dir(cfg.model, convert_in_child=True)  # a GGUF once, before any worker starts
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
