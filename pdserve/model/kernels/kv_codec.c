@@ -112,19 +112,63 @@ void pd_kv_encode(int codec, const float *x, int64_t n, int d, uint8_t *cache, c
     for (int64_t i = 0; i < n; i++) encode_row(codec, x + i * d, d, cache + rows[i] * tb, dec + i * d);
 }
 
-/* One record -> out[d]. */
-static inline __attribute__((always_inline)) void decode_row(int codec, const uint8_t *rec, int d, float *out) {
-    if (codec == PD_INT8 && d % VL == 0) {
+#if defined(__AVX2__) && defined(__F16C__)
+/* Eight codes at a time in vector registers (AVX2 + F16C, what every host of this machine kind has); the
+ * scalar loops below serve other CPUs and head sizes that are not a multiple of 16. */
+static inline vf int8x8(const uint8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf fp16x8(const uint8_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf bf16x8(const uint8_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+/* e4m3 -> the fp16 whose exponent field is e4m3's (bias 15 instead of 7) and mantissa its 3 bits: that is the
+ * value / 256 (subnormals included), so the caller scales by 256 more. */
+static inline vf fp8x8(const uint8_t *p) {
+    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
+    return (vf)_mm256_cvtph_ps(h);
+}
+/* 16 codes from 8 bytes, in element order (even element in the low nibble). */
+static inline void int4x16(const uint8_t *p, vf *a, vf *b) {
+    __m128i x = _mm_loadl_epi64((const __m128i *)p), m = _mm_set1_epi8(15);
+    __m128i q = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    *a = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    *b = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+}
+
+static inline int decode_row_vec(int codec, const uint8_t *rec, int d, float *out) {
+    if (d % 16) return 0;
+    if (codec == PD_INT8 || codec == PD_FP8) {
         float s;
         memcpy(&s, rec + d, 4);
-        vf sv = vsplat(s);
-        for (int i = 0; i < d; i += VL) {
-            typedef int8_t vb __attribute__((vector_size(8), aligned(1)));
-            vb c;
-            memcpy(&c, rec + i, 8);
-            vstore(out + i, __builtin_convertvector(c, vf) * sv);
+        vf sv = vsplat(codec == PD_FP8 ? s * 256.f : s);
+        for (int i = 0; i < d; i += VL) vstore(out + i, (codec == PD_INT8 ? int8x8(rec + i) : fp8x8(rec + i)) * sv);
+    } else if (codec == PD_INT4) {
+        for (int g = 0; g < 2; g++) {
+            _Float16 p[2];
+            memcpy(p, rec + d / 2 + 4 * g, 4);
+            vf s = vsplat((float)p[0]), lo = vsplat((float)p[1]), a, b;
+            for (int i = g * d / 2; i < (g + 1) * d / 2; i += 16) {
+                int4x16(rec + i / 2, &a, &b);
+                vstore(out + i, a * s + lo), vstore(out + i + VL, b * s + lo);
+            }
         }
-    } else if (codec == PD_INT8) {
+    } else {
+        for (int i = 0; i < d; i += VL) vstore(out + i, codec == PD_FP16 ? fp16x8(rec + 2 * i) : bf16x8(rec + 2 * i));
+    }
+    return 1;
+}
+#else
+static inline int decode_row_vec(int codec, const uint8_t *rec, int d, float *out) { return 0; }
+#endif
+
+/* One record -> out[d]. */
+static inline __attribute__((always_inline)) void decode_row(int codec, const uint8_t *rec, int d, float *out) {
+    if (decode_row_vec(codec, rec, d, out)) return;
+    if (codec == PD_INT8) {
         float s;
         memcpy(&s, rec + d, 4);
         for (int i = 0; i < d; i++) out[i] = (float)(int8_t)rec[i] * s;
