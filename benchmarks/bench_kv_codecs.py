@@ -4,8 +4,10 @@ decode worker, the same --kv-cache-gb) and, in this process, the engine's decode
 Per codec:
 - perplexity of the default model on ../shared/texts/gpl-3.0.txt, scored through `/v1/completions` with
   `echo` + `logprobs: 0` + `max_tokens: 0` (`--windows` windows of 1,024 tokens);
-- greedy agreement with `auto` over 128 generated tokens on 16 prompts (served, all 16 at once): the share of
-  positions whose token equals auto's, and how many of the 16 answers are identical;
+- greedy agreement with `auto` over 128 generated tokens on 16 prompts: free-running (served, all 16 at once;
+  the share of positions whose token equals auto's, and how many of the 16 answers are identical: one early
+  near-tie makes the rest of an answer differ), and teacher-forced (in this process: auto's 16 answers scored
+  under the codec, `prompt_logprobs`; the share of their tokens the codec also ranks first);
 - KV bytes per token (all layers, K and V) and the decode worker's KV blocks (`pdserve_kv_blocks_total`), so
   the concurrent 1,024-token requests (+16 output tokens) that fit at the same --kv-cache-gb;
 - KV bytes on the wire per PD request of 1,024 prompt tokens (`pdserve_kv_transfer_bytes_total` after the
@@ -68,10 +70,37 @@ def _total(metrics: dict, name: str, **lab) -> float:
                                                                              for k, x in lab.items()))
 
 
-def step_time(codec: str, batch: int, context: int, steps: int) -> dict:
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(f"Write a few sentences about {t}.") for t in TOPICS]
+
+
+def auto_answers(tokens: int) -> list[list[int]]:
+    """auto's greedy answers (token ids) in this process: what teacher-forced agreement scores."""
     from pdserve import LLM, SamplingParams
-    from pdserve.model import kernels
+    llm = LLM(kv_host_gb=0)
+    outs = llm.generate(prompts(llm.tokenizer), SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def teacher_forced(llm, answers: list[list[int]]) -> float:
+    from pdserve import SamplingParams
+    seqs = [p + a for p, a in zip(prompts(llm.tokenizer), answers)]
+    outs = llm.generate(seqs, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    ranks = [e[1] for o, a in zip(outs, answers) for e in o.prompt_logprobs[-len(a):]]
+    return sum(r == 1 for r in ranks) / len(ranks)
+
+
+def in_process(codec: str, args, answers: list[list[int]]) -> dict:
+    from pdserve import LLM
     llm = LLM(kv_cache_dtype=codec, kv_host_gb=0, enable_prefix_caching=False)
+    row = step_time(llm, args.batch, args.context, args.steps)
+    row["teacher_forced_agreement"] = teacher_forced(llm, answers)
+    return row
+
+
+def step_time(llm, batch: int, context: int, steps: int) -> dict:
+    from pdserve import SamplingParams
+    from pdserve.model import kernels
     engine = llm.engine
     for i in range(batch):
         engine.add_request([(i * 7919 + j) % 30000 + 10 for j in range(context)],
@@ -110,10 +139,11 @@ def main() -> None:
     cfg = ModelConfig.from_dir(model_dir)
     tokens = Tokenizer.from_dir(model_dir).encode(TEXT.read_text(), add_special_tokens=False)
     parts = windows(tokens, 1024, args.windows)
+    answers = auto_answers(args.tokens)
     results = {}
     for codec in args.codecs.split(","):
         row = served(codec, args, parts)
-        row.update(step_time(codec, args.batch, args.context, args.steps))
+        row.update(in_process(codec, args, answers))
         row["kv_bytes_per_token"] = kv_bytes_per_token(codec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4)
         row["concurrent_1024"] = int(row["decode_blocks"] // (-(-(1024 + 16) // 16)))
         results[codec] = row
@@ -123,9 +153,10 @@ def main() -> None:
 
 def report(results: dict, args) -> None:
     base = results.get("auto")
-    print("\n| codec | perplexity | vs auto | greedy agreement | identical answers | KV bytes/token | "
-          "concurrent 1,024-token requests | vs auto | decode step, batch 16 (ms) | vs auto | wire bytes / PD request |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| codec | perplexity | vs auto | greedy agreement, teacher-forced | free-running | identical answers | "
+          "KV bytes/token | concurrent 1,024-token requests | vs auto | decode step, batch 16 (ms) | vs auto | "
+          "wire bytes / PD request |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for codec, r in results.items():
         if base is not None:
             pairs = [(a, b) for x, y in zip(r["answers"], base["answers"]) for a, b in zip(x, y)]
@@ -133,7 +164,8 @@ def report(results: dict, args) -> None:
             r["identical_answers"] = sum(x == y for x, y in zip(r["answers"], base["answers"]))
         rel = (lambda k: f"{r[k] / base[k] - 1:+.1%}") if base else (lambda k: "")  # noqa: E731
         ratio = (lambda k: f"{r[k] / base[k]:.2f}x") if base else (lambda k: "")  # noqa: E731
-        print(f"| {codec} | {r['perplexity']:.3f} | {rel('perplexity')} | {r.get('greedy_agreement', 0):.1%} | "
+        print(f"| {codec} | {r['perplexity']:.3f} | {rel('perplexity')} | {r['teacher_forced_agreement']:.1%} | "
+              f"{r.get('greedy_agreement', 0):.1%} | "
               f"{r.get('identical_answers', '')}/{len(TOPICS)} | {r['kv_bytes_per_token']:,} | "
               f"{r['concurrent_1024']} | {ratio('concurrent_1024')} | {r['decode_step_ms']:.1f} | "
               f"{rel('decode_step_ms')} | {r['wire_bytes_per_request']:,.0f} |")

@@ -1,7 +1,8 @@
 """Moving whole KV blocks of one layer between the pool and the wire format of delivery.
 
 Wire layout of a chunk: `[2 (k|v) * Hkv, count, block_size * head_dim]` in the pool's dtype, i.e. the pool
-layer `[2, Hkv, num_blocks, block_size, D]` with only the chosen blocks kept, in the order given.
+layer `[2, Hkv, num_blocks, block_size, D]` with only the chosen blocks kept, in the order given (under a KV
+codec, D is a token record's bytes and the dtype uint8: coded blocks travel as they are, scales inside).
 
 On a CPU pool, `block_pieces` names that payload as byte views straight into the pool (one per run of
 consecutive blocks per k/v head row), so transports send from and receive into the pool without a staging

@@ -1,4 +1,5 @@
-"""The host-memory KV tier's bytes: one tensor `[num_slots, num_layers, 2, Hkv, block_size, D]`.
+"""The host-memory KV tier's bytes: one tensor `[num_slots, num_layers, 2, Hkv, block_size, D]` (the last
+dimension a token record's bytes, uint8, under a KV codec: coded blocks are kept as the pool holds them).
 
 Block-major, so one slot is one contiguous record of every layer (what a disk file holds, written and
 read in one call). Device pool layers are `[2, Hkv, num_blocks, block_size, D]`; copies between the two

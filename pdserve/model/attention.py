@@ -10,6 +10,11 @@ the batched matmuls need; contexts are gathered a whole block at a time (one `in
 On CPU in fp32 the compiled kernels (`pdserve.model.kernels`) replace the decode path and the rotary +
 cache write: decode attention reads the blocks in place, with no gather. The torch code below is the
 reference they are tested against and the (counted) fallback.
+
+A coded pool (`--kv-cache-dtype` other than auto, `meta.codec`) holds token records (`pdserve.kv.codec`)
+instead of values: new keys and values are encoded as they are written and come back decoded, so even a
+chunk attending over its own fresh tokens sees what the cache holds; gathered contexts are decoded after the
+gather; the decode kernel decodes records in place (`kernels/kv_codec.c`).
 """
 
 from __future__ import annotations
