@@ -52,7 +52,7 @@ class RecoveryEvents:
             prediction=None, kv_addr=None, first_block=0, waiting_room=False, staged="", offset=len(f.outputs),
             started=False, outputs=list(f.outputs), checkpoint=0, restore=restore,
             # the client has had the prompt's logprobs with the first token: not computed again
-            params={**f.params, "prompt_logprobs": None} if f.outputs else f.params)
+            params={k: v for k, v in f.params.items() if k != "prompt_logprobs"} if f.outputs else f.params)
         prompt = moved.resumed_prompt
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         source = "checkpoint" if restore else "recompute"

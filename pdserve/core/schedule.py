@@ -74,8 +74,8 @@ class ExecutorOutput:
     """What one step produced: the sampled token of every chunk that had `sample=True`."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # asked-for logprobs (`pdserve.model.logprobs`): per request, the sampled token's entry, and the entries
-    # of the prompt tokens its chunk predicted
-    logprobs: dict[str, list] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     step_s: float | None = None  # the step's modelled duration (the simulator); None: the engine measures it
+    # asked-for logprobs (`pdserve.model.logprobs`): per request, the sampled token's entry, and the entries
+    # of the prompt tokens its chunk predicted (keyword-only: positional callers keep the order above)
+    logprobs: dict[str, list] = field(default_factory=dict, kw_only=True)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict, kw_only=True)

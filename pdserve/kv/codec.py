@@ -35,6 +35,7 @@ class KVCodec:
         # int4 codes each token in a rotated basis (`rotation`, orthogonal and symmetric: its own inverse), which
         # spreads the few outlier channels of keys over all of them, so one scale per token fits every channel.
         self.rotation = _hadamard(head_dim) if name == "int4" else None
+        self._rotations: dict[torch.device, torch.Tensor] = {}
 
     @property
     def format(self) -> str:
@@ -50,7 +51,7 @@ class KVCodec:
             return x.to(self.storage)
         x = x.float()
         if self.rotation is not None:
-            x = x @ self.rotation
+            x = x @ self.rotation_on(x.device)
         if self.name in ("fp16", "bf16"):
             dt = torch.float16 if self.name == "fp16" else torch.bfloat16
             if dt is torch.float16:  # saturated, never inf
@@ -82,7 +83,13 @@ class KVCodec:
     def decode(self, records: torch.Tensor) -> torch.Tensor:
         """[..., width] records -> [..., D] fp32."""
         x = self.decode_codes(records)
-        return x if self.rotation is None else x @ self.rotation
+        return x if self.rotation is None else x @ self.rotation_on(x.device)
+
+    def rotation_on(self, device: torch.device) -> torch.Tensor:
+        """`rotation` on `device` (copied there once per device)."""
+        if device not in self._rotations:
+            self._rotations[device] = self.rotation.to(device)
+        return self._rotations[device]
 
     def decode_codes(self, records: torch.Tensor) -> torch.Tensor:
         """[..., width] records -> [..., D] fp32 as coded (in the rotated basis, for int4)."""
