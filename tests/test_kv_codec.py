@@ -159,3 +159,46 @@ def test_unknown_chunk_formats_name_no_codec():
     own = KVCodec("int8", 64, torch.float32)
     assert codec_of("float32", own).name == "auto" and codec_of("int4", own).name == "int4"
     assert codec_of("int3", own) is None and codec_of("int64", own) is None and codec_of(5, own) is None
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_coded_blocks_evicted_to_host_and_disk_come_back_unchanged(tiny_llama_dir, tmp_path, name):
+    """The host and disk tiers hold coded blocks as they are: a prefix evicted from the device is loaded back
+    from host, and after a restart from disk, and the greedy tokens are those of the first run."""
+    import time
+
+    from pdserve.core.kv_columns import Tier
+    from pdserve.core.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm import build_engine_at
+
+    def engine():
+        cfg = EngineConfig(kv_cache_dtype=name, block_size=4, num_kv_blocks=12, num_threads=1, kv_host_gb=0.01,
+                           kv_disk_dir=str(tmp_path / "kv"))
+        return build_engine_at(tiny_llama_dir, cfg, detokenize=False, worker="w", long_context=False)
+
+    def run(e, prompt):
+        e.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), request_id=str(prompt[0]))
+        final = None
+        while e.has_unfinished():
+            final = ([o for o in e.step() if o.finished] or [final])[0]
+        return final
+
+    a, b, c = ([(k * 31 + j * 7) % 400 + 10 for j in range(17)] for k in (1, 2, 3))
+    e = engine()
+    first = run(e, a)
+    assert e.executor.kv_io.host.data.dtype == torch.uint8
+    run(e, b), run(e, c)  # a's blocks leave the 12-block device pool
+    again = run(e, [*a])
+    assert again.num_cached_tokens == 16 and e.tiers.stats.hit_tokens[Tier.HOST] > 0
+    assert again.token_ids == first.token_ids
+    deadline = time.monotonic() + 30
+    while not all(e.tiers.disk.ready(h) is not None for h in e.block_manager.find_prefix(a).block_hashes):
+        assert time.monotonic() < deadline, "never flushed to disk"
+        e.poll_kv()
+        time.sleep(0.01)
+    del e
+    restarted = engine()
+    from_disk = run(restarted, [*a])
+    assert from_disk.num_cached_tokens == 16 and restarted.tiers.stats.hit_tokens[Tier.DISK] > 0
+    assert from_disk.token_ids == first.token_ids

@@ -145,7 +145,10 @@ def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_pa
             tasks = [asyncio.create_task(_stream(client, r, e, after=20)) for r, e in zip(reqs, started)]
             if kill:
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-                await asyncio.sleep(0.6)  # a stats report: the checkpoints of the first 16-token blocks
+                deadline = time.monotonic() + 60  # a request of colocated-0's has its first blocks on disk
+                while server.metric("pdserve_kv_checkpoints_total", worker="colocated-0") < 1:
+                    assert time.monotonic() < deadline, "no checkpoint recorded"
+                    await asyncio.sleep(0.1)
                 os.kill(server.worker_pid("colocated-0"), signal.SIGKILL)
             try:
                 return await asyncio.gather(*tasks)

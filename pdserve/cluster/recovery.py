@@ -72,6 +72,7 @@ class RecoveryEvents:
         f = self.flights.get(rid)
         if f is not None and f.decode == worker and tokens > f.checkpoint:
             f.checkpoint = tokens
+            return [Count("kv_checkpoints", (("worker", worker),))]
         return []
 
     def _adopt_orphans(self) -> list:

@@ -160,6 +160,9 @@ class Metrics:
                                             "did not prove it belongs to this deployment (kv_tcp: no valid "
                                             "hello)", ["endpoint"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
+        self.kv_checkpoints = Counter("pdserve_kv_checkpoints", "KV checkpoints recorded: a live request's KV on "
+                                      "a worker's disk grew (where it resumes should the worker die)",
+                                      ["worker"], registry=r)
         self.requests_migrated = Counter("pdserve_requests_migrated", "Requests moved to another worker when theirs "
                                          "died, their KV rebuilt by recomputing prompt + outputs (source "
                                          "recompute) or from a checkpoint (source checkpoint)",
