@@ -38,9 +38,9 @@ def served_logprobs(url: str, model: str, window: list[int]) -> list[float]:
     return lps[1:]
 
 
-def engine_logprobs(parts: list[list[int]]) -> list[list[float]]:
+def engine_logprobs(parts: list[list[int]], kv_cache_dtype: str = "auto") -> list[list[float]]:
     from pdserve import LLM, SamplingParams
-    llm = LLM()
+    llm = LLM(kv_cache_dtype=kv_cache_dtype)
     outs = llm.generate(parts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     return [[e[0] for e in out.prompt_logprobs[1:]] for out in outs]
 
@@ -73,7 +73,9 @@ def main() -> None:
         seconds = time.perf_counter() - start
     finally:
         server.stop()
-    reference = engine_logprobs(parts)
+    serve_args = shlex.split(args.serve_args)  # the reference keeps the served KV codec
+    codec = serve_args[serve_args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in serve_args else "auto"
+    reference = engine_logprobs(parts, codec)
     diff = max(abs(a - b) for s, r in zip(served, reference) for a, b in zip(s, r))
     result = {"text": args.text.name, "tokens_scored": sum(len(s) for s in served), "window": args.window,
               "windows": len(parts), "mode": args.mode, "serve_args": args.serve_args,
