@@ -50,6 +50,7 @@ class DecodeSide:
         self.timeout_s = timeout_s
         self.block_size = engine.block_manager.block_size
         self.codec = getattr(engine.executor, "codec", None)  # this pool's; chunks in another are transcoded
+        self._sources: dict = {}  # a chunk header's `kv` format -> its KVCodec (False: names none)
         self.inbound = InboundTransfers(len(kv_layers))
         # Waiting for blocks, in the scheduler's queue-policy order (fcfs: arrival; priority: lowest value
         # first), so a reservation queue never undoes the order the waiting queue would keep.
@@ -141,7 +142,11 @@ class DecodeSide:
         fmt = header.get("kv")
         if self.codec is None or fmt is None or fmt == self.codec.format:
             return None
-        return codec_of(fmt, self.codec) or False
+        if not isinstance(fmt, str):
+            return False
+        if fmt not in self._sources:  # once per format, not per chunk (int4's builds its rotation)
+            self._sources[fmt] = codec_of(fmt, self.codec) or False
+        return self._sources[fmt]
 
     def _targets(self, header: dict, inbound: Inbound) -> list[memoryview] | None:
         """The pool's (or host tier's) bytes a chunk's payload goes to, in wire order; None on another device

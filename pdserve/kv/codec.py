@@ -17,6 +17,7 @@ from pdserve.core import kv_codecs
 
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class KVCodec:
@@ -52,11 +53,10 @@ class KVCodec:
         x = x.float()
         if self.rotation is not None:
             x = x @ self.rotation_on(x.device)
-        if self.name in ("fp16", "bf16"):
-            dt = torch.float16 if self.name == "fp16" else torch.bfloat16
-            if dt is torch.float16:  # saturated, never inf
+        if self.name in HALF:
+            if self.name == "fp16":  # saturated, never inf
                 x = x.clamp(-FP16_MAX, FP16_MAX)
-            return x.to(dt).view(torch.uint8).view(x.shape[0], self.token_bytes)
+            return x.to(HALF[self.name]).view(torch.uint8).view(x.shape[0], self.token_bytes)
         return self._encode_scaled(x)
 
     def _encode_scaled(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,8 +82,13 @@ class KVCodec:
 
     def decode(self, records: torch.Tensor) -> torch.Tensor:
         """[..., width] records -> [..., D] fp32."""
-        x = self.decode_codes(records)
+        x = self._dequantize(records)
         return x if self.rotation is None else x @ self.rotation_on(x.device)
+
+    def kv_bytes_per_token(self, config) -> int:
+        """K and V of one token over every layer and KV head of a model of `config`, in this codec."""
+        return kv_codecs.kv_bytes_per_token(self.name, config.num_layers, config.num_kv_heads, config.head_dim,
+                                            self.model_dtype.itemsize)
 
     def rotation_on(self, device: torch.device) -> torch.Tensor:
         """`rotation` on `device` (copied there once per device)."""
@@ -91,32 +96,23 @@ class KVCodec:
             self._rotations[device] = self.rotation.to(device)
         return self._rotations[device]
 
-    def decode_codes(self, records: torch.Tensor) -> torch.Tensor:
+    def _dequantize(self, records: torch.Tensor) -> torch.Tensor:
         """[..., width] records -> [..., D] fp32 as coded (in the rotated basis, for int4)."""
         if not self.coded:
             return records.float()
         lead = records.shape[:-1]
         r = records.reshape(-1, self.token_bytes)
-        if self.name in ("fp16", "bf16"):
-            dt = torch.float16 if self.name == "fp16" else torch.bfloat16
-            return r.contiguous().view(dt).float().view(*lead, self.head_dim)
-        codes = r[:, :self.code_bytes]
-        params = r[:, self.code_bytes:].contiguous().view(torch.float32)
+        if self.name in HALF:
+            return r.contiguous().view(HALF[self.name]).float().view(*lead, self.head_dim)
+        codes, params = r[:, :self.code_bytes].contiguous(), r[:, self.code_bytes:].contiguous()
         if self.name == "int4":
             q = torch.stack([codes & 15, codes >> 4], dim=2).reshape(-1, 2, self.head_dim // 2).float()
-            p = r[:, self.code_bytes:].contiguous().view(torch.float16).float().view(-1, 2, 2)
+            p = params.view(torch.float16).float().view(-1, 2, 2)
             x = (q * p[:, :, 0:1] + p[:, :, 1:2]).view(-1, self.head_dim)
-        elif self.name == "int8":
-            x = codes.contiguous().view(torch.int8).float() * params
         else:
-            x = codes.contiguous().view(torch.float8_e4m3fn).float() * params
+            kind = torch.int8 if self.name == "int8" else torch.float8_e4m3fn
+            x = codes.view(kind).float() * params.view(torch.float32)
         return x.view(*lead, self.head_dim)
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache holds for `x` [..., D], in x's dtype: attention over fresh keys reads these."""
-        if not self.coded:
-            return x
-        return self.decode(self.encode(x.reshape(-1, self.head_dim))).view(x.shape).to(x.dtype)
 
     def transcode(self, records: torch.Tensor, into: "KVCodec") -> torch.Tensor:
         """[N, width] records of this codec -> [N, into.width] records of `into` (a delivery between workers

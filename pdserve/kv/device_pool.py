@@ -16,7 +16,7 @@ from pdserve.paging import Populating
 
 def blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int, codec: KVCodec) -> int:
     """How many blocks of `block_size` tokens fit in `budget_bytes` for this model in `codec`."""
-    per_block = 2 * config.num_layers * config.num_kv_heads * codec.token_bytes * block_size
+    per_block = codec.kv_bytes_per_token(config) * block_size
     return max(budget_bytes // per_block, 1)
 
 

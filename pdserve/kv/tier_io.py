@@ -129,7 +129,7 @@ def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor
     `codec`, a KVCodec: the tiers hold them as they are); None without a host tier."""
     if not config.kv_host_gb:
         return None
-    block_bytes = 2 * model_config.num_layers * model_config.num_kv_heads * codec.token_bytes * config.block_size
+    block_bytes = codec.kv_bytes_per_token(model_config) * config.block_size
     num_slots = max(int(config.kv_host_gb * 2**30) // block_bytes, 1)
     host = HostKVStore(num_slots, model_config.num_layers, model_config.num_kv_heads, config.block_size,
                        codec.width, codec.storage, pin=layers[0].device.type == "cuda")

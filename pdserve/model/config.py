@@ -49,9 +49,6 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
