@@ -161,7 +161,7 @@ def test_unknown_chunk_formats_name_no_codec():
     assert codec_of("int3", own) is None and codec_of("int64", own) is None and codec_of(5, own) is None
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", pytest.param("int4", marks=pytest.mark.extended)])
 def test_coded_blocks_evicted_to_host_and_disk_come_back_unchanged(tiny_llama_dir, tmp_path, name):
     """The host and disk tiers hold coded blocks as they are: a prefix evicted from the device is loaded back
     from host, and after a restart from disk, and the greedy tokens are those of the first run."""
