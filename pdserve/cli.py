@@ -90,6 +90,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg, engine)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.cluster.joined import worker_spec
+    spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
+                       data_host=args.data_host, drain_timeout_s=args.drain_timeout_s,
+                       kv_timeout_s=args.kv_timeout_s, delivery=args.delivery,
+                       delivery_backlog_s=args.delivery_backlog_s, join_timeout_s=args.join_timeout_s)
+    from pdserve.cluster.worker import run
+    return run(spec)
+
+
+def _add_worker_parser(sub) -> None:
+    w = sub.add_parser("worker", help="start a worker that joins a running pdserve serve (its --control-port)")
+    w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    w.add_argument("--join", required=True, metavar="tcp://HOST:PORT",
+                   help="the gateway's control address (pdserve serve --control-port); the deployment secret "
+                        "comes from PDSERVE_DEPLOYMENT_SECRET")
+    w.add_argument("--name", default=None, help="its name (metrics' worker label); default: ROLE-HOST-PID")
+    w.add_argument("--data-host", default=None,
+                   help="address it binds its command and KV sockets on and tells its peers; default: the "
+                        "address this host reaches the gateway from")
+    w.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, the longest it finishes its requests before leaving (what is left moves)")
+    w.add_argument("--join-timeout-s", type=float, default=30.0,
+                   help="exit (status 2) when the gateway has not taken it this long after it is ready")
+    w.add_argument("--kv-timeout-s", type=float, default=30.0, help="as pdserve serve's")
+    w.add_argument("--delivery", default="scheduled", help="as pdserve serve's (prefill workers)")
+    w.add_argument("--delivery-backlog-s", type=float, default=2.0, help="as pdserve serve's (prefill workers)")
+    add_engine_args(w)
+    w.set_defaults(func=cmd_worker)
+
+
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """Write the model pdserve serves as a Hugging Face directory (fp32 safetensors, tokenizer, chat
     template), so peers (vLLM, transformers) load exactly the same weights."""
@@ -159,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(srv, ServeConfig)
     add_engine_args(srv, skip=frozenset({"model"}))
     srv.set_defaults(func=cmd_serve)
+    _add_worker_parser(sub)
     exp = sub.add_parser("export-hf", help="write the served model as a Hugging Face directory (for peers)")
     exp.add_argument("--output", required=True, help="directory to write")
     exp.add_argument("--model", default=None, help="model to export; default: the embedded default model")

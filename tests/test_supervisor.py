@@ -42,8 +42,21 @@ class FakeProcs:
 
 class FakeConductor:
     def __init__(self, names) -> None:
-        self.workers = {n: SimpleNamespace(info={"pid": 1}, last_seen=0.0, loop_age_s=0.0) for n in names}
+        self.workers = {n: SimpleNamespace(info={"pid": 1}, last_seen=0.0, loop_age_s=0.0, joined=False)
+                        for n in names}
         self.deaths: list[tuple[str, str, bool]] = []
+        self.released: list[str] = []
+
+    def join(self, name: str, role: str) -> SimpleNamespace:
+        """A worker joins (as `Conductor._join` registers one)."""
+        self.workers[name] = w = SimpleNamespace(info={"pid": 7}, last_seen=0.0, loop_age_s=0.0, joined=True,
+                                                 load=SimpleNamespace(role=role, alive=True, leaving=False))
+        return w
+
+    def release_drained(self) -> list[str]:
+        names = [n for n, w in self.workers.items() if w.joined and w.load.leaving and n not in self.released]
+        self.released += names
+        return names
 
     def events_pending(self) -> bool:
         return False
@@ -53,6 +66,8 @@ class FakeConductor:
 
     def worker_died(self, name: str, reason: str, restarting: bool) -> None:
         self.deaths.append((name, reason, restarting))
+        if self.workers[name].joined:
+            self.workers[name].load.alive = False
 
     def worker_restarting(self, name: str) -> None:
         self.workers[name].info = {}
@@ -136,3 +151,32 @@ def test_while_draining_nothing_is_restarted_and_health_says_so():
     clock[0] = 100.0
     sup.tick()
     assert procs.started == [] and sup.workers["decode-0"].state == "dead"
+
+
+def test_a_joined_worker_is_watched_by_heartbeat_released_when_leaving_and_never_restarted():
+    sup, procs, conductor, clock = _setup(heartbeat_timeout_s=4.0)
+    j = conductor.join("decode-j", "decode")
+    sup.tick()
+    assert sup.workers["decode-j"].state == "ready" and sup.workers["decode-j"].pid == 7
+    j.load.leaving = True  # it said it is leaving
+    sup.tick()
+    assert sup.workers["decode-j"].state == "draining" and conductor.released == ["decode-j"]
+    j.load.alive = False  # its `left` event came
+    sup.tick()
+    assert sup.workers["decode-j"].state == "left"
+    _beat(conductor, clock)
+    assert sup.health()[1]["status"] == "ok"  # a worker that left is no gap
+    conductor.join("decode-j", "decode")  # it comes back under the same name
+    clock[0] = 10.0
+    _beat(conductor, clock)
+    sup.tick()
+    assert sup.workers["decode-j"].state == "ready"
+    clock[0] = 15.0  # silent for more than the heartbeat timeout
+    conductor.workers["prefill-0"].last_seen = conductor.workers["decode-0"].last_seen = 15.0
+    sup.tick()
+    assert sup.workers["decode-j"].state == "lost"
+    assert conductor.deaths == [("decode-j", "worker_lost", False)]
+    assert sup.health()[1]["status"] == "degraded"
+    clock[0] = 100.0
+    sup.tick()
+    assert procs.started == [] and sup.workers["decode-j"].state == "lost"  # not ours to start again

@@ -34,6 +34,8 @@ class WorkerHandle:
     stats: dict = field(default_factory=dict)  # its latest `stats` event
     last_seen: float = field(default_factory=time.monotonic)  # its latest event of any kind (heartbeat)
     loop_age_s: float = 0.0  # its latest heartbeat: how long ago its main loop last came round
+    joined: bool = False  # it joined the running deployment (`pdserve worker --join`): no process of ours
+    released: bool = False  # leaving, drained: told it may go
 
     @property
     def name(self) -> str:
@@ -49,14 +51,16 @@ class Flight:
     tier: str = "default"
     workers: list[str] = field(default_factory=list)  # where it runs (decode or colocated first)
     arrival_s: float = field(default_factory=time.monotonic)
+    trace: dict | None = None  # the client's trace context headers (`traceparent`), when requests are traced
 
 
 class Conductor:
     def __init__(self, ctx: zmq.asyncio.Context, event_socket: zmq.asyncio.Socket, mode: str,
                  policy: RoutingPolicy, metrics=None, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, clock: Callable[[], float] = time.monotonic,
-                 idle_prewarm: bool = True, max_queue: int | None = None) -> None:
+                 idle_prewarm: bool = True, max_queue: int | None = None, tracer=None) -> None:
         self.ctx = ctx
+        self.tracer = tracer  # a `pdserve.server.tracing.RequestTracer`: every request that ends, as spans
         self.events = event_socket
         self.mode = mode
         self.metrics = metrics
@@ -66,6 +70,7 @@ class Conductor:
         self.flights: dict[str, Flight] = {}
         self.refusals = Refusals(event_socket)  # events from outside the deployment (`zmq_auth`)
         self._refused = 0
+        self.join_check: Callable[[dict], str | None] | None = None  # why a joining worker is refused, if it is
 
     @property
     def block_size(self) -> int:
@@ -77,6 +82,9 @@ class Conductor:
 
     # ---- workers ----------------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, cmd_addr: str) -> None:
+        self.workers[name] = WorkerHandle(self.core.add_worker(name, role), self._connect(cmd_addr))
+
+    def _connect(self, cmd_addr: str) -> zmq.Socket:
         # A plain (blocking-API) socket: the core's actions are carried out synchronously; with no
         # high-water mark a command is queued, never dropped and never waited for.
         sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)
@@ -84,25 +92,68 @@ class Conductor:
         sock.setsockopt(zmq.SNDHWM, 0)
         secure_client(sock)  # (`pdserve.transfer.zmq_auth`)
         sock.connect(cmd_addr)
-        self.workers[name] = WorkerHandle(self.core.add_worker(name, role), sock)
+        return sock
 
     def role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.load.role == role]
 
     @property
     def ready(self) -> bool:
-        return all(w.info for w in self.workers.values())
+        return all(w.info for w in self.workers.values() if not w.joined)
 
-    def worker_died(self, name: str, reason: str = "worker_died", restarting: bool = False) -> None:
-        """A worker process ended (or was killed as hung). The prefill workers forget a dead decode worker
-        first (its rings, connections, lent blocks: nothing of it is reused), then the core moves its
-        requests and its prompts (`pdserve.cluster.recovery`)."""
+    # ---- membership: workers that join and leave (`pdserve.cluster.membership`) --------------------------
+    def _join(self, event: dict) -> bool:
+        """A `ready` event from a worker this gateway did not start: take it in, or tell it why not."""
+        name, role, cmd_addr = event["worker"], event.get("role", ""), event["cmd_addr"]
+        known = self.workers.get(name)
+        if self.join_check is None:  # still starting: the worker says it is ready again shortly
+            return False
+        if known is not None and known.joined and known.load.alive and known.info.get("cmd_addr") == cmd_addr:
+            return True  # it said so again before our welcome reached it
+        why = self.join_check(event)
+        if why is None and known is not None and (known.load.alive or not known.joined):
+            why = f"a worker named {name!r} is already in this deployment"
+        if why is not None:
+            if self.metrics:
+                self.metrics.joins_refused.inc()
+            sock = self._connect(cmd_addr)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.send(msgpack.packb({"type": "refused", "message": why}))
+            sock.close()
+            return False
+        if known is not None:
+            known.socket.close(linger=0)
+        actions = self.core.worker_joined(name, role)
+        self.workers[name] = WorkerHandle(self.core.workers[name], self._connect(cmd_addr), joined=True)
+        self._send(name, {"type": "welcome"})
+        self._act(actions)
+        return True
+
+    def release_drained(self) -> list[str]:
+        """Leaving workers with nothing left here are told they may go (once); -> their names."""
+        names = [n for n in self.core.drained() if not self.workers[n].released]
+        for name in names:
+            self.workers[name].released = True
+            self._send(name, {"type": "release"})
+        return names
+
+    def worker_left(self, name: str, drained: bool) -> None:
+        self.worker_died(name, reason="worker_left", left=drained)
+
+    def worker_died(self, name: str, reason: str = "worker_died", restarting: bool = False,
+                    left: bool | None = None) -> None:
+        """A worker process ended (or was killed as hung; `left`: it left, drained or not). The prefill
+        workers forget a dead decode worker first (its rings, connections, lent blocks: nothing of it is
+        reused), then the core moves its requests and its prompts (`pdserve.cluster.recovery`)."""
         addr = self.workers[name].info.get("kv_addr")
         if addr:
             for w in self.role("prefill"):
                 if w.name != name:
                     self._send(w.name, {"type": "peer_gone", "addr": addr})
-        self._act(self.core.worker_died(name, self.clock(), reason, restarting))
+        if left is None:
+            self._act(self.core.worker_died(name, self.clock(), reason, restarting))
+        else:
+            self._act(self.core.worker_left(name, self.clock(), left))
 
     def worker_restarting(self, name: str) -> None:
         """A dead worker's process is started again: it is not ready (routing passes it by) until its `ready`
@@ -112,10 +163,10 @@ class Conductor:
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                     pin: tuple[str, float] | None = None, tier: str = "default") -> Flight:
+                     pin: tuple[str, float] | None = None, tier: str = "default", trace: dict | None = None) -> Flight:
         """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks. A refused
         request's stream holds just its error."""
-        flight = Flight(rid, asyncio.Queue(), tier)
+        flight = Flight(rid, asyncio.Queue(), tier, trace=trace)
         self.flights[rid] = flight
         actions = self.core.arrive(rid, prompt, params_dict(params), self.clock(), tier=tier, priority=priority,
                                    pin=pin)
@@ -142,6 +193,7 @@ class Conductor:
                 flight = self.flights.pop(action.rid, None)
                 if flight is not None:
                     flight.events.put_nowait(action.event)
+                    self._traced(flight, None, action.message)
             elif isinstance(action, Count) and self.metrics:
                 self.metrics.count(action.metric, action.labels)
             elif isinstance(action, Observe) and self.metrics:
@@ -151,6 +203,12 @@ class Conductor:
         worker = self.workers[name]
         if worker.load.alive:
             worker.socket.send(msgpack.packb(cmd), zmq.NOBLOCK)
+
+    def _traced(self, flight: Flight, state, error: str | None = None) -> None:
+        """Request `flight` ended (`state`: the core's record of it; None once the core let it go): its spans,
+        when requests are traced."""
+        if self.tracer is not None:
+            self.tracer.ended(flight.trace, flight.arrival_s, state, self.clock(), error)
 
     def count_refusals(self) -> None:
         """Connection attempts on the events socket from outside the deployment, into the metrics."""
@@ -187,6 +245,8 @@ class Conductor:
                     if item["fin"]:
                         self.flights.pop(item["rid"], None)
                 self._act(core.token(item["rid"], item["i"], bool(item["fin"]), now, item["t"]))
+                if item["fin"] and flight is not None:
+                    self._traced(flight, state)
         elif kind == "reserved":
             self._act(core.reserved(event["rid"], event["xfer"], event["needs_prefill"], event["kv_addr"],
                                     event["first_block"], now))
@@ -212,12 +272,17 @@ class Conductor:
             flight = self.flights.pop(event.get("rid"), None)
             if flight is not None:
                 flight.events.put_nowait(event)
+                self._traced(flight, None, event.get("message", "worker error"))
             self._act(core.worker_error(event.get("rid")))
         else:
             self._on_worker_event(kind, event)
 
     def _on_worker_event(self, kind: str, event: dict) -> None:
-        worker = self.workers[event["worker"]]
+        if kind == "ready" and event.get("cmd_addr") and not self._join(event):
+            return
+        worker = self.workers.get(event["worker"])
+        if worker is None:  # a joining worker that was refused (its heartbeats until it exits)
+            return
         worker.last_seen = self.clock()
         if kind == "beat":
             worker.loop_age_s = event["loop_age_s"]
@@ -227,6 +292,11 @@ class Conductor:
         elif kind == "ready":
             worker.info = event
             self._act(self.core.worker_ready(worker.name, event))
+        elif kind == "leaving":
+            self._act(self.core.worker_leaving(worker.name))
+        elif kind == "left":
+            if worker.load.alive:
+                self.worker_left(worker.name, bool(event.get("released")))
         elif kind == "stats":
             worker.stats = event
             self.core.worker_steps(worker.name, event.get("steps"), event.get("prefill_cap"))

@@ -23,7 +23,9 @@ simulated time. What it decides:
   `pdserve.cluster.hot_prefixes`), so prefix-affine routing can spread that prefix's requests;
 * **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
   it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
-  it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block).
+  it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block);
+* take **workers that join** the running deployment, and let workers **leave** without losing a request
+  (drain, release, hand off: `pdserve.cluster.membership`).
 
 Actions (`pdserve.cluster.actions`): `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the
 request with an error the client sees), `Count(metric, labels)` (a counted event for the metrics),
@@ -40,6 +42,7 @@ from pdserve.cluster.actions import Count, Fail, Observe, Send
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.hot_prefixes import HotPrefixes
+from pdserve.cluster.membership import MembershipEvents
 from pdserve.cluster.recovery import RecoveryEvents
 from pdserve.cluster.routing import AFFINITY_BLOCKS, MAX_RECENT_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.cluster.staging import StagePlan, StagingEvents
@@ -62,8 +65,9 @@ class FlightState:
     prefill: str | None = None
     xfer: str = ""
     queued_tokens: int = 0  # prompt tokens it adds to its prefill worker's backlog until prefilled
-    dispatched: bool = False  # PD: its prefill command went out
+    dispatched_s: float | None = None  # PD: when its prefill command went out
     prefilled_s: float | None = None  # PD: when the prefill worker reported the prompt done
+    prefilled_by: str | None = None  # PD: that prefill worker
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
@@ -93,7 +97,7 @@ class Backlog:
     decoding: int = 0
 
 
-class ConductorCore(StagingEvents, RecoveryEvents):
+class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True,
                  max_queue: int | None = None) -> None:
@@ -151,19 +155,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
     def worker_died(self, name: str, now: float = 0.0, reason: str = "worker_died", restarting: bool = False
                     ) -> list:
         """`restarting`: it is being started again (its requests may wait for it when no other can take them)."""
-        load = self.workers[name]
-        load.alive = False
-        actions: list = [Count("worker_deaths", (("worker", name),))]
-        for rid in self.hot.worker_gone(name) if self.hot is not None else ():
-            self.stage.done(name, rid)
-        for f in list(self.flights.values()):
-            if f.decode == name:
-                actions += self._migrate(f, reason, restarting)
-            elif f.prefill == name:
-                actions += self._recover(f, now)
-        if self.orphans and not restarting and self._route(())[0] is None:
-            actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
-        return actions
+        return [Count("worker_deaths", (("worker", name),))] + self._worker_gone(name, now, reason, restarting)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
@@ -283,7 +275,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         ahead = sum(n for r, n in tokens.items() if r <= rank)
         behind = sum(tokens.values()) - ahead
         tokens[rank] += f.queued_tokens
-        f.dispatched = True
+        f.dispatched_s = now
         predicted = self.consumption.at_dispatch(now, f.prefill, f.decode, f.queued_tokens, ahead, behind)
         blocks = -(-len(f.resumed_prompt) // self.block_size) - first_block
         f.prediction = Prediction(blocks, predicted, predicted, tier=f.tier)
@@ -294,7 +286,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
         f = self.flights.get(rid)
         if f is None:
             return []
-        f.prefilled_s = now
+        f.prefilled_s, f.prefilled_by = now, f.prefill
         prefill = f.prefill
         self._prefill_done(f)
         if f.prediction is not None:
@@ -376,7 +368,7 @@ class ConductorCore(StagingEvents, RecoveryEvents):
             producer = f.prefill or f.decode
             rank = self.tiers[f.tier].rank
             self.backlog[producer].tokens[rank] -= f.queued_tokens
-            if f.dispatched:
+            if f.dispatched_s is not None:
                 self.backlog[producer].dispatched[rank] -= f.queued_tokens
             f.queued_tokens = 0
         if f.prefill is not None:

@@ -48,7 +48,7 @@ class RecoveryEvents:
         self._finish(f)
         restore = {"peer": dead, "tokens": f.checkpoint} if f.checkpoint else f.restore  # (an earlier one's)
         moved = dataclasses.replace(
-            f, decode=None, prefill=None, xfer="", queued_tokens=0, dispatched=False, prefilled_s=None,
+            f, decode=None, prefill=None, xfer="", queued_tokens=0, dispatched_s=None, prefilled_s=None,
             prediction=None, kv_addr=None, first_block=0, waiting_room=False, staged="", offset=len(f.outputs),
             started=False, outputs=list(f.outputs), checkpoint=0, restore=restore,
             # the client has had the prompt's logprobs with the first token: not computed again
@@ -111,7 +111,7 @@ class RecoveryEvents:
         if other is None:
             return [Count("kv_recovery", (("choice", "recompute"),)),
                     Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
-        f.prefill, f.dispatched = other.name, False
+        f.prefill, f.dispatched_s = other.name, None
         other.outstanding += 1
         f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
         self.backlog[other.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens

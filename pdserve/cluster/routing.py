@@ -23,12 +23,13 @@ class WorkerLoad:
     outstanding: int = 0  # requests routed here and not finished (the gateway's own count: no lag)
     alive: bool = True
     stalled: bool = False  # alive, but a transfer's lease lapsed on it; cleared when it reports again
+    leaving: bool = False  # draining to leave the deployment: it finishes what it has and takes nothing new
     recent_blocks: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU
     max_recent_blocks: int = MAX_RECENT_BLOCKS
 
     @property
     def usable(self) -> bool:
-        return self.alive and not self.stalled
+        return self.alive and not self.stalled and not self.leaving
 
     def prefix_blocks(self, hashes: Sequence) -> int:
         n = 0

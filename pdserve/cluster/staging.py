@@ -84,7 +84,7 @@ class StagingEvents:
         if ok and f.queued_tokens > 1:
             backlog, rank, left = self.backlog[f.prefill], self.tiers[f.tier].rank, f.queued_tokens - 1
             backlog.tokens[rank] -= left
-            if f.dispatched:
+            if f.dispatched_s is not None:
                 backlog.dispatched[rank] -= left
             f.queued_tokens = 1
         return self._stage_next(f.prefill, now)

@@ -22,7 +22,9 @@ import traceback
 import msgpack
 import zmq
 
+from pdserve.cluster.joined import Departure
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.cluster.worker_stats import step_shape, worker_stats
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
 from pdserve.core.kv_tiers import capacity_blocks
@@ -54,6 +56,7 @@ class Worker:
         self.cmds = self.ctx.socket(zmq.PULL)
         secure_server(self.cmds)
         self.cmds.bind(spec.cmd_addr)
+        self.cmd_addr = self.cmds.getsockopt(zmq.LAST_ENDPOINT).decode()  # (a joined worker binds port *)
         self.cmd_refusals = Refusals(self.cmds)
         self.events = self.ctx.socket(zmq.PUSH)
         self.events.setsockopt(zmq.LINGER, 1000)
@@ -88,25 +91,28 @@ class Worker:
         if self.decode is not None and self.decode.receiver.wakeup is not None:
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
+        self.exit_code = 0
+        self.departure = Departure(self, spec.drain_timeout_s, spec.join_timeout_s) if spec.joined else None
         self.loop_s = time.monotonic()  # the main loop's last pass (the heartbeat thread reports its age)
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         self._last_stats = 0.0
         self._held_since: float | None = None
         self._idle_step = False
-        self._steps: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
+        self.step_log: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
 
     def emit(self, event: dict) -> None:
         self.events.send(msgpack.packb(event))
 
     def serve(self) -> None:
         info = self.executor.info
-        self.emit({"type": "ready", "worker": self.spec.name, "role": self.spec.role, "pid": os.getpid(),
+        self.ready_event = {"type": "ready", "worker": self.spec.name, "role": self.spec.role, "pid": os.getpid(),
                    "kv_addr": self.decode.receiver.address if self.decode else "",
                    "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
                    "kv_capacity_blocks": capacity_blocks(self.engine.block_manager, self.engine.tiers),
                    "max_model_len": self.engine.scheduler.max_model_len,
                    "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
-                   **self._stage_capacity()})
+                   **self._stage_capacity(), **self._join_fields()}
+        self.emit(self.ready_event)
         while self.running:
             sched = self.engine.scheduler
             busy = sched.num_running + sched.num_waiting > 0 and not self._held()
@@ -131,8 +137,17 @@ class Worker:
                 self.prefill.release_lent()
             self._maybe_stats()
             self.loop_s = time.monotonic()
-            if os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
+            if self.departure is not None:
+                self.departure.step()
+            elif os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
+
+    def _join_fields(self) -> dict:
+        """What a joining worker's `ready` adds: where the gateway sends it commands, which model it serves."""
+        if not self.spec.joined:
+            return {}
+        from pdserve.model.config import model_fingerprint
+        return {"cmd_addr": self.cmd_addr, "model": model_fingerprint(self.spec.model_dir)}
 
     def _stage_capacity(self) -> dict:
         scheduled = self.prefill is not None and self.prefill.outbox.policy.scheduled
@@ -174,6 +189,11 @@ class Worker:
         kind = cmd["type"]
         if kind == "shutdown":
             self.running = False
+        elif kind in ("welcome", "release") and self.departure is not None:
+            setattr(self.departure, "welcomed" if kind == "welcome" else "released", True)
+        elif kind == "refused":  # a joining worker the gateway did not take
+            print(f"pdserve: the gateway refused this worker: {cmd.get('message')}", file=sys.stderr, flush=True)
+            self.running, self.exit_code = False, 2
         elif kind == "abort":
             self.engine.abort([cmd["rid"]])
             if self.decode is not None:
@@ -280,16 +300,8 @@ class Worker:
     def _log_step(self, seconds: float) -> None:
         """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
         scheduled = self.engine.last_scheduled
-        if scheduled is None or len(self._steps) >= 64:
-            return
-        pt = sq = ds = ctx = 0
-        for c in scheduled.chunks:
-            n = len(c.token_ids)
-            if n == 1:
-                ds, ctx = ds + 1, ctx + c.start_pos + 1
-            else:
-                pt, sq = pt + n, sq + n * n
-        self._steps.append([pt, sq, ds, ctx, seconds])
+        if scheduled is not None and len(self.step_log) < 64:
+            self.step_log.append(step_shape(scheduled) + [seconds])
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()
@@ -297,50 +309,13 @@ class Worker:
             return
         self._last_stats = now
         self.emit(self.stats())
-        self._steps = []
+        self.step_log = []
         checkpoints = self.decode and self.decode.checkpoints
         if checkpoints and checkpoints.every and (due := checkpoints.due()):
             self.emit({"type": "checkpointed", "worker": self.spec.name, "items": due})
 
     def stats(self) -> dict:
-        from pdserve.model import kernels
-        sched, blocks = self.engine.scheduler, self.engine.block_manager
-        out = {"type": "stats", "worker": self.spec.name, "role": self.spec.role,
-               "running": sched.num_running, "waiting": sched.num_waiting,
-               "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
-               "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
-               "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
-               "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
-               "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": self._steps,
-               "kernel_fallbacks": kernels.fallback_count(),
-               "kv_pool_prefault_fallbacks": int(getattr(self.executor.kv_pool, "prefault_failed", False)),
-               "kv": self.engine.kv_report(),
-               "rejected_connections": {"control": self.cmd_refusals.count(),
-                                        **(self.decode.receiver.rejected_connections if self.decode else {})},
-               "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
-               "capped_steps": sched.step_budget.num_capped_steps,
-               "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
-        if self.prefill is not None:
-            box = self.prefill.outbox
-            out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(self.prefill.failures),
-                       kv_transfers_lent=len(self.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
-                       kv_chunks_payload=box.chunks_payload,
-                       kv_keepalives_sent=self.prefill.keepalives_sent, kv_links=box.link_report(),
-                       production_paused_s=self.prefill.paused_s, production_paced=dict(self.prefill.pace_counts),
-                       kv_wasted_bytes=dict(self.prefill.wasted_bytes),
-                       kv_staged_now=len(self.prefill.stages.staged),
-                       kv_path_transfers=dict(getattr(self.prefill.sender, "transfers", {})),
-                       kv_path_failovers=getattr(self.prefill.sender, "failovers", 0))
-        if self.decode is not None:
-            st = self.decode.stats
-            out.update(kv_bytes_received=st.bytes_received, kv_chunks_transcoded=st.chunks_transcoded,
-                       kv_failures=dict(st.failures),
-                       kv_wasted_bytes=dict(st.wasted_bytes),
-                       kv_late_chunks=self.decode.inbound.num_late_chunks,
-                       kv_lease_renewals=self.decode.inbound.num_renewals,
-                       pending_reservations=len(self.decode.pending),
-                       kv_checkpoint_fallbacks=self.decode.checkpoint_fallbacks)
-        return out
+        return worker_stats(self)
 
     def _beat(self) -> None:
         """Heartbeat, from its own thread and socket: the process is alive (a stopped or swapped-out one sends
@@ -405,14 +380,23 @@ def _diff(a: float | None, b: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _die_with_parent()
     spec = WorkerSpec.from_json((argv or sys.argv[1:])[0])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when workers stop
+    return run(spec)
+
+
+def run(spec: WorkerSpec) -> int:
+    if not spec.joined:
+        _die_with_parent()
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when workers stop
     worker = Worker(spec)
+    if worker.departure is not None:  # it decides when it leaves, and leaves cleanly
+        signal.signal(signal.SIGTERM, worker.departure.ask)
+        signal.signal(signal.SIGINT, worker.departure.ask)
     code = 0
     try:
         worker.serve()
+        code = worker.exit_code
     except SystemExit as e:  # SIGTERM: the gateway stops it
         code = e.code if isinstance(e.code, int) else 0
     except BaseException:  # noqa: BLE001 - a crash: its traceback goes to the log the gateway shows

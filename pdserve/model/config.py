@@ -97,3 +97,15 @@ def _rope_settings(cfg: dict) -> tuple[dict | None, float]:
     if kind not in ("llama3", "linear"):
         raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
     return scaling, theta
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """Which model a directory holds, to compare across hosts: a hash of its config.json and its tokenizer
+    (weights are not read: hashing gigabytes would add seconds to every start). Workers that join a
+    deployment must match the gateway's."""
+    import hashlib
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        file = Path(path) / name
+        digest.update(file.read_bytes() if file.is_file() else b"")
+    return digest.hexdigest()[:16]

@@ -223,12 +223,13 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
         if len(prompts) != 1:
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
         # Admitted (or refused with a 4xx/5xx status) before the stream starts.
-        flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier)
+        flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier, trace=_trace(gateway, http))
         http.scope.setdefault(ON_CUT, []).append(lambda: asyncio.ensure_future(gateway.conductor.abort(flight.rid)))
         return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, shape, include_usage),
                                  media_type="text/event-stream")
     try:
-        results = await _collect_all(gateway, http, prompts, params, body.priority, tier, shape.echo_only)
+        results = await _collect_all(gateway, http, prompts, params, body.priority, tier, shape.echo_only,
+                                     _trace(gateway, http))
     except _ClientGone:
         return Response(status_code=499)
     choices = [shape.choice(i, r, prompts[i]) for i, r in enumerate(results)]
@@ -238,9 +239,9 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
 
 
 async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int, tier: str,
-                       echo_only: bool = False) -> list[Collected]:
+                       echo_only: bool = False, trace: dict | None = None) -> list[Collected]:
     """Run every prompt to the end, unless the client leaves first: then their requests are aborted."""
-    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority, tier, echo_only)
+    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority, tier, echo_only, trace)
                                 for p, sp in zip(prompts, params)))
     watcher = asyncio.ensure_future(_wait_disconnect(http))
     try:
@@ -253,14 +254,22 @@ async def _collect_all(gateway: Gateway, http: Request, prompts, params, priorit
         gathered.cancel()
 
 
+def _trace(gateway: Gateway, http: Request) -> dict | None:
+    """The client's W3C trace context headers, when the server exports traces (`--otlp-endpoint`)."""
+    if gateway.conductor.tracer is None:
+        return None
+    return {h: http.headers[h] for h in ("traceparent", "tracestate") if h in http.headers}
+
+
 async def _wait_disconnect(http: Request) -> None:
     while not await http.is_disconnected():
         await asyncio.sleep(0.25)
 
 
-async def _collect(gateway: Gateway, prompt, params, priority: int, tier: str, echo_only: bool) -> Collected:
+async def _collect(gateway: Gateway, prompt, params, priority: int, tier: str, echo_only: bool,
+                   trace: dict | None = None) -> Collected:
     out = Collected()
-    async for d in gateway.generate(prompt, params, priority, tier=tier):
+    async for d in gateway.generate(prompt, params, priority, tier=tier, trace=trace):
         if d.prompt_logprobs is not None:
             out.prompt_logprobs = d.prompt_logprobs
         out.cached = d.cached_tokens

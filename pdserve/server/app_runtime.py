@@ -6,7 +6,9 @@ import asyncio
 import time
 from pathlib import Path
 
+import msgpack
 import uvicorn
+import zmq
 import zmq.asyncio
 
 from pdserve.cluster.admission import Admission
@@ -14,10 +16,11 @@ from pdserve.cluster.conductor import Conductor
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.errors import PdserveError
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import ModelConfig, model_fingerprint
 from pdserve.server.api import BodyLimit, SendTimeout, create_app
 from pdserve.server.launch import api_keys
 from pdserve.server.gateway import Gateway
+from pdserve.server.joins import JoinPolicy
 from pdserve.server.metrics import Metrics
 from pdserve.server.supervisor import Supervisor
 from pdserve.transfer.zmq_auth import secure_server
@@ -34,18 +37,22 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
     events = ctx.socket(zmq.PULL)
     secure_server(events)  # this deployment's workers only (`pdserve.transfer.zmq_auth`)
     events.bind(procs.specs[0].event_addr)
+    _bind_control(events, cfg)
     metrics = Metrics()
     tiers = ServiceTiers.from_specs(engine_fields.get("service_tiers") or ())
     predict = cfg.admission == "predict" or (cfg.admission is None and tiers.any_slo)
     admission = Admission(cfg.admission_margin, cfg.max_outstanding, predict)
+    tracer = _tracer(cfg)
     conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics, tiers, admission,
-                          idle_prewarm=cfg.idle_prewarm, max_queue=cfg.max_queue)
+                          idle_prewarm=cfg.idle_prewarm, max_queue=cfg.max_queue, tracer=tracer)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
     procs.start()
     event_task = asyncio.create_task(conductor.run_events())
     try:
         await _wait_ready(conductor, procs, cfg.ready_timeout_s)
+        first = next(iter(conductor.workers.values())).info
+        conductor.join_check = JoinPolicy(cfg.mode, model_fingerprint(model_dir), first["block_size"]).check
         gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
                           min(w.info["max_model_len"] for w in conductor.workers.values()))
         gateway.auto_tier = cfg.api_key_tier
@@ -61,12 +68,37 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         monitor.cancel()
         return 0
     finally:
+        for w in conductor.workers.values():
+            if w.joined and w.load.alive:  # a worker that joined stops with the deployment it joined
+                w.socket.send(msgpack.packb({"type": "shutdown"}))
+                w.socket.close(linger=1000)
         event_task.cancel()
         for w in conductor.workers.values():
             w.socket.close(linger=0)
         conductor.refusals.close()
         events.close(linger=0)
         ctx.term()
+        if tracer is not None:
+            tracer.shutdown()
+
+
+def _tracer(cfg):
+    """Request traces to --otlp-endpoint (OpenTelemetry loaded only then)."""
+    if cfg.otlp_endpoint is None:
+        return None
+    from pdserve.server.tracing import RequestTracer
+    return RequestTracer(cfg.otlp_endpoint, served_name(cfg))
+
+
+def _bind_control(events, cfg) -> None:
+    """--control-port: the event socket also listens on TCP, for workers that join."""
+    if cfg.control_port is None:
+        return
+    host = cfg.control_host or cfg.host
+    try:
+        events.bind(f"tcp://{'[' + host + ']' if ':' in host else host}:{cfg.control_port}")
+    except zmq.ZMQError as e:
+        raise StartupError(f"cannot listen on --control-port {host}:{cfg.control_port}: {e.strerror}") from e
 
 
 def served_name(cfg) -> str:
@@ -99,6 +131,7 @@ async def _monitor(supervisor: Supervisor, server: uvicorn.Server, cfg) -> None:
         await asyncio.sleep(0.05)
     shape = (f"{cfg.prefill} prefill + {cfg.decode} decode, {cfg.transport}" if cfg.mode == "pd"
              else f"{cfg.instances} colocated")
-    print(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}",
-          flush=True)
+    joins = (f"; workers join at tcp://{cfg.control_host or cfg.host}:{cfg.control_port}"
+             if cfg.control_port is not None else "")
+    print(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}{joins}", flush=True)
     await supervisor.run(stopping=lambda: server.should_exit)

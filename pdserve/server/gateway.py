@@ -115,11 +115,11 @@ class Gateway:
         return {"id": pin_id, "object": "kv.prewarm", "deleted": True}
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0, pin: Pin | None = None,
-                    tier: str = "default") -> Flight:
+                    tier: str = "default", trace: dict | None = None) -> Flight:
         """Submit a request; raises `WorkerError` at once if the conductor refused it on arrival (no worker,
         a full queue, a predicted SLO miss: 429 with `retry_after_s`), before any response has started."""
         flight = await self.conductor.submit(uuid.uuid4().hex, prompt_ids, params, priority,
-                                             None if pin is None else (pin.pin_id, pin.ttl_s), tier)
+                                             None if pin is None else (pin.pin_id, pin.ttl_s), tier, trace)
         if flight.rid not in self.conductor.flights:  # refused on arrival: its stream holds just the error
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             raise WorkerError(flight.events.get_nowait())
@@ -129,8 +129,8 @@ class Gateway:
         return flight
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       pin: Pin | None = None, tier: str = "default") -> AsyncIterator[Delta]:
-        flight = await self.start(prompt_ids, params, priority, pin, tier)
+                       pin: Pin | None = None, tier: str = "default", trace: dict | None = None) -> AsyncIterator[Delta]:
+        flight = await self.start(prompt_ids, params, priority, pin, tier, trace)
         async for delta in self.stream(flight, prompt_ids, params):
             yield delta
 

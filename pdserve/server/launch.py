@@ -110,6 +110,19 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM or SIGINT: no new connections; the requests in flight finish for at most this long (streams
     too), then the workers stop."""
+    control_port: int | None = None
+    """Take workers that join (`pdserve worker --join tcp://HOST:PORT`) on this TCP port: the gateway's event
+    socket listens there too, CurveZMQ-authenticated with the deployment secret, which must then be given
+    (PDSERVE_DEPLOYMENT_SECRET, 64 hex digits, the same in every joining worker's environment); pd mode needs
+    --transport tcp or auto (joined workers deliver KV over tcp); default: no joins."""
+    control_host: str | None = None
+    """Interface the --control-port listens on; default: --host."""
+    data_host: str = "127.0.0.1"
+    """Address this host's workers bind their KV receivers on and give their peers (tcp transport): this
+    host's address on the network joined workers are on, when they run on other hosts."""
+    otlp_endpoint: str | None = None
+    """Export OpenTelemetry traces of requests (a span per phase: queue, prefill, transfer, decode; the
+    client's `traceparent` continued) to this OTLP/HTTP collector, e.g. http://localhost:4318; default: off."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -144,8 +157,27 @@ class ServeConfig:
             raise InvalidRequestError("--delivery-backlog-s must be >= 0", param="delivery_backlog_s")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise InvalidRequestError(f"--link-gbps must be positive, got {self.link_gbps}", param="link_gbps")
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"--otlp-endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}",
+                                      param="otlp_endpoint")
+        self._check_control()
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
+
+
+    def _check_control(self) -> None:
+        if self.control_port is None:
+            return
+        if not 0 < self.control_port < 65536 or self.control_port == self.port:
+            raise InvalidRequestError(f"--control-port must be in 1..65535 and not --port, got {self.control_port}",
+                                      param="control_port")
+        if not peer_auth.valid_secret(os.environ.get(peer_auth.ENV, "")):
+            raise InvalidRequestError(f"--control-port needs the deployment secret that joining workers prove: set "
+                                      f"{peer_auth.ENV} (64 hex digits, e.g. `openssl rand -hex 32`)",
+                                      param="control_port")
+        if self.mode == "pd" and self.transport == "shm":
+            raise InvalidRequestError("--control-port in pd mode needs --transport tcp or auto: workers that join "
+                                      "deliver KV over tcp", param="control_port")
 
 
 SERVE_FIELDS = {f.name for f in fields(ServeConfig)}
@@ -185,7 +217,7 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
         specs.append(WorkerSpec(name=name, role=role, model_dir=model_dir,
                                 engine=engine if codec is None else dict(engine, kv_cache_dtype=codec),
                                 cmd_addr=f"ipc://{run_dir}/{name}.cmd", event_addr=f"ipc://{run_dir}/events",
-                                transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv",
+                                transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv", kv_host=cfg.data_host,
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
                                 link_share=parse_link_share(cfg.link_share),
                                 link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None,

@@ -160,6 +160,14 @@ class Metrics:
                                             "did not prove it belongs to this deployment (kv_tcp: no valid "
                                             "hello)", ["endpoint"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Worker processes that died", ["worker"], registry=r)
+        self.workers_joined = Counter("pdserve_workers_joined", "Workers that joined the running deployment "
+                                      "(pdserve worker --join)", ["role"], registry=r)
+        self.workers_left = Counter("pdserve_workers_left", "Workers that left the deployment: drained (released "
+                                    "with nothing left) or handed_off (what they still had moved to the others)",
+                                    ["role", "how"], registry=r)
+        self.joins_refused = Counter("pdserve_worker_joins_refused", "Workers refused when they tried to join (a "
+                                     "role the deployment's mode has no use for, another model, a name in use)",
+                                     registry=r)
         self.kv_checkpoints = Counter("pdserve_kv_checkpoints", "KV checkpoints recorded: a live request's KV on "
                                       "a worker's disk grew (where it resumes should the worker die)",
                                       ["worker"], registry=r)

@@ -16,7 +16,11 @@ Every 0.2 s the supervisor looks at each worker process:
   (routing passes it by until then) and takes work; one not ready within `--ready-timeout-s` is killed and
   handled as dead again (`worker_start_timeout`), with the next backoff;
 * once the server is stopping (SIGTERM/SIGINT: it takes no new connections, the requests in flight finish
-  for at most `--drain-timeout-s`), the ready workers are **draining** and no worker is restarted.
+  for at most `--drain-timeout-s`), the ready workers are **draining** and no worker is restarted;
+* a worker that **joined** (`pdserve worker --join`, no process of the gateway's) is watched by its
+  heartbeats alone: silent for `--heartbeat-timeout-s`, it is **lost** (its requests move as a dead worker's;
+  it is not restarted: whoever started it does that, and it joins again); while it leaves it is **draining**,
+  and once it has nothing left the conductor releases it (`Conductor.release_drained`); then it has **left**.
 
 `health()` is what `GET /health` answers: each worker's name, role, pid, state and restarts, and 503 while no
 decode-capable worker (decode, or colocated) is ready, or while draining.
@@ -40,11 +44,12 @@ STUCK_FACTOR = 6  # a main loop that has not come round for this many heartbeat 
 class WorkerState:
     name: str
     role: str
-    state: str = "starting"  # starting | ready | draining | dead
+    state: str = "starting"  # starting | ready | draining | dead; joined workers: ... | lost | left
     pid: int | None = None
     restarts: int = 0
     restart_at: float | None = None  # dead, to be started again then
     started_at: float | None = None  # restarted then, not ready yet
+    joined: bool = False  # it joined the running deployment: no process of ours
 
 
 class Supervisor:
@@ -66,7 +71,7 @@ class Supervisor:
         workers = [{"name": w.name, "role": w.role, "pid": w.pid, "state": w.state, "restarts": w.restarts}
                    for w in self.workers.values()]
         serving = any(w.state == "ready" and w.role in ("decode", "colocated") for w in self.workers.values())
-        whole = all(w.state == "ready" for w in self.workers.values())
+        whole = all(w.state in ("ready", "left") for w in self.workers.values())
         status = "ok" if whole else "degraded" if serving else "unavailable"
         if self.draining:
             return 503, {"status": "draining", "workers": workers}
@@ -90,7 +95,10 @@ class Supervisor:
     def tick(self) -> None:
         now = self.clock()
         self.conductor.count_refusals()
+        self._watch_joined(now)
         for w in self.workers.values():
+            if w.joined:
+                continue
             proc = self.procs.procs.get(w.name)
             if w.state != "dead" and (proc is None or proc.poll() is not None):
                 self._died(w, now, "worker_died")
@@ -109,6 +117,25 @@ class Supervisor:
                 self._died(w, now, "worker_hung")
             elif w.state == "dead" and w.restart_at is not None and now >= w.restart_at and not self.draining:
                 self._start_again(w)
+
+    def _watch_joined(self, now: float) -> None:
+        """Workers that joined: taken in, watched by heartbeat, released once drained, gone once left."""
+        for name, handle in self.conductor.workers.items():
+            w = self.workers.get(name)
+            if handle.joined and handle.load.alive and (w is None or w.state in ("lost", "left")):
+                self.workers[name] = w = WorkerState(name, handle.load.role, "ready", handle.info.get("pid"),
+                                                     joined=True)
+            if w is None or not w.joined or w.state in ("lost", "left"):
+                continue
+            if not handle.load.alive:
+                w.state = "left"
+            elif (why := self._hung(name, now)) and not self.draining:
+                print(f"pdserve: joined worker {name} {why}: lost", file=sys.stderr, flush=True)
+                w.state = "lost"
+                self.conductor.worker_died(name, "worker_lost", restarting=False)
+            elif handle.load.leaving:
+                w.state = "draining"
+        self.conductor.release_drained()
 
     def _hung(self, name: str, now: float) -> str:
         """Why `name` is taken for hung ("": it is not). Silent (no heartbeat: stopped, swapped out) for the

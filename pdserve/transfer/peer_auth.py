@@ -38,6 +38,14 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def valid_secret(value: str) -> bool:
+    """A deployment secret as given in the environment: 32 bytes, hex."""
+    try:
+        return len(bytes.fromhex(value)) == 32
+    except ValueError:
+        return False
+
+
 def deployment_secret() -> bytes:
     value = os.environ.get(ENV)
     return bytes.fromhex(value) if value else _local_secret

@@ -1,0 +1,58 @@
+"""What a worker reports in its `stats` event (every 0.25 s), and the shape of each engine step it ran (the
+conductor's admission model fits step times to them)."""
+
+from __future__ import annotations
+
+
+def step_shape(scheduled) -> list:
+    """[prefill tokens, sum of their squares, decode sequences, their context] of one scheduled step."""
+    pt = sq = ds = ctx = 0
+    for c in scheduled.chunks:
+        n = len(c.token_ids)
+        if n == 1:
+            ds, ctx = ds + 1, ctx + c.start_pos + 1
+        else:
+            pt, sq = pt + n, sq + n * n
+    return [pt, sq, ds, ctx]
+
+
+def worker_stats(w) -> dict:
+    """A worker's `stats` event: its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
+    from pdserve.model import kernels
+    sched, blocks = w.engine.scheduler, w.engine.block_manager
+    out = {"type": "stats", "worker": w.spec.name, "role": w.spec.role,
+           "running": sched.num_running, "waiting": sched.num_waiting,
+           "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
+           "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
+           "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens, "preemptions": sched.stats.num_preemptions,
+           "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
+           "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": w.step_log,
+           "kernel_fallbacks": kernels.fallback_count(),
+           "kv_pool_prefault_fallbacks": int(getattr(w.executor.kv_pool, "prefault_failed", False)),
+           "kv": w.engine.kv_report(),
+           "rejected_connections": {"control": w.cmd_refusals.count(),
+                                    **(w.decode.receiver.rejected_connections if w.decode else {})},
+           "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
+           "capped_steps": sched.step_budget.num_capped_steps,
+           "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
+    if w.prefill is not None:
+        box = w.prefill.outbox
+        out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(w.prefill.failures),
+                   kv_transfers_lent=len(w.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
+                   kv_chunks_payload=box.chunks_payload,
+                   kv_keepalives_sent=w.prefill.keepalives_sent, kv_links=box.link_report(),
+                   production_paused_s=w.prefill.paused_s, production_paced=dict(w.prefill.pace_counts),
+                   kv_wasted_bytes=dict(w.prefill.wasted_bytes),
+                   kv_staged_now=len(w.prefill.stages.staged),
+                   kv_path_transfers=dict(getattr(w.prefill.sender, "transfers", {})),
+                   kv_path_failovers=getattr(w.prefill.sender, "failovers", 0))
+    if w.decode is not None:
+        st = w.decode.stats
+        out.update(kv_bytes_received=st.bytes_received, kv_chunks_transcoded=st.chunks_transcoded,
+                   kv_failures=dict(st.failures),
+                   kv_wasted_bytes=dict(st.wasted_bytes),
+                   kv_late_chunks=w.decode.inbound.num_late_chunks,
+                   kv_lease_renewals=w.decode.inbound.num_renewals,
+                   pending_reservations=len(w.decode.pending),
+                   kv_checkpoint_fallbacks=w.decode.checkpoint_fallbacks)
+    return out
