@@ -89,11 +89,23 @@ def _sender(transport: str, dest: str, requests: int, blocks: int, q: mp.Queue, 
     sender.close()
 
 
-def _receiver(transport: str, addr: str, blocks: int, q: mp.Queue, out: mp.Queue) -> None:
+def enter_netns(name: str | None) -> None:
+    """Move this (single-threaded) process into network namespace `name` (`ip netns`); None: stay."""
+    if name is None:
+        return
+    import ctypes
+    with open(f"/var/run/netns/{name}") as f:
+        if ctypes.CDLL("libc.so.6", use_errno=True).setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+
+
+def _receiver(transport: str, addr: str, blocks: int, q: mp.Queue, out: mp.Queue, host: str = "127.0.0.1",
+              netns: str | None = None) -> None:
+    enter_netns(netns)
     from pdserve.kv.block_io import block_pieces
     from pdserve.transfer import make_receiver
     pool = _pool(blocks * 4).layers
-    receiver = make_receiver(transport, addr)
+    receiver = make_receiver(transport, addr, host)
     out.put(receiver.address)
     nbytes, bad = 0, 0
 
@@ -116,11 +128,15 @@ def _receiver(transport: str, addr: str, blocks: int, q: mp.Queue, out: mp.Queue
             nbytes += msg.header["nbytes"]
 
 
-def delivery(transport: str, requests: int, blocks: int) -> tuple[float, int]:
+def delivery(transport: str, requests: int, blocks: int, host: str = "127.0.0.1", netns: str | None = None
+             ) -> tuple[float, int]:
+    """`host`, `netns`: the receiver binds `host` inside network namespace `netns` (tcp)."""
+    from pdserve.transfer import peer_auth
+    os.environ.setdefault(peer_auth.ENV, peer_auth.new_secret())  # one deployment: the tcp hello verifies
     ctx = mp.get_context("spawn")
     to_sender, from_receiver, start_q, bye_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     addr = f"ipc://{tempfile.mkdtemp()}/kv"
-    recv = ctx.Process(target=_receiver, args=(transport, addr, blocks, to_sender, from_receiver))
+    recv = ctx.Process(target=_receiver, args=(transport, addr, blocks, to_sender, from_receiver, host, netns))
     recv.start()
     dest = from_receiver.get()
     send = ctx.Process(target=_sender, args=(transport, dest, requests, blocks, to_sender, start_q, bye_q))
@@ -220,9 +236,11 @@ def _region(chunk: int, hot: bool) -> tuple[memoryview, int]:
     return buf, (len(buf) // chunk) * chunk
 
 
-def _sock_sink(port_q: mp.Queue, chunk: int, total: int, hot: bool) -> None:
+def _sock_sink(port_q: mp.Queue, chunk: int, total: int, hot: bool, host: str = "127.0.0.1",
+               netns: str | None = None) -> None:
+    enter_netns(netns)
     srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+    srv.bind((host, 0))
     srv.listen(1)
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
@@ -238,13 +256,15 @@ def _sock_sink(port_q: mp.Queue, chunk: int, total: int, hot: bool) -> None:
     conn.close()
 
 
-def loopback_ceiling(chunk: int, total: int, hot: bool) -> float:
+def loopback_ceiling(chunk: int, total: int, hot: bool, host: str = "127.0.0.1", netns: str | None = None
+                     ) -> float:
+    """A plain TCP socket's throughput to a sink on `host` (in network namespace `netns`)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    sink = ctx.Process(target=_sock_sink, args=(q, chunk, total, hot))
+    sink = ctx.Process(target=_sock_sink, args=(q, chunk, total, hot, host, netns))
     sink.start()
     port = q.get()
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection((host, port))
     buf, size = _region(chunk, hot)
     start = time.monotonic()
     sent = 0

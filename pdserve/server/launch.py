@@ -36,7 +36,7 @@ class ServeConfig:
     prefill: int = 1
     """Prefill workers (pd mode)."""
     decode: int = 1
-    """Decode workers (pd mode)."""
+    """Decode workers (pd mode); 0 with --control-port: they all join (`pdserve worker --join`)."""
     instances: int = 1
     """Workers in colocated mode."""
     transport: str = "shm"
@@ -131,7 +131,7 @@ class ServeConfig:
             raise InvalidRequestError(f"--transport must be shm, tcp or auto, got {self.transport!r}",
                                       param="transport")
         for name in ("prefill", "decode", "instances", "max_body_bytes"):
-            if getattr(self, name) < (0 if name == "prefill" else 1):
+            if getattr(self, name) < (0 if name == "prefill" or self._decode_may_join(name) else 1):
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive", param=name)
         if self.api_key_tier not in (None, "priority", "default", "flex"):
             raise InvalidRequestError(f"--api-key-tier must be priority, default or flex, got {self.api_key_tier!r}",
@@ -164,6 +164,10 @@ class ServeConfig:
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
 
+
+    def _decode_may_join(self, name: str) -> bool:
+        """--decode 0: every decode worker joins (--control-port), the gateway starting at least a prefill one."""
+        return name == "decode" and self.control_port is not None and self.prefill > 0
 
     def _check_control(self) -> None:
         if self.control_port is None:
