@@ -25,8 +25,9 @@ class Server:
             stdout=self.log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         why = wait_ready(self.proc, self.url, timeout_s)
         if why is not None:
+            out = self.output()
             self.stop()
-            raise RuntimeError(f"server {why}: {self.output()}")
+            raise RuntimeError(f"server {why}: {out}")
 
     def output(self) -> str:
         """What the server and its workers printed so far."""

@@ -36,6 +36,12 @@ class FakeProcs:
         self.procs[name] = FakeProc(100 + len(self.started))
         self.started.append(name)
 
+    def left(self, name: str) -> None:
+        pass
+
+    def lost(self, name: str) -> None:
+        pass
+
     def log_tail(self, name: str) -> str:
         return ""
 

@@ -110,6 +110,8 @@ class Conductor:
             return False
         if known is not None and known.joined and known.load.alive and known.info.get("cmd_addr") == cmd_addr:
             return True  # it said so again before our welcome reached it
+        if known is not None and known.joined and known.load.alive and event.get("replaces"):
+            self.worker_died(name)  # restarted (by Ray): the dead process is still registered
         why = self.join_check(event)
         if why is None and known is not None and (known.load.alive or not known.joined):
             why = f"a worker named {name!r} is already in this deployment"

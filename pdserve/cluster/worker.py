@@ -46,6 +46,7 @@ def _die_with_parent() -> None:
 
 
 class Worker:
+    replaces = False  # a joining worker restarted under its name (Ray): its dead self is replaced at once
     def __init__(self, spec: WorkerSpec) -> None:
         from pdserve.engine.pd import DecodeSide, PrefillSide
         from pdserve.engine.worker_engine import build_worker_engine
@@ -147,7 +148,8 @@ class Worker:
         if not self.spec.joined:
             return {}
         from pdserve.model.config import model_fingerprint
-        return {"cmd_addr": self.cmd_addr, "model": model_fingerprint(self.spec.model_dir)}
+        return {"cmd_addr": self.cmd_addr, "model": model_fingerprint(self.spec.model_dir),
+                **({"replaces": True} if self.replaces else {})}
 
     def _stage_capacity(self) -> dict:
         scheduled = self.prefill is not None and self.prefill.outbox.policy.scheduled
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(spec: WorkerSpec) -> int:
+    """A worker process's life: serve until stopped, then exit the process (never returns)."""
     if not spec.joined:
         _die_with_parent()
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -393,6 +396,14 @@ def run(spec: WorkerSpec) -> int:
     if worker.departure is not None:  # it decides when it leaves, and leaves cleanly
         signal.signal(signal.SIGTERM, worker.departure.ask)
         signal.signal(signal.SIGINT, worker.departure.ask)
+    code = serve_until_done(worker)
+    # The OS frees the pools at once; the interpreter's teardown of torch and of gigabytes of tensors
+    # takes about a second, at every stop and restart.
+    os._exit(code)
+
+
+def serve_until_done(worker: Worker) -> int:
+    """Run `worker`'s loop until it stops (shutdown, left, refused, SIGTERM) or crashes; close it; -> exit code."""
     code = 0
     try:
         worker.serve()
@@ -407,11 +418,9 @@ def run(spec: WorkerSpec) -> int:
         kv_io = getattr(worker.executor, "kv_io", None)
         if kv_io is not None:
             kv_io.close()  # what the tiers' I/O thread has queued (disk writes) is done first
-        # The OS frees the pools at once; the interpreter's teardown of torch and of gigabytes of tensors
-        # takes about a second, at every stop and restart.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

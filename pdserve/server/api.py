@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.server.gateway import Gateway
 from pdserve.server.choices import Collected, Shape
-from pdserve.server.protocol import (ChatRequest, CompletionRequest, PrewarmRequest, chat_messages,
+from pdserve.server.protocol import (ChatRequest, CompletionRequest, PrewarmRequest, WorkerRequest, chat_messages,
                                      check_supported, completion_prompts, logprobs_asked, sampling_params)
 
 
@@ -205,7 +205,24 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
     async def unpin(prewarm_id: str):
         return await gateway.unpin(prewarm_id)
 
+    @app.post("/v1/cluster/workers", status_code=202)
+    async def add_worker(body: WorkerRequest):
+        name = _cluster(gateway).add(body.role)
+        return {"object": "cluster.worker", "name": name, "role": body.role, "state": "starting"}
+
+    @app.delete("/v1/cluster/workers/{name}", status_code=202)
+    async def remove_worker(name: str):
+        _cluster(gateway).remove(name)
+        return {"object": "cluster.worker", "name": name, "state": "leaving"}
+
     return app
+
+
+def _cluster(gateway: Gateway):
+    if gateway.cluster is None:
+        raise InvalidRequestError("workers are added and removed here only under --cluster ray", param=None,
+                                  code="no_cluster")
+    return gateway.cluster
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:

@@ -32,11 +32,12 @@ class StartupError(PdserveError):
 
 
 async def run_gateway(cfg, procs, model_dir: str) -> int:
-    engine_fields = procs.specs[0].engine
+    engine_fields = procs.engine
     ctx = zmq.asyncio.Context()
     events = ctx.socket(zmq.PULL)
     secure_server(events)  # this deployment's workers only (`pdserve.transfer.zmq_auth`)
-    events.bind(procs.specs[0].event_addr)
+    if procs.specs:  # the workers started here (ipc); workers that join come through the control port
+        events.bind(procs.specs[0].event_addr)
     _bind_control(events, cfg)
     metrics = Metrics()
     tiers = ServiceTiers.from_specs(engine_fields.get("service_tiers") or ())
@@ -47,15 +48,16 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
                           idle_prewarm=cfg.idle_prewarm, max_queue=cfg.max_queue, tracer=tracer)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
+    conductor.join_check = JoinPolicy(cfg.mode, model_fingerprint(model_dir),
+                                      engine_fields.get("block_size") or 16).check
     procs.start()
     event_task = asyncio.create_task(conductor.run_events())
     try:
         await _wait_ready(conductor, procs, cfg.ready_timeout_s)
-        first = next(iter(conductor.workers.values())).info
-        conductor.join_check = JoinPolicy(cfg.mode, model_fingerprint(model_dir), first["block_size"]).check
         gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
                           min(w.info["max_model_len"] for w in conductor.workers.values()))
         gateway.auto_tier = cfg.api_key_tier
+        gateway.cluster = procs if hasattr(procs, "add") else None  # (Ray: workers placed and scaled live)
         app = SendTimeout(BodyLimit(create_app(gateway, api_keys(cfg)), cfg.max_body_bytes), cfg.stream_timeout_s,
                           metrics)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -117,7 +119,8 @@ def _tokenizer(model_dir: str) -> Tokenizer:
 
 async def _wait_ready(conductor: Conductor, procs, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while not conductor.ready:
+    joins = getattr(procs, "expected_joins", 0)  # workers placed elsewhere (Ray) that join
+    while not conductor.ready or sum(1 for w in conductor.workers.values() if w.joined and w.info) < joins:
         dead = procs.dead()
         if dead:
             raise StartupError(f"worker {dead[0]} exited during start-up:\n{procs.log_tail(dead[0])}")

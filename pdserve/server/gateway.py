@@ -62,6 +62,7 @@ class Gateway:
         self.pins: dict[str, Pin] = {}  # live prewarms
         self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
         self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
+        self.cluster = None  # --cluster ray: where workers are placed, added and removed (`RayWorkers`)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

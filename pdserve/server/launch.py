@@ -120,6 +120,10 @@ class ServeConfig:
     data_host: str = "127.0.0.1"
     """Address this host's workers bind their KV receivers on and give their peers (tcp transport): this
     host's address on the network joined workers are on, when they run on other hosts."""
+    cluster: str | None = None
+    """ray or ray://HOST:PORT: place the workers on a Ray cluster as Ray actors (RAY_ADDRESS or a new local
+    cluster; or the cluster whose GCS is at HOST:PORT), spread over its nodes, restarted by Ray, scaled live
+    with POST/DELETE /v1/cluster/workers; KV over tcp; default: worker processes on this host."""
     otlp_endpoint: str | None = None
     """Export OpenTelemetry traces of requests (a span per phase: queue, prefill, transfer, decode; the
     client's `traceparent` continued) to this OTLP/HTTP collector, e.g. http://localhost:4318; default: off."""
@@ -160,6 +164,9 @@ class ServeConfig:
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise InvalidRequestError(f"--otlp-endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}",
                                       param="otlp_endpoint")
+        if self.cluster is not None:
+            from pdserve.cluster.ray_workers import parse_cluster
+            parse_cluster(self.cluster)
         self._check_control()
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
@@ -256,8 +263,18 @@ class WorkerProcesses:
                                             env=self.env)
         log.close()
 
+    @property
+    def engine(self) -> dict:
+        return self.specs[0].engine
+
     def dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def left(self, name: str) -> None:
+        """A worker that joined left (nothing of ours to stop: it was not started here)."""
+
+    def lost(self, name: str) -> None:
+        """A worker that joined went silent (whoever started it starts it again)."""
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         try:
@@ -293,6 +310,9 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
     check_port_free(cfg.host, cfg.port)
     api_keys(cfg)  # a bad keys file fails now, before any worker starts
     model_dir = resolve_model_dir(cfg.model, convert_in_child=True)  # a GGUF once, before any worker starts
+    if cfg.cluster is not None:
+        from pdserve.server.launch_ray import ray_config
+        cfg = ray_config(cfg)
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -306,7 +326,12 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
 async def _serve(cfg: ServeConfig, engine: dict, model_dir: str, run_dir: str) -> int:
     from pdserve.server.app_runtime import run_gateway
 
-    procs = WorkerProcesses(worker_specs(cfg, model_dir, engine, run_dir), run_dir)
+    specs = worker_specs(cfg, model_dir, engine, run_dir)
+    if cfg.cluster is not None:
+        from pdserve.server.launch_ray import ray_workers
+        procs = ray_workers(cfg, specs)
+    else:
+        procs = WorkerProcesses(specs, run_dir)
     try:
         return await run_gateway(cfg, procs, model_dir)
     finally:

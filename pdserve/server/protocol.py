@@ -68,6 +68,13 @@ class PrewarmRequest(BaseModel):
     ttl_s: float
 
 
+class WorkerRequest(BaseModel):
+    """POST /v1/cluster/workers: place one more worker (--cluster ray)."""
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["prefill", "decode", "colocated"]
+
+
 def check_supported(req: _Common) -> None:
     if req.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n")

@@ -123,16 +123,22 @@ class Supervisor:
         for name, handle in self.conductor.workers.items():
             w = self.workers.get(name)
             if handle.joined and handle.load.alive and (w is None or w.state in ("lost", "left")):
+                again = 0 if w is None else w.restarts + (w.state == "lost")  # (lost, then joined again)
                 self.workers[name] = w = WorkerState(name, handle.load.role, "ready", handle.info.get("pid"),
-                                                     joined=True)
+                                                     again, joined=True)
             if w is None or not w.joined or w.state in ("lost", "left"):
                 continue
             if not handle.load.alive:
                 w.state = "left"
-            elif (why := self._hung(name, now)) and not self.draining:
+                self.procs.left(name)
+                continue
+            if handle.info.get("pid") not in (None, w.pid):  # it was started again and joined again
+                w.pid, w.restarts = handle.info["pid"], w.restarts + 1
+            if (why := self._hung(name, now)) and not self.draining:
                 print(f"pdserve: joined worker {name} {why}: lost", file=sys.stderr, flush=True)
                 w.state = "lost"
                 self.conductor.worker_died(name, "worker_lost", restarting=False)
+                self.procs.lost(name)
             elif handle.load.leaving:
                 w.state = "draining"
         self.conductor.release_drained()
