@@ -40,3 +40,11 @@ class Observe:
     labels: tuple
     value: float
     weight: int = 1
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Move `worker` to `role` (`--role-switching auto`): it is draining (no new work); once drained, the
+    driver stops it and starts a worker of `role` in its place."""
+    worker: str
+    role: str

@@ -125,7 +125,7 @@ class Conductor:
             return False
         if known is not None:
             known.socket.close(linger=0)
-        actions = self.core.worker_joined(name, role)
+        actions = self.core.worker_joined(name, role, self.clock())
         self.workers[name] = WorkerHandle(self.core.workers[name], self._connect(cmd_addr), joined=True)
         self._send(name, {"type": "welcome"})
         self._act(actions)

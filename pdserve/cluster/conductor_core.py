@@ -100,8 +100,11 @@ class Backlog:
 class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True,
-                 max_queue: int | None = None) -> None:
+                 max_queue: int | None = None, role_planner=None) -> None:
         self.mode, self.policy = mode, policy
+        self.roles = role_planner  # --role-switching auto: a `pdserve.core.role_planner.RolePlanner`
+        self.batch_room: dict[str, tuple[int, int]] = {}  # worker -> (max_num_seqs, KV pool tokens)
+        self.switching: list[str] = []  # roles a moving worker's replacement will take (role switching)
         self.tiers = tiers or ServiceTiers()
         self.admission = admission
         self.block_size = block_size
@@ -134,6 +137,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
             load.recent_blocks.clear()
             self.backlog[name] = Backlog()
         self.block_size = info.get("block_size", self.block_size)
+        self.batch_room[name] = (info.get("max_num_seqs", 256), info.get("num_blocks", 0) * self.block_size)
         if info.get("kv_capacity_blocks"):  # what it no longer holds need not be remembered
             load.max_recent_blocks = min(info["kv_capacity_blocks"], MAX_RECENT_BLOCKS)
         self.stage.worker_ready(name, info)
@@ -161,6 +165,8 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
                priority: int = 0, pin: tuple | None = None) -> list:
         f = FlightState(rid, prompt, params, tier, now, priority, pin)
+        if self.roles is not None:
+            self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
         first, second = self._route(hashes)
         if first is None:
@@ -348,6 +354,8 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f.last_token_s = now
         if not finished:
             return []
+        if self.roles is not None:
+            self.roles.finished(f.params.get("max_tokens") or 0, f.num_tokens)
         self._finish(f)
         return [Count("slo_attained", (("service_tier", f.tier),))] if self._attained(f) else []
 

@@ -9,21 +9,28 @@ links still queue and says it left (`worker_left`). A worker that leaves early (
 lost (silent past the heartbeat timeout) hands what it still had to the others as a dead worker's requests
 are moved (`pdserve.cluster.recovery`): nothing is lost either way.
 
-The same steps serve role switching: drain a worker, then let it join again in its new role.
+Role switching (`--role-switching auto`, `plan_roles`) uses the same steps: the planner
+(`pdserve.core.role_planner`) picks a role that needs one more worker; the least busy worker of the other role
+drains (`Switch`), and once drained the driver replaces it with a worker of the new role, which joins.
 """
 
 from __future__ import annotations
 
-from pdserve.cluster.actions import Count
+from pdserve.cluster.actions import Count, Switch
 
 
 class MembershipEvents:
     """Mixed into `ConductorCore` (which provides `workers`, `flights`, `hot`, `stage`, `orphans`,
     `add_worker`, `_migrate`, `_recover`, `_route`, `_fail_orphans`)."""
 
-    def worker_joined(self, name: str, role: str) -> list:
-        """A worker registered while the deployment runs (a name that left before may come back)."""
+    def worker_joined(self, name: str, role: str, now: float | None = None) -> list:
+        """A worker registered while the deployment runs (a name that left before may come back); one that
+        completes a role switch lets the planner count its cooldown from now."""
         self.add_worker(name, role)
+        if role in self.switching:
+            self.switching.remove(role)
+            if self.roles is not None and now is not None:
+                self.roles.moved(now)
         return [Count("workers_joined", (("role", role),))]
 
     def worker_leaving(self, name: str) -> list:
@@ -43,6 +50,44 @@ class MembershipEvents:
         load = self.workers[name]
         return [Count("workers_left", (("role", load.role), ("how", "drained" if drained else "handed_off")))
                 ] + self._worker_gone(name, now, "worker_left", restarting=False)
+
+    def plan_roles(self, now: float) -> list:
+        """--role-switching auto, called every few seconds: move one worker between prefill and decode when the
+        planner says the coming load needs it (one move at a time)."""
+        if self.roles is None or self.mode != "pd" or self.switching:  # one move at a time, to its end
+            return []
+        usable = {r: [w for w in self.workers.values() if w.role == r and w.usable] for r in ("prefill", "decode")}
+        share = self.roles.output_share
+        backlog = (sum(sum(b.tokens.values()) for b in self.backlog.values()),
+                   sum(max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in self.flights.values()))
+        to = self.roles.decide(now, len(usable["prefill"]), len(usable["decode"]),
+                               *self._role_capacity(usable["prefill"], usable["decode"]), backlog)
+        source = usable["decode" if to == "prefill" else "prefill"]
+        if to is None or len(source) < 2:
+            return []
+        name = min(source, key=lambda w: (w.outstanding, w.name)).name
+        self.worker_leaving(name)
+        self.switching.append(to)
+        return [Switch(name, to), Count("role_switches", (("role", to),))]
+
+    def _role_capacity(self, prefill: list, decode: list) -> tuple[float | None, float | None]:
+        """(prompt tokens/s of one prefill worker, output tokens/s of one decode worker at its full batch), from
+        their step-time fits (admission's models); None until they have some."""
+        if self.admission is None:
+            return None, None
+        rates_p, rates_d = [], []
+        for w in prefill:
+            m = self.admission.model(w.name)
+            if t := m.prefill_s(m.budget):
+                rates_p.append(m.budget / t)
+        for w in decode:
+            m = self.admission.model(w.name)
+            slots, tokens = self.batch_room.get(w.name, (256, 0))  # the batch its seqs and its KV allow
+            batch = max(1, min(slots, int(tokens / m.mean_context) if tokens and m.mean_context else slots))
+            if t := m.decode_s(batch):
+                rates_d.append(batch / t)
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return mean(rates_p), mean(rates_d)
 
     def _worker_gone(self, name: str, now: float, reason: str, restarting: bool) -> list:
         """A worker is gone (died, hung, left): its requests and prompts move to the others."""

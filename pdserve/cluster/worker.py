@@ -112,6 +112,7 @@ class Worker:
                    "kv_capacity_blocks": capacity_blocks(self.engine.block_manager, self.engine.tiers),
                    "max_model_len": self.engine.scheduler.max_model_len,
                    "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
+                   "max_num_seqs": self.engine.scheduler.config.max_num_seqs,
                    **self._stage_capacity(), **self._join_fields()}
         self.emit(self.ready_event)
         while self.running:

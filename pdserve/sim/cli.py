@@ -85,6 +85,11 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="as `pdserve serve`: prefill production pauses above this much queued delivery (0: never)")
     p.add_argument("--idle-prewarm", default=True, action=argparse.BooleanOptionalAction,
                    help="as `pdserve serve --idle-prewarm`: idle prefill engines compute hot prefixes they lack")
+    p.add_argument("--role-switching", default="off", choices=["auto", "off"],
+                   help="auto: the conductor's role planner moves engines between prefill and decode as the load "
+                        "shifts (pd mode; as `pdserve serve --role-switching`)")
+    p.add_argument("--role-switch-s", type=float, default=20.0,
+                   help="a moved engine is out this long after it drained (weights reloaded)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="KV link bandwidth per engine, Gbit/s (default: tp x the GPU preset's network bandwidth)")
 
@@ -124,7 +129,8 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        service_tiers=tuple(args.service_tier or ()), admission=args.admission,
                        admission_margin=args.admission_margin, delivery=args.delivery,
                        link_share=args.link_share, link_gbps=args.link_gbps,
-                       delivery_backlog_s=args.delivery_backlog_s, idle_prewarm=args.idle_prewarm)
+                       delivery_backlog_s=args.delivery_backlog_s, idle_prewarm=args.idle_prewarm,
+                       role_switching=args.role_switching, role_switch_s=args.role_switch_s)
 
 
 def run_spec(args, spec, workloads: list, rates: list, label: str):

@@ -24,6 +24,7 @@ from pdserve.cluster.admission import Admission
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, check_mode, parse_link_share
 from pdserve.core.kv_meta import EVICTION_POLICIES
+from pdserve.core.role_planner import RolePlanner
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import InvalidRequestError
@@ -32,6 +33,7 @@ from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.hardware import GB, GPUSpec, ModelSpec, kv_pool_blocks
 from pdserve.sim.link import LinkModel
+from pdserve.sim.roles import SimRoleSwitching
 from pdserve.sim.tier_io import TierSpec, tier_spec
 from pdserve.sim.timemodel import TimeModel
 from pdserve.workloads import Workload
@@ -73,6 +75,8 @@ class ClusterSpec:
     link_gbps: float | None = None  # KV link bandwidth per engine, Gbit/s; None: tp x the GPU preset's
     delivery_backlog_s: float = 2.0  # prefill production pauses above this much queued delivery (0: never)
     idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.cluster.hot_prefixes)
+    role_switching: str = "off"  # auto: the role planner moves engines between prefill and decode (pdserve.sim.roles)
+    role_switch_s: float = 20.0  # a moved engine is out this long after it drained (weights reloaded)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,6 +98,11 @@ class ClusterSpec:
         if not self.delivery_backlog_s >= 0:
             raise InvalidRequestError("delivery_backlog_s must be >= 0", param="delivery_backlog_s")
         parse_link_share(self.link_share)
+        if self.role_switching not in ("auto", "off") or (self.role_switching == "auto" and self.mode != "pd"):
+            raise InvalidRequestError(f"role_switching must be auto (pd mode) or off, got {self.role_switching!r}",
+                                      param="role_switching")
+        if not self.role_switch_s >= 0:
+            raise InvalidRequestError("role_switch_s must be >= 0", param="role_switch_s")
         for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s", "link_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -118,6 +127,7 @@ class SimRun:
     links: dict
     engines: list[dict] = field(default_factory=list)
     num_events: int = 0
+    role_switches: list[dict] = field(default_factory=list)  # --role-switching auto: engines moved
 
 
 def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, block_bytes: int) -> TierSpec | None:
@@ -146,15 +156,22 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
                              spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s,
                              service_tiers, Admission(spec.admission_margin, predict=predict),
                              WaterLevel(spec.delivery_backlog_s), spec.idle_prewarm)
-    for role, n in roles.items():
+    def make_engine(name: str, role: str) -> SimEngine:
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,
                               max_model_len=model.max_model_len, service_tiers=tuple(spec.service_tiers))
-        engines[role] = [SimEngine(f"{role}-{i}", role, loop, time_model, cfg, blocks, spec.block_size,
-                                   block_bytes, tiers, conductor, spec.fast_forward,
-                                   vocab_size=max(model.vocab, 1024), kv_eviction_policy=spec.kv_eviction_policy)
-                         for i in range(n)]
+        return SimEngine(name, role, loop, time_model, cfg, blocks, spec.block_size, block_bytes, tiers, conductor,
+                         spec.fast_forward, vocab_size=max(model.vocab, 1024),
+                         kv_eviction_policy=spec.kv_eviction_policy)
+
+    for role, n in roles.items():
+        engines[role] = [make_engine(f"{role}-{i}", role) for i in range(n)]
     conductor.attach(engines, port_bw)
+    if spec.role_switching == "auto":
+        # a move costs an engine for its drain and `role_switch_s`: no second one sooner than 3 x that
+        conductor.core.roles = RolePlanner(interval_s=5.0, hold_s=15.0, cooldown_s=max(3 * spec.role_switch_s, 30.0))
+        conductor.roles = SimRoleSwitching(conductor, make_engine, switch_s=spec.role_switch_s)
+        conductor.roles.start()
     return loop, conductor, [e for es in engines.values() for e in es]
 
 
@@ -190,7 +207,9 @@ def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSp
         if r.end_s is None and r.error is None:
             r.error = "unfinished at the end of the simulation"
     return SimRun(spec, records, duration, time.perf_counter() - wall0, conductor.life,
-                  conductor.links.stats(duration), [_engine_stats(e, duration) for e in engines], loop.num_events)
+                  conductor.links.stats(duration), [_engine_stats(e, duration) for e in conductor.by_name.values()],
+                  loop.num_events, [{"at_s": t, "left": a, "joined": b} for t, a, b in
+                                    getattr(getattr(conductor, "roles", None), "switches", [])])
 
 
 TIERS = ("device", "host", "disk")

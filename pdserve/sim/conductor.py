@@ -74,18 +74,28 @@ class SimConductor(EngineHooks):
 
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
-        self.engines = engines
-        self.by_name = {e.name: e for es in engines.values() for e in es}
-        for e in self.by_name.values():
+        self.engines, self.port_bw = engines, port_bw
+        self.by_name, self.ports, self.pending, self.ready, self.queued_tokens = {}, {}, {}, {}, {}
+        for e in [e for es in engines.values() for e in es]:
             e.load = self.core.add_worker(e.name, e.role, e.load)
-            self.core.worker_ready(e.name, {"block_size": self.block_size,
-                                            "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens,
-                                            **engine_capacity(e, self.links.policy.scheduled)})
-        self.ports = {e.name: self.links.link(e.name, port_bw) for es in engines.values() for e in es}
-        decode, prefill = engines.get("decode", []), engines.get("prefill", [])
-        self.pending: dict[str, list[Flight]] = {e.name: [] for e in decode}
-        self.ready: dict[str, list[Flight]] = {e.name: [] for e in decode}
-        self.queued_tokens: dict[str, int] = {e.name: 0 for e in prefill}
+            self._register(e)
+
+    def add_engine(self, e: SimEngine) -> None:
+        """An engine that joined while the run goes on (role switching), registered with the core already."""
+        self.engines.setdefault(e.role, []).append(e)
+        self._register(e)
+
+    def _register(self, e: SimEngine) -> None:
+        self.by_name[e.name] = e
+        self.core.worker_ready(e.name, {"block_size": self.block_size, "max_num_seqs": e.scheduler.config.max_num_seqs,
+                                        "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens,
+                                        "num_blocks": e.scheduler.blocks.num_blocks,
+                                        **engine_capacity(e, self.links.policy.scheduled)})
+        self.ports[e.name] = self.links.link(e.name, self.port_bw)
+        if e.role == "decode":
+            self.pending[e.name], self.ready[e.name] = [], []
+        elif e.role == "prefill":
+            self.queued_tokens[e.name] = 0
 
     # ---- intake -----------------------------------------------------------------------------------------
     def submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int = 0,

@@ -1,0 +1,139 @@
+"""How many prefill and how many decode workers the coming minutes' load needs, and when to move one.
+
+One model for `pdserve plan`, the simulator and the conductor (`--role-switching auto`):
+
+- **demand**: prompt tokens to compute and output tokens to emit per second. The planner buckets what arrives
+  (`interval_s` buckets) and forecasts each rate `horizon_s` ahead with Holt's linear smoothing (level and
+  trend), so a load that is shifting is met where it is going, not where it was; the work already queued
+  (prompts not yet computed, outputs not yet emitted) is added as a rate that clears it within the horizon;
+- **capacity**: what one prefill worker computes (prompt tokens/s) and one decode worker emits (tokens/s at
+  its batch), measured from the workers' own step times (the admission model's fits) or, in `pdserve plan`,
+  from the simulator's time model;
+- **the split** (`best_split`): of `n` workers, the number of prefill workers that minimizes the busier role's
+  utilization (demand / (workers x capacity));
+- **when to move one** (`RolePlanner.decide`): only while the busier role's forecast utilization is above
+  `busy` (below it the deployment keeps up: a move would only cost), the best split differs from the current
+  one and moving one worker toward it lowers that utilization by at least `gain` (a share of it), for
+  `hold_s` in a row (a passing burst moves nothing), and at least `cooldown_s` after the last move
+  (a moved worker is out while it drains and reloads: flapping would cost more than it gains).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoleLoad:
+    prefill_tokens_s: float  # prompt tokens arriving per second (to compute)
+    decode_tokens_s: float  # output tokens per second (to emit)
+    prefill_capacity: float  # prompt tokens/s one prefill worker computes
+    decode_capacity: float  # output tokens/s one decode worker emits
+
+
+def utilization(load: RoleLoad, prefill: int, decode: int) -> float:
+    """The busier role's utilization with `prefill` + `decode` workers (inf if a role with demand has none)."""
+    def util(demand: float, workers: int, capacity: float) -> float:
+        if demand <= 0:
+            return 0.0
+        return float("inf") if workers <= 0 or capacity <= 0 else demand / (workers * capacity)
+    return max(util(load.prefill_tokens_s, prefill, load.prefill_capacity),
+               util(load.decode_tokens_s, decode, load.decode_capacity))
+
+
+def best_split(workers: int, load: RoleLoad) -> int:
+    """Prefill workers (1 .. workers - 1) that minimize the busier role's utilization; ties: fewer prefill."""
+    return min(range(1, workers), key=lambda p: (utilization(load, p, workers - p), p))
+
+
+@dataclass
+class Holt:
+    """Holt's linear exponential smoothing of one rate, one observation per bucket."""
+    alpha: float = 0.5
+    beta: float = 0.3
+    level: float | None = None
+    trend: float = 0.0
+
+    def add(self, x: float) -> None:
+        if self.level is None:
+            self.level = x
+            return
+        last = self.level
+        self.level = self.alpha * x + (1 - self.alpha) * (self.level + self.trend)
+        self.trend = self.beta * (self.level - last) + (1 - self.beta) * self.trend
+
+    def forecast(self, steps: float) -> float:
+        return max(0.0, (self.level or 0.0) + steps * self.trend)
+
+
+@dataclass
+class RolePlanner:
+    interval_s: float = 10.0  # demand is bucketed this long
+    horizon_s: float = 60.0  # and forecast this far ahead (about what a moved worker is out for)
+    busy: float = 0.8  # moves are considered only while the busier role's utilization is above this
+    gain: float = 0.25  # a move must lower the busier role's utilization by this share of it
+    hold_s: float = 30.0  # ... for this long in a row
+    cooldown_s: float = 120.0  # and this long after the last move
+    prompt: Holt = field(default_factory=Holt)
+    output: Holt = field(default_factory=Holt)
+    _bucket_start: float | None = None
+    _bucket: list = field(default_factory=lambda: [0, 0])  # prompt tokens, output tokens in this bucket
+    _wanted_since: float | None = None
+    _last_move_s: float = float("-inf")
+    output_share: float = 1.0  # of the output tokens requested (max_tokens), the share requests produce
+
+    def arrived(self, now: float, prompt_tokens: int, max_tokens: int) -> None:
+        """A request arrived: its prompt tokens to compute, and the output tokens it will likely ask for (its
+        max_tokens times the share finished requests used), counted now, when the demand is made."""
+        self._roll(now)
+        self._bucket[0] += prompt_tokens
+        self._bucket[1] += max_tokens * self.output_share
+
+    def finished(self, requested: int, produced: int) -> None:
+        """A request ended with `produced` of its `requested` output tokens."""
+        if requested > 0:
+            self.output_share += 0.05 * (min(produced / requested, 1.0) - self.output_share)
+
+    def forecast(self, now: float) -> tuple[float, float]:
+        """(prompt tokens/s, output tokens/s) `horizon_s` ahead."""
+        self._roll(now)
+        steps = self.horizon_s / self.interval_s
+        return self.prompt.forecast(steps), self.output.forecast(steps)
+
+    def decide(self, now: float, prefill: int, decode: int, prefill_capacity: float | None,
+               decode_capacity: float | None, backlog: tuple[float, float] = (0.0, 0.0)) -> str | None:
+        """The role one worker should move to ("prefill" or "decode"), or None (stay). `backlog`: work already
+        in the system (prompt tokens not yet computed, output tokens not yet emitted), to clear within the
+        horizon on top of what arrives."""
+        if prefill_capacity is None or decode_capacity is None or prefill + decode < 2 or self.prompt.level is None:
+            return None
+        p_s, d_s = self.forecast(now)
+        load = RoleLoad(p_s + backlog[0] / self.horizon_s, d_s + backlog[1] / self.horizon_s, prefill_capacity,
+                        decode_capacity)
+        target = best_split(prefill + decode, load)
+        step = 0 if target == prefill else (1 if target > prefill else -1)
+        now_util = utilization(load, prefill, decode)
+        moved_util = utilization(load, prefill + step, decode - step)
+        worth = step != 0 and now_util >= self.busy and moved_util <= (1 - self.gain) * now_util
+        if not worth:
+            self._wanted_since = None
+            return None
+        if self._wanted_since is None:
+            self._wanted_since = now
+        if now - self._wanted_since < self.hold_s or now - self._last_move_s < self.cooldown_s:
+            return None
+        self._wanted_since, self._last_move_s = None, now
+        return "prefill" if step > 0 else "decode"
+
+    def moved(self, now: float) -> None:
+        """A move completed (the worker serves in its new role): the cooldown counts from now."""
+        self._last_move_s = now
+
+    def _roll(self, now: float) -> None:
+        if self._bucket_start is None:
+            self._bucket_start = now
+        while now - self._bucket_start >= self.interval_s:
+            self.prompt.add(self._bucket[0] / self.interval_s)
+            self.output.add(self._bucket[1] / self.interval_s)
+            self._bucket = [0, 0]
+            self._bucket_start += self.interval_s

@@ -1,0 +1,66 @@
+"""Role switching (issue 17): the planner's split, forecast and hysteresis (`pdserve.core.role_planner`), and the
+simulator moving engines between prefill and decode as a load shifts from prompt-heavy to output-heavy — the
+conductor core's decision (`plan_roles`), the same code the gateway drives."""
+
+from __future__ import annotations
+
+from pdserve.core.role_planner import RoleLoad, RolePlanner, best_split, utilization
+from pdserve.sim.cluster import ClusterSpec, simulate
+from pdserve.sim.hardware import get_gpu, get_model
+from pdserve.sim.timemodel import RooflineTimeModel
+from pdserve.workloads import RequestSpec, Workload
+
+
+def test_best_split_balances_the_busier_role():
+    load = RoleLoad(prefill_tokens_s=30_000, decode_tokens_s=1_000, prefill_capacity=10_000, decode_capacity=2_000)
+    assert best_split(4, load) == 3  # 1.0 vs 0.5 per decode worker: prefill needs the workers
+    assert best_split(4, RoleLoad(1_000, 6_000, 10_000, 2_000)) == 1
+    assert utilization(load, 3, 1) == 1.0 and utilization(load, 1, 3) == 3.0
+
+
+def test_the_forecast_follows_a_trend_and_a_move_needs_load_hold_and_cooldown():
+    planner = RolePlanner(interval_s=10, horizon_s=30, hold_s=20, cooldown_s=100)
+
+    def feed(until: int) -> None:  # prompt tokens/s growing 100/s each second; few outputs
+        for t in range(feed.t, until):
+            planner.arrived(float(t), 1000 + 100 * t, 1)
+        feed.t = until
+    feed.t = 0
+    feed(60)
+    prompt_s, _ = planner.forecast(60.0)
+    assert prompt_s > 1000 + 100 * 60  # ahead of the last bucket's level: the trend carried forward
+    # a light load moves nothing, however unbalanced the split
+    assert RolePlanner(hold_s=0).decide(0.0, 1, 3, 1e9, 1e9) is None
+    caps = (2_000.0, 100_000.0)  # prefill the bottleneck
+    assert planner.decide(60.0, 1, 3, *caps) is None  # wanted, not yet held
+    feed(75)
+    assert planner.decide(75.0, 1, 3, *caps) is None
+    feed(81)
+    assert planner.decide(81.0, 1, 3, *caps) == "prefill"  # held 21 s
+    feed(110)
+    assert planner.decide(110.0, 2, 2, *caps) is None  # cooldown
+    planner.finished(100, 25)
+    assert 0.9 < planner.output_share < 1.0  # requests use less than they ask for: the demand follows
+
+
+def _shifting(rate: float = 8.0, half_s: float = 60.0) -> Workload:
+    """Prompt-heavy (6,000-token prompts, 40 tokens out), then output-heavy (300 in, 1,200 out)."""
+    n = int(2 * half_s * rate)
+    return Workload([RequestSpec(i / rate, 6000 if i / rate < half_s else 300, 40 if i / rate < half_s else 1200,
+                                 None) for i in range(n)], "shift")
+
+
+def test_the_simulator_moves_engines_toward_the_shifting_load():
+    model, gpu = get_model("llama-3-8b"), get_gpu("h100")
+    spec = ClusterSpec(mode="pd", num_prefill=3, num_decode=1, host_kv_gb=0, max_num_seqs=64,
+                       role_switching="auto", role_switch_s=10.0)
+    run = simulate(_shifting(), spec, model, gpu, RooflineTimeModel(model, gpu, 1))
+    assert all(r.error is None for r in run.records)  # nothing lost while engines moved
+    moves = run.role_switches
+    assert moves and moves[0]["left"].startswith("prefill") and moves[0]["joined"].startswith("decode")
+    assert moves[0]["at_s"] > 60.0  # after the shift to outputs, not before
+    names = {e["name"] for e in run.engines}
+    assert {m["joined"] for m in moves} <= names  # the new engines ran (their stats are in the run)
+    fixed = simulate(_shifting(), ClusterSpec(mode="pd", num_prefill=3, num_decode=1, host_kv_gb=0, max_num_seqs=64),
+                     model, gpu, RooflineTimeModel(model, gpu, 1))
+    assert run.duration_s < fixed.duration_s  # the moved decode engines cleared the outputs sooner
