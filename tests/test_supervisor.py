@@ -48,8 +48,9 @@ class FakeProcs:
 
 class FakeConductor:
     def __init__(self, names) -> None:
-        self.workers = {n: SimpleNamespace(info={"pid": 1}, last_seen=0.0, loop_age_s=0.0, joined=False)
-                        for n in names}
+        self.workers = {n: SimpleNamespace(info={"pid": 1}, last_seen=0.0, loop_age_s=0.0, joined=False,
+                                           load=SimpleNamespace(alive=True, leaving=False)) for n in names}
+        self.switching: dict[str, str] = {}
         self.deaths: list[tuple[str, str, bool]] = []
         self.released: list[str] = []
 

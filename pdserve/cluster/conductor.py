@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.cluster.admission import Admission
+from pdserve.cluster.actions import Switch
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
 from pdserve.core.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class Conductor:
         self.refusals = Refusals(event_socket)  # events from outside the deployment (`zmq_auth`)
         self._refused = 0
         self.join_check: Callable[[dict], str | None] | None = None  # why a joining worker is refused, if it is
+        self.switching: dict[str, str] = {}  # worker -> the role its replacement takes (role switching)
 
     @property
     def block_size(self) -> int:
@@ -130,6 +132,17 @@ class Conductor:
         self._send(name, {"type": "welcome"})
         self._act(actions)
         return True
+
+    def plan_roles(self, movable: Callable[[str], bool]) -> None:
+        """--role-switching auto: the core's planner may move one worker (of those `movable`)."""
+        self._act(self.core.plan_roles(self.clock(), movable))
+
+    def replace_worker(self, name: str, role: str, cmd_addr: str) -> None:
+        """A worker started in place of one that switched roles: routed to once its `ready` comes."""
+        actions = self.core.worker_joined(name, role, self.clock())
+        self.core.workers[name].alive = False  # (its `ready` makes it alive: `worker_ready`)
+        self.workers[name] = WorkerHandle(self.core.workers[name], self._connect(cmd_addr))
+        self._act(actions)
 
     def release_drained(self) -> list[str]:
         """Leaving workers with nothing left here are told they may go (once); -> their names."""
@@ -200,6 +213,9 @@ class Conductor:
                 self.metrics.count(action.metric, action.labels)
             elif isinstance(action, Observe) and self.metrics:
                 self.metrics.observe(action.metric, action.labels, action.value, action.weight)
+            elif isinstance(action, Switch):  # it drains and leaves; the supervisor starts its replacement
+                self.switching[action.worker] = action.role
+                self._send(action.worker, {"type": "leave"})
 
     def _send(self, name: str, cmd: dict) -> None:
         worker = self.workers[name]

@@ -83,19 +83,21 @@ def zmq_address(host: str, port: int | str) -> str:
 
 
 class Departure:
-    """A joined worker's membership. Joining: its `ready` sent, the gateway's `welcome` must come within
+    """A worker's membership (every worker leaves this way when the conductor moves it to another role; a
+    joined one also on SIGTERM). Joining: its `ready` sent, the gateway's `welcome` must come within
     `join_timeout_s` (a worker without the deployment's secret is never heard: it says so and exits).
     Leaving: asked (a signal) -> `leaving` sent -> released by the gateway (nothing the conductor routed here
     is left) -> its deliveries out -> `left` sent and the loop stops. Past the drain timeout it stops without
     waiting for the release."""
 
-    def __init__(self, worker, drain_timeout_s: float, join_timeout_s: float = 30.0, clock=time.monotonic) -> None:
+    def __init__(self, worker, drain_timeout_s: float, join_timeout_s: float = 30.0, clock=time.monotonic,
+                 welcomed: bool = False) -> None:
         self.worker = worker
         self.drain_timeout_s = drain_timeout_s
         self.join_timeout_s = join_timeout_s
         self.clock = clock
         self.started_s = self.last_ready_s = clock()
-        self.welcomed = False
+        self.welcomed = welcomed  # (a worker the gateway started needs no welcome)
         self.asked_s: float | None = None
         self.announced = False
         self.released = False

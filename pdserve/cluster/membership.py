@@ -34,8 +34,21 @@ class MembershipEvents:
         return [Count("workers_joined", (("role", role),))]
 
     def worker_leaving(self, name: str) -> list:
-        """It will leave: no new work goes there; what it has, it finishes."""
+        """It will leave: no new work goes there; what it has, it finishes — except prompts routed to a prefill
+        worker and not dispatched there yet (their decode worker has not reserved their blocks): those move to
+        another prefill worker now rather than hold the leaving one."""
         self.workers[name].leaving = True
+        for f in self.flights.values():
+            if f.prefill == name and f.dispatched_s is None and not f.staged:
+                other = self._pick("prefill", ())
+                if other is None:
+                    break
+                rank = self.tiers[f.tier].rank
+                self.backlog[name].tokens[rank] -= f.queued_tokens
+                self.backlog[other.name].tokens[rank] += f.queued_tokens
+                self.workers[name].outstanding -= 1
+                other.outstanding += 1
+                f.prefill = other.name
         return []
 
     def drained(self) -> list[str]:
@@ -51,9 +64,10 @@ class MembershipEvents:
         return [Count("workers_left", (("role", load.role), ("how", "drained" if drained else "handed_off")))
                 ] + self._worker_gone(name, now, "worker_left", restarting=False)
 
-    def plan_roles(self, now: float) -> list:
+    def plan_roles(self, now: float, movable=None) -> list:
         """--role-switching auto, called every few seconds: move one worker between prefill and decode when the
-        planner says the coming load needs it (one move at a time)."""
+        planner says the coming load needs it (one move at a time; `movable(name)`: whether the driver can start
+        a replacement for that worker, default all)."""
         if self.roles is None or self.mode != "pd" or self.switching:  # one move at a time, to its end
             return []
         usable = {r: [w for w in self.workers.values() if w.role == r and w.usable] for r in ("prefill", "decode")}
@@ -62,8 +76,8 @@ class MembershipEvents:
                    sum(max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in self.flights.values()))
         to = self.roles.decide(now, len(usable["prefill"]), len(usable["decode"]),
                                *self._role_capacity(usable["prefill"], usable["decode"]), backlog)
-        source = usable["decode" if to == "prefill" else "prefill"]
-        if to is None or len(source) < 2:
+        source = [w for w in usable["decode" if to == "prefill" else "prefill"] if movable is None or movable(w.name)]
+        if to is None or len(usable["decode" if to == "prefill" else "prefill"]) < 2 or not source:
             return []
         name = min(source, key=lambda w: (w.outstanding, w.name)).name
         self.worker_leaving(name)

@@ -108,6 +108,10 @@ class RayWorkers:
                                       f"{', '.join(self.templates)}", param="role")
         return self._place(replace(self.templates[role], name=""))
 
+    def replace(self, old: str, role: str) -> None:
+        """A worker of `role` in place of `old` (which switched roles and left): placed, it joins by itself."""
+        self.add(role)
+
     def remove(self, name: str) -> None:
         """Worker `name` leaves (drains first); its actor ends once it has left (`left`)."""
         actor = self.actors.get(name)

@@ -93,7 +93,7 @@ class Worker:
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
         self.exit_code = 0
-        self.departure = Departure(self, spec.drain_timeout_s, spec.join_timeout_s) if spec.joined else None
+        self.departure = Departure(self, spec.drain_timeout_s, spec.join_timeout_s, welcomed=not spec.joined)
         self.loop_s = time.monotonic()  # the main loop's last pass (the heartbeat thread reports its age)
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         self._last_stats = 0.0
@@ -139,9 +139,8 @@ class Worker:
                 self.prefill.release_lent()
             self._maybe_stats()
             self.loop_s = time.monotonic()
-            if self.departure is not None:
-                self.departure.step()
-            elif os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
+            self.departure.step()
+            if not self.spec.joined and os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
 
     def _join_fields(self) -> dict:
@@ -192,8 +191,10 @@ class Worker:
         kind = cmd["type"]
         if kind == "shutdown":
             self.running = False
-        elif kind in ("welcome", "release") and self.departure is not None:
+        elif kind in ("welcome", "release"):
             setattr(self.departure, "welcomed" if kind == "welcome" else "released", True)
+        elif kind == "leave":  # the conductor moves it to another role (role switching): drain, then go
+            self.departure.ask()
         elif kind == "refused":  # a joining worker the gateway did not take
             print(f"pdserve: the gateway refused this worker: {cmd.get('message')}", file=sys.stderr, flush=True)
             self.running, self.exit_code = False, 2
@@ -394,7 +395,7 @@ def run(spec: WorkerSpec) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when workers stop
     worker = Worker(spec)
-    if worker.departure is not None:  # it decides when it leaves, and leaves cleanly
+    if spec.joined:  # it decides when it leaves, and leaves cleanly
         signal.signal(signal.SIGTERM, worker.departure.ask)
         signal.signal(signal.SIGINT, worker.departure.ask)
     code = serve_until_done(worker)

@@ -46,6 +46,7 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
     tracer = _tracer(cfg)
     conductor = Conductor(ctx, events, cfg.mode, make_routing_policy(cfg.routing), metrics, tiers, admission,
                           idle_prewarm=cfg.idle_prewarm, max_queue=cfg.max_queue, tracer=tracer)
+    conductor.core.roles = _role_planner(cfg)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
     conductor.join_check = JoinPolicy(cfg.mode, model_fingerprint(model_dir),
@@ -63,8 +64,9 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                                lifespan="off",
                                                timeout_graceful_shutdown=cfg.drain_timeout_s))
-        supervisor = gateway.supervisor = Supervisor(conductor, procs, cfg.restart_workers, cfg.max_restarts,
-                                                      cfg.heartbeat_timeout_s, cfg.ready_timeout_s)
+        supervisor = gateway.supervisor = Supervisor(
+            conductor, procs, cfg.restart_workers, cfg.max_restarts, cfg.heartbeat_timeout_s, cfg.ready_timeout_s,
+            plan_every_s=conductor.core.roles.interval_s if conductor.core.roles else None)
         monitor = asyncio.create_task(_monitor(supervisor, server, cfg))
         await server.serve()
         monitor.cancel()
@@ -82,6 +84,15 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         ctx.term()
         if tracer is not None:
             tracer.shutdown()
+
+
+def _role_planner(cfg):
+    """--role-switching auto: the planner, deciding every 10 s (or a third of the hold, if shorter)."""
+    if cfg.role_switching != "auto":
+        return None
+    from pdserve.core.role_planner import RolePlanner
+    return RolePlanner(interval_s=max(1.0, min(10.0, cfg.role_switch_hold_s / 3)), hold_s=cfg.role_switch_hold_s,
+                       cooldown_s=cfg.role_switch_cooldown_s)
 
 
 def _tracer(cfg):

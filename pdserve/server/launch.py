@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from pdserve.cluster.spec import WorkerSpec
@@ -120,6 +120,14 @@ class ServeConfig:
     data_host: str = "127.0.0.1"
     """Address this host's workers bind their KV receivers on and give their peers (tcp transport): this
     host's address on the network joined workers are on, when they run on other hosts."""
+    role_switching: str = "off"
+    """auto (pd mode): the conductor's role planner moves workers between prefill and decode as the load
+    shifts (drain, stop, start in the other role; `pdserve.core.role_planner`), one at a time; off: the split
+    stays as started."""
+    role_switch_hold_s: float = 30.0
+    """--role-switching auto: a move must look worth it this long in a row (a passing burst moves nothing)."""
+    role_switch_cooldown_s: float = 120.0
+    """--role-switching auto: no move sooner than this after the last one completed."""
     cluster: str | None = None
     """ray or ray://HOST:PORT: place the workers on a Ray cluster as Ray actors (RAY_ADDRESS or a new local
     cluster; or the cluster whose GCS is at HOST:PORT), spread over its nodes, restarted by Ray, scaled live
@@ -168,6 +176,11 @@ class ServeConfig:
             from pdserve.cluster.ray_workers import parse_cluster
             parse_cluster(self.cluster)
         self._check_control()
+        if self.role_switching not in ("auto", "off") or (self.role_switching == "auto" and self.mode != "pd"):
+            raise InvalidRequestError(f"--role-switching must be auto (pd mode) or off, got {self.role_switching!r}",
+                                      param="role_switching")
+        if not (self.role_switch_hold_s >= 0 and self.role_switch_cooldown_s >= 0):
+            raise InvalidRequestError("--role-switch-hold-s and --role-switch-cooldown-s must be >= 0")
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
 
@@ -269,6 +282,17 @@ class WorkerProcesses:
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def replace(self, old: str, role: str) -> WorkerSpec:
+        """Start a worker of `role` in place of `old` (which switched roles and left) -> its spec."""
+        base = next((s for s in self.specs if s.role == role), None) or next(s for s in self.specs if s.name == old)
+        name = f"{role}-{sum(1 for s in self.specs if s.role == role)}"
+        run = str(self.run_dir)
+        spec = replace(base, name=name, role=role, cmd_addr=f"ipc://{run}/{name}.cmd",
+                       kv_addr=f"ipc://{run}/{name}.kv")
+        self.specs.append(spec)
+        self.restart(name)
+        return spec
 
     def left(self, name: str) -> None:
         """A worker that joined left (nothing of ours to stop: it was not started here)."""

@@ -165,6 +165,8 @@ class Metrics:
         self.workers_left = Counter("pdserve_workers_left", "Workers that left the deployment: drained (released "
                                     "with nothing left) or handed_off (what they still had moved to the others)",
                                     ["role", "how"], registry=r)
+        self.role_switches = Counter("pdserve_role_switches", "Workers the role planner moved to another role "
+                                     "(--role-switching auto), by the role they moved to", ["role"], registry=r)
         self.joins_refused = Counter("pdserve_worker_joins_refused", "Workers refused when they tried to join (a "
                                      "role the deployment's mode has no use for, another model, a name in use)",
                                      registry=r)

@@ -54,13 +54,16 @@ class WorkerState:
 
 class Supervisor:
     def __init__(self, conductor, procs, restart: bool = True, max_restarts: int = 5,
-                 heartbeat_timeout_s: float = 20.0, ready_timeout_s: float = 600.0, clock=time.monotonic) -> None:
+                 heartbeat_timeout_s: float = 20.0, ready_timeout_s: float = 600.0, clock=time.monotonic,
+                 plan_every_s: float | None = None) -> None:
         self.conductor, self.procs = conductor, procs
         self.restart, self.max_restarts = restart, max_restarts
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.draining = False
         self.clock = clock
+        self.plan_every_s = plan_every_s  # --role-switching auto: how often the conductor plans roles
+        self._planned_s = clock()
         self.workers = {s.name: WorkerState(s.name, s.role) for s in procs.specs}
         for w in self.workers.values():  # (at start the gateway serves once every worker is ready)
             info = conductor.workers[w.name].info
@@ -96,11 +99,16 @@ class Supervisor:
         now = self.clock()
         self.conductor.count_refusals()
         self._watch_joined(now)
-        for w in self.workers.values():
-            if w.joined:
+        self._plan_roles(now)
+        for w in list(self.workers.values()):
+            if w.joined or w.state == "left":
                 continue
             proc = self.procs.procs.get(w.name)
-            if w.state != "dead" and (proc is None or proc.poll() is not None):
+            if w.name in self.conductor.switching and (proc is None or proc.poll() is not None):
+                self._switched(w, now)
+            elif w.state == "ready" and self.conductor.workers[w.name].load.leaving:
+                w.state = "draining"  # (moving to another role)
+            elif w.state != "dead" and (proc is None or proc.poll() is not None):
                 self._died(w, now, "worker_died")
             elif w.state == "starting" and self.conductor.workers[w.name].info:
                 w.state, w.pid, w.started_at = "ready", self.conductor.workers[w.name].info.get("pid"), None
@@ -118,6 +126,30 @@ class Supervisor:
             elif w.state == "dead" and w.restart_at is not None and now >= w.restart_at and not self.draining:
                 self._start_again(w)
 
+    def _plan_roles(self, now: float) -> None:
+        if self.plan_every_s is None or self.draining or now - self._planned_s < self.plan_every_s:
+            return
+        self._planned_s = now
+        self.conductor.plan_roles(self._movable)
+
+    def _movable(self, name: str) -> bool:
+        """A worker the supervisor can replace in another role: started here, or placed through Ray."""
+        return not self.conductor.workers[name].joined or hasattr(self.procs, "add")
+
+    def _switched(self, w: WorkerState, now: float) -> None:
+        """A worker moving to another role left and exited: a worker of that role starts in its place."""
+        handle = self.conductor.workers[w.name]
+        if handle.load.alive:  # its exit seen before its `left` event
+            self.conductor.worker_left(w.name, drained=handle.released)
+        w.state = "left"
+        role = self.conductor.switching.pop(w.name)
+        spec = self.procs.replace(w.name, role)
+        if spec is not None:  # (Ray: the new actor joins by itself)
+            self.conductor.replace_worker(spec.name, role, spec.cmd_addr)
+            self.workers[spec.name] = WorkerState(spec.name, role, "starting", self.procs.procs[spec.name].pid,
+                                                  started_at=now)
+        print(f"pdserve: worker {w.name} moved to {role}" + (f" as {spec.name}" if spec else ""), flush=True)
+
     def _watch_joined(self, now: float) -> None:
         """Workers that joined: taken in, watched by heartbeat, released once drained, gone once left."""
         for name, handle in self.conductor.workers.items():
@@ -131,6 +163,8 @@ class Supervisor:
             if not handle.load.alive:
                 w.state = "left"
                 self.procs.left(name)
+                if name in self.conductor.switching:
+                    self.procs.replace(name, self.conductor.switching.pop(name))
                 continue
             if handle.info.get("pid") not in (None, w.pid):  # it was started again and joined again
                 w.pid, w.restarts = handle.info["pid"], w.restarts + 1
