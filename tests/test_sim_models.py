@@ -104,7 +104,9 @@ def test_plan_candidates_cheapest_first_and_plan_runs(capsys):
     rc = main(["plan", "--workload", "fixed:200,10", "--num-requests", "6", "--rate", "2", "--model", "llama-3-8b",
                "--gpu", "h100", "--gpus", "4", "--tp-options", "1", "--slo-ttft-ms", "5000", "--no-progress"])
     assert rc == 0
-    assert "cheapest deployment meeting the SLOs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cheapest deployment meeting the SLOs" in out
+    assert "role planner's split of 2 engines at TP 1: 1P1D" in out  # (the role switcher's model, printed first)
 
 
 def test_vectorized_decode_times_are_bit_identical_to_step_time():

@@ -130,7 +130,8 @@ class Gateway:
         return flight
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       pin: Pin | None = None, tier: str = "default", trace: dict | None = None) -> AsyncIterator[Delta]:
+                       pin: Pin | None = None, tier: str = "default", trace: dict | None = None
+                       ) -> AsyncIterator[Delta]:
         flight = await self.start(prompt_ids, params, priority, pin, tier, trace)
         async for delta in self.stream(flight, prompt_ids, params):
             yield delta

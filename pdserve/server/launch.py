@@ -176,9 +176,12 @@ class ServeConfig:
             from pdserve.cluster.ray_workers import parse_cluster
             parse_cluster(self.cluster)
         self._check_control()
-        if self.role_switching not in ("auto", "off") or (self.role_switching == "auto" and self.mode != "pd"):
-            raise InvalidRequestError(f"--role-switching must be auto (pd mode) or off, got {self.role_switching!r}",
+        if self.role_switching not in ("auto", "off"):
+            raise InvalidRequestError(f"--role-switching must be auto or off, got {self.role_switching!r}",
                                       param="role_switching")
+        if self.role_switching == "auto" and self.mode != "pd":
+            raise InvalidRequestError("--role-switching auto moves workers between prefill and decode: it needs "
+                                      "--mode pd", param="role_switching")
         if not (self.role_switch_hold_s >= 0 and self.role_switch_cooldown_s >= 0):
             raise InvalidRequestError("--role-switch-hold-s and --role-switch-cooldown-s must be >= 0")
         if not 0 < self.port < 65536:

@@ -98,8 +98,11 @@ class ClusterSpec:
         if not self.delivery_backlog_s >= 0:
             raise InvalidRequestError("delivery_backlog_s must be >= 0", param="delivery_backlog_s")
         parse_link_share(self.link_share)
-        if self.role_switching not in ("auto", "off") or (self.role_switching == "auto" and self.mode != "pd"):
-            raise InvalidRequestError(f"role_switching must be auto (pd mode) or off, got {self.role_switching!r}",
+        if self.role_switching not in ("auto", "off"):
+            raise InvalidRequestError(f"role_switching must be auto or off, got {self.role_switching!r}",
+                                      param="role_switching")
+        if self.role_switching == "auto" and self.mode != "pd":
+            raise InvalidRequestError("role switching moves engines between prefill and decode: it needs pd mode",
                                       param="role_switching")
         if not self.role_switch_s >= 0:
             raise InvalidRequestError("role_switch_s must be >= 0", param="role_switch_s")

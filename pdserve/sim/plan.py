@@ -2,12 +2,16 @@
 
 Candidates are every TP degree in `--tp-options` that fits the model, and for each every P/D split of every
 engine count whose GPUs fit in `--gpus` (plus colocated deployments with `--include-colocated`). They are
-simulated cheapest first (fewest GPUs; at equal cost, more decode engines first); the first one whose SLO
+simulated cheapest first (fewest GPUs; at equal cost, the split the role planner picks for the workload first
+— `pdserve.core.role_planner`, the code `--role-switching auto` moves workers with — then more decode engines
+first); the first one whose SLO
 attainment reaches `--attainment` wins, and its simulated evidence is printed. A rate sweep (`--rates`)
 requires every swept rate to pass. `--kv-cache-dtype` codes every candidate's KV (pool, links, tiers).
 """
 
 from __future__ import annotations
+
+from argparse import Namespace
 
 from rich.console import Console
 from rich.table import Table
@@ -32,6 +36,27 @@ def candidates(args) -> list[tuple[str, int, int, int]]:
     return sorted(out, key=lambda c: ((c[2] + c[3]) * c[1], -c[3], c[1]))
 
 
+def planner_split(args, workload, tp: int, engines: int) -> tuple[int, float]:
+    """The role planner's split of `engines` PD engines for `workload` (`pdserve.core.role_planner`, the code
+    `--role-switching auto` moves workers with): its token rates against one engine's capacity per role, from
+    the time model -> (prefill engines, the busier role's utilization)."""
+    from pdserve.core.role_planner import RoleLoad, best_split, utilization
+    from pdserve.sim.timemodel import StepShape, make_time_model
+    model, gpu = get_model(args.model, getattr(args, "kv_cache_dtype", "auto")), get_gpu(args.gpu)
+    tm = make_time_model(args.time_model, model, gpu, tp)
+    reqs = workload.requests
+    span = max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9) if len(reqs) > 1 else 1.0
+    prompt = sum(r.input_len for r in reqs) / len(reqs)
+    output = sum(r.output_len for r in reqs) / len(reqs)
+    chunk, each = args.prefill_budget, min(args.prefill_budget, int(prompt))  # a chunk of prompts of `each`
+    prefill_s = tm.step_time(StepShape(chunk, chunk * each, chunk * (each + 1) // 2, chunk, 0, 0, chunk // each))
+    batch = args.max_num_seqs
+    decode_s = tm.step_time(StepShape.decode(batch, int(batch * (prompt + output / 2))))
+    load = RoleLoad(len(reqs) * prompt / span, len(reqs) * output / span, chunk / prefill_s, batch / decode_s)
+    p = best_split(engines, load)
+    return p, utilization(load, p, engines - p)
+
+
 def plan(args) -> int:
     from pdserve.bench.report import print_table
     from pdserve.sim.cli import _workloads, cluster_spec, run_spec
@@ -44,8 +69,17 @@ def plan(args) -> int:
     table = Table(title=f"plan: {args.model} on <= {args.gpus} x {args.gpu}")
     for col in ("mode", "tp", "P", "D/N", "GPUs", "SLO met (worst rate)", "verdict"):
         table.add_column(col, justify="right")
-    for mode, tp, p, d in candidates(args):
-        spec = cluster_spec(args, mode, tp, p or 1, d, d)
+    preferred = {}
+    for tp, n in sorted({(c[1], c[2] + c[3]) for c in candidates(args) if c[0] == "pd" and c[2] + c[3] > 1}):
+        preferred[(tp, n)], util = planner_split(args, workloads[-1], tp, n)
+        console.print(f"role planner's split of {n} engines at TP {tp}: {preferred[(tp, n)]}P{n - preferred[(tp, n)]}D"
+                      f" (busier role {util:.0%} busy at the highest rate)")
+    # at equal cost, the planner's split is simulated first
+    order = sorted(candidates(args), key=lambda c: ((c[2] + c[3]) * c[1], preferred.get((c[1], c[2] + c[3])) != c[2]))
+    for mode, tp, p, d in order:
+        # (role switching moves engines between prefill and decode: colocated candidates have none to move)
+        spec = cluster_spec(args if mode == "pd" else Namespace(**{**vars(args), "role_switching": "off"}),
+                            mode, tp, p or 1, d, d)
         result = run_spec(args, spec, workloads, rates, f"{mode} tp{tp} {p}P{d}D" if mode == "pd" else
                           f"colocated tp{tp} x{d}")
         worst = min(r["summary"]["slo"]["attainment"] for r in result.runs)
