@@ -36,7 +36,7 @@ def api_schema(api_server):
 def test_the_schema_covers_every_endpoint(api_server):
     paths = httpx.get(api_server.url + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/kv/prewarm", "/v1/kv/prewarm/{prewarm_id}",
-            "/health", "/metrics"} <= set(paths)
+            "/health", "/metrics", "/tokenize", "/detokenize", "/version", "/v1/cluster/workers"} <= set(paths)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/kv/prewarm"):
         assert "requestBody" in paths[path]["post"]
 

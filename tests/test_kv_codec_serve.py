@@ -57,6 +57,7 @@ def test_decode_worker_transcodes_into_its_own_codec():
         assert first is None or gaps[first] < 0.1, (first, g, r, gaps)
 
 
+@pytest.mark.extended  # (two servers, ~30 s: `make test-all`; int8 decode is served in the transcoding test above)
 def test_int8_on_both_roles_is_the_int8_engine_with_fewer_bytes():
     bytes_per_request = {}
     answers = {}

@@ -199,6 +199,48 @@ def test_raw_http_errors(pd_server):
     assert resp.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("extra,param,code", [
+    ({"temperatur": 0.5}, "temperatur", "unrecognized_argument"),  # a typo is not silently ignored
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools",
+     "unsupported_parameter"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter"),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice", "unsupported_parameter"),
+    ({"stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus", None),
+])
+def test_no_parameter_is_silently_ignored(pd_server, extra, param, code):
+    with pytest.raises(openai.BadRequestError) as info:
+        client(pd_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=2, stream="stream_options" in extra, extra_body=extra)
+    error = _error(info.value)
+    assert error["param"] == param and (code is None or error["code"] == code), error
+
+
+def test_neutral_values_of_unsupported_parameters_and_user_are_accepted(pd_server):
+    resp = client(pd_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi", "name": "ann"}], max_tokens=2, user="u-1",
+        extra_body={"response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {}, "best_of": 1})
+    assert resp.usage.completion_tokens == 2
+
+
+def test_tokenize_detokenize_version_and_continuous_usage(pd_server):
+    text = "The capital of France is Paris."
+    tok = httpx.post(pd_server.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    assert httpx.post(pd_server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == text
+    chat = httpx.post(pd_server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] == client(pd_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1).usage.prompt_tokens
+    bad = httpx.post(pd_server.url + "/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(pd_server.url + "/version").json()["version"]
+    chunks = list(client(pd_server).completions.create(
+        model=MODEL, prompt="Once", max_tokens=6, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) > 2  # usage so far, in every chunk
+
+
 def _wait_blocks(server: Server, predicate, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:

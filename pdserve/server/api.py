@@ -15,10 +15,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve import __version__
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.server.gateway import Gateway
 from pdserve.server.choices import Collected, Shape
-from pdserve.server.protocol import (ChatRequest, CompletionRequest, PrewarmRequest, WorkerRequest, chat_messages,
+from pdserve.server.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, PrewarmRequest,
+                                     TokenizeRequest, WorkerRequest, chat_messages,
                                      check_supported, completion_prompts, logprobs_asked, sampling_params)
 
 
@@ -205,6 +207,29 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
     async def unpin(prewarm_id: str):
         return await gateway.unpin(prewarm_id)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(gateway, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            tokens = gateway.tokenizer.encode_chat(chat_messages(body), body.add_generation_prompt)
+        else:
+            tokens = gateway.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": gateway.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(gateway, body.model)
+        vocab = gateway.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": gateway.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.post("/v1/cluster/workers", status_code=202)
     async def add_worker(body: WorkerRequest):
         name = _cluster(gateway).add(body.role)
@@ -237,16 +262,18 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
             "model": gateway.model_name, "service_tier": tier}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = include_usage and body.stream_options.continuous_usage_stats  # (as vLLM: needs include_usage)
         if len(prompts) != 1:
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
         # Admitted (or refused with a 4xx/5xx status) before the stream starts.
-        flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier, trace=_trace(gateway, http))
+        flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier,
+                                     trace=_trace(gateway, http, body))
         http.scope.setdefault(ON_CUT, []).append(lambda: asyncio.ensure_future(gateway.conductor.abort(flight.rid)))
-        return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, shape, include_usage),
+        return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, shape, include_usage, continuous),
                                  media_type="text/event-stream")
     try:
         results = await _collect_all(gateway, http, prompts, params, body.priority, tier, shape.echo_only,
-                                     _trace(gateway, http))
+                                     _trace(gateway, http, body))
     except _ClientGone:
         return Response(status_code=499)
     choices = [shape.choice(i, r, prompts[i]) for i, r in enumerate(results)]
@@ -271,11 +298,13 @@ async def _collect_all(gateway: Gateway, http: Request, prompts, params, priorit
         gathered.cancel()
 
 
-def _trace(gateway: Gateway, http: Request) -> dict | None:
-    """The client's W3C trace context headers, when the server exports traces (`--otlp-endpoint`)."""
+def _trace(gateway: Gateway, http: Request, body) -> dict | None:
+    """The client's W3C trace context headers and its `user`, when the server exports traces (`--otlp-endpoint`)."""
     if gateway.conductor.tracer is None:
         return None
-    return {h: http.headers[h] for h in ("traceparent", "tracestate") if h in http.headers}
+    user = (body.model_extra or {}).get("user")
+    return {**{h: http.headers[h] for h in ("traceparent", "tracestate") if h in http.headers},
+            **({"enduser.id": str(user)} if user else {})}
 
 
 async def _wait_disconnect(http: Request) -> None:
@@ -302,7 +331,8 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, shape: Shape, include_usage: bool):
+async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, shape: Shape, include_usage: bool,
+               continuous: bool = False):
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
 
     def event(choice_delta: dict, reason: str | None, usage=None, choices=True, logprobs=None) -> str:
@@ -327,7 +357,7 @@ async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, shape: Shap
             logprobs = stream.token(d)
             if d.text or d.finished or logprobs is not None:
                 yield event({"delta": {"content": d.text}} if shape.chat else {"text": d.text}, d.finish_reason,
-                            logprobs=logprobs)
+                            _usage(len(prompt), n, cached) if continuous else None, logprobs=logprobs)
     except PdserveError as e:
         yield f"data: {json.dumps(error_body(e.message, e.error_type, e.param, e.code))}\n\n"
     if include_usage:

@@ -15,11 +15,57 @@ from pdserve.errors import InvalidRequestError
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): usage so far in every chunk
+
+
+# Fields of OpenAI's (and vLLM's) APIs pdserve knows but does not do yet, each with the values that ask for
+# nothing (accepted); any other value is a 400 naming the field. Fields nobody knows are a 400 too.
+NEUTRAL = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "parallel_tool_calls": lambda v: True,  # (only meaningful with tools, which are refused)
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "logit_bias": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: not v,
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "min_p": lambda v: v in (None, 0, 0.0),
+    "min_tokens": lambda v: v in (None, 0),
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "skip_special_tokens": lambda v: v in (None, True),
+    "spaces_between_special_tokens": lambda v: v in (None, True),
+    "include_stop_str_in_output": lambda v: not v,
+    "add_generation_prompt": lambda v: v in (None, True),
+    "continue_final_message": lambda v: not v,
+    "add_special_tokens": lambda v: v is None,  # (or what the endpoint does anyway: `check_supported`)
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "store": lambda v: not v,
+    "metadata": lambda v: not v,
+}
+HONOURED_AS_IS = {"user"}  # OpenAI's end-user id: a span attribute under --otlp-endpoint (`enduser.id`)
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored, like vLLM
+    model_config = ConfigDict(extra="allow")  # every other field is checked in `check_supported`: none ignored
 
     model: str | None = None
     temperature: float | None = None
@@ -46,10 +92,11 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # (tool_calls, tool_call_id: not supported yet, refused)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    name: str | None = None  # given to the chat template, which may use it
 
 
 class ChatRequest(_Common):
@@ -68,6 +115,25 @@ class PrewarmRequest(BaseModel):
     ttl_s: float
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt or chat messages -> token ids."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # (prompt)
+    add_generation_prompt: bool = True  # (messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids -> text."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class WorkerRequest(BaseModel):
     """POST /v1/cluster/workers: place one more worker (--cluster ray)."""
     model_config = ConfigDict(extra="forbid")
@@ -76,6 +142,18 @@ class WorkerRequest(BaseModel):
 
 
 def check_supported(req: _Common) -> None:
+    """Every field the request sent is honoured, asks for nothing, or is refused here (400 naming it)."""
+    for name, value in (req.model_extra or {}).items():
+        if name in HONOURED_AS_IS:
+            continue
+        if name == "add_special_tokens" and value in (None, not isinstance(req, ChatRequest)):
+            continue  # what this endpoint does anyway (completions add them, chat's template has them)
+        if name not in NEUTRAL:
+            raise InvalidRequestError(f"Unrecognized request argument supplied: {name}", param=name,
+                                      code="unrecognized_argument")
+        if not NEUTRAL[name](value):
+            raise InvalidRequestError(f"{name} is not supported by this server (yet); see the README's list of "
+                                      f"unsupported parameters", param=name, code="unsupported_parameter")
     if req.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -136,5 +214,5 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                        for p in content):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
-        out.append({"role": m.role, "content": content or ""})
+        out.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
     return out

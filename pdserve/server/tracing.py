@@ -53,6 +53,8 @@ class RequestTracer:
         its root span and one span per phase it reached."""
         parent = _propagator.extract(context or {})
         attributes = self._attributes(state) if state is not None else {"gen_ai.request.model": self.model}
+        if context and context.get("enduser.id"):
+            attributes["enduser.id"] = context["enduser.id"]  # the request's OpenAI `user`
         root = self.tracer.start_span("pdserve.request", context=parent, kind=SpanKind.SERVER,
                                       start_time=self._ns(arrival_s if state is None else state.arrival_s),
                                       attributes=attributes)
