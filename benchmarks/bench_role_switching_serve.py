@@ -1,0 +1,97 @@
+"""Role switching on the real server: a load that shifts from prompt-heavy to output-heavy half-way, on every
+fixed P/D split of 3 workers and with `--role-switching auto` from each.
+
+    .venv/bin/python benchmarks/bench_role_switching_serve.py [--half-s 60] [--rate-prompts 1.2] [--rate-outputs 3]
+
+`pdserve serve` (default model, 1 torch thread per worker, `--max-num-seqs 4`; auto: `--role-switch-hold-s 10
+--role-switch-cooldown-s 40`), an open-loop client (`pdserve.bench.client`): for `--half-s`, 1,500-token prompts
+with 8 output tokens at `--rate-prompts` requests/s, then for `--half-s`, 32-token prompts with 96 output
+tokens at `--rate-outputs` requests/s. Per run: SLO attainment (TTFT <= `--slo-ttft-ms`, TPOT <=
+`--slo-tpot-ms`), goodput (requests meeting it per second of the run), TTFT p50/p90, and the moves made
+(`pdserve_role_switches_total`). Writes bench_results/role_switching_serve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench.client import send_request
+from pdserve.bench.metrics import summarize
+from serve_proc import Server
+
+
+def schedule(args) -> list[tuple[float, int, int]]:
+    """(send at, prompt tokens, output tokens), Poisson arrivals in each half."""
+    rng, out, t = random.Random(0), [], 0.0
+    for start, rate, prompt, output in ((0.0, args.rate_prompts, 1500, 8), (args.half_s, args.rate_outputs, 32, 96)):
+        t = start
+        while True:
+            t += rng.expovariate(rate)
+            if t >= start + args.half_s:
+                break
+            out.append((t, prompt, output))
+    return out
+
+
+async def run_load(url: str, plan: list[tuple[float, int, int]]) -> tuple[list, float]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.monotonic()
+
+        async def one(i: int, at: float, prompt: int, output: int):
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            tokens = [1000 + (i * 7919 + k) % 30000 for k in range(prompt)]  # distinct prompts: no prefix hits
+            return await send_request(client, url, "SmolLM2-135M-Instruct", tokens, output)
+
+        records = await asyncio.gather(*(one(i, *p) for i, p in enumerate(plan)))
+        return list(records), time.monotonic() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--half-s", type=float, default=60.0)
+    ap.add_argument("--rate-prompts", type=float, default=1.2)
+    ap.add_argument("--rate-outputs", type=float, default=3.0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=5000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    args = ap.parse_args()
+    plan = schedule(args)
+    rows = []
+    for switching in ("off", "auto"):
+        for p in (1, 2):
+            extra = ["--role-switching", "auto", "--role-switch-hold-s", "10", "--role-switch-cooldown-s", "40"] \
+                if switching == "auto" else []
+            server = Server(["--prefill", str(p), "--decode", str(3 - p), "--num-threads", "1", "--max-num-seqs", "4",
+                             *extra], Path(f"bench_results/role_switching_{p}P{3 - p}D_{switching}.log"))
+            try:
+                server.warm_up()
+                records, duration = asyncio.run(run_load(server.url, plan))
+                moves = {dict(lab).get("role"): v for (n, lab), v in server.metrics().items()
+                         if n == "pdserve_role_switches_total"}
+            finally:
+                server.stop()
+            s = summarize(records, duration_s=duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+            att = s["slo"]["attainment"] or 0.0
+            rows.append({"start": f"{p}P{3 - p}D", "role_switching": switching, "attainment": att,
+                         "goodput_rps": att * s["num_requests"] / duration, "duration_s": duration,
+                         "errors": s["num_errors"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves})
+            r = rows[-1]
+            print(f"{r['start']} {switching:>4}  attainment {att:.1%}  goodput {r['goodput_rps']:.3f}/s  run "
+                  f"{duration:.0f} s  errors {r['errors']}  TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s p90 "
+                  f"{r['ttft_p90_ms'] / 1e3:.1f} s  moves {moves}", flush=True)
+    out = Path("bench_results")
+    out.mkdir(exist_ok=True)
+    (out / "role_switching_serve.json").write_text(json.dumps({"args": vars(args), "requests": len(plan),
+                                                               "runs": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
