@@ -51,6 +51,10 @@ class Tokenizer:
                 eos_ids += (eos_id,)
         return cls(tok, template, special, eos_ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (a grammar engine builds its token tables from it)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -60,20 +64,27 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """The chat template renders a `tools` argument (function calling) itself."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; use a completion prompt instead",
                                       param="messages")
         _validate_messages(messages)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **({"tools": tools} if tools else {}), **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         # The template writes any BOS itself, so the tokenizer must not add another.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def _token_text(value) -> str:

@@ -178,13 +178,15 @@ class Conductor:
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                     pin: tuple[str, float] | None = None, tier: str = "default", trace: dict | None = None) -> Flight:
-        """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks. A refused
-        request's stream holds just its error."""
+                     pin: tuple[str, float] | None = None, tier: str = "default", trace: dict | None = None,
+                     follow: list[str] | None = None) -> Flight:
+        """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks; `follow`: the
+        workers to run on (another sequence of the same prompt's). A refused request's stream holds just its
+        error."""
         flight = Flight(rid, asyncio.Queue(), tier, trace=trace)
         self.flights[rid] = flight
         actions = self.core.arrive(rid, prompt, params_dict(params), self.clock(), tier=tier, priority=priority,
-                                   pin=pin)
+                                   pin=pin, follow=tuple(follow or ()))
         state = self.core.flights.get(rid)
         if state is not None:
             flight.workers = [w for w in (state.decode, state.prefill) if w is not None]

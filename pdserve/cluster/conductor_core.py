@@ -163,12 +163,14 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
 
     # ---- requests ---------------------------------------------------------------------------------------
     def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
-               priority: int = 0, pin: tuple | None = None) -> list:
+               priority: int = 0, pin: tuple | None = None, follow: tuple = ()) -> list:
+        """`follow`: the workers another sequence of the same prompt runs on (n > 1): this one goes there too,
+        where the prompt's KV is cached, while they can take it."""
         f = FlightState(rid, prompt, params, tier, now, priority, pin)
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
         hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        first, second = self._route(hashes)
+        first, second = self._follow(follow) or self._route(hashes)
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
@@ -195,6 +197,12 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         """(the decode or colocated worker, the prefill worker in PD mode)."""
         first = self._pick("colocated" if self.mode == "colocated" else "decode", hashes)
         return first, self._pick("prefill", hashes) if self.mode == "pd" and first is not None else None
+
+    def _follow(self, names: tuple) -> tuple[WorkerLoad, WorkerLoad | None] | None:
+        loads = [self.workers.get(n) for n in names]
+        if not loads or any(w is None or not w.usable for w in loads):
+            return None
+        return loads[0], loads[1] if len(loads) > 1 else None
 
     def _place(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes) -> list:
         """Start `f` on the workers chosen for it: generate (colocated), or reserve blocks on `first` for the

@@ -28,6 +28,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # each sampled token's logprob and this many top alternatives (None: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
+    # structured output: an llguidance grammar (`pdserve.server.structured` builds it; `pdserve.model.grammar`
+    # masks the sampler's logits by it); None: unconstrained
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, CLI) but store tuples so the object stays hashable and frozen.

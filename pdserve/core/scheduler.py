@@ -48,6 +48,7 @@ class SchedulerStats:
     # higher-ranked waiting request go first (`Scheduler.schedule`), by the yielding request's tier
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     num_prefix_hit_tokens: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model here (recomputations too)
     num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
 
 
@@ -196,6 +197,8 @@ class Scheduler(KVReservations):
             if req is None or req.is_finished or req.status is RequestStatus.PREEMPTED:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
+            self.stats.num_prompt_tokens_computed += max(
+                min(chunk.start_pos + chunk.num_tokens, req.num_prompt_tokens) - chunk.start_pos, 0)
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if chunk.request_id in result.prompt_logprobs:  # (from the start again after a preemption)
                 if chunk.start_pos == 0:

@@ -71,6 +71,8 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_scheduled: SchedulerOutput | None = None
+        if hasattr(executor, "outputs_of"):  # (constrained decoding replays a request's tokens so far)
+            executor.outputs_of = self._outputs_of
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, prefill_only: bool = False, pin: tuple[str, float] | None = None,
@@ -146,6 +148,10 @@ class LLMEngine:
         return {"stages": self.tiers.stage_counts(), "capacity": self.tiers.capacities(),
                 "hits": {"device": hits - sum(lower.values()), **lower}, "bytes_in": as_dict(st.bytes_in),
                 "bytes_out": as_dict(st.bytes_out), "corrupt": as_dict(st.corrupt), "disk_full": st.disk_full}
+
+    def _outputs_of(self, request_id: str) -> list[int]:
+        req = self.scheduler.requests.get(request_id)
+        return [] if req is None else list(req.output_token_ids)
 
     def _output(self, req: Request, new_token: int | None) -> RequestOutput:
         detok = self._detok.get(req.request_id)

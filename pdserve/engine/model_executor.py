@@ -19,6 +19,7 @@ from pdserve.kv.tier_io import build_tier_io
 from pdserve.model.config import ModelConfig
 from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
 from pdserve.model import logprobs
+from pdserve.model.grammar import GrammarMasks
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_safetensors_dir, resolve_dtype
 from pdserve.model.sampler import Sampler
@@ -66,6 +67,9 @@ class ModelExecutor:
             weakref.finalize(self, self.kv_io.close)
         self.layout = CacheLayout(config.block_size, num_blocks, model_config.num_kv_heads)
         self.sampler = Sampler(config.seed)
+        self._model_dir, self._eos = model_dir, model_config.eos_token_ids
+        self.grammar: GrammarMasks | None = None  # built on the first request with a grammar
+        self.outputs_of: Callable[[str], list[int]] = lambda request_id: []  # (the engine sets it)
         # Called as `layer_observer(scheduled, layer_index)` once a layer's KV of the step is in the pool
         # (a prefill worker delivers it from there while the next layers compute).
         self.layer_observer: Callable[[SchedulerOutput, int], None] | None = None
@@ -75,6 +79,8 @@ class ModelExecutor:
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         for request_id in scheduled.finished_request_ids:
             self.sampler.release(request_id)
+            if self.grammar is not None:
+                self.grammar.release(request_id)
         if scheduled.kv_loads:  # host tier hits, into the blocks this step reads
             self.kv_io.load(scheduled.kv_loads)
         if scheduled.is_empty:
@@ -90,14 +96,30 @@ class ModelExecutor:
             return out
         logits = self.model.logits(hidden[batch.sample_rows])
         ids = [c.request_id for c in batch.sample_chunks]
-        tokens = self.sampler.sample(logits, ids, [c.sampling_params for c in batch.sample_chunks],
+        grammars = [c.sampling_params.grammar for c in batch.sample_chunks]
+        constrained = self._constrain(logits, ids, grammars)
+        tokens = self.sampler.sample(constrained, ids, [c.sampling_params for c in batch.sample_chunks],
                                      [c.start_pos + c.num_tokens for c in batch.sample_chunks])
+        if constrained is not logits:
+            self.grammar.advance(ids, grammars, tokens)
         out.sampled_token_ids.update(zip(ids, tokens))
         for row, (c, token) in enumerate(zip(batch.sample_chunks, tokens)):
             k = c.sampling_params.logprobs
-            if k is not None:
+            if k is not None:  # (the model's own logprobs, before any grammar's mask, as vLLM gives them)
                 out.logprobs[c.request_id] = logprobs.entries(logits[row:row + 1], [token], k)[0]
         return out
+
+    def _constrain(self, logits: torch.Tensor, ids: list[str], grammars: list) -> torch.Tensor:
+        """The logits to sample from: masked to each grammar row's allowed tokens (a copy), or as they are."""
+        if not any(g is not None for g in grammars):
+            return logits
+        if self.grammar is None:
+            tokenizer_json = (Path(self._model_dir) / "tokenizer.json").read_text()
+            self.grammar = GrammarMasks(tokenizer_json, self._eos, self.outputs_of)
+            weakref.finalize(self, self.grammar.close)
+        masked = logits.clone()
+        self.grammar.apply(masked, ids, grammars)
+        return masked
 
     def _prompt_logprobs(self, ordered: list, hidden: torch.Tensor) -> dict[str, list]:
         """The entries of the prompt tokens each chunk's rows predict, for the requests that asked."""

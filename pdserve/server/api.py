@@ -19,6 +19,8 @@ from pdserve import __version__
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.server.gateway import Gateway
 from pdserve.server.choices import Collected, Shape
+from pdserve.server.families import Family, best, merged
+from pdserve.server.tools import ToolStream, plan_tools, prompt_messages
 from pdserve.server.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, PrewarmRequest,
                                      TokenizeRequest, WorkerRequest, chat_messages,
                                      check_supported, completion_prompts, logprobs_asked, sampling_params)
@@ -176,7 +178,8 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
         prompts = [gateway.encode(p) for p in given]
         echo_only = body.echo and body.max_tokens == 0  # the prompt scored, nothing generated (one token run)
         asked = 1 if echo_only else body.max_tokens
-        params = [sampling_params(body, gateway.max_tokens_for(p, asked)) for p in prompts]
+        grammar = gateway.grammars.for_request(body)
+        params = [sampling_params(body, gateway.max_tokens_for(p, asked), grammar) for p in prompts]
         shape = Shape(False, gateway.tokenizer, logprobs_asked(body), body.echo, echo_only,
                       [p if isinstance(p, str) else gateway.tokenizer.decode(p) for p in given])
         return await _respond(gateway, http, body, prompts, params, shape)
@@ -185,11 +188,19 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
     async def chat(body: ChatRequest, http: Request):
         _check_model(gateway, body.model)
         check_supported(body)
-        prompt = gateway.tokenizer.encode_chat(chat_messages(body))
+        plan, grammar = plan_tools(body, gateway.grammars), gateway.grammars.for_request(body)
+        if plan is not None and grammar is not None:
+            raise InvalidRequestError("tools cannot be combined with response_format or guided decoding; "
+                                      "use tool_choice none", param="tool_choice")
+        messages, tools = prompt_messages(chat_messages(body), plan, gateway.tokenizer.template_takes_tools)
+        if plan is not None and tools is None:
+            gateway.metrics.fallbacks.labels(kind="tools_in_system_prompt").inc()
+        prompt = gateway.tokenizer.encode_chat(messages, tools=tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, gateway.max_tokens_for(prompt, requested))
+        params = sampling_params(body, gateway.max_tokens_for(prompt, requested),
+                                 plan.grammar if plan is not None else grammar)
         return await _respond(gateway, http, body, [prompt], [params], Shape(True, gateway.tokenizer,
-                                                                              logprobs_asked(body)))
+                                                                              logprobs_asked(body), tools=plan))
 
     @app.post("/v1/kv/prewarm")
     async def prewarm(body: PrewarmRequest):
@@ -260,33 +271,41 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
     tier = gateway.conductor.tiers.resolve(body.service_tier, getattr(http.state, "key_tier", gateway.auto_tier))
     meta = {"id": ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": gateway.model_name, "service_tier": tier}
+    n = body.n
+    runs = max(n, getattr(body, "best_of", None) or 1)  # sequences generated per prompt
+    families = [Family(gateway, p, sp, runs, body.priority, tier, _trace(gateway, http, body), runs > n)
+                for p, sp in zip(prompts, params)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and body.stream_options.continuous_usage_stats  # (as vLLM: needs include_usage)
         if len(prompts) != 1:
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
-        # Admitted (or refused with a 4xx/5xx status) before the stream starts.
-        flight = await gateway.start(prompts[0], params[0], body.priority, tier=tier,
-                                     trace=_trace(gateway, http, body))
-        http.scope.setdefault(ON_CUT, []).append(lambda: asyncio.ensure_future(gateway.conductor.abort(flight.rid)))
-        return StreamingResponse(_sse(gateway, flight, prompts[0], params[0], meta, shape, include_usage, continuous),
+        family = families[0]
+        await family.start()  # admitted (or refused with a 4xx/5xx status) before the stream starts
+        http.scope.setdefault(ON_CUT, []).append(
+            lambda: asyncio.ensure_future(gateway.conductor.abort(family.first.rid)))
+        return StreamingResponse(_sse(family, prompts[0], meta, shape, include_usage, continuous),
                                  media_type="text/event-stream")
     try:
-        results = await _collect_all(gateway, http, prompts, params, body.priority, tier, shape.echo_only,
-                                     _trace(gateway, http, body))
+        results = await _collect_all(http, families, shape.echo_only)
     except _ClientGone:
         return Response(status_code=499)
-    choices = [shape.choice(i, r, prompts[i]) for i, r in enumerate(results)]
-    usage = _usage(sum(len(p) for p in prompts), sum(r.num_tokens for r in results), sum(r.cached for r in results))
+    generated = sum(r.num_tokens for seqs in results for r in seqs)
+    if runs > n:
+        results = [best(seqs, n) for seqs in results]
+    choices = [shape.choice(i * n + j, r, prompts[i], i) for i, seqs in enumerate(results) for j, r in enumerate(seqs)]
+    usage = _usage(sum(len(p) for p in prompts), generated, sum(seqs[0].cached for seqs in results))
     return {**meta, "object": "chat.completion" if shape.chat else "text_completion", "choices": choices,
             "usage": usage}
 
 
-async def _collect_all(gateway: Gateway, http: Request, prompts, params, priority: int, tier: str,
-                       echo_only: bool = False, trace: dict | None = None) -> list[Collected]:
-    """Run every prompt to the end, unless the client leaves first: then their requests are aborted."""
-    gathered = asyncio.gather(*(_collect(gateway, p, sp, priority, tier, echo_only, trace)
-                                for p, sp in zip(prompts, params)))
+async def _collect_all(http: Request, families: list[Family], echo_only: bool = False) -> list[list[Collected]]:
+    """Run every sequence of every prompt to the end, unless the client leaves first: then their requests are
+    aborted."""
+    async def one(family: Family) -> list[Collected]:
+        return list(await asyncio.gather(*(_collect(s, echo_only) for s in family.streams())))
+
+    gathered = asyncio.gather(*(one(f) for f in families))
     watcher = asyncio.ensure_future(_wait_disconnect(http))
     try:
         done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -312,10 +331,9 @@ async def _wait_disconnect(http: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def _collect(gateway: Gateway, prompt, params, priority: int, tier: str, echo_only: bool,
-                   trace: dict | None = None) -> Collected:
+async def _collect(stream, echo_only: bool) -> Collected:
     out = Collected()
-    async for d in gateway.generate(prompt, params, priority, tier=tier, trace=trace):
+    async for d in stream:
         if d.prompt_logprobs is not None:
             out.prompt_logprobs = d.prompt_logprobs
         out.cached = d.cached_tokens
@@ -331,35 +349,45 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _sse(gateway: Gateway, flight, prompt, params, meta: dict, shape: Shape, include_usage: bool,
-               continuous: bool = False):
+async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: bool, continuous: bool = False):
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
+    count = family.count
 
-    def event(choice_delta: dict, reason: str | None, usage=None, choices=True, logprobs=None) -> str:
-        payload = {**meta, "object": obj, "choices": [{"index": 0, **choice_delta, "logprobs": logprobs,
+    def event(index: int, choice_delta: dict, reason: str | None, usage=None, choices=True, logprobs=None) -> str:
+        payload = {**meta, "object": obj, "choices": [{"index": index, **choice_delta, "logprobs": logprobs,
                                                         "finish_reason": reason}] if choices else []}
         if include_usage:
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
 
     if shape.chat:
-        yield event({"delta": {"role": "assistant", "content": ""}}, None)
-    n, cached, stream = 0, 0, shape.stream()
+        for i in range(count):
+            yield event(i, {"delta": {"role": "assistant", "content": ""}}, None)
+    made, cached, logs = [0] * count, 0, [shape.stream() for _ in range(count)]
+    calls = [ToolStream(shape.tools) for _ in range(count)] if shape.tools is not None else None
     try:
-        async for d in gateway.stream(flight, prompt, params):
-            cached = d.cached_tokens
+        async for i, d in merged(family.streams()):
+            cached = d.cached_tokens if i == 0 else cached
             if shape.echo and d.num_tokens == 1:  # the prompt first, with its logprobs when asked for
-                yield event({"text": shape.prompt_texts[0]}, "length" if shape.echo_only else None,
-                            logprobs=stream.prompt(prompt, d.prompt_logprobs))
+                yield event(i, {"text": shape.prompt_texts[0]}, "length" if shape.echo_only else None,
+                            logprobs=logs[i].prompt(prompt, d.prompt_logprobs))
             if shape.echo_only:
-                break
-            n = d.num_tokens
-            logprobs = stream.token(d)
-            if d.text or d.finished or logprobs is not None:
-                yield event({"delta": {"content": d.text}} if shape.chat else {"text": d.text}, d.finish_reason,
-                            _usage(len(prompt), n, cached) if continuous else None, logprobs=logprobs)
+                continue
+            made[i] = d.num_tokens
+            logprobs = logs[i].token(d)
+            usage = _usage(len(prompt), sum(made), cached) if continuous else None
+            if calls is not None:  # tool calls: their pieces as they complete
+                deltas = calls[i].feed(d.text)
+                reason = calls[i].finish_reason(d.finish_reason)
+                for k, delta in enumerate(deltas or ([{}] if d.finished else [])):
+                    last = k == max(len(deltas), 1) - 1
+                    yield event(i, {"delta": delta}, reason if last else None, usage if last else None,
+                                logprobs=logprobs if last else None)
+            elif d.text or d.finished or logprobs is not None:
+                yield event(i, {"delta": {"content": d.text}} if shape.chat else {"text": d.text}, d.finish_reason,
+                            usage, logprobs=logprobs)
     except PdserveError as e:
         yield f"data: {json.dumps(error_body(e.message, e.error_type, e.param, e.code))}\n\n"
     if include_usage:
-        yield event({}, None, _usage(len(prompt), n, cached), choices=False)
+        yield event(0, {}, None, _usage(len(prompt), sum(made), cached), choices=False)
     yield "data: [DONE]\n\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.server.logprobs_format import CompletionLogprobs, chat_entry
+from pdserve.server.tools import ToolPlan
 from pdserve.tokenizer import Tokenizer
 
 
@@ -39,17 +40,20 @@ class Shape:
     echo: bool = False
     echo_only: bool = False
     prompt_texts: list[str] = field(default_factory=list)
+    tools: ToolPlan | None = None  # chat with tools offered: the answer may be tool calls
 
-    def choice(self, index: int, got: Collected, prompt: list[int]) -> dict:
+    def choice(self, index: int, got: Collected, prompt: list[int], prompt_index: int = 0) -> dict:
         text = "".join(got.text)
         out = {"index": index, "finish_reason": got.reason, "logprobs": None}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                out["message"], out["finish_reason"] = self.tools.message(text, got.reason)
             if self.logprobs is not None:
                 out["logprobs"] = {"content": [chat_entry(self.tokenizer, t, e, self.logprobs)
                                                for t, e in zip(got.token_ids, got.logprobs) if e is not None]}
             return out
-        lead = self.prompt_texts[index] if self.echo else ""
+        lead = self.prompt_texts[prompt_index] if self.echo else ""
         out["text"] = lead + text
         if self.logprobs is not None:
             built = CompletionLogprobs(self.tokenizer)

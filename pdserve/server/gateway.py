@@ -17,6 +17,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError, PdserveError, check_ttl
 from pdserve.server.metrics import Metrics
+from pdserve.server.structured import Grammars
 from pdserve.tokenizer import Tokenizer
 
 
@@ -63,6 +64,7 @@ class Gateway:
         self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
         self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
         self.cluster = None  # --cluster ray: where workers are placed, added and removed (`RayWorkers`)
+        self.grammars = Grammars(tokenizer)  # structured output (`pdserve.server.structured`)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -116,11 +118,13 @@ class Gateway:
         return {"id": pin_id, "object": "kv.prewarm", "deleted": True}
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0, pin: Pin | None = None,
-                    tier: str = "default", trace: dict | None = None) -> Flight:
-        """Submit a request; raises `WorkerError` at once if the conductor refused it on arrival (no worker,
-        a full queue, a predicted SLO miss: 429 with `retry_after_s`), before any response has started."""
+                    tier: str = "default", trace: dict | None = None, follow: list[str] | None = None) -> Flight:
+        """Submit a request (`follow`: on these workers, while they can take it); raises `WorkerError` at once
+        if the conductor refused it on arrival (no worker, a full queue, a predicted SLO miss: 429 with
+        `retry_after_s`), before any response has started."""
         flight = await self.conductor.submit(uuid.uuid4().hex, prompt_ids, params, priority,
-                                             None if pin is None else (pin.pin_id, pin.ttl_s), tier, trace)
+                                             None if pin is None else (pin.pin_id, pin.ttl_s), tier, trace,
+                                             follow)
         if flight.rid not in self.conductor.flights:  # refused on arrival: its stream holds just the error
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             raise WorkerError(flight.events.get_nowait())
@@ -130,9 +134,9 @@ class Gateway:
         return flight
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       pin: Pin | None = None, tier: str = "default", trace: dict | None = None
-                       ) -> AsyncIterator[Delta]:
-        flight = await self.start(prompt_ids, params, priority, pin, tier, trace)
+                       pin: Pin | None = None, tier: str = "default", trace: dict | None = None,
+                       follow: list[str] | None = None) -> AsyncIterator[Delta]:
+        flight = await self.start(prompt_ids, params, priority, pin, tier, trace, follow)
         async for delta in self.stream(flight, prompt_ids, params):
             yield delta
 

@@ -121,6 +121,9 @@ class Metrics:
                                     "(never served)", ["worker", "tier"], registry=r)
         self.prefix_queries = Counter("pdserve_prefix_cache_query_tokens", "Prompt tokens looked up in the "
                                       "prefix cache", ["worker"], registry=r)
+        self.prompt_computed = Counter("pdserve_prompt_tokens_computed", "Prompt tokens a worker ran through the "
+                                       "model (not found in its prefix cache, not delivered to it)", ["worker"],
+                                       registry=r)
         self.preemptions = Counter("pdserve_preemptions", "Requests preempted (recompute): a running request "
                                    "that could not grow, or the priority tier taking its share back",
                                    ["worker", "service_tier"], registry=r)
@@ -198,6 +201,7 @@ class Metrics:
             self._inc_total(self.fallbacks, (w, "step_budget_cold_start"), s.get("step_budget_cold_starts", 0),
                             kind="step_budget_cold_start")
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
+        self._inc_total(self.prompt_computed, (w, "computed"), s.get("prompt_tokens_computed", 0), worker=w)
         for tier, n in s.get("preemptions_by_tier", {}).items():
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
         for tier, n in s.get("prefill_yields_by_tier", {}).items():

@@ -24,10 +24,6 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's (and vLLM's) APIs pdserve knows but does not do yet, each with the values that ask for
 # nothing (accepted); any other value is a 400 naming the field. Fields nobody knows are a 400 too.
 NEUTRAL = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "parallel_tool_calls": lambda v: True,  # (only meaningful with tools, which are refused)
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none", "auto"),
     "logit_bias": lambda v: not v,
@@ -46,11 +42,6 @@ NEUTRAL = {
     "add_special_tokens": lambda v: v is None,  # (or what the endpoint does anyway: `check_supported`)
     "chat_template": lambda v: v is None,
     "chat_template_kwargs": lambda v: not v,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
     "truncate_prompt_tokens": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
@@ -61,7 +52,10 @@ NEUTRAL = {
     "store": lambda v: not v,
     "metadata": lambda v: not v,
 }
-HONOURED_AS_IS = {"user"}  # OpenAI's end-user id: a span attribute under --otlp-endpoint (`enduser.id`)
+# OpenAI's end-user id (a span attribute under --otlp-endpoint: `enduser.id`); vLLM's structured output fields
+# (`pdserve.server.structured` reads them)
+MAX_N = 64  # sequences per prompt (n, best_of)
+HONOURED_AS_IS = {"user", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
 
 
 class _Common(BaseModel):
@@ -83,20 +77,24 @@ class _Common(BaseModel):
     logprobs: bool | int | None = None
     priority: int = 0  # extension (vLLM): lower runs first under the priority queue policy
     service_tier: str | None = None  # OpenAI: auto | priority | default | flex (`pdserve.core.service_tiers`)
+    response_format: dict | None = None  # text | json_object | json_schema (`pdserve.server.structured`)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    best_of: int | None = None  # that many sequences per prompt; the n with the best cumulative logprob returned
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # (tool_calls, tool_call_id: not supported yet, refused)
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
     name: str | None = None  # given to the chat template, which may use it
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (`pdserve.server.tools`)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatRequest(_Common):
@@ -104,6 +102,9 @@ class ChatRequest(_Common):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    tools: list[dict] | None = None  # functions the model may call (`pdserve.server.tools`)
+    tool_choice: str | dict | None = None  # none | auto | required | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
 
 
 class PrewarmRequest(BaseModel):
@@ -154,8 +155,14 @@ def check_supported(req: _Common) -> None:
         if not NEUTRAL[name](value):
             raise InvalidRequestError(f"{name} is not supported by this server (yet); see the README's list of "
                                       f"unsupported parameters", param=name, code="unsupported_parameter")
-    if req.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n")
+    if isinstance(req.n, bool) or not 1 <= req.n <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {req.n!r}", param="n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and (isinstance(best_of, bool) or not req.n <= best_of <= MAX_N):
+        raise InvalidRequestError(f"best_of must be an integer in [n, {MAX_N}], got {best_of!r}", param="best_of")
+    if best_of is not None and best_of > 1 and req.stream:
+        raise InvalidRequestError("best_of cannot be streamed (the best sequences are known at the end)",
+                                  param="best_of")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise InvalidRequestError(f"{name} is not supported", param=name)
@@ -183,14 +190,14 @@ def logprobs_asked(req: _Common) -> int | None:
     return k
 
 
-def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
+def sampling_params(req: _Common, max_tokens: int, grammar: str | None = None) -> SamplingParams:
     k = logprobs_asked(req)
     echo = isinstance(req, CompletionRequest) and req.echo
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, max_tokens=max_tokens,
         stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), seed=req.seed, ignore_eos=req.ignore_eos,
-        logprobs=k, prompt_logprobs=k if echo else None)
+        logprobs=k, prompt_logprobs=k if echo else None, grammar=grammar)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:
@@ -214,5 +221,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                        for p in content):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
-        out.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+        extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls),
+                                    ("tool_call_id", m.tool_call_id)) if v}
+        out.append({"role": m.role, "content": content or "", **extra})
     return out

@@ -1,0 +1,90 @@
+"""Constrained decoding: the sampler's token masks for requests that carry a grammar (`SamplingParams.grammar`,
+an llguidance grammar built by the gateway: `pdserve.server.structured`).
+
+Each such request has an llguidance matcher here, created when the request first samples on this worker and
+fed every output token it already has (a decode worker gets the first token from the prefill worker). A step
+masks the logits of the grammar rows to the tokens the matcher allows, samples, and has each matcher consume
+its token; the next token's mask is then computed at once in a background thread (llguidance drops the GIL),
+so it is ready while the engine updates, schedules and runs the next forward: off the critical path.
+A matcher that cannot take a token (it never happens while masks are applied) is counted in `errors`.
+
+Why llguidance and not xgrammar: `benchmarks/bench_grammar.py` (BENCHMARKS.md, "Structured output").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+
+class GrammarMasks:
+    def __init__(self, tokenizer_json: str, eos_token_ids: tuple[int, ...],
+                 outputs_of: Callable[[str], list[int]]) -> None:
+        import llguidance
+        import llguidance.numpy
+        self._llg, self._np = llguidance, llguidance.numpy
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos_token_ids) or None)
+        self.outputs_of = outputs_of  # a request's output token ids so far
+        self.matchers: dict[str, object] = {}
+        self.masks: dict[str, np.ndarray] = {}
+        self.pending: dict[str, Future] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self._bits = torch.arange(32, dtype=torch.int32)
+        self.errors = 0  # sampled tokens a matcher refused
+
+    def apply(self, logits: torch.Tensor, request_ids: list[str], grammars: list[str | None]) -> None:
+        """Mask, in place, every grammar row of `logits` [S, V] to the tokens its matcher allows next."""
+        for row, (rid, grammar) in enumerate(zip(request_ids, grammars)):
+            if grammar is None:
+                continue
+            mask = self._mask(rid, grammar)
+            if not mask.any():  # a matcher in error allows nothing: sample unconstrained (counted)
+                self.errors += 1
+                continue
+            allowed = ((torch.from_numpy(mask).unsqueeze(-1) >> self._bits) & 1).flatten().bool()
+            width = min(allowed.numel(), logits.shape[1])
+            logits[row, :width].masked_fill_(~allowed[:width].to(logits.device), float("-inf"))
+            logits[row, width:] = float("-inf")
+
+    def advance(self, request_ids: list[str], grammars: list[str | None], tokens: list[int]) -> None:
+        """Each grammar row's matcher takes its sampled token; its next mask starts computing now."""
+        for rid, grammar, token in zip(request_ids, grammars, tokens):
+            matcher = self.matchers.get(rid) if grammar is not None else None
+            if matcher is None:
+                continue
+            if not matcher.consume_token(token):
+                self.errors += 1
+                continue
+            self.pending[rid] = self.pool.submit(self._fill, matcher, self.masks[rid])
+
+    def release(self, request_id: str) -> None:
+        future = self.pending.pop(request_id, None)
+        if future is not None:
+            future.result()  # (the thread may be writing its mask)
+        self.matchers.pop(request_id, None)
+        self.masks.pop(request_id, None)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _mask(self, rid: str, grammar: str) -> np.ndarray:
+        future = self.pending.pop(rid, None)
+        if future is not None:
+            future.result()
+            return self.masks[rid]
+        matcher = self.matchers.get(rid)
+        if matcher is None:
+            matcher = self._llg.LLMatcher(self.tokenizer, grammar)
+            done = self.outputs_of(rid)
+            if done and not matcher.consume_tokens(list(done)):
+                self.errors += 1
+            self.matchers[rid] = matcher
+            self.masks[rid] = self._np.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        self._fill(matcher, self.masks[rid])
+        return self.masks[rid]
+
+    def _fill(self, matcher, mask: np.ndarray) -> None:
+        self._np.fill_next_token_bitmask(matcher, mask, 0)
