@@ -87,13 +87,29 @@ class CompletionRequest(_Common):
     best_of: int | None = None  # that many sequences per prompt; the n with the best cumulative logprob returned
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier call, as OpenAI returned it."""
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
     name: str | None = None  # given to the chat template, which may use it
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls (`pdserve.server.tools`)
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (`pdserve.server.tools`)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
@@ -221,7 +237,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                        for p in content):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
-        extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls),
-                                    ("tool_call_id", m.tool_call_id)) if v}
+        calls = [c.model_dump() for c in m.tool_calls] if m.tool_calls else None
+        extra = {k: v for k, v in (("name", m.name), ("tool_calls", calls), ("tool_call_id", m.tool_call_id)) if v}
         out.append({"role": m.role, "content": content or "", **extra})
     return out

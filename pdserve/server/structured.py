@@ -116,7 +116,7 @@ def _from_schema(schema, param: str) -> str:
     import llguidance
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:  # (whatever llguidance's compiler raises about the schema)
         raise InvalidRequestError(f"{param}: unsupported JSON schema: {str(e)[:300]}", param=param) from None
 
 

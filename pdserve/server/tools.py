@@ -60,7 +60,8 @@ def plan_tools(req, grammars: Grammars) -> ToolPlan | None:
         raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
     functions = [_function(t, i) for i, t in enumerate(tools)]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         match = [f for f in functions if f["name"] == name]
         if not match:
             raise InvalidRequestError(f"tool_choice names no declared function: {name!r}", param="tool_choice")
