@@ -214,7 +214,7 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     core = ConductorCore("pd", make_routing_policy("least-loaded"))
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
         core.add_worker(name, role)
-    core.arrive("a", list(range(40)), {"max_tokens": 10}, 0.0)
+    core.arrive("a", list(range(40)), {"max_tokens": 10, "grammar": "g"}, 0.0)
     assert core.flights["a"].decode == "decode-0"
     core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
     core.prefilled("a", 0.2)
@@ -224,7 +224,8 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     assert Count("requests_migrated", (("reason", "worker_died"), ("source", "recompute"))) in died
     (reserve,) = [a for a in died if isinstance(a, Send)]
     assert reserve.worker == "decode-1" and reserve.cmd["prompt"] == list(range(40)) + [7, 8, 9]
-    assert reserve.cmd["params"] == {"max_tokens": 7} and reserve.cmd["xfer"] == "a#1"
+    assert reserve.cmd["params"] == {"max_tokens": 7, "grammar": "g", "grammar_replay": 3}  # (outputs in prompt)
+    assert reserve.cmd["xfer"] == "a#1"
     f = core.flights["a"]
     assert f.prefill == "prefill-0" and f.first_token_s == 0.3 and f.num_tokens == 3
     assert core.workers["decode-0"].outstanding == 0 and core.backlog["decode-0"].decoding == 0

@@ -179,3 +179,24 @@ def test_best_of_ranks_by_cumulative_logprob():
         return c
     a, b, c = seq(-1.0, -1.0), seq(-0.1, -0.2), seq(-5.0)
     assert best([a, b, c], 2) == [b, a]
+
+
+def test_a_request_moved_mid_stream_resumes_its_grammar(tiny_llama_dir, grammars, tokenizer):
+    """A request that moves to another worker computes its earlier outputs as prompt there
+    (`SamplingParams.grammar_replay`): the matcher takes them first and the answer continues where it was."""
+    import re
+
+    from pdserve import LLM, SamplingParams
+    pattern = r"[a-z]{6}-[0-9]{6}"
+    grammar = grammars.for_request(_completion(guided_regex=pattern))
+    llm = LLM(str(tiny_llama_dir))
+    prompt = tokenizer.encode("code:", add_special_tokens=False)
+    whole = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, grammar=grammar))[0].token_ids
+    assert re.fullmatch(pattern, tokenizer.decode(whole)) and len(whole) > 3
+    k = len(whole) // 2  # moved after k outputs: the prompt there ends with them
+    rest = llm.generate([prompt + list(whole[:k])], SamplingParams(
+        temperature=0, max_tokens=40, grammar=grammar, grammar_replay=k))[0].token_ids
+    assert list(whole[:k]) + list(rest) == list(whole)
+    fresh = llm.generate([prompt + list(whole[:k])], SamplingParams(temperature=0, max_tokens=40,
+                                                                      grammar=grammar))[0].token_ids
+    assert re.fullmatch(pattern, tokenizer.decode(fresh))  # (without the replay it starts the pattern again)

@@ -243,7 +243,11 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         return self.admission is not None and self.admission.predict and self.tiers[tier].ttft_ms is not None
 
     def _request_fields(self, f: FlightState) -> dict:
-        params = f.params if not f.offset else {**f.params, "max_tokens": f.params["max_tokens"] - f.offset}
+        params = f.params
+        if f.offset:
+            params = {**params, "max_tokens": params["max_tokens"] - f.offset}
+            if params.get("grammar"):  # (its matcher takes the outputs it moved with first)
+                params["grammar_replay"] = f.offset
         return {"rid": f.rid, "prompt": f.resumed_prompt, "params": params, "priority": f.priority, "pin": f.pin,
                 "tier": f.tier}
 

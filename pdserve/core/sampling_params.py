@@ -31,6 +31,9 @@ class SamplingParams:
     # structured output: an llguidance grammar (`pdserve.server.structured` builds it; `pdserve.model.grammar`
     # masks the sampler's logits by it); None: unconstrained
     grammar: str | None = None
+    # the prompt's last `grammar_replay` tokens are outputs the grammar already took (a request that moved
+    # mid-stream to another worker computes them as prompt there; its matcher starts after them)
+    grammar_replay: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, CLI) but store tuples so the object stays hashable and frozen.

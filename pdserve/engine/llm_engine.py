@@ -151,7 +151,11 @@ class LLMEngine:
 
     def _outputs_of(self, request_id: str) -> list[int]:
         req = self.scheduler.requests.get(request_id)
-        return [] if req is None else list(req.output_token_ids)
+        if req is None:
+            return []
+        replay = req.sampling_params.grammar_replay  # (outputs it moved here with, now the prompt's tail)
+        moved = req.prompt_token_ids[len(req.prompt_token_ids) - replay:] if replay else []
+        return list(moved) + list(req.output_token_ids)
 
     def _output(self, req: Request, new_token: int | None) -> RequestOutput:
         detok = self._detok.get(req.request_id)

@@ -37,6 +37,7 @@ class GrammarMasks:
 
     def apply(self, logits: torch.Tensor, request_ids: list[str], grammars: list[str | None]) -> None:
         """Mask, in place, every grammar row of `logits` [S, V] to the tokens its matcher allows next."""
+        rows, masks = [], []
         for row, (rid, grammar) in enumerate(zip(request_ids, grammars)):
             if grammar is None:
                 continue
@@ -44,10 +45,19 @@ class GrammarMasks:
             if not mask.any():  # a matcher in error allows nothing: sample unconstrained (counted)
                 self.errors += 1
                 continue
-            allowed = ((torch.from_numpy(mask).unsqueeze(-1) >> self._bits) & 1).flatten().bool()
-            width = min(allowed.numel(), logits.shape[1])
-            logits[row, :width].masked_fill_(~allowed[:width].to(logits.device), float("-inf"))
-            logits[row, width:] = float("-inf")
+            rows.append(row)
+            masks.append(mask)
+        if not rows:
+            return
+        # one unpack of all the rows' bitmasks: bit j of word w allows token 32 * w + j
+        words = torch.from_numpy(np.concatenate(masks))  # [R, ceil(V / 32)] int32
+        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).flatten(1).bool()
+        width = min(allowed.shape[1], logits.shape[1])
+        index = torch.tensor(rows, device=logits.device)
+        block = logits.index_select(0, index)
+        block[:, :width].masked_fill_(~allowed[:, :width].to(logits.device), float("-inf"))
+        block[:, width:] = float("-inf")
+        logits.index_copy_(0, index, block)
 
     def advance(self, request_ids: list[str], grammars: list[str | None], tokens: list[int]) -> None:
         """Each grammar row's matcher takes its sampled token; its next mask starts computing now."""
