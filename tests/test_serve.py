@@ -231,6 +231,11 @@ def test_tokenize_detokenize_version_and_continuous_usage(pd_server):
     chat = httpx.post(pd_server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] == client(pd_server).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1).usage.prompt_tokens
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    with_tools = httpx.post(pd_server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                              "tools": [tool]}).json()
+    assert with_tools["count"] > chat["count"] and with_tools["count"] == client(pd_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=[tool], max_tokens=1).usage.prompt_tokens
     bad = httpx.post(pd_server.url + "/detokenize", json={"tokens": [-1]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.get(pd_server.url + "/version").json()["version"]

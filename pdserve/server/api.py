@@ -192,10 +192,7 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
         if plan is not None and grammar is not None:
             raise InvalidRequestError("tools cannot be combined with response_format or guided decoding; "
                                       "use tool_choice none", param="tool_choice")
-        messages, tools = prompt_messages(chat_messages(body), plan, gateway.tokenizer.template_takes_tools)
-        if plan is not None and tools is None:
-            gateway.metrics.fallbacks.labels(kind="tools_in_system_prompt").inc()
-        prompt = gateway.tokenizer.encode_chat(messages, tools=tools)
+        prompt = _chat_prompt(gateway, body, plan)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, gateway.max_tokens_for(prompt, requested),
                                  plan.grammar if plan is not None else grammar)
@@ -223,8 +220,8 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
         _check_model(gateway, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            tokens = gateway.tokenizer.encode_chat(chat_messages(body), body.add_generation_prompt)
+        if body.messages is not None:  # (as /v1/chat/completions renders them, with any tools)
+            tokens = _chat_prompt(gateway, body, plan_tools(body, gateway.grammars), body.add_generation_prompt)
         else:
             tokens = gateway.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": gateway.max_model_len, "tokens": tokens}
@@ -259,6 +256,14 @@ def _cluster(gateway: Gateway):
         raise InvalidRequestError("workers are added and removed here only under --cluster ray", param=None,
                                   code="no_cluster")
     return gateway.cluster
+
+
+def _chat_prompt(gateway, body, plan, add_generation_prompt: bool = True) -> list[int]:
+    """A chat request's prompt tokens: its messages through the template, with the tools it offers."""
+    messages, tools = prompt_messages(chat_messages(body), plan, gateway.tokenizer.template_takes_tools)
+    if plan is not None and tools is None:
+        gateway.metrics.fallbacks.labels(kind="tools_in_system_prompt").inc()
+    return gateway.tokenizer.encode_chat(messages, add_generation_prompt, tools=tools)
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:

@@ -141,6 +141,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # (prompt)
     add_generation_prompt: bool = True  # (messages)
+    tools: list[dict] | None = None  # (messages) rendered as /v1/chat/completions renders them
 
 
 class DetokenizeRequest(BaseModel):
