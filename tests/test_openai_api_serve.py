@@ -79,9 +79,13 @@ def test_streamed_n_choices_each_end(server):
     stream = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                     n=2, max_tokens=8, stream=True, seed=3, temperature=1.0,
                                                     stream_options={"include_usage": True})
-    texts, ended, usage = {}, set(), None
+    texts, ended, usage, roles = {}, set(), None, {}
     for chunk in stream:
         for ch in chunk.choices:
+            if ch.delta.role:  # once per choice, its first chunk (sent with its first token, as vLLM does)
+                assert ch.index not in texts and ch.delta.role == "assistant" and ch.index not in roles
+                roles[ch.index] = True
+            assert ch.index in roles
             texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
             if ch.finish_reason:
                 ended.add(ch.index)

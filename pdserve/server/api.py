@@ -365,13 +365,13 @@ async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: 
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
 
-    if shape.chat:
-        for i in range(count):
-            yield event(i, {"delta": {"role": "assistant", "content": ""}}, None)
-    made, cached, logs = [0] * count, 0, [shape.stream() for _ in range(count)]
+    made, cached, logs, started = [0] * count, 0, [shape.stream() for _ in range(count)], [False] * count
     calls = [ToolStream(shape.tools) for _ in range(count)] if shape.tools is not None else None
     try:
         async for i, d in merged(family.streams()):
+            if shape.chat and not started[i]:  # the role with the first token, as vLLM sends it (clients time it)
+                started[i] = True
+                yield event(i, {"delta": {"role": "assistant", "content": ""}}, None)
             cached = d.cached_tokens if i == 0 else cached
             if shape.echo and d.num_tokens == 1:  # the prompt first, with its logprobs when asked for
                 yield event(i, {"text": shape.prompt_texts[0]}, "length" if shape.echo_only else None,
