@@ -302,6 +302,9 @@ def test_a_tiers_waiting_queue_is_bounded_and_a_first_token_makes_room():
     (fail,) = [a for a in refused if isinstance(a, Fail)]
     assert (fail.status, fail.code, fail.retry_after_s) == (429, "server_overloaded", 1.0)
     assert core.arrive("f", [1, 2], {"max_tokens": 4}, 0.0, tier="flex")[0].cmd["type"] == "generate"
+    # a sibling of an admitted request (n > 1) is admitted with it, full queue or not, on its workers
+    assert core.arrive("b-1", [1, 2], {"max_tokens": 4}, 0.0, follow=("colocated-0",))[0].cmd["type"] == "generate"
+    core.abort("b-1")
     core.token("a", 0, False, 0.1, 5)  # a is running now: one waits
     assert core.arrive("c", [1, 2], {"max_tokens": 4}, 0.2)[0].cmd["type"] == "generate"
     core.abort("b")

@@ -200,3 +200,31 @@ def test_a_request_moved_mid_stream_resumes_its_grammar(tiny_llama_dir, grammars
     fresh = llm.generate([prompt + list(whole[:k])], SamplingParams(temperature=0, max_tokens=40,
                                                                       grammar=grammar))[0].token_ids
     assert re.fullmatch(pattern, tokenizer.decode(fresh))  # (without the replay it starts the pattern again)
+
+
+def test_a_matcher_in_error_ends_the_answer_and_is_counted_once(tokenizer, grammars):
+    """Outputs the grammar cannot take (here: replayed text outside the choice) leave only the end of sequence."""
+    grammar = grammars.for_request(_completion(guided_choice=["alpha", "beta"]))
+    wrong = tokenizer.encode("gamma", add_special_tokens=False)
+    masks = GrammarMasks(tokenizer.to_json(), tokenizer.eos_token_ids, lambda rid: wrong)
+    for _ in range(2):
+        logits = torch.zeros(1, tokenizer.vocab_size)
+        masks.apply(logits, ["r"], [grammar])
+        allowed = {t for t in range(tokenizer.vocab_size) if logits[0, t] > float("-inf")}
+        assert allowed and allowed <= set(tokenizer.eos_token_ids)
+    assert masks.errors == 1
+    masks.release("r")
+    masks.close()
+
+
+@pytest.mark.parametrize("nl", ["", "\n"])
+def test_the_call_grammar_takes_a_call_with_or_without_hermes_newlines(tokenizer, grammars, nl):
+    plan = plan_tools(ChatRequest(messages=[{"role": "user", "content": "x"}], tools=[WEATHER],
+                                  tool_choice="required"), grammars)
+    text = f'<tool_call>{nl}{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}{nl}</tool_call>{nl}'
+    masks = GrammarMasks(tokenizer.to_json(), tokenizer.eos_token_ids,
+                         lambda rid: tokenizer.encode(text, add_special_tokens=False))
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    masks.apply(logits, ["r"], [plan.grammar])
+    assert masks.errors == 0 and all(logits[0, t] == 0 for t in tokenizer.eos_token_ids)  # complete: may end
+    masks.close()

@@ -165,7 +165,8 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
                priority: int = 0, pin: tuple | None = None, follow: tuple = ()) -> list:
         """`follow`: the workers another sequence of the same prompt runs on (n > 1): this one goes there too,
-        where the prompt's KV is cached, while they can take it."""
+        where the prompt's KV is cached, while they can take it; admitted with that one (a request's sequences
+        are admitted as one: no queue limit or SLO check refuses a sibling halfway)."""
         f = FlightState(rid, prompt, params, tier, now, priority, pin)
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
@@ -174,14 +175,14 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
-        if self.max_queue is not None and self.waiting.get(tier, 0) >= self.max_queue:
+        if not follow and self.max_queue is not None and self.waiting.get(tier, 0) >= self.max_queue:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "server_overloaded"))),
                     Fail(rid, 429, f"the {tier} tier's queue is full ({self.max_queue} requests waiting); "
                          "try again later", "server_overloaded", 1.0)]
-        rejection = self._admit(f, first, second, hashes, now)
-        predicted = self.admission.last_ttft_s if self.admission is not None else None
+        rejection = None if follow else self._admit(f, first, second, hashes, now)
+        predicted = self.admission.last_ttft_s if self.admission is not None and not follow else None
         seen = [] if predicted is None else [Observe("predicted_ttft", (("service_tier", tier),), predicted)]
-        if predicted is None and self._predicts(tier):  # admitted unpredicted: its worker has too few steps yet
+        if predicted is None and not follow and self._predicts(tier):  # admitted unpredicted: its worker has too few steps yet
             seen.append(Count("fallbacks", (("kind", "admission_unpredicted"),)))
         if rejection is not None:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),

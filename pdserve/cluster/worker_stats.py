@@ -29,6 +29,7 @@ def worker_stats(w) -> dict:
            "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
            "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": w.step_log,
            "kernel_fallbacks": kernels.fallback_count(),
+           "grammar_errors": getattr(getattr(w.executor, "grammar", None), "errors", 0),
            "kv_pool_prefault_fallbacks": int(getattr(w.executor.kv_pool, "prefault_failed", False)),
            "kv": w.engine.kv_report(),
            "rejected_connections": {"control": w.cmd_refusals.count(),

@@ -6,18 +6,23 @@ fed every output token it already has (a decode worker gets the first token from
 masks the logits of the grammar rows to the tokens the matcher allows, samples, and has each matcher consume
 its token; the next token's mask is then computed at once in a background thread (llguidance drops the GIL),
 so it is ready while the engine updates, schedules and runs the next forward: off the critical path.
-A matcher that cannot take a token (it never happens while masks are applied) is counted in `errors`.
+A matcher in error (it could not take the outputs a request moved with, or a token: never while masks are
+applied) allows only the end of the sequence, so the answer ends there, short of the grammar: such requests are
+counted in `errors` (the worker's stats: `pdserve_fallbacks_total{kind="grammar_error"}`) and logged.
 
 Why llguidance and not xgrammar: `benchmarks/bench_grammar.py` (BENCHMARKS.md, "Structured output").
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+log = logging.getLogger("pdserve.grammar")
 
 
 class GrammarMasks:
@@ -33,7 +38,8 @@ class GrammarMasks:
         self.pending: dict[str, Future] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._bits = torch.arange(32, dtype=torch.int32)
-        self.errors = 0  # sampled tokens a matcher refused
+        self.errors = 0  # requests whose matcher went into error (each counted once)
+        self._failed: set[str] = set()
 
     def apply(self, logits: torch.Tensor, request_ids: list[str], grammars: list[str | None]) -> None:
         """Mask, in place, every grammar row of `logits` [S, V] to the tokens its matcher allows next."""
@@ -42,9 +48,11 @@ class GrammarMasks:
             if grammar is None:
                 continue
             mask = self._mask(rid, grammar)
-            if not mask.any():  # a matcher in error allows nothing: sample unconstrained (counted)
+            if self.matchers[rid].is_error() and rid not in self._failed:  # (its mask: the end of sequence)
+                self._failed.add(rid)
                 self.errors += 1
-                continue
+                log.warning("request %s: its grammar cannot go on (%s); its answer ends here", rid,
+                            self.matchers[rid].get_error())
             rows.append(row)
             masks.append(mask)
         if not rows:
@@ -66,8 +74,7 @@ class GrammarMasks:
             if matcher is None:
                 continue
             if not matcher.consume_token(token):
-                self.errors += 1
-                continue
+                continue  # (in error now: the next apply counts it)
             self.pending[rid] = self.pool.submit(self._fill, matcher, self.masks[rid])
 
     def release(self, request_id: str) -> None:
@@ -76,6 +83,7 @@ class GrammarMasks:
             future.result()  # (the thread may be writing its mask)
         self.matchers.pop(request_id, None)
         self.masks.pop(request_id, None)
+        self._failed.discard(request_id)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -89,8 +97,8 @@ class GrammarMasks:
         if matcher is None:
             matcher = self._llg.LLMatcher(self.tokenizer, grammar)
             done = self.outputs_of(rid)
-            if done and not matcher.consume_tokens(list(done)):
-                self.errors += 1
+            if done:
+                matcher.consume_tokens(list(done))  # (refused: the matcher is in error, counted in apply)
             self.matchers[rid] = matcher
             self.masks[rid] = self._np.allocate_token_bitmask(1, self.tokenizer.vocab_size)
         self._fill(matcher, self.masks[rid])

@@ -287,8 +287,7 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
             raise InvalidRequestError("streaming takes one prompt per request", param="prompt")
         family = families[0]
         await family.start()  # admitted (or refused with a 4xx/5xx status) before the stream starts
-        http.scope.setdefault(ON_CUT, []).append(
-            lambda: asyncio.ensure_future(gateway.conductor.abort(family.first.rid)))
+        http.scope.setdefault(ON_CUT, []).append(lambda: asyncio.ensure_future(family.abort()))
         return StreamingResponse(_sse(family, prompts[0], meta, shape, include_usage, continuous),
                                  media_type="text/event-stream")
     try:
@@ -296,10 +295,11 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
     except _ClientGone:
         return Response(status_code=499)
     generated = sum(r.num_tokens for seqs in results for r in seqs)
+    cached = sum(seqs[0].cached for seqs in results)  # (the first sequence's: it computed the prompt)
     if runs > n:
         results = [best(seqs, n) for seqs in results]
     choices = [shape.choice(i * n + j, r, prompts[i], i) for i, seqs in enumerate(results) for j, r in enumerate(seqs)]
-    usage = _usage(sum(len(p) for p in prompts), generated, sum(seqs[0].cached for seqs in results))
+    usage = _usage(sum(len(p) for p in prompts), generated, cached)
     return {**meta, "object": "chat.completion" if shape.chat else "text_completion", "choices": choices,
             "usage": usage}
 
@@ -307,19 +307,24 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
 async def _collect_all(http: Request, families: list[Family], echo_only: bool = False) -> list[list[Collected]]:
     """Run every sequence of every prompt to the end, unless the client leaves first: then their requests are
     aborted."""
-    async def one(family: Family) -> list[Collected]:
-        return list(await asyncio.gather(*(_collect(s, echo_only) for s in family.streams())))
-
-    gathered = asyncio.gather(*(one(f) for f in families))
+    tasks = [[asyncio.ensure_future(_collect(s, echo_only)) for s in f.streams()] for f in families]
+    every = [t for ts in tasks for t in ts]
     watcher = asyncio.ensure_future(_wait_disconnect(http))
     try:
-        done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
-        if gathered in done:
-            return gathered.result()
-        raise _ClientGone
+        pending = set(every)
+        while pending:  # one failed sequence (a refusal, a worker error) ends them all, at once
+            done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                raise _ClientGone
+            pending.discard(watcher)
+            for t in done:
+                t.result()
+        return [[t.result() for t in ts] for ts in tasks]
     finally:
         watcher.cancel()
-        gathered.cancel()
+        for t in every:  # (their streams abort their requests in the workers)
+            t.cancel()
+        await asyncio.gather(*every, return_exceptions=True)
 
 
 def _trace(gateway: Gateway, http: Request, body) -> dict | None:
@@ -384,7 +389,7 @@ async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: 
             if calls is not None:  # tool calls: their pieces as they complete
                 deltas = calls[i].feed(d.text)
                 reason = calls[i].finish_reason(d.finish_reason)
-                for k, delta in enumerate(deltas or ([{}] if d.finished else [])):
+                for k, delta in enumerate(deltas or ([{}] if d.finished or logprobs is not None else [])):
                     last = k == max(len(deltas), 1) - 1
                     yield event(i, {"delta": delta}, reason if last else None, usage if last else None,
                                 logprobs=logprobs if last else None)

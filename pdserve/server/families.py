@@ -31,30 +31,47 @@ class Family:
         self.params = [replace(params, seed=None if params.seed is None else params.seed + i,
                                logprobs=0 if force else params.logprobs) for i in range(count)]
         self.first = None
+        self.flights: list = []  # every sequence's, as they start (`abort` stops them all)
+        self.stopped = False  # the lead failed or the response was cut: no sibling starts
         self._prefilled = asyncio.Event()
 
     async def start(self) -> None:
         """Submit the first sequence (raises the conductor's refusal before any response starts)."""
         self.first = await self.gateway.start(self.prompt, self.params[0], self.priority, tier=self.tier,
                                               trace=self.trace)
+        self.flights.append(self.first)
+
+    async def abort(self) -> None:
+        """Stop every sequence, started or not (the response was cut)."""
+        self.stopped = True
+        self._prefilled.set()
+        for flight in list(self.flights):
+            await self.gateway.conductor.abort(flight.rid)
 
     def streams(self) -> list[AsyncIterator]:
         return [self._lead()] + [self._follower(i) for i in range(1, self.count)]
 
     async def _lead(self) -> AsyncIterator:
-        if self.first is None:
-            await self.start()
         try:
+            if self.first is None:
+                await self.start()
             async for d in self.gateway.stream(self.first, self.prompt, self.params[0]):
                 self._prefilled.set()
                 yield d
+        except BaseException:
+            self.stopped = True  # (refused or failed: its error ends the response; the others need not start)
+            raise
         finally:
-            self._prefilled.set()  # (ended or failed before a token: the others go ahead on their own)
+            self._prefilled.set()  # (ended before a token: the others go ahead on their own)
 
     async def _follower(self, i: int) -> AsyncIterator:
         await self._prefilled.wait()
-        async for d in self.gateway.generate(self.prompt, self.params[i], self.priority, tier=self.tier,
-                                             trace=self.trace, follow=self.first.workers if self.first else None):
+        if self.stopped:
+            return
+        flight = await self.gateway.start(self.prompt, self.params[i], self.priority, tier=self.tier,
+                                          trace=self.trace, follow=self.first.workers if self.first else None)
+        self.flights.append(flight)
+        async for d in self.gateway.stream(flight, self.prompt, self.params[i]):
             yield d
 
 

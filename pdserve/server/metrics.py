@@ -202,6 +202,7 @@ class Metrics:
                             kind="step_budget_cold_start")
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.prompt_computed, (w, "computed"), s.get("prompt_tokens_computed", 0), worker=w)
+        self._inc_total(self.fallbacks, (w, "grammar_error"), s.get("grammar_errors", 0), kind="grammar_error")
         for tier, n in s.get("preemptions_by_tier", {}).items():
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
         for tier, n in s.get("prefill_yields_by_tier", {}).items():

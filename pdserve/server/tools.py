@@ -70,10 +70,11 @@ def plan_tools(req, grammars: Grammars) -> ToolPlan | None:
         raise InvalidRequestError(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
                                   param="tool_choice")
     parallel = getattr(req, "parallel_tool_calls", None) is not False
-    calls = f'("{OPEN}" call "{CLOSE}")' + ("+" if parallel else "")
+    # (a newline may open and close a call's JSON, as Hermes-style chat templates write it)
+    calls = f'("{OPEN}" NL? call NL? "{CLOSE}" NL?)' + ("+" if parallel else "")
     call = {"anyOf": [_call_schema(f) for f in functions], "x-guidance": JSON_OPTIONS}
     lark = (f"start: {'TEXT | ' if choice == 'auto' else ''}calls\ncalls: {calls}\ncall: %json {json.dumps(call)}\n"
-            + ("TEXT: /[^<][\\s\\S]*/\n" if choice == "auto" else ""))
+            'NL: "\\n"\n' + ("TEXT: /[^<][\\s\\S]*/\n" if choice == "auto" else ""))
     import llguidance
     return ToolPlan(choice, functions, grammars.check(llguidance.LLMatcher.grammar_from_lark(lark), "tools"))
 
