@@ -107,6 +107,8 @@ def test_matcher_replays_tokens_produced_elsewhere(tokenizer, grammars):
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"$ref": "#/nope"}}}},
+     "response_format.json_schema.schema"),
 ])
 def test_bad_constraints_are_400_naming_the_field(grammars, extra, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -228,3 +230,14 @@ def test_the_call_grammar_takes_a_call_with_or_without_hermes_newlines(tokenizer
     masks.apply(logits, ["r"], [plan.grammar])
     assert masks.errors == 0 and all(logits[0, t] == 0 for t in tokenizer.eos_token_ids)  # complete: may end
     masks.close()
+
+
+def test_tools_errors_name_the_tool(grammars):
+    msgs = [{"role": "user", "content": "x"}]
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nope"}}}
+    for tools, choice, param in (
+            ([WEATHER, WEATHER], "auto", "tools[1].function.name"),
+            ([WEATHER, bad], {"type": "function", "function": {"name": "f"}}, "tools[1].function.parameters")):
+        with pytest.raises(InvalidRequestError) as info:
+            plan_tools(ChatRequest(messages=msgs, tools=tools, tool_choice=choice), grammars)
+        assert info.value.param == param

@@ -51,7 +51,8 @@ class Grammars:
             raise InvalidRequestError(f"give one way to constrain the output, not {', '.join(n for n, _ in asked)}",
                                       param=asked[1][0])
         name, value = asked[0]
-        return self.check(_build(name, value), name)
+        nested = name == "response_format" and value.get("type") == "json_schema"
+        return self.check(_build(name, value), "response_format.json_schema.schema" if nested else name)
 
     def json_schema(self, schema: dict, param: str) -> str:
         return self.check(_from_schema(schema, param), param)

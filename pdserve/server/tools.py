@@ -59,13 +59,18 @@ def plan_tools(req, grammars: Grammars) -> ToolPlan | None:
     if not tools:
         raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
     functions = [_function(t, i) for i, t in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    for j, name in enumerate(names):
+        if name in names[:j]:
+            raise InvalidRequestError(f"tools declares the function {name!r} twice", param=f"tools[{j}].function.name")
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         match = [f for f in functions if f["name"] == name]
         if not match:
             raise InvalidRequestError(f"tool_choice names no declared function: {name!r}", param="tool_choice")
-        return ToolPlan("named", functions, grammars.json_schema(match[0]["parameters"], "tools"), name)
+        param = f"tools[{functions.index(match[0])}].function.parameters"
+        return ToolPlan("named", functions, grammars.json_schema(match[0]["parameters"], param), name)
     if choice not in ("auto", "required"):
         raise InvalidRequestError(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
                                   param="tool_choice")
