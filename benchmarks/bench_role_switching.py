@@ -6,7 +6,9 @@ P/D split of N engines and with `--role-switching auto` from each of them.
 Llama-3-8B on H100s (TP 1, roofline time model, no host tier, 64 sequences per engine). First half: 6,000-token
 prompts, 40 output tokens; second half: 300-token prompts, 1,200 output tokens; `--rate` requests/s
 throughout. Per run: requests whose TTFT <= `--slo-ttft-ms` and TPOT <= `--slo-tpot-ms` (attainment),
-goodput = those per second of the run, TTFT p50/p90, and the moves the planner made. Writes
+goodput = those per second of the run, TTFT p50/p90, and the moves the planner made. The SLO is given to every
+run as the default tier's (`--service-tier default:ttft_ms=..,tpot_ms=..`) with admission off, so nothing is
+refused and the planner sizes a decode engine by the batch whose step meets the TPOT. Writes
 bench_results/role_switching.json.
 """
 
@@ -43,8 +45,12 @@ def main() -> int:
     rows = []
     for switching in ("off", "auto"):
         for p in range(1, args.engines):
+            # the SLO is the default tier's (the planner sizes decode at the batch that meets its TPOT), with
+            # admission off: every request is served, as without tiers
+            tier = f"default:ttft_ms={args.slo_ttft_ms:g},tpot_ms={args.slo_tpot_ms:g}"
             spec = ClusterSpec(mode="pd", num_prefill=p, num_decode=args.engines - p, host_kv_gb=0, max_num_seqs=64,
-                               role_switching=switching, role_switch_s=args.role_switch_s)
+                               role_switching=switching, role_switch_s=args.role_switch_s,
+                               service_tiers=(tier,), admission="off")
             run = simulate(workload, spec, model, gpu, RooflineTimeModel(model, gpu, 1))
             s = summarize(run.records, duration_s=run.duration_s, slo_ttft_ms=args.slo_ttft_ms,
                           slo_tpot_ms=args.slo_tpot_ms)

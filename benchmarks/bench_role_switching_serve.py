@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from pdserve.bench.client import send_request
 from pdserve.bench.metrics import summarize
@@ -53,6 +54,20 @@ async def run_load(url: str, plan: list[tuple[float, int, int]]) -> tuple[list, 
         return list(records), time.monotonic() - start
 
 
+def peak_rss_gb(pid: int) -> dict[str, float]:
+    """Peak resident memory (VmHWM, GiB) of the server's processes still running, by command line's worker name."""
+    out = {}
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            cmd = proc.cmdline()  # a worker: python -m pdserve.cluster.worker SPEC_JSON
+            name = json.loads(cmd[-1])["name"] if "pdserve.cluster.worker" in cmd else "gateway"
+            peak = next(int(line.split()[1]) for line in open(f"/proc/{proc.pid}/status") if line.startswith("VmHWM"))
+        except (psutil.Error, OSError, StopIteration, ValueError, KeyError):
+            continue
+        out[name] = round(peak / 2**20, 2)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--half-s", type=float, default=60.0)
@@ -60,13 +75,16 @@ def main() -> int:
     ap.add_argument("--rate-outputs", type=float, default=3.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=5000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    ap.add_argument("--hold-s", type=float, default=10.0, help="--role-switch-hold-s of the auto runs")
+    ap.add_argument("--cooldown-s", type=float, default=40.0, help="--role-switch-cooldown-s of the auto runs")
+    ap.add_argument("--splits", default="1,2", help="prefill workers of the runs' starting splits (of 3)")
     args = ap.parse_args()
     plan = schedule(args)
     rows = []
     for switching in ("off", "auto"):
-        for p in (1, 2):
-            extra = ["--role-switching", "auto", "--role-switch-hold-s", "10", "--role-switch-cooldown-s", "40"] \
-                if switching == "auto" else []
+        for p in (int(x) for x in args.splits.split(",")):
+            extra = ["--role-switching", "auto", "--role-switch-hold-s", f"{args.hold_s:g}",
+                     "--role-switch-cooldown-s", f"{args.cooldown_s:g}"] if switching == "auto" else []
             server = Server(["--prefill", str(p), "--decode", str(3 - p), "--num-threads", "1", "--max-num-seqs", "4",
                              *extra], Path(f"bench_results/role_switching_{p}P{3 - p}D_{switching}.log"))
             try:
@@ -74,6 +92,7 @@ def main() -> int:
                 records, duration = asyncio.run(run_load(server.url, plan))
                 moves = {dict(lab).get("role"): v for (n, lab), v in server.metrics().items()
                          if n == "pdserve_role_switches_total"}
+                rss = peak_rss_gb(server.proc.pid)
             finally:
                 server.stop()
             s = summarize(records, duration_s=duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
@@ -81,11 +100,11 @@ def main() -> int:
             rows.append({"start": f"{p}P{3 - p}D", "role_switching": switching, "attainment": att,
                          "goodput_rps": att * s["num_requests"] / duration, "duration_s": duration,
                          "errors": s["num_errors"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves})
+                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves, "peak_rss_gb": rss})
             r = rows[-1]
             print(f"{r['start']} {switching:>4}  attainment {att:.1%}  goodput {r['goodput_rps']:.3f}/s  run "
                   f"{duration:.0f} s  errors {r['errors']}  TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s p90 "
-                  f"{r['ttft_p90_ms'] / 1e3:.1f} s  moves {moves}", flush=True)
+                  f"{r['ttft_p90_ms'] / 1e3:.1f} s  moves {moves}  peak RSS {rss}", flush=True)
     out = Path("bench_results")
     out.mkdir(exist_ok=True)
     (out / "role_switching_serve.json").write_text(json.dumps({"args": vars(args), "requests": len(plan),

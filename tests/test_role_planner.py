@@ -37,10 +37,33 @@ def test_the_forecast_follows_a_trend_and_a_move_needs_load_hold_and_cooldown():
     assert planner.decide(75.0, 1, 3, *caps) is None
     feed(81)
     assert planner.decide(81.0, 1, 3, *caps) == "prefill"  # held 21 s
-    feed(110)
-    assert planner.decide(110.0, 2, 2, *caps) is None  # cooldown
+    assert planner.decide(82.0, 1, 3, *caps) == "prefill"  # the driver could not move one: still wanted
+    planner.started("prefill")
+    feed(90)
+    planner.moved(90.0)  # the moved worker serves as prefill
+    feed(105)
+    assert planner.decide(105.0, 2, 2, *caps) is None  # a second move the same way is held again from scratch
+    feed(126)
+    assert planner.decide(126.0, 2, 2, *caps) == "prefill"  # ... but waits for no cooldown
     planner.finished(100, 25)
     assert 0.9 < planner.output_share < 1.0  # requests use less than they ask for: the demand follows
+
+
+def test_a_move_back_waits_for_the_cooldown_after_the_last_one_completed():
+    planner = RolePlanner(interval_s=10, horizon_s=30, hold_s=10, cooldown_s=100)
+    caps = (100_000.0, 2_000.0)
+
+    def at(t: int) -> str | None:
+        for s in range(at.t, t):
+            planner.arrived(float(s), 100, 5000)  # outputs are the load
+        at.t = t
+        return planner.decide(float(t), 2, 2, *caps)
+    at.t = 0
+    planner.started("prefill")  # the last move went the other way
+    planner.moved(50.0)
+    assert at(60) is None
+    assert at(75) is None  # held, but within the cooldown of a reversal
+    assert at(151) == "decode"
 
 
 def _shifting(rate: float = 8.0, half_s: float = 60.0) -> Workload:
@@ -59,6 +82,9 @@ def test_the_simulator_moves_engines_toward_the_shifting_load():
     moves = run.role_switches
     assert moves and moves[0]["left"].startswith("prefill") and moves[0]["joined"].startswith("decode")
     assert moves[0]["at_s"] > 60.0  # after the shift to outputs, not before
+    # a far shift is followed by a second move the same way without the cooldown (30 s here) a reversal waits
+    assert len(moves) >= 2 and all(m["joined"].startswith("decode") for m in moves[:2])
+    assert moves[1]["at_s"] - moves[0]["at_s"] < 30.0
     names = {e["name"] for e in run.engines}
     assert {m["joined"] for m in moves} <= names  # the new engines ran (their stats are in the run)
     fixed = simulate(_shifting(), ClusterSpec(mode="pd", num_prefill=3, num_decode=1, host_kv_gb=0, max_num_seqs=64),

@@ -66,29 +66,40 @@ class MembershipEvents:
 
     def plan_roles(self, now: float, movable=None) -> list:
         """--role-switching auto, called every few seconds: move one worker between prefill and decode when the
-        planner says the coming load needs it (one move at a time; `movable(name)`: whether the driver can start
-        a replacement for that worker, default all)."""
-        if self.roles is None or self.mode != "pd" or self.switching:  # one move at a time, to its end
+        planner says the coming load needs it (`movable(name)`: whether the driver can start a replacement for
+        that worker, default all). Workers under way to a role count in it; while moves are under way, only
+        another one the same way may start (each held on its own: a load that shifted far is followed by
+        several moves at once, a reversal waits for them to end and for the cooldown)."""
+        if self.roles is None or self.mode != "pd":
             return []
         usable = {r: [w for w in self.workers.values() if w.role == r and w.usable] for r in ("prefill", "decode")}
         share = self.roles.output_share
         backlog = (sum(sum(b.tokens.values()) for b in self.backlog.values()),
                    sum(max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in self.flights.values()))
-        to = self.roles.decide(now, len(usable["prefill"]), len(usable["decode"]),
+        to = self.roles.decide(now, len(usable["prefill"]) + self.switching.count("prefill"),
+                               len(usable["decode"]) + self.switching.count("decode"),
                                *self._role_capacity(usable["prefill"], usable["decode"]), backlog)
-        source = [w for w in usable["decode" if to == "prefill" else "prefill"] if movable is None or movable(w.name)]
-        if to is None or len(usable["decode" if to == "prefill" else "prefill"]) < 2 or not source:
+        if to is None or any(r != to for r in self.switching):
+            return []
+        other = usable["decode" if to == "prefill" else "prefill"]
+        source = [w for w in other if movable is None or movable(w.name)]
+        if len(other) < 2 or not source:
             return []
         name = min(source, key=lambda w: (w.outstanding, w.name)).name
+        self.roles.started(to)
         self.worker_leaving(name)
         self.switching.append(to)
         return [Switch(name, to), Count("role_switches", (("role", to),))]
 
     def _role_capacity(self, prefill: list, decode: list) -> tuple[float | None, float | None]:
-        """(prompt tokens/s of one prefill worker, output tokens/s of one decode worker at its full batch), from
-        their step-time fits (admission's models); None until they have some."""
+        """(prompt tokens/s of one prefill worker, output tokens/s of one decode worker), from their step-time
+        fits (admission's models); None until they have some. A decode worker's rate is at the batch its
+        sequences and KV allow, or the largest batch whose step meets the tightest TPOT SLO if that is smaller
+        (what it emits within the SLO, not what it could at any pace)."""
         if self.admission is None:
             return None, None
+        slo = min((t.tpot_ms / 1000.0 for t in self.tiers.tiers.values() if t.tpot_ms is not None),
+                  default=None)
         rates_p, rates_d = [], []
         for w in prefill:
             m = self.admission.model(w.name)
@@ -97,7 +108,8 @@ class MembershipEvents:
         for w in decode:
             m = self.admission.model(w.name)
             slots, tokens = self.batch_room.get(w.name, (256, 0))  # the batch its seqs and its KV allow
-            batch = max(1, min(slots, int(tokens / m.mean_context) if tokens and m.mean_context else slots))
+            batch = _within(m.decode_s, max(1, min(slots, int(tokens / m.mean_context) if tokens and m.mean_context
+                                                   else slots)), slo)
             if t := m.decode_s(batch):
                 rates_d.append(batch / t)
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
@@ -118,3 +130,15 @@ class MembershipEvents:
         if self.orphans and not restarting and self._route(())[0] is None:
             actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
         return actions
+
+
+def _within(step_s, batch: int, slo_s: float | None) -> int:
+    """The largest batch up to `batch` whose predicted step (`step_s`, rising with the batch) takes at most
+    `slo_s` (1 if none does); `batch` when there is no SLO or no prediction yet."""
+    if slo_s is None or (t := step_s(batch)) is None or t <= slo_s:
+        return batch
+    lo, hi = 1, batch  # step_s(hi) > slo_s
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if (step_s(mid) or 0.0) <= slo_s else (lo, mid)
+    return lo

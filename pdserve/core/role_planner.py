@@ -14,8 +14,11 @@ One model for `pdserve plan`, the simulator and the conductor (`--role-switching
 - **when to move one** (`RolePlanner.decide`): only while the busier role's forecast utilization is above
   `busy` (below it the deployment keeps up: a move would only cost), the best split differs from the current
   one and moving one worker toward it lowers that utilization by at least `gain` (a share of it), for
-  `hold_s` in a row (a passing burst moves nothing), and at least `cooldown_s` after the last move
-  (a moved worker is out while it drains and reloads: flapping would cost more than it gains).
+  `hold_s` in a row (a passing burst moves nothing); a move that reverses the last one also waits
+  `cooldown_s` after that one completed (a moved worker is out while it drains and reloads: flapping would cost
+  more than it gains), while a second move the same way only waits for the first to complete — a load that
+  shifted far is followed step by step, not one worker per cooldown. The driver says when a move starts
+  (`started`: a role it could not move a worker to starts nothing) and when it completes (`moved`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class RolePlanner:
     _bucket: list = field(default_factory=lambda: [0, 0])  # prompt tokens, output tokens in this bucket
     _wanted_since: float | None = None
     _last_move_s: float = float("-inf")
+    _last_role: str | None = None  # the role the last move went to
     output_share: float = 1.0  # of the output tokens requested (max_tokens), the share requests produce
 
     def arrived(self, now: float, prompt_tokens: int, max_tokens: int) -> None:
@@ -120,13 +124,18 @@ class RolePlanner:
             return None
         if self._wanted_since is None:
             self._wanted_since = now
-        if now - self._wanted_since < self.hold_s or now - self._last_move_s < self.cooldown_s:
+        role = "prefill" if step > 0 else "decode"
+        reverses = self._last_role is not None and role != self._last_role
+        if now - self._wanted_since < self.hold_s or (reverses and now - self._last_move_s < self.cooldown_s):
             return None
-        self._wanted_since, self._last_move_s = None, now
-        return "prefill" if step > 0 else "decode"
+        return role
+
+    def started(self, role: str) -> None:
+        """The driver moves a worker to `role` (what `decide` said): the next move is held again from scratch."""
+        self._wanted_since, self._last_role = None, role
 
     def moved(self, now: float) -> None:
-        """A move completed (the worker serves in its new role): the cooldown counts from now."""
+        """A move completed (the worker serves in its new role): a move back waits `cooldown_s` from now."""
         self._last_move_s = now
 
     def _roll(self, now: float) -> None:
