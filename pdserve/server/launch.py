@@ -122,12 +122,12 @@ class ServeConfig:
     host's address on the network joined workers are on, when they run on other hosts."""
     role_switching: str = "off"
     """auto (pd mode): the conductor's role planner moves workers between prefill and decode as the load
-    shifts (drain, stop, start in the other role; `pdserve.core.role_planner`), one at a time; off: the split
-    stays as started."""
+    shifts (drain, stop, start in the other role; `pdserve.core.role_planner`); moves the same way may overlap,
+    a move back waits for them; off: the split stays as started."""
     role_switch_hold_s: float = 30.0
     """--role-switching auto: a move must look worth it this long in a row (a passing burst moves nothing)."""
     role_switch_cooldown_s: float = 120.0
-    """--role-switching auto: no move sooner than this after the last one completed."""
+    """--role-switching auto: no move that reverses the last one sooner than this after it completed."""
     cluster: str | None = None
     """ray or ray://HOST:PORT: place the workers on a Ray cluster as Ray actors (RAY_ADDRESS or a new local
     cluster; or the cluster whose GCS is at HOST:PORT), spread over its nodes, restarted by Ray, scaled live
