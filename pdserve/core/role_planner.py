@@ -16,8 +16,8 @@ One model for `pdserve plan`, the simulator and the conductor (`--role-switching
   one and moving one worker toward it lowers that utilization by at least `gain` (a share of it), for
   `hold_s` in a row (a passing burst moves nothing); a move that reverses the last one also waits
   `cooldown_s` after that one completed (a moved worker is out while it drains and reloads: flapping would cost
-  more than it gains), while a second move the same way only waits for the first to complete — a load that
-  shifted far is followed step by step, not one worker per cooldown. The driver says when a move starts
+  more than it gains), while a second move the same way needs only its own hold and may start while the first
+  is under way — a load that shifted far is followed by several moves, not one worker per cooldown. The driver says when a move starts
   (`started`: a role it could not move a worker to starts nothing) and when it completes (`moved`).
 """
 
