@@ -120,7 +120,10 @@ def test_engine_pool_tiers_and_capacity_follow_the_codec(tiny_llama_dir, name):
     ex_a, ex_c = auto.engine.executor, coded.engine.executor
     d = ex_a.model.config.head_dim
     ratio = d * 4 / kv_codecs.token_bytes(name, d, 4)
-    assert ex_c.info.num_kv_blocks >= int(ex_a.info.num_kv_blocks * ratio * 0.99)
+    cfg = ex_a.model.config  # int4's residual window (each running sequence's last block, fp16) is in the budget
+    window = kv_codecs.residual_bytes_per_seq(name, cfg.num_layers, cfg.num_kv_heads, d, 16) * coded.config.max_num_seqs
+    assert (window > 0) == (name == "int4") and window == (0 if ex_c.residual is None else ex_c.residual.data.nbytes)
+    assert ex_c.info.num_kv_blocks >= int(ex_a.info.num_kv_blocks * ratio * (1 - window / (0.01 * 2**30)) * 0.99)
     assert ex_c.kv_pool.layers[0].dtype == torch.uint8 and ex_c.kv_io.host.data.dtype == torch.uint8
     assert ex_c.kv_io.host.num_slots >= int(ex_a.kv_io.host.num_slots * ratio * 0.99)
     sp = SamplingParams(max_tokens=8, temperature=0)

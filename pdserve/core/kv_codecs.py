@@ -10,6 +10,12 @@ so a block carries its scales wherever it goes (the pool, the wire, the host and
 - `int4`: the token rotated by a Hadamard matrix (spreading the outlier channels of keys), then two groups of
   D / 2 channels, each coded asymmetrically in 16 levels with an fp16 scale and minimum; two codes per byte.
 - `auto`: the model's dtype, unencoded (float32 on CPU, bfloat16 on CUDA): today's pools.
+
+A codec with a **residual window** (`int4`) also keeps, per running sequence, the tokens of its last, partly
+filled block in fp16 (`pdserve.kv.residual`): attention reads a token exactly while it is in the same block as
+the query, and through the codec once that block is full (KIVI's full-precision recent window, one block wide;
+the block's records are written as ever, so every block stays self-describing and movable). That window's
+memory comes out of the same KV budget: `residual_bytes_per_seq` per sequence the worker may run at once.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class CodecSpec:
     bits: int  # per element; 0 for auto (the model dtype's)
     param_bytes: int  # parameters per token and head (scales, minima)
     dequant_overhead: float  # decoding the codes, as a share of the time attention takes to read their bytes
+    residual: bool = False  # keeps each sequence's last block in fp16 besides (see the module's doc)
 
 
 CODECS: dict[str, CodecSpec] = {s.name: s for s in (
@@ -33,7 +40,7 @@ CODECS: dict[str, CodecSpec] = {s.name: s for s in (
     CodecSpec("bf16", 16, 0, 0.0),
     CodecSpec("fp8_e4m3", 8, 4, 0.05),  # a scale multiply per token (the cast is native on Hopper)
     CodecSpec("int8", 8, 4, 0.05),
-    CodecSpec("int4", 4, 8, 0.15),  # unpacking two codes per byte, then a multiply-add
+    CodecSpec("int4", 4, 8, 0.15, residual=True),  # unpacking two codes per byte, then a multiply-add
 )}
 
 
@@ -59,3 +66,14 @@ def kv_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: 
                        model_dtype_bytes: int) -> int:
     """K and V of one token over every layer and KV head."""
     return 2 * num_layers * num_kv_heads * token_bytes(name, head_dim, model_dtype_bytes)
+
+
+RESIDUAL_ELEMENT_BYTES = 2  # fp16
+
+
+def residual_bytes_per_seq(name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """The residual window of one sequence (K and V of one block, every layer and KV head, fp16); 0 for a codec
+    without one."""
+    if not CODECS[check(name)].residual:
+        return 0
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * RESIDUAL_ELEMENT_BYTES

@@ -15,6 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.codec import KVCodec
 from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
+from pdserve.kv.residual import ResidualWindow
 from pdserve.kv.tier_io import build_tier_io
 from pdserve.model.config import ModelConfig
 from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
@@ -57,8 +58,12 @@ class ModelExecutor:
         self.model = LlamaModel(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
                                 max_positions=max_len)
         self.codec = KVCodec(config.kv_cache_dtype, model_config.head_dim, self.dtype)
-        num_blocks = config.num_kv_blocks or blocks_for_budget(
-            model_config, config.block_size, int(config.kv_cache_gb * 2**30), self.codec)
+        # a codec's residual window (int4: each running sequence's last block in fp16) comes out of the budget
+        self.residual = ResidualWindow(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                       config.block_size, config.max_num_seqs, self.device) \
+            if self.codec.spec.residual else None
+        budget = int(config.kv_cache_gb * 2**30) - (0 if self.residual is None else self.residual.data.nbytes)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(model_config, config.block_size, budget, self.codec)
         self.kv_pool = DeviceKVPool(model_config, num_blocks, config.block_size, self.codec, self.device,
                                     shared=shared_kv)
         # host and disk tiers below the pool (`worker` names this worker's folder in the disk tier)
@@ -81,13 +86,17 @@ class ModelExecutor:
             self.sampler.release(request_id)
             if self.grammar is not None:
                 self.grammar.release(request_id)
+        if self.residual is not None:
+            self.residual.release(scheduled.finished_request_ids + scheduled.preempted_request_ids)
         if scheduled.kv_loads:  # host tier hits, into the blocks this step reads
             self.kv_io.load(scheduled.kv_loads)
         if scheduled.is_empty:
             return ExecutorOutput()
         host_kv = self.kv_io.host.data if self.kv_io is not None else None
         ordered = order_chunks(scheduled.chunks)
-        batch = build_input_batch(ordered, self.layout, self.device, self.dtype, host_kv, self.codec)
+        windows = None if self.residual is None else self.residual.plan(ordered)
+        batch = build_input_batch(ordered, self.layout, self.device, self.dtype, host_kv, self.codec, self.residual,
+                                  windows)
         observer = self.layer_observer
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta,
                                     None if observer is None else lambda i: observer(scheduled, i))

@@ -85,6 +85,17 @@ class KVCodec:
         x = self._dequantize(records)
         return x if self.rotation is None else x @ self.rotation_on(x.device)
 
+    def window_encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, D] float -> [N, D] fp16 rows of a residual window (`pdserve.kv.residual`), in the codec's basis
+        (so the decode kernel reads them as it reads the records: rotated, for int4)."""
+        x = x.float()
+        return (x if self.rotation is None else x @ self.rotation_on(x.device)).half()
+
+    def window_decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """[..., D] fp16 window rows -> [..., D] fp32 values."""
+        x = rows.float()
+        return x if self.rotation is None else x @ self.rotation_on(x.device)
+
     def kv_bytes_per_token(self, config) -> int:
         """K and V of one token over every layer and KV head of a model of `config`, in this codec."""
         return kv_codecs.kv_bytes_per_token(self.name, config.num_layers, config.num_kv_heads, config.head_dim,

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kv.codec import KVCodec
-from pdserve.model import kernels
+from pdserve.model import kernels, residual_attention
+from pdserve.model.residual_attention import ResidualMeta
 from pdserve.model.rope import RotaryEmbedding
 
 
@@ -37,6 +38,10 @@ class PrefillChunk:
     kv_rows: torch.Tensor | None  # [Hkv * num_ctx_blocks] block rows to read, None when start_pos == 0
     causal_mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool, None when start_pos == 0
     cold_slots: torch.Tensor | None = None  # long context: host tier slots of the oldest blocks (kv_rows: the rest)
+    # residual window (`residual_attention`): rows of the exact tokens the window holds of the chunk's first
+    # block, and which of the coded context, those and the chunk's own exact tokens each query reads
+    window_rows: torch.Tensor | None = None  # [E]
+    window_mask: torch.Tensor | None = None  # [q_len, ctx + E + q_len] bool
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B] int64 context length of each decode (for the kernel)
     host_kv: torch.Tensor | None = None  # the host tier [slots, layers, 2, Hkv, bs, D] (long contexts)
     codec: KVCodec | None = None  # the pool's KV codec when it is not `auto` (caches hold token records)
+    residual: ResidualMeta | None = None  # the codec's residual window, when it keeps one
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -82,9 +88,24 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q, k, v
 
 
-def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int, codec: KVCodec):
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+               meta: AttentionMetadata, num_heads: int, num_kv: int, layer: int):
+    """`rope_write_kv` for one layer of the model's forward -> q, k, v and `exact`: None, or with a residual
+    window (written here too) the step's k and v [T, Hkv, D] as the window holds them."""
+    if meta.residual is None:
+        return (*rope_write_kv(qkv, cos, sin, cache[0], cache[1], meta.slot_rows, num_heads, num_kv, meta.codec),
+                None)
+    rows: list[torch.Tensor] = []
+    q, k, v = _rope_write_coded(qkv, cos, sin, cache[0], cache[1], meta.slot_rows, num_heads, num_kv, meta.codec,
+                                rows)
+    return q, k, v, residual_attention.write_window(meta.residual, layer, meta.codec, *rows, qkv.shape[0])
+
+
+def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int, codec: KVCodec,
+                      exact: list | None = None):
     """rope_write_kv into a coded pool: q and k rotated, k and v encoded into their token records (the
-    kernels, else torch), and returned decoded from those records."""
+    kernels, else torch), and returned decoded from those records; `exact` (when given) gets the rows of k and
+    v before encoding, [Hkv * T, D] each."""
     t, d = qkv.shape[0], codec.head_dim
     rows_k, rows_v = qkv.new_empty(num_kv * t, d), qkv.new_empty(num_kv * t, d)  # [Hkv * T, D]: slot_rows' order
     if kernels.usable(qkv, cos, sin) and kernels.usable_coded(codec, k_cache, v_cache):
@@ -108,6 +129,8 @@ def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int
             cache.view(-1, codec.width).index_copy_(0, slot_rows, records)
             outs.append(codec.decode(records).to(qkv.dtype))
         k_out, v_out = outs
+    if exact is not None:
+        exact.extend((rows_k, rows_v))
     return q.contiguous(), k_out.view(num_kv, t, d).transpose(0, 1), v_out.view(num_kv, t, d).transpose(0, 1)
 
 
@@ -120,8 +143,10 @@ def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor, codec: KVCodec | Non
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: int = 0) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, Hkv, D] (this step's new tokens, already written to the cache) -> [T, H*D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: int = 0,
+                    exact: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, Hkv, D] (this step's new tokens, already written to the cache) -> [T, H*D];
+    `exact`: their k and v as a residual window holds them (`rope_write`), when the codec keeps one."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
@@ -129,29 +154,35 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if meta.codec is not None and meta.decode_lens is not None and \
                 kernels.usable_coded(meta.codec, q, k_cache, v_cache, out):
             kernels.used("decode_attention", f"kernel_{meta.codec.name}")
+            res = meta.residual
+            window = () if res is None else (res.layers[layer], res.decode_base, res.decode_from)
             kernels.decode_attention_coded(meta.codec, q[:b], k_cache, v_cache, meta.decode_rows, meta.decode_lens,
-                                           out[:b], scale)
+                                           out[:b], scale, *window)
         elif meta.codec is None and meta.decode_lens is not None and kernels.usable(q, k_cache, v_cache, out):
             kernels.used("decode_attention", "kernel")
             kernels.decode_attention(q[:b], k_cache, v_cache, meta.decode_rows, meta.decode_lens, out[:b], scale)
         else:
             kernels.used("decode_attention", "torch")
-            out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta, scale).reshape(b, -1)
+            out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta, scale, layer).reshape(b, -1)
     for chunk in meta.prefills:
         kernels.used("prefill_attention", "torch_sdpa")
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         cold = None if chunk.cold_slots is None else \
             _cold_kv(meta.host_kv, chunk.cold_slots, layer, q.device, meta.codec)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, cold, meta.codec)
+        own = None if exact is None else (exact[0][rows], exact[1][rows], meta.residual, layer)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, cold, meta.codec,
+                                       own)
     return out
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, layer: int = 0) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[0]
     keys = _gather_blocks(k_cache, meta.decode_rows, meta.codec).to(q.dtype).view(num_kv, b, -1, head_dim)
     values = _gather_blocks(v_cache, meta.decode_rows, meta.codec).to(q.dtype).view(num_kv, b, -1, head_dim)
+    if meta.residual is not None:  # each decode's own block, as the residual window holds it
+        residual_attention.decode_exact(meta.residual, layer, meta.codec, keys, values)
     # Group query heads by their KV head so GQA needs no repeat: q [Hkv, B, G, D] @ k^T [Hkv, B, D, L]
     qg = q.view(b, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale + meta.decode_bias  # [Hkv, B, G, L]
@@ -174,7 +205,8 @@ def _cold_kv(host_kv: torch.Tensor, slots: torch.Tensor, layer: int, device: tor
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, chunk: PrefillChunk, scale: float, cold=None,
-                       codec: KVCodec | None = None) -> torch.Tensor:
+                       codec: KVCodec | None = None, own=None) -> torch.Tensor:
+    """`own`: (exact k, exact v, ResidualMeta, layer) of a codec with a residual window."""
     # SDPA wants [1, H, S, D]
     qh = q.transpose(0, 1).unsqueeze(0)
     if chunk.kv_rows is not None:  # earlier context lives in the cache: read it all back
@@ -186,7 +218,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         kh, vh = kh[:, :ctx].unsqueeze(0).to(q.dtype), vh[:, :ctx].unsqueeze(0).to(q.dtype)
     else:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    mask = chunk.causal_mask
+    if own is not None:  # the coded context, then the exact keys of the chunk's blocks; the mask picks
+        k_exact, v_exact, residual, layer = own
+        kh, vh = residual_attention.prefill_keys(residual, layer, codec, chunk.window_rows, kh, vh, k_exact, v_exact)
+        mask = chunk.window_mask
     out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=chunk.causal_mask, is_causal=chunk.causal_mask is None, scale=scale,
-        enable_gqa=kh.shape[1] != qh.shape[1])
+        qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
     return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)

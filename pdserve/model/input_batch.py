@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.core.schedule import ScheduledChunk
+from pdserve.model import residual_attention
 from pdserve.model.attention import AttentionMetadata, PrefillChunk
 
 
@@ -52,9 +53,10 @@ class CacheLayout:
 
 def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device: torch.device,
                       dtype: torch.dtype = torch.float32, host_kv: torch.Tensor | None = None,
-                      codec=None) -> InputBatch:
+                      codec=None, window=None, windows=None) -> InputBatch:
     """`host_kv`: the host tier's tensor, which long-context chunks (`cold_slots`) read their oldest KV from;
-    `codec`: the pool's KVCodec when it is coded (None for `auto`)."""
+    `codec`: the pool's KVCodec when it is coded (None for `auto`); `window`: its `ResidualWindow`, when it
+    keeps one, and `windows` the chunks' places in it (`ResidualWindow.plan`, same order as `chunks`)."""
     block_size = layout.block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -70,14 +72,19 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
             sample_rows.append(len(ids) - 1)
     decodes = [c for c in chunks if _batched_decode(c)]
     decode_rows, decode_bias, decode_lens = _decode_tensors(decodes, layout, device, dtype)
+    residual, held = None, [(None, None)] * (len(chunks) - len(decodes))
+    if window is not None:
+        decode_len = 0 if decode_bias is None else decode_bias.shape[-1]
+        residual, held = residual_attention.build(chunks, windows, window.layers, block_size, layout.num_kv_heads,
+                                                  window.slots, len(decodes), decode_len, device)
     prefills, row = [], len(decodes)
-    for c in chunks[len(decodes):]:
-        prefills.append(_prefill_chunk(c, row, layout, device))
+    for c, (rows, mask) in zip(chunks[len(decodes):], held):
+        prefills.append(_prefill_chunk(c, row, layout, device, rows, mask))
         row += c.num_tokens
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
                              decode_bias, tuple(prefills), decode_lens, host_kv,
-                             codec if codec is not None and codec.coded else None)
+                             codec if codec is not None and codec.coded else None, residual)
     return InputBatch(as_long(ids).to(device), as_long(positions).to(device), meta,
                       as_long(sample_rows).to(device), tuple(c for c in chunks if c.sample))
 
@@ -97,9 +104,10 @@ def _decode_tensors(decodes: list[ScheduledChunk], layout: CacheLayout, device: 
     return layout.block_rows(tables).to(device), bias.unsqueeze(1).to(device), lengths.to(device)
 
 
-def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: torch.device) -> PrefillChunk:
+def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: torch.device,
+                   window_rows: torch.Tensor | None = None, window_mask: torch.Tensor | None = None) -> PrefillChunk:
     if c.start_pos == 0:
-        return PrefillChunk(row, c.num_tokens, 0, None, None)
+        return PrefillChunk(row, c.num_tokens, 0, None, None, None, window_rows, window_mask)
     ctx = c.start_pos + c.num_tokens
     cold = len(c.cold_slots)
     num_blocks = -(-ctx // layout.block_size) - cold
@@ -107,4 +115,5 @@ def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: tor
     q_pos = torch.arange(c.start_pos, ctx)
     mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, ctx]: keys at or before the query
     cold_slots = torch.tensor(c.cold_slots, dtype=torch.long) if cold else None
-    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device), cold_slots)
+    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device), cold_slots, window_rows,
+                        window_mask)

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.errors import UnsupportedModelError
 from pdserve.model import kernels
-from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write_kv
+from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write
 from pdserve.model.config import ModelConfig
 from pdserve.model.hugepages import Arena
 from pdserve.model.linear import Linear, mkl_packing_available
@@ -83,11 +83,10 @@ class LlamaModel:
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             # CPU fp32: compiled kernels for everything but the four matmuls (counted torch fallback else)
             h = kernels.add_rms_norm(x, None, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = rope_write_kv(layer.qkv(h), cos, sin, cache[0], cache[1], meta.slot_rows, cfg.num_heads,
-                                    cfg.num_kv_heads, meta.codec)
+            q, k, v, exact = rope_write(layer.qkv(h), cos, sin, cache, meta, cfg.num_heads, cfg.num_kv_heads, i)
             if layer_done is not None:
                 layer_done(i)
-            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, i))
+            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, i, exact))
             h = kernels.add_rms_norm(x, attn, layer.mlp_norm, cfg.rms_norm_eps)  # x += attn, in place
             x.add_(layer.down(kernels.silu_mul(layer.gate_up(h))))
         return rms_norm(x, self.norm, cfg.rms_norm_eps)

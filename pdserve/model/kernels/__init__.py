@@ -217,15 +217,22 @@ def kv_encode(codec, rows: torch.Tensor, cache: torch.Tensor, slot_rows: torch.T
 
 
 def decode_attention_coded(codec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           rows: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-    """`decode_attention` over a coded pool (caches [Hkv, blocks, bs, token_bytes] uint8); kernel only."""
+                           rows: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
+                           window: torch.Tensor | None = None, window_base: torch.Tensor | None = None,
+                           window_from: torch.Tensor | None = None) -> None:
+    """`decode_attention` over a coded pool (caches [Hkv, blocks, bs, token_bytes] uint8); kernel only. With a
+    residual window (`window` [2, Hkv, slots, bs, D] fp16, contiguous): sequence i reads its positions from
+    `window_from[i]` on from slot rows `window_base[i] + position % bs` (int64 [B] each)."""
     b, hq, d = q.shape
     hkv, _, bs, tb = k_cache.shape
     rotated = codec.rotation is not None  # keys and values coded in a rotated basis: so are q and the output
     target, q = (torch.empty_like(out), (q @ codec.rotation).contiguous()) if rotated else (out, q)
+    win = (None,) * 4 if window is None else \
+        (window[0].data_ptr(), window[1].data_ptr(), window_base.data_ptr(), window_from.data_ptr())
+    win_rows = 0 if window is None else window.shape[2] * window.shape[3]
     _lib.pd_decode_attention_coded(_CODEC_IDS[codec.name], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    rows.data_ptr(), lens.data_ptr(), target.data_ptr(), b, hq, hkv, d, bs, tb,
-                                   rows.numel() // (hkv * b), scale)
+                                   rows.numel() // (hkv * b), scale, *win, win_rows)
     if rotated:
         out.copy_((target.view(b, hq, d) @ codec.rotation).view(b, hq * d))
 

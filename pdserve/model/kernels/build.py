@@ -94,7 +94,7 @@ SIGNATURES = {
     "pd_gemm_pack": [_P, _P, _I, _I],
     "pd_gemm": [_P, _I64, _P, _P, _I, _I, _I],
     "pd_kv_encode": [_I, _P, _I64, _I, _P, _P, _I, _P],
-    "pd_decode_attention_coded": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F],
+    "pd_decode_attention_coded": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I64],
 }
 
 

@@ -200,10 +200,12 @@ static inline __attribute__((always_inline)) void decode_row(int codec, const ui
 }
 
 /* One (sequence, KV head) over a coded pool: CHUNK keys and values at a time decoded to the stack, then
- * scored and summed as the fp32 kernel does. */
+ * scored and summed as the fp32 kernel does. Positions from `wfrom` on are read from the sequence's residual
+ * window instead (`wk`, `wv`: its [bs, d] fp16 rows of this head; pdserve/kv/residual.py). */
 static inline __attribute__((always_inline)) void attend_one_coded(
         int codec, const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int64_t *rows,
-        int64_t len, float *out, int g_heads, int d, int bs, int tb, float scale) {
+        int64_t len, float *out, int g_heads, int d, int bs, int tb, float scale, const uint16_t *wk,
+        const uint16_t *wv, int64_t wfrom) {
     float m[g_heads], l[g_heads], acc[g_heads * d];
     float s[g_heads][CHUNK + VL];
     float kbuf[CHUNK * d], vbuf[CHUNK * d];
@@ -215,9 +217,14 @@ static inline __attribute__((always_inline)) void attend_one_coded(
     for (int64_t start = 0; start < len; start += CHUNK) {
         int n = len - start < CHUNK ? (int)(len - start) : CHUNK;
         for (int t = 0; t < n; t++) {
-            int64_t at = rows[blk] * block_bytes + (int64_t)off * tb;
-            decode_row(codec, k_cache + at, d, kbuf + t * d);
-            decode_row(codec, v_cache + at, d, vbuf + t * d);
+            if (start + t >= wfrom) {
+                decode_row(PD_FP16, (const uint8_t *)(wk + (int64_t)off * d), d, kbuf + t * d);
+                decode_row(PD_FP16, (const uint8_t *)(wv + (int64_t)off * d), d, vbuf + t * d);
+            } else {
+                int64_t at = rows[blk] * block_bytes + (int64_t)off * tb;
+                decode_row(codec, k_cache + at, d, kbuf + t * d);
+                decode_row(codec, v_cache + at, d, vbuf + t * d);
+            }
             kr[t] = kbuf + t * d, vr[t] = vbuf + t * d;
             if (++off == bs) off = 0, blk++;
         }
@@ -229,19 +236,27 @@ static inline __attribute__((always_inline)) void attend_one_coded(
         for (int i = 0; i < d; i++) out[g * d + i] = acc[g * d + i] / l[g];
 }
 
-/* As pd_decode_attention (kernels.c), over a coded pool: k_cache, v_cache [Hkv * num_blocks, bs, tb] bytes. */
+/* As pd_decode_attention (kernels.c), over a coded pool: k_cache, v_cache [Hkv * num_blocks, bs, tb] bytes.
+ * With a residual window (win_k, win_v [Hkv * win_rows, d] fp16, NULL: none): sequence i reads its positions
+ * from win_from[i] on from rows win_base[i] + position % bs of each head's part. */
 void pd_decode_attention_coded(int codec, const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
                                const int64_t *rows, const int64_t *lens, float *out, int b, int hq, int hkv,
-                               int d, int bs, int tb, int max_blocks, float scale) {
+                               int d, int bs, int tb, int max_blocks, float scale, const uint16_t *win_k,
+                               const uint16_t *win_v, const int64_t *win_base, const int64_t *win_from,
+                               int64_t win_rows) {
     int g_heads = hq / hkv;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int i = 0; i < b; i++)
         for (int h = 0; h < hkv; h++) {
             const int64_t *r = rows + ((int64_t)h * b + i) * max_blocks;
             int64_t off = ((int64_t)i * hq + (int64_t)h * g_heads) * d;
+            int64_t wfrom = win_k ? win_from[i] : lens[i], wat = win_k ? (h * win_rows + win_base[i]) * d : 0;
+            const uint16_t *wk = win_k ? win_k + wat : NULL, *wv = win_k ? win_v + wat : NULL;
             if (d == 64)
-                attend_one_coded(codec, q + off, k_cache, v_cache, r, lens[i], out + off, g_heads, 64, bs, tb, scale);
+                attend_one_coded(codec, q + off, k_cache, v_cache, r, lens[i], out + off, g_heads, 64, bs, tb, scale,
+                                 wk, wv, wfrom);
             else
-                attend_one_coded(codec, q + off, k_cache, v_cache, r, lens[i], out + off, g_heads, d, bs, tb, scale);
+                attend_one_coded(codec, q + off, k_cache, v_cache, r, lens[i], out + off, g_heads, d, bs, tb, scale,
+                                 wk, wv, wfrom);
         }
 }
