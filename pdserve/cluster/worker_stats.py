@@ -31,6 +31,7 @@ def worker_stats(w) -> dict:
            "kernel_fallbacks": kernels.fallback_count(),
            "grammar_errors": getattr(getattr(w.executor, "grammar", None), "errors", 0),
            "kv_pool_prefault_fallbacks": int(getattr(w.executor.kv_pool, "prefault_failed", False)),
+           "kv_residual_evictions": getattr(getattr(w.executor, "residual", None), "evictions", 0),
            "kv": w.engine.kv_report(),
            "rejected_connections": {"control": w.cmd_refusals.count(),
                                     **(w.decode.receiver.rejected_connections if w.decode else {})},

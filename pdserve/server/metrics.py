@@ -234,6 +234,10 @@ class Metrics:
         self._inc_total(self.fallbacks, (w, "prefault"), s.get("kv_pool_prefault_fallbacks", 0), kind="kv_pool_prefault")
         self._inc_total(self.fallbacks, (w, "checkpoint"), s.get("kv_checkpoint_fallbacks", 0),
                         kind="kv_checkpoint_missing")
+        # int4: a sequence whose residual window slot went to another (more live sequences than slots) reads
+        # the earlier tokens of its current block through the codec
+        self._inc_total(self.fallbacks, (w, "residual"), s.get("kv_residual_evictions", 0),
+                        kind="kv_residual_window_evicted")
 
     def _observe_links(self, w: str, links: dict) -> None:
         now = time.monotonic()

@@ -171,7 +171,8 @@ def kv_cache_info(model, gpu, spec, time_model) -> dict:
     from pdserve.sim.hardware import kv_pool_blocks
     info = {"kv_cache_dtype": model.kv_cache_dtype, "kv_bytes_per_token": model.kv_bytes_per_token,
             "kv_dequant_overhead": model.kv_dequant_overhead,
-            "kv_pool_blocks": spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size)}
+            "kv_pool_blocks": spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size,
+                                                                   max_num_seqs=spec.max_num_seqs)}
     scaling = getattr(time_model, "meta", {}).get("kv_codec_scaling")
     return {**info, "time_model_kv_scaling": scaling} if scaling else info
 

@@ -147,7 +147,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     loop = EventLoop()
     links = LinkModel(loop, spec.link_latency_s, DeliveryPolicy(spec.delivery, parse_link_share(spec.link_share)))
     block_bytes = model.kv_bytes_per_token * spec.block_size
-    blocks = spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size)
+    blocks = spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size,
+                                                max_num_seqs=spec.max_num_seqs)
     tiers = engine_tiers(spec, gpu, block_bytes)
     roles = {"prefill": spec.num_prefill, "decode": spec.num_decode} if spec.mode == "pd" else {
         "colocated": spec.num_instances}

@@ -154,10 +154,14 @@ def model_from_hf_config(cfg: dict, name: str = "hf-model") -> ModelSpec:
         raise InvalidRequestError(f"config.json of {name} lacks {e.args[0]}", param="model") from None
 
 
-def kv_pool_blocks(model: ModelSpec, gpu: GPUSpec, tp: int, block_size: int, mem_util: float = 0.9) -> int:
+def kv_pool_blocks(model: ModelSpec, gpu: GPUSpec, tp: int, block_size: int, mem_util: float = 0.9,
+                   max_num_seqs: int = 256) -> int:
     """KV blocks that fit on `tp` GPUs after the weights (vLLM-style: `mem_util` of memory, minus weights,
-    minus a 5% activation reserve). Raises when the weights alone do not fit."""
-    free = tp * gpu.mem_bytes * (mem_util - 0.05) - model.weight_bytes
+    minus a 5% activation reserve, minus a codec's residual windows for `max_num_seqs` sequences). Raises when
+    the weights alone do not fit."""
+    window = kv_codecs.residual_bytes_per_seq(model.kv_cache_dtype, model.num_layers, model.num_kv_heads, model.hd,
+                                              block_size)
+    free = tp * gpu.mem_bytes * (mem_util - 0.05) - model.weight_bytes - window * max_num_seqs
     blocks = int(free // (model.kv_bytes_per_token * block_size))
     if blocks < 1:
         raise InvalidRequestError(f"{model.name} ({model.weight_bytes / GB:.0f} GB of weights) does not fit on "
