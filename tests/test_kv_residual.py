@@ -107,8 +107,13 @@ class _nothing:
         return False
 
 
-@pytest.mark.parametrize("start,exact_from", [(0, 0), (20, 17), (32, 32)])
-def test_a_prefill_chunk_reads_each_query_own_block_exactly(start, exact_from):
+@pytest.mark.parametrize("path", ["flash_merge", "concat"])
+@pytest.mark.parametrize("start,exact_from", [(0, 0), (20, 17), (32, 32), (5, 0)])
+def test_a_prefill_chunk_reads_each_query_own_block_exactly(start, exact_from, path, monkeypatch):
+    from pdserve.model import residual_attention
+    if path == "concat":  # what a device without the CPU flash kernel runs
+        monkeypatch.setattr(residual_attention, "prefill_attention", lambda *args: None)
+    before = kernels.paths_used().get("prefill_window", {}).get(path, 0)
     g, codec, pool, window = _setup(seed=1)
     n = 30
     c = chunk("p", start, n, sample=False)
@@ -120,6 +125,7 @@ def test_a_prefill_chunk_reads_each_query_own_block_exactly(start, exact_from):
                         .transpose(0, 1).contiguous() for i in (0, 1))  # what a fresh chunk's k, v decode to
     exact = tuple(torch.randn(n, HKV, D, generator=g) for _ in range(2))
     out = paged_attention(q, k_coded, v_coded, pool[0], pool[1], meta, D ** -0.5, 0, exact)
+    assert kernels.paths_used()["prefill_window"][path] == before + 1
     for r in range(n):
         i = start + r
         first_exact = max(exact_from, i // BS * BS)
@@ -136,7 +142,10 @@ def test_a_prefill_chunk_reads_each_query_own_block_exactly(start, exact_from):
                         rows.append(exact[which][p - start, h])
                 kv.append(torch.stack(rows))
             group = slice(h * HQ // HKV, (h + 1) * HQ // HKV)
-            torch.testing.assert_close(out[r].view(HQ, D)[group], _attend(q[r, group], *kv), rtol=2e-5, atol=2e-5)
+            # the merge swaps a block's coded keys for exact ones inside a finished softmax: its sums cancel to
+            # ~1e-4 (below the 5e-4 of the window's fp16); the concatenated keys are one plain softmax
+            tol = 2e-4 if path == "flash_merge" else 2e-5
+            torch.testing.assert_close(out[r].view(HQ, D)[group], _attend(q[r, group], *kv), rtol=tol, atol=tol)
 
 
 def test_prefill_and_decode_agree_on_the_same_tokens(tiny_llama_dir):

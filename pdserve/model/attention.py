@@ -219,8 +219,14 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     else:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     mask = chunk.causal_mask
-    if own is not None:  # the coded context, then the exact keys of the chunk's blocks; the mask picks
+    if own is not None:  # a residual window: each query reads its own block exactly
         k_exact, v_exact, residual, layer = own
+        merged = residual_attention.prefill_attention(qh, kh, vh, mask, scale, residual, layer, codec,
+                                                      chunk.window_rows, chunk.start_pos, k_exact, v_exact)
+        if merged is not None:
+            kernels.used("prefill_window", "flash_merge")
+            return merged.transpose(0, 1).reshape(q.shape[0], -1)
+        kernels.used("prefill_window", "concat")  # the coded context, then the exact keys; the mask picks
         kh, vh = residual_attention.prefill_keys(residual, layer, codec, chunk.window_rows, kh, vh, k_exact, v_exact)
         mask = chunk.window_mask
     out = F.scaled_dot_product_attention(
