@@ -15,7 +15,8 @@ class EngineConfig:
     """auto (cuda when available), cpu or cuda."""
     kv_cache_dtype: str = "auto"
     """KV cache codec: auto (the model dtype), fp16, bf16, fp8_e4m3, int8 or int4 (scales per token and head,
-    inside each block; the pool, delivery and the host and disk tiers hold the coded blocks)."""
+    inside each block; the pool, delivery and the host and disk tiers hold the coded blocks). int4 also keeps
+    each running sequence's last block in fp16 (a residual window, out of --kv-cache-gb)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_gb: float = 2.0
