@@ -40,6 +40,11 @@ def test_an_output_heavy_load_moves_a_prefill_worker_to_decode_losing_nothing():
             threads[-1].start()
             time.sleep(0.3)  # ~100 output tokens/s asked of one decode worker running 2 sequences
         assert server.metric("pdserve_role_switches_total", role="decode") == 1, server.output()[-3000:]
+        # the planner's view that moved it: decode the busier role, its capacity measured
+        assert server.metric("pdserve_role_utilization", role="decode") >= \
+            server.metric("pdserve_role_utilization", role="prefill")
+        assert server.metric("pdserve_role_capacity_tokens_per_second", role="decode") > 0
+        assert server.metric("pdserve_role_demand_tokens_per_second", role="decode") > 0
         for t in threads:
             t.join(300)
         assert out == {i: 32 for i in range(len(threads))}  # every request whole

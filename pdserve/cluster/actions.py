@@ -43,6 +43,14 @@ class Observe:
 
 
 @dataclass(frozen=True)
+class Level:
+    """A gauge's current value (the role planner's view of demand, capacity and utilization)."""
+    metric: str
+    labels: tuple
+    value: float
+
+
+@dataclass(frozen=True)
 class Switch:
     """Move `worker` to `role` (`--role-switching auto`): it is draining (no new work); once drained, the
     driver stops it and starts a worker of `role` in its place."""

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.cluster.admission import Admission
-from pdserve.cluster.actions import Switch
+from pdserve.cluster.actions import Level, Switch
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
 from pdserve.core.sampling_params import SamplingParams
@@ -215,6 +215,8 @@ class Conductor:
                 self.metrics.count(action.metric, action.labels)
             elif isinstance(action, Observe) and self.metrics:
                 self.metrics.observe(action.metric, action.labels, action.value, action.weight)
+            elif isinstance(action, Level) and self.metrics:
+                getattr(self.metrics, action.metric).labels(**dict(action.labels)).set(action.value)
             elif isinstance(action, Switch):  # it drains and leaves; the supervisor starts its replacement
                 self.switching[action.worker] = action.role
                 self._send(action.worker, {"type": "leave"})

@@ -16,7 +16,7 @@ drains (`Switch`), and once drained the driver replaces it with a worker of the 
 
 from __future__ import annotations
 
-from pdserve.cluster.actions import Count, Switch
+from pdserve.cluster.actions import Count, Level, Switch
 
 
 class MembershipEvents:
@@ -76,20 +76,21 @@ class MembershipEvents:
         share = self.roles.output_share
         backlog = (sum(sum(b.tokens.values()) for b in self.backlog.values()),
                    sum(max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in self.flights.values()))
-        to = self.roles.decide(now, len(usable["prefill"]) + self.switching.count("prefill"),
-                               len(usable["decode"]) + self.switching.count("decode"),
+        counts = {r: len(usable[r]) + self.switching.count(r) for r in usable}
+        to = self.roles.decide(now, counts["prefill"], counts["decode"],
                                *self._role_capacity(usable["prefill"], usable["decode"]), backlog)
+        seen = _levels(self.roles.view, counts)
         if to is None or any(r != to for r in self.switching):
-            return []
+            return seen
         other = usable["decode" if to == "prefill" else "prefill"]
         source = [w for w in other if movable is None or movable(w.name)]
         if len(other) < 2 or not source:
-            return []
+            return seen
         name = min(source, key=lambda w: (w.outstanding, w.name)).name
         self.roles.started(to)
         self.worker_leaving(name)
         self.switching.append(to)
-        return [Switch(name, to), Count("role_switches", (("role", to),))]
+        return seen + [Switch(name, to), Count("role_switches", (("role", to),))]
 
     def _role_capacity(self, prefill: list, decode: list) -> tuple[float | None, float | None]:
         """(prompt tokens/s of one prefill worker, output tokens/s of one decode worker), from their step-time
@@ -130,6 +131,21 @@ class MembershipEvents:
         if self.orphans and not restarting and self._route(())[0] is None:
             actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
         return actions
+
+
+def _levels(load, counts: dict) -> list:
+    """The planner's view as gauges: each role's forecast demand (backlog included), one worker's capacity and
+    the role's utilization with the workers it has (or is getting), all in tokens/s; none before it has one."""
+    if load is None:
+        return []
+    out = []
+    for role, demand, capacity in (("prefill", load.prefill_tokens_s, load.prefill_capacity),
+                                   ("decode", load.decode_tokens_s, load.decode_capacity)):
+        n = counts[role]
+        util = demand / (n * capacity) if n and capacity else 0.0
+        out += [Level("role_demand", (("role", role),), demand), Level("role_capacity", (("role", role),), capacity),
+                Level("role_utilization", (("role", role),), util)]
+    return out
 
 
 def _within(step_s, batch: int, slo_s: float | None) -> int:

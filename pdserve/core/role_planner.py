@@ -85,6 +85,7 @@ class RolePlanner:
     _last_move_s: float = float("-inf")
     _last_role: str | None = None  # the role the last move went to
     output_share: float = 1.0  # of the output tokens requested (max_tokens), the share requests produce
+    view: RoleLoad | None = None  # the load `decide` weighed last (demand with backlog, capacities)
 
     def arrived(self, now: float, prompt_tokens: int, max_tokens: int) -> None:
         """A request arrived: its prompt tokens to compute, and the output tokens it will likely ask for (its
@@ -114,6 +115,7 @@ class RolePlanner:
         p_s, d_s = self.forecast(now)
         load = RoleLoad(p_s + backlog[0] / self.horizon_s, d_s + backlog[1] / self.horizon_s, prefill_capacity,
                         decode_capacity)
+        self.view = load
         target = best_split(prefill + decode, load)
         step = 0 if target == prefill else (1 if target > prefill else -1)
         now_util = utilization(load, prefill, decode)

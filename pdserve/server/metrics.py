@@ -170,6 +170,14 @@ class Metrics:
                                     ["role", "how"], registry=r)
         self.role_switches = Counter("pdserve_role_switches", "Workers the role planner moved to another role "
                                      "(--role-switching auto), by the role they moved to", ["role"], registry=r)
+        self.role_demand = Gauge("pdserve_role_demand_tokens_per_second", "The role planner's forecast demand "
+                                 "(--role-switching auto): prompt tokens/s to compute, output tokens/s to emit, "
+                                 "the backlog to clear within its horizon included", ["role"], registry=r)
+        self.role_capacity = Gauge("pdserve_role_capacity_tokens_per_second", "What the role planner counts one "
+                                   "worker of the role for (from the workers' step-time fits; decode at the "
+                                   "largest batch meeting the tightest TPOT SLO)", ["role"], registry=r)
+        self.role_utilization = Gauge("pdserve_role_utilization", "The role planner's demand / (workers x "
+                                      "capacity) per role, workers moving to the role counted", ["role"], registry=r)
         self.joins_refused = Counter("pdserve_worker_joins_refused", "Workers refused when they tried to join (a "
                                      "role the deployment's mode has no use for, another model, a name in use)",
                                      registry=r)
