@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,31 @@ async def run_load(url: str, plan: list[tuple[float, int, int]]) -> tuple[list, 
         return list(records), time.monotonic() - start
 
 
+class PlannerView(threading.Thread):
+    """Samples the role planner's gauges (`pdserve_role_*`, by role) every `every_s` while the load runs:
+    [seconds, {metric: {role: value}}] rows, empty under --role-switching off."""
+
+    def __init__(self, server, every_s: float = 5.0) -> None:
+        super().__init__(daemon=True)
+        self.server, self.every_s, self.samples = server, every_s, []
+        self._done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while not self._done.wait(self.every_s):
+            view: dict = {}
+            for (name, labels), value in self.server.metrics().items():
+                if name.startswith("pdserve_role_") and not name.startswith("pdserve_role_switches"):
+                    view.setdefault(name.removeprefix("pdserve_role_"), {})[dict(labels).get("role")] = round(value, 2)
+            if view:
+                self.samples.append([round(time.monotonic() - start, 1), view])
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
 def peak_rss_gb(pid: int) -> dict[str, float]:
     """Peak resident memory (VmHWM, GiB) of the server's processes still running, by command line's worker name."""
     out = {}
@@ -78,10 +104,11 @@ def main() -> int:
     ap.add_argument("--hold-s", type=float, default=10.0, help="--role-switch-hold-s of the auto runs")
     ap.add_argument("--cooldown-s", type=float, default=40.0, help="--role-switch-cooldown-s of the auto runs")
     ap.add_argument("--splits", default="1,2", help="prefill workers of the runs' starting splits (of 3)")
+    ap.add_argument("--modes", default="off,auto", help="--role-switching values to run")
     args = ap.parse_args()
     plan = schedule(args)
     rows = []
-    for switching in ("off", "auto"):
+    for switching in args.modes.split(","):
         for p in (int(x) for x in args.splits.split(",")):
             extra = ["--role-switching", "auto", "--role-switch-hold-s", f"{args.hold_s:g}",
                      "--role-switch-cooldown-s", f"{args.cooldown_s:g}"] if switching == "auto" else []
@@ -89,7 +116,9 @@ def main() -> int:
                              *extra], Path(f"bench_results/role_switching_{p}P{3 - p}D_{switching}.log"))
             try:
                 server.warm_up()
+                sampler = PlannerView(server)
                 records, duration = asyncio.run(run_load(server.url, plan))
+                sampler.stop()
                 moves = {dict(lab).get("role"): v for (n, lab), v in server.metrics().items()
                          if n == "pdserve_role_switches_total"}
                 rss = peak_rss_gb(server.proc.pid)
@@ -100,7 +129,8 @@ def main() -> int:
             rows.append({"start": f"{p}P{3 - p}D", "role_switching": switching, "attainment": att,
                          "goodput_rps": att * s["num_requests"] / duration, "duration_s": duration,
                          "errors": s["num_errors"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves, "peak_rss_gb": rss})
+                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves, "peak_rss_gb": rss,
+                         "planner": sampler.samples})
             r = rows[-1]
             print(f"{r['start']} {switching:>4}  attainment {att:.1%}  goodput {r['goodput_rps']:.3f}/s  run "
                   f"{duration:.0f} s  errors {r['errors']}  TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s p90 "

@@ -75,6 +75,14 @@ class WorkerModel:
         """Recent steps that carried prefill tokens."""
         return sum(1 for row in self.fit.rows if row[1] > 0)
 
+    def observed_prefill_rate(self) -> float | None:
+        """Prompt tokens per second of the recent steps that carried prefill (at least 2), fit or no fit: what
+        the role planner counts a prefill worker for before its fit has `MIN_SAMPLES` steps."""
+        rows = [row for row in self.fit.rows if row[1] > 0]
+        if len(rows) < 2:
+            return None
+        return sum(row[1] for row in rows) / max(sum(row[-1] for row in rows), 1e-9)
+
     def decode_s(self, batch: int) -> float | None:
         return self._step(self.fit.predict((1.0, 0.0, 0.0, batch * self.mean_context, batch))) if batch else 0.0
 

@@ -96,7 +96,8 @@ class MembershipEvents:
         """(prompt tokens/s of one prefill worker, output tokens/s of one decode worker), from their step-time
         fits (admission's models); None until they have some. A decode worker's rate is at the batch its
         sequences and KV allow, or the largest batch whose step meets the tightest TPOT SLO if that is smaller
-        (what it emits within the SLO, not what it could at any pace)."""
+        (what it emits within the SLO, not what it could at any pace). A prefill worker without a fit yet (fewer
+        than `MIN_SAMPLES` steps: a minute for a slow CPU worker) counts for its observed prompt tokens/s."""
         if self.admission is None:
             return None, None
         slo = min((t.tpot_ms / 1000.0 for t in self.tiers.tiers.values() if t.tpot_ms is not None),
@@ -106,6 +107,8 @@ class MembershipEvents:
             m = self.admission.model(w.name)
             if t := m.prefill_s(m.budget):
                 rates_p.append(m.budget / t)
+            elif rate := m.observed_prefill_rate():  # its fit is not there yet (a slow worker's first steps)
+                rates_p.append(rate)
         for w in decode:
             m = self.admission.model(w.name)
             slots, tokens = self.batch_room.get(w.name, (256, 0))  # the batch its seqs and its KV allow

@@ -51,9 +51,12 @@ def best_split(workers: int, load: RoleLoad) -> int:
 
 @dataclass
 class Holt:
-    """Holt's linear exponential smoothing of one rate, one observation per bucket."""
+    """Holt's linear exponential smoothing of one rate, one observation per bucket, its trend damped by `phi`
+    per step ahead: a forecast `steps` ahead adds phi + phi^2 + ... of the trend, at most phi / (1 - phi) of it,
+    so the noise of a few arrivals per bucket (a low request rate) is not multiplied by the horizon."""
     alpha: float = 0.5
     beta: float = 0.3
+    phi: float = 0.7
     level: float | None = None
     trend: float = 0.0
 
@@ -62,11 +65,12 @@ class Holt:
             self.level = x
             return
         last = self.level
-        self.level = self.alpha * x + (1 - self.alpha) * (self.level + self.trend)
-        self.trend = self.beta * (self.level - last) + (1 - self.beta) * self.trend
+        self.level = self.alpha * x + (1 - self.alpha) * (self.level + self.phi * self.trend)
+        self.trend = self.beta * (self.level - last) + (1 - self.beta) * self.phi * self.trend
 
     def forecast(self, steps: float) -> float:
-        return max(0.0, (self.level or 0.0) + steps * self.trend)
+        damped = self.phi * (1 - self.phi ** steps) / (1 - self.phi) if self.phi < 1 else steps
+        return max(0.0, (self.level or 0.0) + damped * self.trend)
 
 
 @dataclass
