@@ -90,3 +90,39 @@ def test_the_simulator_moves_engines_toward_the_shifting_load():
     fixed = simulate(_shifting(), ClusterSpec(mode="pd", num_prefill=3, num_decode=1, host_kv_gb=0, max_num_seqs=64),
                      model, gpu, RooflineTimeModel(model, gpu, 1))
     assert run.duration_s < fixed.duration_s  # the moved decode engines cleared the outputs sooner
+
+
+def test_a_noisy_low_rate_is_not_multiplied_by_the_horizon():
+    """A few arrivals per bucket (0, then 3 prompts of 1,500 tokens, in turn, in 10 s buckets: 225 tokens/s on
+    average): with the trend damped, every forecast 60 s ahead stays within a bounded share of the mean; carried
+    undamped over the horizon, each quiet bucket's trend drives the forecast to zero (no move could be held)."""
+    from pdserve.core.role_planner import Holt
+
+    def forecasts(planner: RolePlanner) -> list[float]:
+        out = []
+        for bucket in range(12):
+            for k in range(3 if bucket % 2 else 0):
+                planner.arrived(bucket * 10.0 + k, 1500, 8)
+            out.append(planner.forecast(bucket * 10.0 + 10.0)[0])
+        return out[4:]
+    damped = forecasts(RolePlanner(interval_s=10, horizon_s=60))
+    assert all(0.2 * 225 < f < 2 * 225 for f in damped), damped
+    undamped = forecasts(RolePlanner(interval_s=10, horizon_s=60, prompt=Holt(phi=1.0)))
+    assert min(undamped) == 0.0, undamped
+
+
+def test_a_prefill_worker_without_a_fit_counts_for_its_observed_rate():
+    from pdserve.cluster.admission import Admission
+    from pdserve.cluster.conductor_core import ConductorCore
+    from pdserve.cluster.routing import LeastLoaded
+    core = ConductorCore("pd", LeastLoaded(), admission=Admission(), role_planner=RolePlanner())
+    core.add_worker("prefill-0", "prefill")
+    core.add_worker("decode-0", "decode")
+    m = core.admission.model("prefill-0")
+    for tokens, seconds in ((1500, 6.0), (2048, 8.0), (548, 2.0)):  # 3 steps: no fit (it needs 8)
+        m.observe(tokens, tokens * tokens, 0, 0, seconds)
+    assert m.prefill_s(2048) is None
+    prefill, _ = core._role_capacity([core.workers["prefill-0"]], [core.workers["decode-0"]])
+    assert prefill == (1500 + 2048 + 548) / 16.0
+    m.observe(1500, 1500 * 1500, 0, 0, 6.0)  # ... and none from a single step
+    assert core.admission.model("other").observed_prefill_rate() is None
