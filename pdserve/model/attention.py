@@ -38,10 +38,8 @@ class PrefillChunk:
     kv_rows: torch.Tensor | None  # [Hkv * num_ctx_blocks] block rows to read, None when start_pos == 0
     causal_mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool, None when start_pos == 0
     cold_slots: torch.Tensor | None = None  # long context: host tier slots of the oldest blocks (kv_rows: the rest)
-    # residual window (`residual_attention`): rows of the exact tokens the window holds of the chunk's first
-    # block, and which of the coded context, those and the chunk's own exact tokens each query reads
+    # residual window (`residual_attention`): rows of the exact tokens the window holds of the chunk's first block
     window_rows: torch.Tensor | None = None  # [E]
-    window_mask: torch.Tensor | None = None  # [q_len, ctx + E + q_len] bool
 
 
 @dataclass(frozen=True)
@@ -228,7 +226,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
             return merged.transpose(0, 1).reshape(q.shape[0], -1)
         kernels.used("prefill_window", "concat")  # the coded context, then the exact keys; the mask picks
         kh, vh = residual_attention.prefill_keys(residual, layer, codec, chunk.window_rows, kh, vh, k_exact, v_exact)
-        mask = chunk.window_mask
+        mask = residual_attention.concat_mask(chunk.start_pos, chunk.q_len, chunk.start_pos - chunk.window_rows.numel(),
+                                              residual.layers[layer].shape[3], q.device)
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
     return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)

@@ -72,14 +72,14 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
             sample_rows.append(len(ids) - 1)
     decodes = [c for c in chunks if _batched_decode(c)]
     decode_rows, decode_bias, decode_lens = _decode_tensors(decodes, layout, device, dtype)
-    residual, held = None, [(None, None)] * (len(chunks) - len(decodes))
+    residual, held = None, [None] * (len(chunks) - len(decodes))
     if window is not None:
         decode_len = 0 if decode_bias is None else decode_bias.shape[-1]
         residual, held = residual_attention.build(chunks, windows, window.layers, block_size, layout.num_kv_heads,
                                                   window.slots, len(decodes), decode_len, device)
     prefills, row = [], len(decodes)
-    for c, (rows, mask) in zip(chunks[len(decodes):], held):
-        prefills.append(_prefill_chunk(c, row, layout, device, rows, mask))
+    for c, rows in zip(chunks[len(decodes):], held):
+        prefills.append(_prefill_chunk(c, row, layout, device, rows))
         row += c.num_tokens
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
@@ -105,9 +105,9 @@ def _decode_tensors(decodes: list[ScheduledChunk], layout: CacheLayout, device: 
 
 
 def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: torch.device,
-                   window_rows: torch.Tensor | None = None, window_mask: torch.Tensor | None = None) -> PrefillChunk:
+                   window_rows: torch.Tensor | None = None) -> PrefillChunk:
     if c.start_pos == 0:
-        return PrefillChunk(row, c.num_tokens, 0, None, None, None, window_rows, window_mask)
+        return PrefillChunk(row, c.num_tokens, 0, None, None, None, window_rows)
     ctx = c.start_pos + c.num_tokens
     cold = len(c.cold_slots)
     num_blocks = -(-ctx // layout.block_size) - cold
@@ -115,5 +115,4 @@ def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: tor
     q_pos = torch.arange(c.start_pos, ctx)
     mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, ctx]: keys at or before the query
     cold_slots = torch.tensor(c.cold_slots, dtype=torch.long) if cold else None
-    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device), cold_slots, window_rows,
-                        window_mask)
+    return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device), cold_slots, window_rows)

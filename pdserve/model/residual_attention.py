@@ -31,8 +31,8 @@ class ResidualMeta:
 
 def build(chunks, windows, layers: list, block_size: int, num_kv: int, slots: int, num_decodes: int,
           decode_len: int, device: torch.device) -> tuple[ResidualMeta, list]:
-    """The step's `ResidualMeta` and, per prefill chunk (those after the `num_decodes` decodes), its
-    `(window rows [E], mask [q_len, ctx + E + q_len])` for `prefill_keys`. `chunks` in the step's token order,
+    """The step's `ResidualMeta` and, per prefill chunk (those after the `num_decodes` decodes), the window rows
+    [E] of the exact tokens of its first block that the window holds. `chunks` in the step's token order,
     `windows` their `ChunkWindow`s; `decode_len`: the decodes' padded context length L."""
     bs, total = block_size, sum(c.num_tokens for c in chunks)
     src, dst, row = [], [], 0
@@ -56,15 +56,20 @@ def build(chunks, windows, layers: list, block_size: int, num_kv: int, slots: in
     return meta, prefills
 
 
-def _prefill_window(c, w, bs: int, device: torch.device):
-    end = c.start_pos + c.num_tokens
-    q_pos = torch.arange(c.start_pos, end).unsqueeze(1)
+def _prefill_window(c, w, bs: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([w.slot * bs + p % bs for p in range(w.exact_from, c.start_pos)], dtype=torch.long,
+                        device=device)
+
+
+def concat_mask(start: int, q_len: int, exact_from: int, bs: int, device: torch.device) -> torch.Tensor:
+    """For `prefill_keys`: which of the coded context [0, end), then the exact keys [exact_from, end), each
+    query at start .. end - 1 reads -> [q_len, end + end - exact_from] bool."""
+    end = start + q_len
+    q_pos = torch.arange(start, end, device=device).unsqueeze(1)
     q_block = q_pos // bs * bs
-    coded = torch.arange(end).unsqueeze(0) < torch.clamp(q_block, min=w.exact_from)  # [q_len, ctx]
-    exact_pos = torch.arange(w.exact_from, end).unsqueeze(0)
-    exact = (exact_pos >= q_block) & (exact_pos <= q_pos)  # [q_len, E + q_len]
-    rows = torch.tensor([w.slot * bs + p % bs for p in range(w.exact_from, c.start_pos)], dtype=torch.long)
-    return rows.to(device), torch.cat([coded, exact], dim=1).to(device)
+    coded = torch.arange(end, device=device).unsqueeze(0) < torch.clamp(q_block, min=exact_from)
+    exact_pos = torch.arange(exact_from, end, device=device).unsqueeze(0)
+    return torch.cat([coded, (exact_pos >= q_block) & (exact_pos <= q_pos)], dim=1)
 
 
 def write_window(meta: ResidualMeta, layer: int, codec, rows_k: torch.Tensor, rows_v: torch.Tensor,
