@@ -17,6 +17,7 @@ drains (`Switch`), and once drained the driver replaces it with a worker of the 
 from __future__ import annotations
 
 from pdserve.cluster.actions import Count, Level, Switch
+from pdserve.core.role_planner import role_utilization
 
 
 class MembershipEvents:
@@ -144,10 +145,8 @@ def _levels(load, counts: dict) -> list:
     out = []
     for role, demand, capacity in (("prefill", load.prefill_tokens_s, load.prefill_capacity),
                                    ("decode", load.decode_tokens_s, load.decode_capacity)):
-        n = counts[role]
-        util = demand / (n * capacity) if n and capacity else 0.0
         out += [Level("role_demand", (("role", role),), demand), Level("role_capacity", (("role", role),), capacity),
-                Level("role_utilization", (("role", role),), util)]
+                Level("role_utilization", (("role", role),), role_utilization(demand, counts[role], capacity))]
     return out
 
 

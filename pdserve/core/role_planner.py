@@ -17,8 +17,9 @@ One model for `pdserve plan`, the simulator and the conductor (`--role-switching
   `hold_s` in a row (a passing burst moves nothing); a move that reverses the last one also waits
   `cooldown_s` after that one completed (a moved worker is out while it drains and reloads: flapping would cost
   more than it gains), while a second move the same way needs only its own hold and may start while the first
-  is under way — a load that shifted far is followed by several moves, not one worker per cooldown. The driver says when a move starts
-  (`started`: a role it could not move a worker to starts nothing) and when it completes (`moved`).
+  is under way — a load that shifted far is followed by several moves, not one worker per cooldown. The driver
+  says when a move starts (`started`: a role it could not move a worker to starts nothing) and when it
+  completes (`moved`).
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ class RoleLoad:
     decode_capacity: float  # output tokens/s one decode worker emits
 
 
+def role_utilization(demand: float, workers: int, capacity: float) -> float:
+    """One role's demand / (workers x capacity): 0 without demand, inf with demand and no worker (or capacity)."""
+    if demand <= 0:
+        return 0.0
+    return float("inf") if workers <= 0 or capacity <= 0 else demand / (workers * capacity)
+
+
 def utilization(load: RoleLoad, prefill: int, decode: int) -> float:
     """The busier role's utilization with `prefill` + `decode` workers (inf if a role with demand has none)."""
-    def util(demand: float, workers: int, capacity: float) -> float:
-        if demand <= 0:
-            return 0.0
-        return float("inf") if workers <= 0 or capacity <= 0 else demand / (workers * capacity)
-    return max(util(load.prefill_tokens_s, prefill, load.prefill_capacity),
-               util(load.decode_tokens_s, decode, load.decode_capacity))
+    return max(role_utilization(load.prefill_tokens_s, prefill, load.prefill_capacity),
+               role_utilization(load.decode_tokens_s, decode, load.decode_capacity))
 
 
 def best_split(workers: int, load: RoleLoad) -> int:

@@ -43,7 +43,7 @@ class ResidualWindow:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, slots: int,
                  device: torch.device) -> None:
-        self.block_size, self.slots, self.num_kv_heads = block_size, slots, num_kv_heads
+        self.block_size, self.slots = block_size, slots
         self.data = torch.zeros(num_layers, 2, num_kv_heads, slots, block_size, head_dim, dtype=torch.float16,
                                 device=device)
         self.layers = list(self.data.unbind(0))
