@@ -36,7 +36,7 @@ class PrefillChunk:
     q_len: int
     start_pos: int  # tokens already in the cache before this chunk (prefix hit or earlier chunks)
     kv_rows: torch.Tensor | None  # [Hkv * num_ctx_blocks] block rows to read, None when start_pos == 0
-    causal_mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool, None when start_pos == 0
+    causal_mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool (additive with a residual window), None at 0
     cold_slots: torch.Tensor | None = None  # long context: host tier slots of the oldest blocks (kv_rows: the rest)
     # residual window (`residual_attention`): rows of the exact tokens the window holds of the chunk's first block
     window_rows: torch.Tensor | None = None  # [E]

@@ -79,7 +79,7 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
                                                   window.slots, len(decodes), decode_len, device)
     prefills, row = [], len(decodes)
     for c, rows in zip(chunks[len(decodes):], held):
-        prefills.append(_prefill_chunk(c, row, layout, device, rows))
+        prefills.append(_prefill_chunk(c, row, layout, device, rows, dtype))
         row += c.num_tokens
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
@@ -105,7 +105,9 @@ def _decode_tensors(decodes: list[ScheduledChunk], layout: CacheLayout, device: 
 
 
 def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: torch.device,
-                   window_rows: torch.Tensor | None = None) -> PrefillChunk:
+                   window_rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> PrefillChunk:
+    """`window_rows`: with a residual window, whose flash kernel takes the causal mask additive (in `dtype`,
+    made once here rather than in every layer)."""
     if c.start_pos == 0:
         return PrefillChunk(row, c.num_tokens, 0, None, None, None, window_rows)
     ctx = c.start_pos + c.num_tokens
@@ -114,5 +116,7 @@ def _prefill_chunk(c: ScheduledChunk, row: int, layout: CacheLayout, device: tor
     rows = layout.block_rows(torch.tensor(c.block_ids[:num_blocks], dtype=torch.long))
     q_pos = torch.arange(c.start_pos, ctx)
     mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, ctx]: keys at or before the query
+    if window_rows is not None:
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
     cold_slots = torch.tensor(c.cold_slots, dtype=torch.long) if cold else None
     return PrefillChunk(row, c.num_tokens, c.start_pos, rows.to(device), mask.to(device), cold_slots, window_rows)

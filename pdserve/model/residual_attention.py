@@ -121,7 +121,7 @@ def prefill_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask
     num_kv = kh.shape[1]
     g = num_heads // num_kv
     kr, vr = (kh, vh) if g == 1 else (kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1))
-    if mask is not None:  # the kernel takes an additive mask of the query's dtype
+    if mask is not None and mask.dtype == torch.bool:  # the kernel takes an additive mask of the query's dtype
         mask = torch.zeros(mask.shape, dtype=qh.dtype, device=qh.device).masked_fill_(~mask, float("-inf"))
     out, lse = flash(qh, kr, vr, 0.0, mask is None, attn_mask=mask, scale=scale)  # all coded, causal
     bs = meta.layers[layer].shape[3]
