@@ -1,7 +1,9 @@
 """A Ray deployment (issue 17): `pdserve serve --cluster ray://ADDRESS` on a local two-node Ray cluster
-(`ray.cluster_utils.Cluster`): the workers are Ray actors spread over the nodes and join the gateway; a second
-prefill worker is added live and takes prompts; a worker whose process dies is started again by Ray and joins
-again under its name; a removed worker leaves without losing a request."""
+(`ray.cluster_utils.Cluster`): the gateway and the workers are Ray actors (the `pdserve serve` process only the
+driver), the workers join the gateway; a second prefill worker is added live and takes prompts; a worker whose
+process dies is started again by Ray and joins again under its name; a removed worker leaves without losing a
+request; a gateway whose process dies is started again by Ray, places its workers again and serves; the
+driver's SIGTERM ends every actor."""
 
 from __future__ import annotations
 
@@ -61,18 +63,35 @@ def _complete(server: Server, n: int, tokens: int = 8) -> list[int]:
         return list(pool.map(one, range(n)))
 
 
-def test_the_workers_are_ray_actors_on_the_cluster_and_serve(server, cluster):
+@pytest.fixture(scope="module")
+def ray_client(cluster):
+    ray.init(address=cluster.address, namespace="pdserve", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _actor_names(ray_client) -> list[str]:
+    return [a["name"] for a in ray_client.util.list_named_actors(all_namespaces=True) if a["namespace"] == "pdserve"]
+
+
+def _gateway_pid(ray_client) -> int:
+    """The pid the gateway's Ray actor reports (asked through Ray, not through the gateway's HTTP)."""
+    [name] = [n for n in _actor_names(ray_client) if n.endswith("-gateway")]
+    return ray_client.get(ray_client.get_actor(name, namespace="pdserve").pid.remote(), timeout=30)
+
+
+def test_the_gateway_and_the_workers_are_ray_actors_on_the_cluster_and_serve(server, ray_client):
     workers = _workers(server)
     assert {n: w["state"] for n, w in workers.items()} == {"prefill-0": "ready", "decode-0": "ready"}
     assert _complete(server, 3) == [8, 8, 8]
     assert server.metric("pdserve_kv_transfer_bytes_total", worker="decode-0") > 0  # over tcp between actors
     assert server.metric("pdserve_workers_joined_total") == 2
-    ray.init(address=cluster.address, namespace="pdserve", log_to_driver=False)
-    try:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "pdserve"]
-    finally:
-        ray.shutdown()
-    assert sorted(n.rsplit("-", 2)[-2] + "-" + n.rsplit("-", 1)[-1] for n in names) == ["decode-0", "prefill-0"]
+    names = _actor_names(ray_client)
+    assert sorted(n.rsplit("-", 2)[-2] + "-" + n.rsplit("-", 1)[-1] for n in names if not n.endswith("-gateway")) \
+        == ["decode-0", "prefill-0"]
+    gateway = httpx.get(server.url + "/health", timeout=10).json()["gateway"]["pid"]
+    assert gateway == _gateway_pid(ray_client) and gateway != server.proc.pid  # HTTP served by the actor
+    assert "(gateway and workers: Ray actors)" in server.output()
 
 
 def test_a_prefill_worker_added_live_takes_prompts_and_leaves_when_removed(server):
@@ -97,3 +116,29 @@ def test_a_worker_whose_process_dies_is_started_again_by_ray_and_joins_again(ser
           and _workers(server)["decode-0"]["state"] == "ready", 240, "decode-0 was not started again")
     assert _workers(server)["decode-0"]["restarts"] == before["restarts"] + 1
     assert _complete(server, 2) == [8, 8]
+
+
+def test_a_gateway_whose_process_dies_is_started_again_by_ray_and_serves(server, ray_client):
+    before = httpx.get(server.url + "/health", timeout=10).json()
+    os.kill(before["gateway"]["pid"], signal.SIGKILL)
+
+    def serving_again() -> bool:
+        try:
+            now = httpx.get(server.url + "/health", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return now.status_code == 200 and now.json()["gateway"]["pid"] != before["gateway"]["pid"]
+
+    _wait(serving_again, 300, "the gateway was not started again")
+    assert server.proc.poll() is None  # the driver waited through it
+    after = _workers(server)
+    assert {n: w["state"] for n, w in after.items()} == {"prefill-0": "ready", "decode-0": "ready"}
+    old = {w["name"]: w["pid"] for w in before["workers"] if w["state"] == "ready"}
+    assert all(after[n]["pid"] != pid for n, pid in old.items() if n in after)  # its workers were placed anew
+    assert _complete(server, 2) == [8, 8]
+    assert httpx.get(server.url + "/health", timeout=10).json()["gateway"]["pid"] == _gateway_pid(ray_client)
+
+
+def test_sigterm_to_the_driver_stops_the_gateway_and_ends_every_actor(server, ray_client):
+    assert server.stop(signal.SIGTERM, timeout_s=120) == 0
+    _wait(lambda: not _actor_names(ray_client), 60, f"actors left behind: {_actor_names(ray_client)}")

@@ -1,6 +1,6 @@
 """`pdserve serve --cluster ray[://ADDRESS]`: the workers placed on a Ray cluster as Ray actors.
 
-The gateway runs where `pdserve serve` runs (the Ray driver, on the node whose HTTP port clients reach) and
+The gateway (itself a Ray actor on the node whose HTTP port clients reach, `pdserve.server.launch_ray`)
 places one actor per worker (`WorkerActor`), spread over the cluster's nodes, each asking for its torch threads
 as CPUs and, when the cluster has GPUs, one GPU. An actor resolves the model on its own node, binds its sockets
 on its node's address, and joins the gateway as `pdserve worker --join` does (`pdserve.cluster.joined`): the
@@ -142,7 +142,6 @@ class RayWorkers:
         for actor in self.actors.values():
             self.ray.kill(actor, no_restart=True)
         self.actors.clear()
-        self.ray.shutdown()
 
     def _place(self, spec: WorkerSpec) -> str:
         if not spec.name:  # added live: the next number of its role

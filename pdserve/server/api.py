@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import time
 import uuid
 
@@ -156,10 +157,10 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
 
     @app.get("/health")
     async def health():
-        """{"status": ok | degraded | unavailable, "workers": [{name, role, pid, state, restarts}]}; 503 while
-        no decode-capable worker is ready (`pdserve.server.supervisor`)."""
+        """{"status": ok | degraded | unavailable, "workers": [{name, role, pid, state, restarts}],
+        "gateway": {"pid"}}; 503 while no decode-capable worker is ready (`pdserve.server.supervisor`)."""
         status, body = gateway.supervisor.health()
-        return JSONResponse(body, status_code=status)
+        return JSONResponse({**body, "gateway": {"pid": os.getpid()}}, status_code=status)
 
     @app.get("/metrics")
     async def metrics():

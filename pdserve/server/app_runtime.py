@@ -31,7 +31,9 @@ class StartupError(PdserveError):
     error_type = "server_error"
 
 
-async def run_gateway(cfg, procs, model_dir: str) -> int:
+async def run_gateway(cfg, procs, model_dir: str, stop: asyncio.Event | None = None, announce=None) -> int:
+    """Serve until SIGINT/SIGTERM (or `stop` is set: the gateway in a Ray actor); `announce(line)` says where
+    it serves once it does."""
     engine_fields = procs.engine
     ctx = zmq.asyncio.Context()
     events = ctx.socket(zmq.PULL)
@@ -67,9 +69,12 @@ async def run_gateway(cfg, procs, model_dir: str) -> int:
         supervisor = gateway.supervisor = Supervisor(
             conductor, procs, cfg.restart_workers, cfg.max_restarts, cfg.heartbeat_timeout_s, cfg.ready_timeout_s,
             plan_every_s=conductor.core.roles.interval_s if conductor.core.roles else None)
-        monitor = asyncio.create_task(_monitor(supervisor, server, cfg))
+        monitor = asyncio.create_task(_monitor(supervisor, server, cfg, announce or _say))
+        stopper = asyncio.create_task(_stop_when(stop, server)) if stop is not None else None
         await server.serve()
         monitor.cancel()
+        if stopper is not None:
+            stopper.cancel()
         return 0
     finally:
         for w in conductor.workers.values():
@@ -140,12 +145,21 @@ async def _wait_ready(conductor: Conductor, procs, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _monitor(supervisor: Supervisor, server: uvicorn.Server, cfg) -> None:
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+async def _stop_when(stop: asyncio.Event, server: uvicorn.Server) -> None:
+    await stop.wait()
+    server.should_exit = True  # as SIGTERM does: drain, then stop
+
+
+async def _monitor(supervisor: Supervisor, server: uvicorn.Server, cfg, announce) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     shape = (f"{cfg.prefill} prefill + {cfg.decode} decode, {cfg.transport}" if cfg.mode == "pd"
              else f"{cfg.instances} colocated")
     joins = (f"; workers join at tcp://{cfg.control_host or cfg.host}:{cfg.control_port}"
              if cfg.control_port is not None else "")
-    print(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}{joins}", flush=True)
+    announce(f"pdserve: serving {served_name(cfg)} ({shape}) at http://{cfg.host}:{cfg.port}{joins}")
     await supervisor.run(stopping=lambda: server.should_exit)

@@ -129,9 +129,10 @@ class ServeConfig:
     role_switch_cooldown_s: float = 120.0
     """--role-switching auto: no move that reverses the last one sooner than this after it completed."""
     cluster: str | None = None
-    """ray or ray://HOST:PORT: place the workers on a Ray cluster as Ray actors (RAY_ADDRESS or a new local
-    cluster; or the cluster whose GCS is at HOST:PORT), spread over its nodes, restarted by Ray, scaled live
-    with POST/DELETE /v1/cluster/workers; KV over tcp; default: worker processes on this host."""
+    """ray or ray://HOST:PORT: run the deployment on a Ray cluster (RAY_ADDRESS or a new local cluster; or the
+    cluster whose GCS is at HOST:PORT): the gateway as a Ray actor on this node, the workers as actors spread
+    over the nodes, both restarted by Ray, the workers scaled live with POST/DELETE /v1/cluster/workers; KV
+    over tcp; default: the gateway in this process, worker processes on this host."""
     otlp_endpoint: str | None = None
     """Export OpenTelemetry traces of requests (a span per phase: queue, prefill, transfer, decode; the
     client's `traceparent` continued) to this OTLP/HTTP collector, e.g. http://localhost:4318; default: off."""
@@ -337,9 +338,9 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
     check_port_free(cfg.host, cfg.port)
     api_keys(cfg)  # a bad keys file fails now, before any worker starts
     model_dir = resolve_model_dir(cfg.model, convert_in_child=True)  # a GGUF once, before any worker starts
-    if cfg.cluster is not None:
-        from pdserve.server.launch_ray import ray_config
-        cfg = ray_config(cfg)
+    if cfg.cluster is not None:  # the gateway and its workers as Ray actors
+        from pdserve.server.launch_ray import serve_on_ray
+        return serve_on_ray(cfg, engine, str(model_dir))
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -353,12 +354,7 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
 async def _serve(cfg: ServeConfig, engine: dict, model_dir: str, run_dir: str) -> int:
     from pdserve.server.app_runtime import run_gateway
 
-    specs = worker_specs(cfg, model_dir, engine, run_dir)
-    if cfg.cluster is not None:
-        from pdserve.server.launch_ray import ray_workers
-        procs = ray_workers(cfg, specs)
-    else:
-        procs = WorkerProcesses(specs, run_dir)
+    procs = WorkerProcesses(worker_specs(cfg, model_dir, engine, run_dir), run_dir)
     try:
         return await run_gateway(cfg, procs, model_dir)
     finally:
