@@ -127,3 +127,40 @@ def test_a_prefill_worker_without_a_fit_counts_for_its_observed_rate():
     assert prefill == (1500 + 2048 + 548) / 16.0
     m.observe(1500, 1500 * 1500, 0, 0, 6.0)  # ... and none from a single step
     assert core.admission.model("other").observed_prefill_rate() is None
+
+
+def test_a_move_is_weighed_with_what_it_costs_and_its_cost_is_measured():
+    """Outputs the load on 2P2D (decode at 1.5x its capacity, prefill idle): moving a prefill worker to decode
+    brings decode to 1.0. Counting the move's cost over the 300 s it must pay for itself in (decode stays at
+    1.5 while the worker drains and reloads), a 20 s move is worth it (mean 1.03 <= 0.75 x 1.5 = 1.125), a
+    150 s one is not (1.25)."""
+    load = RoleLoad(prefill_tokens_s=100, decode_tokens_s=6_000, prefill_capacity=100_000, decode_capacity=2_000)
+    quick, slow = RolePlanner(move_s=20.0), RolePlanner(move_s=150.0)
+    assert abs(quick.weighed(load, 2, 2, -1) - (20 * 1.5 + 280 * 1.0) / 300) < 1e-9
+    assert abs(slow.weighed(load, 2, 2, -1) - 1.25) < 1e-9
+
+    def decide(planner: RolePlanner) -> str | None:
+        for t in range(60):
+            planner.arrived(float(t), 100, 6000)  # 100 prompt tokens/s, 6,000 output tokens/s
+        return planner.decide(60.0, 2, 2, 100_000.0, 2_000.0)
+    assert decide(RolePlanner(hold_s=0, move_s=20.0)) == "decode"
+    assert decide(RolePlanner(hold_s=0, move_s=150.0)) is None  # the forecast would not repay it
+    # what a move takes is measured from its start to its end, and the planner's estimate follows it
+    planner = RolePlanner(move_s=20.0)
+    planner.started("decode", 100.0)
+    assert planner.moved(160.0) == 60.0 and planner.move_s == 40.0
+    planner.started("decode")  # a driver that gives no clock: nothing measured
+    assert planner.moved(200.0) is None and planner.move_s == 40.0
+
+
+def test_the_core_reports_each_completed_move_as_it_measured_it():
+    from pdserve.cluster.actions import Observe
+    from pdserve.cluster.admission import Admission
+    from pdserve.cluster.conductor_core import ConductorCore
+    from pdserve.cluster.routing import LeastLoaded
+    core = ConductorCore("pd", LeastLoaded(), admission=Admission(), role_planner=RolePlanner())
+    core.switching.append("decode")
+    core.roles.started("decode", 10.0)
+    actions = core.worker_joined("decode-1", "decode", 42.5)
+    assert Observe("role_move_seconds", (("role", "decode"),), 32.5) in actions
+    assert core.switching == [] and core.roles.move_s == 26.25

@@ -16,7 +16,7 @@ drains (`Switch`), and once drained the driver replaces it with a worker of the 
 
 from __future__ import annotations
 
-from pdserve.cluster.actions import Count, Level, Switch
+from pdserve.cluster.actions import Count, Level, Observe, Switch
 from pdserve.core.role_planner import role_utilization
 
 
@@ -28,11 +28,12 @@ class MembershipEvents:
         """A worker registered while the deployment runs (a name that left before may come back); one that
         completes a role switch lets the planner count its cooldown from now."""
         self.add_worker(name, role)
+        actions: list = [Count("workers_joined", (("role", role),))]
         if role in self.switching:
             self.switching.remove(role)
-            if self.roles is not None and now is not None:
-                self.roles.moved(now)
-        return [Count("workers_joined", (("role", role),))]
+            if self.roles is not None and now is not None and (took := self.roles.moved(now)) is not None:
+                actions.append(Observe("role_move_seconds", (("role", role),), took))
+        return actions
 
     def worker_leaving(self, name: str) -> list:
         """It will leave: no new work goes there; what it has, it finishes — except prompts routed to a prefill
@@ -88,7 +89,7 @@ class MembershipEvents:
         if len(other) < 2 or not source:
             return seen
         name = min(source, key=lambda w: (w.outstanding, w.name)).name
-        self.roles.started(to)
+        self.roles.started(to, now)
         self.worker_leaving(name)
         self.switching.append(to)
         return seen + [Switch(name, to), Count("role_switches", (("role", to),))]

@@ -13,8 +13,12 @@ One model for `pdserve plan`, the simulator and the conductor (`--role-switching
   utilization (demand / (workers x capacity));
 - **when to move one** (`RolePlanner.decide`): only while the busier role's forecast utilization is above
   `busy` (below it the deployment keeps up: a move would only cost), the best split differs from the current
-  one and moving one worker toward it lowers that utilization by at least `gain` (a share of it), for
-  `hold_s` in a row (a passing burst moves nothing); a move that reverses the last one also waits
+  one and moving one worker toward it lowers that utilization by at least `gain` (a share of it) **counting
+  what the move costs**: the moved worker serves neither role while it drains and reloads (`move_s`: a prior,
+  then the running mean of the moves measured from `started` to `moved`), so the utilization weighed is the
+  mean over `payback_s` (how long the forecast load is taken to last) of the utilization during the move (its
+  old role one worker short, its new one not yet helped) and after it — a move whose cost the forecast does
+  not repay (a slow reload, a small gain) is not made; for `hold_s` in a row (a passing burst moves nothing); a move that reverses the last one also waits
   `cooldown_s` after that one completed (a moved worker is out while it drains and reloads: flapping would cost
   more than it gains), while a second move the same way needs only its own hold and may start while the first
   is under way — a load that shifted far is followed by several moves, not one worker per cooldown. The driver
@@ -85,6 +89,8 @@ class RolePlanner:
     gain: float = 0.25  # a move must lower the busier role's utilization by this share of it
     hold_s: float = 30.0  # ... for this long in a row
     cooldown_s: float = 120.0  # and this long after the last move
+    payback_s: float = 300.0  # a move must pay for itself within this long (the forecast load taken to last)
+    move_s: float = 20.0  # what a move takes (drain + reload): this prior, then the mean of measured moves
     prompt: Holt = field(default_factory=Holt)
     output: Holt = field(default_factory=Holt)
     _bucket_start: float | None = None
@@ -94,6 +100,7 @@ class RolePlanner:
     _last_role: str | None = None  # the role the last move went to
     output_share: float = 1.0  # of the output tokens requested (max_tokens), the share requests produce
     view: RoleLoad | None = None  # the load `decide` weighed last (demand with backlog, capacities)
+    _moves: list = field(default_factory=list)  # when the moves under way started
 
     def arrived(self, now: float, prompt_tokens: int, max_tokens: int) -> None:
         """A request arrived: its prompt tokens to compute, and the output tokens it will likely ask for (its
@@ -127,8 +134,8 @@ class RolePlanner:
         target = best_split(prefill + decode, load)
         step = 0 if target == prefill else (1 if target > prefill else -1)
         now_util = utilization(load, prefill, decode)
-        moved_util = utilization(load, prefill + step, decode - step)
-        worth = step != 0 and now_util >= self.busy and moved_util <= (1 - self.gain) * now_util
+        worth = step != 0 and now_util >= self.busy and self.weighed(load, prefill, decode, step) <= (
+            1 - self.gain) * now_util
         if not worth:
             self._wanted_since = None
             return None
@@ -140,13 +147,33 @@ class RolePlanner:
             return None
         return role
 
-    def started(self, role: str) -> None:
-        """The driver moves a worker to `role` (what `decide` said): the next move is held again from scratch."""
-        self._wanted_since, self._last_role = None, role
+    def weighed(self, load: RoleLoad, prefill: int, decode: int, step: int) -> float:
+        """The busier role's mean utilization over `payback_s` if one worker moves (`step` +1: decode -> prefill,
+        -1: prefill -> decode): for `move_s` its old role is one short and its new one not yet helped, then the
+        new split."""
+        during = utilization(load, prefill - (step < 0), decode - (step > 0))
+        after = utilization(load, prefill + step, decode - step)
+        cost = min(self.move_s, self.payback_s)
+        if cost <= 0:
+            return after
+        return (cost * during + (self.payback_s - cost) * after) / self.payback_s
 
-    def moved(self, now: float) -> None:
-        """A move completed (the worker serves in its new role): a move back waits `cooldown_s` from now."""
+    def started(self, role: str, now: float | None = None) -> None:
+        """The driver moves a worker to `role` (what `decide` said): the next move is held again from scratch;
+        `now` starts the clock of what the move takes."""
+        self._wanted_since, self._last_role = None, role
+        if now is not None:
+            self._moves.append(now)
+
+    def moved(self, now: float) -> float | None:
+        """A move completed (the worker serves in its new role): a move back waits `cooldown_s` from now; ->
+        how long it took (from its `started`), which `move_s` follows (the mean of the last few)."""
         self._last_move_s = now
+        if not self._moves:
+            return None
+        took = now - self._moves.pop(0)
+        self.move_s += 0.5 * (took - self.move_s)
+        return took
 
     def _roll(self, now: float) -> None:
         if self._bucket_start is None:

@@ -170,6 +170,10 @@ class Metrics:
                                     ["role", "how"], registry=r)
         self.role_switches = Counter("pdserve_role_switches", "Workers the role planner moved to another role "
                                      "(--role-switching auto), by the role they moved to", ["role"], registry=r)
+        self.role_move_seconds = Histogram("pdserve_role_move_seconds", "Role moves, from the planner's decision "
+                                           "(the worker drains) until a worker serves in the new role, by that "
+                                           "role: what the planner weighs a move's cost by", ["role"],
+                                           buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r)
         self.role_demand = Gauge("pdserve_role_demand_tokens_per_second", "The role planner's forecast demand "
                                  "(--role-switching auto): prompt tokens/s to compute, output tokens/s to emit, "
                                  "the backlog to clear within its horizon included", ["role"], registry=r)

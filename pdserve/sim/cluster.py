@@ -173,7 +173,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     conductor.attach(engines, port_bw)
     if spec.role_switching == "auto":
         # a move costs an engine for its drain and `role_switch_s`: no second one sooner than 3 x that
-        conductor.core.roles = RolePlanner(interval_s=5.0, hold_s=15.0, cooldown_s=max(3 * spec.role_switch_s, 30.0))
+        conductor.core.roles = RolePlanner(interval_s=5.0, hold_s=15.0, cooldown_s=max(3 * spec.role_switch_s, 30.0),
+                                           move_s=spec.role_switch_s)
         conductor.roles = SimRoleSwitching(conductor, make_engine, switch_s=spec.role_switch_s)
         conductor.roles.start()
     return loop, conductor, [e for es in engines.values() for e in es]
