@@ -70,7 +70,8 @@ class PlannerView(threading.Thread):
         while not self._done.wait(self.every_s):
             view: dict = {}
             for (name, labels), value in self.server.metrics().items():
-                if name.startswith("pdserve_role_") and not name.startswith("pdserve_role_switches"):
+                if name.startswith("pdserve_role_") and not name.startswith(("pdserve_role_switches",
+                                                                             "pdserve_role_move_seconds")):
                     view.setdefault(name.removeprefix("pdserve_role_"), {})[dict(labels).get("role")] = round(value, 2)
             if view:
                 self.samples.append([round(time.monotonic() - start, 1), view])
@@ -119,8 +120,11 @@ def main() -> int:
                 sampler = PlannerView(server)
                 records, duration = asyncio.run(run_load(server.url, plan))
                 sampler.stop()
-                moves = {dict(lab).get("role"): v for (n, lab), v in server.metrics().items()
-                         if n == "pdserve_role_switches_total"}
+                seen = server.metrics()
+                moves = {dict(lab).get("role"): v for (n, lab), v in seen.items() if n == "pdserve_role_switches_total"}
+                took = {dict(lab)["role"]: v for (n, lab), v in seen.items() if n == "pdserve_role_move_seconds_sum"}
+                move_s = {role: round(t / seen[("pdserve_role_move_seconds_count", (("role", role),))], 1)
+                          for role, t in took.items() if seen.get(("pdserve_role_move_seconds_count", (("role", role),)))}
                 rss = peak_rss_gb(server.proc.pid)
             finally:
                 server.stop()
@@ -129,12 +133,12 @@ def main() -> int:
             rows.append({"start": f"{p}P{3 - p}D", "role_switching": switching, "attainment": att,
                          "goodput_rps": att * s["num_requests"] / duration, "duration_s": duration,
                          "errors": s["num_errors"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves, "peak_rss_gb": rss,
+                         "ttft_p90_ms": s["ttft_ms"]["p90"], "moves": moves, "move_s": move_s, "peak_rss_gb": rss,
                          "planner": sampler.samples})
             r = rows[-1]
             print(f"{r['start']} {switching:>4}  attainment {att:.1%}  goodput {r['goodput_rps']:.3f}/s  run "
                   f"{duration:.0f} s  errors {r['errors']}  TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s p90 "
-                  f"{r['ttft_p90_ms'] / 1e3:.1f} s  moves {moves}  peak RSS {rss}", flush=True)
+                  f"{r['ttft_p90_ms'] / 1e3:.1f} s  moves {moves} (mean s per move {move_s})  peak RSS {rss}", flush=True)
     out = Path("bench_results")
     out.mkdir(exist_ok=True)
     (out / "role_switching_serve.json").write_text(json.dumps({"args": vars(args), "requests": len(plan),

@@ -161,6 +161,18 @@ def test_the_core_reports_each_completed_move_as_it_measured_it():
     core = ConductorCore("pd", LeastLoaded(), admission=Admission(), role_planner=RolePlanner())
     core.switching.append("decode")
     core.roles.started("decode", 10.0)
-    actions = core.worker_joined("decode-1", "decode", 42.5)
+    actions = core.worker_joined("decode-1", "decode", 42.5)  # a worker that joins is loaded: the move is done
     assert Observe("role_move_seconds", (("role", "decode"),), 32.5) in actions
     assert core.switching == [] and core.roles.move_s == 26.25
+    # a replacement the gateway starts is still loading its model: the move completes at its `ready`
+    core.switching.append("prefill")
+    core.roles.started("prefill", 100.0)
+    started = core.worker_joined("prefill-1", "prefill", 104.0, loaded=False)
+    assert not any(isinstance(a, Observe) for a in started) and core.switching == ["prefill"]
+    ready = core.worker_ready("prefill-1", {}, 118.0)
+    assert Observe("role_move_seconds", (("role", "prefill"),), 18.0) in ready and core.switching == []
+    # one that dies for good before it serves calls its move off (a reversal need not wait for it)
+    core.switching.append("decode")
+    core.worker_joined("decode-2", "decode", 200.0, loaded=False)
+    core.worker_died("decode-2", 205.0, "exited", restarting=False)
+    assert core.switching == [] and core.arriving == {}

@@ -139,8 +139,8 @@ class Conductor:
 
     def replace_worker(self, name: str, role: str, cmd_addr: str) -> None:
         """A worker started in place of one that switched roles: routed to once its `ready` comes."""
-        actions = self.core.worker_joined(name, role, self.clock())
-        self.core.workers[name].alive = False  # (its `ready` makes it alive: `worker_ready`)
+        actions = self.core.worker_joined(name, role, self.clock(), loaded=False)
+        self.core.workers[name].alive = False  # (its `ready` makes it alive and completes the move: `worker_ready`)
         self.workers[name] = WorkerHandle(self.core.workers[name], self._connect(cmd_addr))
         self._act(actions)
 
@@ -313,7 +313,7 @@ class Conductor:
                 self._act(self.core.checkpointed(rid, worker.name, tokens))
         elif kind == "ready":
             worker.info = event
-            self._act(self.core.worker_ready(worker.name, event))
+            self._act(self.core.worker_ready(worker.name, event, self.clock()))
         elif kind == "leaving":
             self._act(self.core.worker_leaving(worker.name))
         elif kind == "left":

@@ -105,6 +105,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         self.roles = role_planner  # --role-switching auto: a `pdserve.core.role_planner.RolePlanner`
         self.batch_room: dict[str, tuple[int, int]] = {}  # worker -> (max_num_seqs, KV pool tokens)
         self.switching: list[str] = []  # roles a moving worker's replacement will take (role switching)
+        self.arriving: dict[str, str] = {}  # replacements started and loading -> their role (their move is on)
         self.tiers = tiers or ServiceTiers()
         self.admission = admission
         self.block_size = block_size
@@ -129,8 +130,10 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def role(self, role: str) -> list[WorkerLoad]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def worker_ready(self, name: str, info: dict) -> list:
-        """Its `ready` event: at start, or once restarted after a death (it takes work again, from scratch)."""
+    def worker_ready(self, name: str, info: dict, now: float | None = None) -> list:
+        """Its `ready` event: at start, or once restarted after a death (it takes work again, from scratch); a
+        replacement's completes its role move."""
+        moved = self._move_done(self.arriving.pop(name), now) if name in self.arriving else []
         load = self.workers[name]
         if not load.alive:
             load.alive, load.stalled, load.outstanding = True, False, 0
@@ -143,7 +146,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         self.stage.worker_ready(name, info)
         if self.admission is not None:
             self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
-        return self._adopt_orphans() if self.orphans else []
+        return moved + (self._adopt_orphans() if self.orphans else [])
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
         """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];

@@ -24,16 +24,25 @@ class MembershipEvents:
     """Mixed into `ConductorCore` (which provides `workers`, `flights`, `hot`, `stage`, `orphans`,
     `add_worker`, `_migrate`, `_recover`, `_route`, `_fail_orphans`)."""
 
-    def worker_joined(self, name: str, role: str, now: float | None = None) -> list:
-        """A worker registered while the deployment runs (a name that left before may come back); one that
-        completes a role switch lets the planner count its cooldown from now."""
+    def worker_joined(self, name: str, role: str, now: float | None = None, loaded: bool = True) -> list:
+        """A worker registered while the deployment runs (a name that left before may come back). One that
+        takes a moving worker's place completes the move once it serves: now if it joined `loaded` (a worker
+        that joins says so once its model is loaded), else at its `ready` (a replacement the gateway just
+        started); the planner counts its cooldown, and learns what the move took, from then."""
         self.add_worker(name, role)
         actions: list = [Count("workers_joined", (("role", role),))]
-        if role in self.switching:
-            self.switching.remove(role)
-            if self.roles is not None and now is not None and (took := self.roles.moved(now)) is not None:
-                actions.append(Observe("role_move_seconds", (("role", role),), took))
+        if role in self.switching and name not in self.arriving:
+            if loaded:
+                actions += self._move_done(role, now)
+            else:
+                self.arriving[name] = role
         return actions
+
+    def _move_done(self, role: str, now: float | None) -> list:
+        self.switching.remove(role)
+        if self.roles is not None and now is not None and (took := self.roles.moved(now)) is not None:
+            return [Observe("role_move_seconds", (("role", role),), took)]
+        return []
 
     def worker_leaving(self, name: str) -> list:
         """It will leave: no new work goes there; what it has, it finishes — except prompts routed to a prefill
@@ -126,6 +135,8 @@ class MembershipEvents:
         load = self.workers[name]
         load.alive = False
         actions: list = []
+        if not restarting and name in self.arriving:  # a replacement that never served: its move is off
+            self.switching.remove(self.arriving.pop(name))
         for rid in self.hot.worker_gone(name) if self.hot is not None else ():
             self.stage.done(name, rid)
         for f in list(self.flights.values()):
