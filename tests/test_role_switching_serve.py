@@ -56,6 +56,11 @@ def test_an_output_heavy_load_moves_a_prefill_worker_to_decode_losing_nothing():
             time.sleep(0.5)
         assert states.get("decode-1") == "ready" and list(states.values()).count("left") == 1, states
         assert server.metric("pdserve_workers_left_total", how="drained") == 1
+        # the move measured from the decision to the new worker serving (its process start and model load in it)
+        assert server.metric("pdserve_role_move_seconds_count", role="decode") == 1
+        # (a new worker process imports torch and loads the model: never under a second here; counted from its
+        # spawn instead, a move whose drain is quick measured 0.4-0.6 s)
+        assert server.metric("pdserve_role_move_seconds_sum", role="decode") > 1.0, server.output()[-3000:]
         assert server.metric("pdserve_worker_deaths_total") == 0
         before = len(out)
         more = [threading.Thread(target=one, args=(before + i,)) for i in range(6)]  # at once: both decode workers
