@@ -179,6 +179,28 @@ def test_simulated_port_order_and_landing_estimate(mode):
             assert landed == pytest.approx({expedite: 1.0, other: 2.0})
 
 
+def test_a_transfers_next_chunk_rides_its_flow_in_order_behind_what_it_has_produced():
+    """A 200 B/s port: 300 bytes produced over 1 s leave 100 queued at t = 1; the next chunk, 100 bytes
+    produced over 2 s, joins that flow (one flow per transfer). Its queued bytes go first at the port's rate,
+    then it is held to its production: caught up at t = 1.667 (100 queued + 25 produced sent by t = 1.5),
+    landing with the last byte produced at t = 3 — as the landing estimate says."""
+    loop, links = _links("scheduled")
+    port = links.link("p", 200.0)
+    landed = []
+    flow = links.start((port,), 300.0, 1.0, lambda: landed.append(loop.now))
+    loop.at(1.0, lambda: None)
+    loop.run(1.0)
+    assert links.queued_bytes(port, {"default"}) == pytest.approx(100.0)
+    assert links.extend(flow, 100.0, 2.0) and len(links.flows) == 1
+    eta = links.eta([flow], expedite=False)
+    loop.at(1.5, lambda: None)
+    loop.run(1.5)
+    assert links.queued_bytes(port, {"default"}) == pytest.approx(100.0)  # 200 - 100 sent in 0.5 s
+    loop.run(100.0)
+    assert landed == pytest.approx([3.0]) and 1.0 + eta == pytest.approx(3.0)
+    assert not links.extend(flow, 10.0, 0.1)  # landed: the next chunk starts a flow of its own
+
+
 def test_a_landing_estimate_moves_when_another_transfer_becomes_due_and_is_exact_again():
     """A due default transfer has the port to itself; a priority one made due later takes its share: the
     first estimate (made when it alone was due) is early, the re-estimate (`expedite=False`: its place in

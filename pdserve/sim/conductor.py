@@ -308,11 +308,18 @@ class SimConductor(EngineHooks):
             nbytes = (stop - first) * self.block_bytes
             if end % bs and not final and stop > end // bs:
                 f.superseded += self.block_bytes
-            f.flows += 1
             self.life.bytes_sent += nbytes
             ports = (self.ports[p.name], self.ports[f.decode.name])
-            flow = self.links.start(ports, nbytes, duration_s, lambda: self._landed(f, nbytes), f.tier, f.deadline_s)
+            last = f.in_air[-1] if f.in_air else None  # the transfer's flow still in the air takes the chunk
+            if last is not None and last.links == ports and self.links.extend(last, nbytes, duration_s):
+                f.next_block = max(f.next_block, end // bs)
+                return
+            f.flows += 1
+            sent: list = []
+            flow = self.links.start(ports, nbytes, duration_s, lambda: self._landed(f, sent[0].nbytes if sent else nbytes),
+                                    f.tier, f.deadline_s)
             if flow is not None:
+                sent.append(flow)
                 f.in_air.append(flow)
         f.next_block = max(f.next_block, end // bs)
 

@@ -5,7 +5,10 @@ engine's ingress. A flow crosses both ports of its pair; each port splits its ba
 flows by the delivery policy (`pdserve.core.delivery.DeliveryPolicy.rates`, the code the real sender orders
 its chunks by: `fifo` equally, `scheduled` by service tier share and earliest deadline), and a flow runs at
 the smaller of its two allocations. While its data is still being produced (layer-by-layer push during a
-prefill step), a flow is also capped at the production rate, so it cannot finish before the step does.
+prefill step), a flow that has caught up with its production is also capped at the production rate, so it
+cannot finish before the step does. A transfer's next chunk joins its flow still in the air (`extend`), as
+the real sender queues a transfer's chunks in order: a link carries one flow per transfer, not one per
+prefill step (production paced to a link's headroom cuts prompts into many small chunks).
 Rates are recomputed whenever a flow starts or ends; the loop gets one wake-up for the earliest completion
 or cap change. A finished flow's callback runs `latency_s` later.
 """
@@ -80,6 +83,22 @@ class LinkModel:
         self._reschedule(now)
         return flow
 
+    def extend(self, flow: Flow, nbytes: float, produce_s: float) -> bool:
+        """`nbytes` more for `flow`, produced evenly over the next `produce_s` seconds, after what it still
+        has to send; False if it has landed (start a new one)."""
+        if flow not in self.flows:
+            return False
+        now = self.loop.now
+        self._advance(now)
+        unproduced = flow.cap_rate * (flow.cap_until - now) if now < flow.cap_until else 0.0
+        flow.nbytes += nbytes
+        flow.remaining += nbytes
+        flow.item.nbytes += nbytes
+        flow.cap_rate = (unproduced + nbytes) / produce_s if produce_s > 0 else float("inf")
+        flow.cap_until = now + produce_s
+        self._reschedule(now)
+        return True
+
     def _advance(self, now: float) -> None:
         dt = now - self._last
         if dt > 0:
@@ -106,11 +125,12 @@ class LinkModel:
             self.loop.at(now + self.latency_s, flow.on_done, prio=MESSAGE)
         self._reschedule(now)
 
-    def _rates(self, flows, now: float) -> dict[Flow, float]:
+    def _rates(self, flows, now: float, remaining: dict | None = None) -> dict[Flow, float]:
         """Each flow's rate now: the smaller of its allocations at its links (the delivery policy's). A flow
         held back at one of its links leaves the rest of its allocation at the other to the next flows: the
-        allocation is repeated with each flow capped by what its other link gave it, a few rounds."""
-        prod = {f: (f.cap_rate if now < f.cap_until else float("inf")) for f in flows}
+        allocation is repeated with each flow capped by what its other link gave it, a few rounds.
+        `remaining`: bytes left per flow, if not the flows' own (a look ahead)."""
+        prod = {f: production_cap(f, f.remaining if remaining is None else remaining[f], now) for f in flows}
         links = list(dict.fromkeys(link for flow in flows for link in flow.links))
         given: dict = {}  # (flow, link) -> allocation
         for _ in range(ALLOCATION_ROUNDS if len(links) > 1 else 1):
@@ -133,11 +153,12 @@ class LinkModel:
         rates = self._rates(self.flows, now)
         for flow in self.flows:
             flow.rate = rates[flow]
-            flow.limit = flow.cap_rate if now < flow.cap_until else float("inf")
+            flow.limit = production_cap(flow, flow.remaining, now)
             if flow.rate > 0:
                 nxt = min(nxt, now + max(flow.remaining, 0.0) / flow.rate)
             if now < flow.cap_until:
-                nxt = min(nxt, flow.cap_until)  # its cap lifts then: the allocation may change
+                nxt = min(nxt, flow.cap_until, now + catch_up_s(flow, flow.remaining, flow.rate, now))
+                # (its cap lifts then, or it has caught up with its production: the allocation may change)
         self._current = next(self._version)
         if nxt < float("inf"):
             self.loop.at(max(nxt, now), self._wake, self._current, prio=MESSAGE)
@@ -160,9 +181,10 @@ class LinkModel:
         waiting = [f for f in targets if f in left]
         t = now
         while waiting:
-            rates = self._rates(list(left), t)
+            rates = self._rates(list(left), t, left)
             dt = min([left[f] / r for f, r in rates.items() if r > 0]
-                     + [f.cap_until - t for f in left if f.cap_until > t], default=float("inf"))
+                     + [min(f.cap_until - t, catch_up_s(f, left[f], rates[f], t)) for f in left if f.cap_until > t],
+                     default=float("inf"))
             if dt == float("inf"):
                 break
             t += dt
@@ -185,6 +207,24 @@ class LinkModel:
                                   "effective_utilization": link.bytes / (link.bandwidth * link.busy_s)
                                   if link.busy_s else 0.0}
         return out
+
+
+def production_cap(f: Flow, remaining: float, now: float) -> float:
+    """The most bytes/s `f` can send now: its production rate once it has caught up with its production
+    (nothing it has left is produced yet), else unbounded (produced bytes wait)."""
+    if now >= f.cap_until:
+        return float("inf")
+    unproduced = f.cap_rate * (f.cap_until - now)
+    return f.cap_rate if remaining <= unproduced * (1 + 1e-9) + 1e-6 else float("inf")
+
+
+def catch_up_s(f: Flow, remaining: float, rate: float, now: float) -> float:
+    """Seconds until `f`, sending at `rate` with produced bytes waiting, has caught up with its production
+    (inf if it is production-bound already or never catches up)."""
+    ahead = remaining - f.cap_rate * (f.cap_until - now)
+    if ahead <= 1e-6 or rate <= f.cap_rate:
+        return float("inf")
+    return ahead / (rate - f.cap_rate)
 
 
 class LandingWatch:
