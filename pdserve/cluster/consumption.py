@@ -12,9 +12,12 @@ first token when it settles the transfer, then steps).
 * When the prefill worker reports the prompt prefilled, with its link's estimate of when the transfer's
   last queued chunk will have gone (`landing_in_s`: the bytes the delivery policy sends before it, at the
   link's rate; `pdserve.core.delivery.LinkQueue.bytes_until`): that landing time + the decode worker's
-  consumption tail for the transfer's service tier (the median of its recent first consumption - landing of
-  that tier: the wait for its next step boundary, and for a flex request also for room in the batch; the
-  decode worker's median over all tiers until a tier has TIER_SAMPLES of its own).
+  consumption tail for the transfer's service tier (from its recent first consumption - landing of that
+  tier: the wait for its next step boundary, and for a flex request also for room in the batch; the decode
+  worker's over all tiers until a tier has TIER_SAMPLES of its own). The tail taken is the centre of the
+  window of +-`CONSUME_TOLERANCE_S` that holds the most recent tails, not their median: tails are uniform
+  over a decode step while the worker is busy and 0 when a transfer lands on an idle one, and the median of
+  such a mix can sit at the edge of the busy spread.
 * Again whenever the prefill worker's link re-estimates that landing by more than `RELAND_S`
   (`pdserve.core.delivery`): another transfer became due on the link and takes its tier's share of it
   (`ConductorCore.relanded`; the real worker's `PrefillSide.relanded`, the simulator's `_reland`).
@@ -72,11 +75,22 @@ class ConsumptionPredictor:
             p.at_prefilled_s = p.final_s
 
     def consumed(self, p: Prediction, decoder: str, at_s: float) -> None:
-        """Learn the decode worker's consumption tail from a transfer that landed: the median of its recent
-        ones (a few transfers that waited long must not move every prediction)."""
+        """Learn the decode worker's consumption tail from a transfer that landed: the densest centre of its
+        recent ones (a few transfers that waited long must not move every prediction)."""
         if p.landed_s is None:
             return
         for key in (decoder, (decoder, p.tier)):
             recent = self.samples.setdefault(key, deque(maxlen=TAIL_SAMPLES))
             recent.append(max(at_s - p.landed_s, 0.0))
-            self.tail[key] = float(np.median(recent))
+            self.tail[key] = densest_centre(recent, CONSUME_TOLERANCE_S)
+
+
+def densest_centre(samples, tolerance: float) -> float:
+    """The centre of the window of +-`tolerance` that holds the most `samples` (of such windows, the one whose
+    samples are closest to its centre): the point estimate most often within `tolerance` of them."""
+    xs = np.sort(np.fromiter(samples, dtype=float))
+    ends = np.searchsorted(xs, xs + 2 * tolerance, side="right")  # window [xs[i], xs[i] + 2 tol]
+    counts = ends - np.arange(len(xs))
+    best = np.flatnonzero(counts == counts.max())
+    spans = [(xs[i] + xs[ends[i] - 1]) / 2 for i in best]
+    return float(min(spans, key=lambda c: float(np.abs(xs - c).sum())))

@@ -338,7 +338,11 @@ class SimConductor(EngineHooks):
     def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:
         """As the real prefill worker (`PrefillSide.relanded`): `f` became due on this engine's link; the
         other prefilled transfers in the air there whose landing estimate moved are reported again."""
-        for rid, eta in self.landings.moved(engine.name, f, landing, now):
+        others = [e for e in self.landings.sharing(f) if e != engine.name]
+        moved = self.landings.moved(engine.name, f, landing, now)
+        for name in others:
+            moved += self.landings.recheck(name, now)
+        for rid, eta in moved:
             self._act(self._core("relanded", rid, now + self.control_s, eta - self.control_s))
 
     def _consumed(self, f: Flight, start_s: float) -> None:

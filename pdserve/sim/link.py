@@ -215,21 +215,29 @@ def production_cap(f: Flow, remaining: float, now: float) -> float:
     if now >= f.cap_until:
         return float("inf")
     unproduced = f.cap_rate * (f.cap_until - now)
-    return f.cap_rate if remaining <= unproduced * (1 + 1e-9) + 1e-6 else float("inf")
+    return f.cap_rate if remaining - unproduced <= _slack(f) else float("inf")
+
+
+def _slack(f: Flow) -> float:
+    """Bytes of a flow's lead over its production taken as caught up (float noise of its byte counts: a
+    tighter test makes ever smaller catch-up wake-ups that never arrive)."""
+    return 1e-6 * f.nbytes + 1.0
 
 
 def catch_up_s(f: Flow, remaining: float, rate: float, now: float) -> float:
     """Seconds until `f`, sending at `rate` with produced bytes waiting, has caught up with its production
     (inf if it is production-bound already or never catches up)."""
     ahead = remaining - f.cap_rate * (f.cap_until - now)
-    if ahead <= 1e-6 or rate <= f.cap_rate:
+    if ahead <= _slack(f) or rate <= f.cap_rate:
         return float("inf")
     return ahead / (rate - f.cap_rate)
 
 
 class LandingWatch:
     """Per prefill engine, its prefilled transfers still in the air and the landing time last reported for
-    each (as the real `PrefillSide.landings`): which estimates moved when another transfer became due."""
+    each (as the real `PrefillSide.landings`): which estimates moved when another transfer became due — on
+    its own link, or on a decode engine's port it shares with another prefill engine's transfers (a real
+    sender sees that as its link's measured rate dropping)."""
 
     def __init__(self, links: LinkModel) -> None:
         self.links = links
@@ -238,6 +246,20 @@ class LandingWatch:
     def moved(self, engine: str, f, landing: float, now: float) -> list[tuple[str, float]]:
         """`f` (a flight with `in_air` flows) was prefilled now, landing in `landing` s: [(rid, new ETA)] of
         the others on `engine`'s link whose landing moved by more than `RELAND_S`."""
+        out = self.recheck(engine, now)
+        if f.in_air:
+            self.soon[engine][f.rid] = (f, now + landing)
+        return out
+
+    def sharing(self, f) -> list[str]:
+        """The other prefill engines with prefilled transfers in the air over a port of `f`'s flows."""
+        ports = {link for fl in f.in_air for link in fl.links}
+        return [e for e, soon in self.soon.items() if soon and any(
+            link in ports for g, _ in soon.values() if g is not f for fl in g.in_air for link in fl.links)]
+
+    def recheck(self, engine: str, now: float) -> list[tuple[str, float]]:
+        """[(rid, new ETA)] of `engine`'s prefilled transfers in the air whose landing moved by more than
+        `RELAND_S` since last reported."""
         soon, out = self.soon.setdefault(engine, {}), []
         for rid, (g, last) in list(soon.items()):
             g.in_air = [fl for fl in g.in_air if fl in self.links.flows]
@@ -248,6 +270,4 @@ class LandingWatch:
             if abs(now + eta - last) > RELAND_S:
                 soon[rid] = (g, now + eta)
                 out.append((rid, eta))
-        if f.in_air:
-            soon[f.rid] = (f, now + landing)
         return out
