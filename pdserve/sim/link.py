@@ -252,7 +252,7 @@ class LandingWatch:
         return out
 
     def sharing(self, f) -> list[str]:
-        """The other prefill engines with prefilled transfers in the air over a port of `f`'s flows."""
+        """The prefill engines with other prefilled transfers in the air over a port of `f`'s flows."""
         ports = {link for fl in f.in_air for link in fl.links}
         return [e for e, soon in self.soon.items() if soon and any(
             link in ports for g, _ in soon.values() if g is not f for fl in g.in_air for link in fl.links)]
