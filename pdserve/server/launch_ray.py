@@ -113,8 +113,11 @@ def _wait(ray, gateway, cfg) -> int:
                 said = None
         return _result(ray, served)
     except KeyboardInterrupt:
-        ray.get(gateway.stop.remote(), timeout=30)
-        ready = ray.wait([served], timeout=cfg.drain_timeout_s + 30)[0]
+        try:
+            ray.get(gateway.stop.remote(), timeout=30)
+            ready = ray.wait([served], timeout=cfg.drain_timeout_s + 30)[0]
+        except ray.exceptions.RayError:  # the gateway died meanwhile: nothing left to drain
+            ready = []
         ray.kill(gateway, no_restart=True)
         return _result(ray, served) if ready else 1
 
@@ -126,7 +129,8 @@ def _result(ray, served) -> int:
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, PdserveError):
             raise e.cause from None
-        raise
+        raise GatewayLost(f"the gateway failed: {e.cause!r} (its traceback is in the Ray logs of the gateway "
+                          f"actor)") from None
     except ray.exceptions.RayActorError as e:
         raise GatewayLost(f"the gateway's Ray actor died and was not started again: {e}") from None
 
