@@ -18,12 +18,12 @@ One model for `pdserve plan`, the simulator and the conductor (`--role-switching
   then the running mean of the moves measured from `started` to `moved`), so the utilization weighed is the
   mean over `payback_s` (how long the forecast load is taken to last) of the utilization during the move (its
   old role one worker short, its new one not yet helped) and after it — a move whose cost the forecast does
-  not repay (a slow reload, a small gain) is not made; for `hold_s` in a row (a passing burst moves nothing); a move that reverses the last one also waits
-  `cooldown_s` after that one completed (a moved worker is out while it drains and reloads: flapping would cost
-  more than it gains), while a second move the same way needs only its own hold and may start while the first
-  is under way — a load that shifted far is followed by several moves, not one worker per cooldown. The driver
-  says when a move starts (`started`: a role it could not move a worker to starts nothing) and when it
-  completes (`moved`).
+  not repay (a slow reload, a small gain) is not made; for `hold_s` in a row (a passing burst moves nothing);
+  a move that reverses the last one also waits `cooldown_s` after that one completed (a moved worker is out
+  while it drains and reloads: flapping would cost more than it gains), while a second move the same way needs
+  only its own hold and may start while the first is under way — a load that shifted far is followed by
+  several moves, not one worker per cooldown. The driver says when a move starts (`started`: a role it could
+  not move a worker to starts nothing) and when it completes (`moved`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class RolePlanner:
     hold_s: float = 30.0  # ... for this long in a row
     cooldown_s: float = 120.0  # and this long after the last move
     payback_s: float = 300.0  # a move must pay for itself within this long (the forecast load taken to last)
-    move_s: float = 20.0  # what a move takes (drain + reload): this prior, then the mean of measured moves
+    move_s: float = 20.0  # what a move takes (drain + reload): this prior, then a running mean of measured moves
     prompt: Holt = field(default_factory=Holt)
     output: Holt = field(default_factory=Holt)
     _bucket_start: float | None = None
@@ -167,7 +167,8 @@ class RolePlanner:
 
     def moved(self, now: float) -> float | None:
         """A move completed (the worker serves in its new role): a move back waits `cooldown_s` from now; ->
-        how long it took (from its `started`), which `move_s` follows (the mean of the last few)."""
+        how long it took (from its `started`; moves complete in the order they started), which `move_s`
+        follows (an exponential mean, half its weight on the latest)."""
         self._last_move_s = now
         if not self._moves:
             return None

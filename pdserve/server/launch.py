@@ -332,6 +332,11 @@ def check_port_free(host: str, port: int) -> None:
             raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror}", param="port") from e
 
 
+def sigterm_as_interrupt() -> None:
+    """SIGTERM stops `pdserve serve` as Ctrl-C does (a KeyboardInterrupt in the main thread: drain, then stop)."""
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
 def serve(cfg: ServeConfig, engine: dict) -> int:
     from pdserve.model.loader import resolve_model_dir
 
@@ -342,7 +347,7 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
         from pdserve.server.launch_ray import serve_on_ray
         return serve_on_ray(cfg, engine, str(model_dir))
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    sigterm_as_interrupt()
     try:
         return asyncio.run(_serve(cfg, engine, str(model_dir), run_dir))
     except KeyboardInterrupt:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import uuid
@@ -75,6 +74,7 @@ class GatewayActor:
 
 def serve_on_ray(cfg, engine: dict, model_dir: str) -> int:
     """The driver: connect, place the gateway, print where it serves, wait; on SIGINT/SIGTERM stop it."""
+    from pdserve.server.launch import sigterm_as_interrupt
     try:
         import ray
     except ImportError as e:
@@ -83,7 +83,7 @@ def serve_on_ray(cfg, engine: dict, model_dir: str) -> int:
     address = parse_cluster(cfg.cluster)
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
              include_dashboard=False if address is None else None)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    sigterm_as_interrupt()  # (after ray.init, which sets a SIGTERM handler of its own)
     try:
         gateway = place_gateway(ray, cfg, engine, model_dir)
         return _wait(ray, gateway, cfg)

@@ -315,9 +315,9 @@ class SimConductor(EngineHooks):
                 f.next_block = max(f.next_block, end // bs)
                 return
             f.flows += 1
-            sent: list = []
-            flow = self.links.start(ports, nbytes, duration_s, lambda: self._landed(f, sent[0].nbytes if sent else nbytes),
-                                    f.tier, f.deadline_s)
+            sent: list = []  # the flow, whose bytes grow with the chunks that join it
+            flow = self.links.start(ports, nbytes, duration_s,
+                                    lambda: self._landed(f, sent[0].nbytes if sent else nbytes), f.tier, f.deadline_s)
             if flow is not None:
                 sent.append(flow)
                 f.in_air.append(flow)
@@ -337,7 +337,9 @@ class SimConductor(EngineHooks):
 
     def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:
         """As the real prefill worker (`PrefillSide.relanded`): `f` became due on this engine's link; the
-        other prefilled transfers in the air there whose landing estimate moved are reported again."""
+        other prefilled transfers in the air there whose landing estimate moved are reported again — and
+        those of other prefill engines sharing a port with `f` (its decode engine's), whose senders would see
+        their measured rate drop (the real worker does not poll for that yet)."""
         others = [e for e in self.landings.sharing(f) if e != engine.name]
         moved = self.landings.moved(engine.name, f, landing, now)
         for name in others:
