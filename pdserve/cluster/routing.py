@@ -6,9 +6,10 @@ worker that saw a prefix recently probably still has its KV blocks cached.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Protocol
 
 
@@ -32,17 +33,14 @@ class WorkerLoad:
         return self.alive and not self.stalled and not self.leaving
 
     def prefix_blocks(self, hashes: Sequence) -> int:
-        n = 0
-        for h in hashes[:AFFINITY_BLOCKS]:
-            if h not in self.recent_blocks:
-                break
-            n += 1
-        return n
+        """How many leading blocks of `hashes` (up to AFFINITY_BLOCKS) this worker was sent recently."""
+        # (C-level loops: the conductor asks this of every worker for every prompt)
+        return len(list(takewhile(self.recent_blocks.__contains__, hashes[:AFFINITY_BLOCKS])))
 
     def remember(self, hashes: Sequence) -> None:
-        for h in hashes[:AFFINITY_BLOCKS]:
-            self.recent_blocks[h] = None
-            self.recent_blocks.move_to_end(h)
+        head = hashes[:AFFINITY_BLOCKS]
+        self.recent_blocks.update(dict.fromkeys(head))
+        deque(map(self.recent_blocks.move_to_end, head), maxlen=0)  # most recent last, in order
         while len(self.recent_blocks) > self.max_recent_blocks:
             self.recent_blocks.popitem(last=False)
 

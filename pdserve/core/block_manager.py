@@ -28,6 +28,7 @@ from pdserve.core.block_hash import BlockHash, hash_blocks
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
 from pdserve.core.lru_queue import LRUQueue
+from pdserve.core.u64map import new_map
 
 BlockId = NewType("BlockId", int)
 
@@ -70,8 +71,7 @@ class KVBlockManager:
         self._free = LRUQueue(num_blocks)
         self._free.push_many(np.arange(num_blocks))
         self._holders: set[str] = set()  # holders that held more than once (may hold a block twice)
-        self._cached: dict[BlockHash, BlockId] = {}
-        self.cached_get = self._cached.get  # `cached_block` without a Python call, for bulk callers
+        self._cached = new_map(num_blocks)  # block hash -> block id (compiled, bulk calls)
         self._tables: dict[str, list[BlockId]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
         self._memo: dict[str, list[BlockHash]] = {}  # block hashes of each live request's token sequence
@@ -80,8 +80,9 @@ class KVBlockManager:
         self.eviction = None if isinstance(eviction, LRUPolicy) else eviction
         self.lifecycle = lifecycle or LifecycleConfig()
         self.clock = clock
-        # (block id, hash) of blocks registered since the owner last took them (the tiers copy them down)
-        self.newly_cached: list[tuple[BlockId, BlockHash]] | None = None
+        # (block ids, hashes) arrays of blocks registered since the owner last took them (the tiers copy them
+        # down), one pair per registration
+        self.newly_cached: list[tuple[np.ndarray, np.ndarray]] | None = None
         self._pins: dict[str, float] = {}  # prewarm holders -> pinned until (clock seconds)
         self._cold: dict[str, int] = {}  # long contexts: leading blocks a request moved off the device
 
@@ -135,12 +136,8 @@ class KVBlockManager:
             hashes = hash_blocks(usable, self.block_size, extra_key=self._salt)
         else:
             hashes = self._sequence_hashes(request_id, token_ids, num_full)[:num_full]
-        hit: list[BlockId] = []
-        for h in hashes:
-            block_id = self._cached.get(h)
-            if block_id is None:
-                break
-            hit.append(block_id)
+        keys = np.array(hashes, np.uint64)
+        hit = self._cached.get_many(keys[:self._cached.prefix_len(keys)]).tolist()
         return PrefixHit(tuple(hit), tuple(hashes), self.block_size)
 
     # ---- mutations -----------------------------------------------------------------------------------
@@ -181,19 +178,19 @@ class KVBlockManager:
         first = len(hashes)
         new_hashes = self._sequence_hashes(request_id, token_ids, num_full)[first:num_full]
         hashes.extend(new_hashes)
-        ids = table[first - cold:num_full - cold]
-        cached = self._cached
-        unregistered = (~self._registered[ids]).tolist()
-        pairs = [(h, b) for h, b, free in zip(new_hashes, ids, unregistered) if free and h not in cached]
-        if not pairs:
+        ids = np.array(table[first - cold:num_full - cold], np.int64)
+        keys = np.array(new_hashes, np.uint64)
+        # an unregistered block whose hash another block holds already stays unregistered (a duplicate)
+        unregistered = ~self._registered[ids]
+        fresh = np.zeros(len(ids), bool)
+        fresh[unregistered] = self._cached.put_new(keys[unregistered], ids[unregistered])
+        if not fresh.any():
             return
-        cached.update(pairs)
-        reg_hashes, reg_ids = zip(*pairs)
-        new_ids = np.array(reg_ids, np.int64)
+        new_ids, new_keys = ids[fresh], keys[fresh]
         self._registered[new_ids] = True
-        self.cols.fresh(new_ids, np.array(reg_hashes, np.uint64), self.clock(), 1, True)
+        self.cols.fresh(new_ids, new_keys, self.clock(), 1, True)
         if self.newly_cached is not None:
-            self.newly_cached.extend(zip(reg_ids, reg_hashes))
+            self.newly_cached.append((new_ids, new_keys))
 
     def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
@@ -334,10 +331,7 @@ class KVBlockManager:
             ids = np.fromiter((self._victim() for _ in range(count)), np.int64, count)
         registered = ids[self._registered[ids]]
         if len(registered):
-            cached = self._cached
-            for h, block_id in zip(self.cols.block_hash[registered].tolist(), registered.tolist()):
-                if cached.get(h) == block_id:
-                    del cached[h]
+            self._cached.del_many(self.cols.block_hash[registered], only_if=registered)
             self._registered[registered] = False
         self._ref[ids] = 1
         return ids.tolist()
@@ -366,6 +360,10 @@ class KVBlockManager:
 
     def cached_block(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
+
+    def cached_blocks(self, hashes: np.ndarray) -> np.ndarray:
+        """The block id cached under each hash (uint64 array), -1 where none is."""
+        return self._cached.get_many(hashes)
 
     def stage_counts(self, now: float) -> Counter:
         """Device blocks by lifecycle stage: registered blocks by their metadata; unregistered blocks held by

@@ -11,7 +11,7 @@ Which block leaves: under LRU, the first evictable one in use order (the marks a
 so they go first unless a block ahead of them became evictable since); under another policy, the first
 evictable marked block, else the policy's pick among the `eviction_sample` least recently used.
 
-State is columnar (`MetaColumns` by slot, an `LRUQueue` of slots, a dict hash -> slot): a run of blocks is
+State is columnar (`MetaColumns` by slot, an `LRUQueue` of slots, a compiled `U64Map` hash -> slot): a run of blocks is
 reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_many`,
 `touch_many`). `entries` is a read-only mapping hash -> `MetaView`, least recently used first.
 """
@@ -26,6 +26,7 @@ import numpy as np
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim
 from pdserve.core.lru_queue import LRUQueue
+from pdserve.core.u64map import new_map
 
 RECLAIM_INTERVAL_S = 1.0  # watermark marking runs at most this often (it walks the LRU order)
 
@@ -63,7 +64,7 @@ class TierIndex:
         self.high = max(1, int(capacity_blocks * high_watermark))
         self.low = max(0, int(capacity_blocks * low_watermark))
         self.cols = MetaColumns(capacity_blocks, tier)
-        self._slot: dict[int, int] = {}
+        self._slot = new_map(capacity_blocks)  # block hash -> slot
         self._lru = LRUQueue(capacity_blocks)  # occupied slots, least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self._marked = 0  # entries marked RECLAIM
@@ -89,22 +90,30 @@ class TierIndex:
     def pin_many(self, hashes: Sequence[int], until_s: float) -> int:
         """Keep the entries of `hashes` that are here from eviction and reclaim until `until_s` (0.0: let them
         go); returns how many are here."""
-        slots = [s for s in map(self._slot.get, hashes) if s is not None]
+        slots = self._present(hashes)
         self.cols.pinned_until_s[slots] = until_s
         return len(slots)
+
+    def _present(self, hashes) -> np.ndarray:
+        """The slots of those of `hashes` that are here, in order."""
+        slots = self._slot.get_many(hashes)
+        return slots[slots >= 0]
 
     def slot(self, block_hash: int) -> int:
         return self._slot[block_hash]
 
+    def slots(self, hashes) -> np.ndarray:
+        """The slot of each of `hashes` (all here), as an int64 array."""
+        slots = self._slot.get_many(hashes)
+        if len(slots) and slots.min() < 0:
+            raise KeyError(f"{int((slots < 0).sum())} of {len(slots)} hashes are not in the {self.tier.value} tier")
+        return slots
+
     def ready_prefix(self, hashes: Sequence[int]) -> tuple[int, bool]:
         """How many leading `hashes` are here and ready; and whether the next one is here (being written)."""
-        slots = []
-        for h in hashes:
-            slot = self._slot.get(h)
-            if slot is None:
-                break
-            slots.append(slot)
-        if not slots:
+        keys = np.array(hashes, np.uint64)
+        slots = self._slot.get_many(keys[:self._slot.prefix_len(keys)])
+        if not len(slots):
             return 0, False
         unready = np.flatnonzero(~self.cols.ready[slots])
         return (len(slots), False) if not len(unready) else (int(unready[0]), True)
@@ -116,7 +125,7 @@ class TierIndex:
     def touch_many(self, hashes: Sequence[int], now: float) -> None:
         """One use of each of `hashes` (distinct, all here), in order: the last becomes most recent."""
         if hashes:
-            self._touch_slots(np.array([self._slot[h] for h in hashes], np.int64), now)
+            self._touch_slots(self.slots(hashes), now)
 
     def _touch_slots(self, slots: np.ndarray, now: float) -> None:
         self.cols.touch(slots, now, self.config.heat_half_life_s)
@@ -129,8 +138,8 @@ class TierIndex:
     def unbusy_many(self, hashes: Sequence[int]) -> None:
         """One read fewer for each of `hashes` that is still here and busy (a hash may come twice: two
         loads of one entry)."""
-        slots = [s for s in map(self._slot.get, hashes) if s is not None]
-        if slots:
+        slots = self._present(hashes)
+        if len(slots):
             busy = self.cols.busy
             np.subtract.at(busy, slots, 1)
             busy[slots] = np.maximum(busy[slots], 0)
@@ -153,32 +162,32 @@ class TierIndex:
         self._lru.push(slot)
         return self.cols.view(slot)
 
-    def reserve_many(self, hashes: Sequence[int], now: float, src: MetaColumns | None = None,
-                     src_slots: np.ndarray | None = None) -> tuple[list[int], list[int], list[int]]:
-        """`reserve` for a run of distinct hashes, metadata copied from `src`'s `src_slots` (one per hash).
-        Returns (hashes booked, their slots, hashes not booked: here already, or no room was left)."""
-        slot_of = self._slot
-        new = [i for i, h in enumerate(hashes) if h not in slot_of]
+    def reserve_many(self, hashes: np.ndarray, now: float, src: MetaColumns | None = None,
+                     src_slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`reserve` for a run of distinct hashes (a uint64 array), metadata copied from `src`'s `src_slots`
+        (one per hash). Returns the positions in `hashes` booked, their slots, and the positions not booked
+        (here already, or no room was left), as int64 arrays."""
+        new = np.flatnonzero(self._slot.get_many(hashes) < 0)
         room = len(self._free_slots)
         if len(new) > room:
             room += self._evict(len(new) - room, now)
         new = new[:room]
-        if not new:
-            return [], [], list(hashes)
         k = len(new)
-        slots = self._free_slots[-k:][::-1]
+        if not k:
+            return new, new, np.arange(len(hashes))
+        slots = np.array(self._free_slots[-k:][::-1], np.int64)
         del self._free_slots[-k:]
-        booked = [hashes[i] for i in new]
-        slot_of.update(zip(booked, slots))
-        slot_arr = np.array(slots, np.int64)
+        self._slot.put_many(hashes[new], slots)
         if src is None:
-            self.cols.fresh(slot_arr, np.array(booked, np.uint64), now, 0, ready=False)
+            self.cols.fresh(slots, hashes[new], now, 0, ready=False)
         else:
-            self.cols.copy_from(src, np.asarray(src_slots)[new], slot_arr)
-        self._lru.push_many(slot_arr)
-        taken = set(booked)
-        rest = [h for h in hashes if h not in taken] if k < len(hashes) else []
-        return booked, slots, rest
+            self.cols.copy_from(src, np.asarray(src_slots)[new], slots)
+        self._lru.push_many(slots)
+        if k == len(hashes):
+            return new, slots, new[:0]
+        rest = np.ones(len(hashes), bool)
+        rest[new] = False
+        return new, slots, np.flatnonzero(rest)
 
     def commit(self, block_hash: int) -> None:
         slot = self._slot.get(block_hash)
@@ -186,9 +195,7 @@ class TierIndex:
             self.cols.ready[slot] = True
 
     def commit_many(self, hashes: Sequence[int]) -> None:
-        get = self._slot.get
-        slots = [s for s in map(get, hashes) if s is not None]
-        self.cols.ready[slots] = True
+        self.cols.ready[self._present(hashes)] = True
 
     def discard(self, block_hash: int) -> BlockMeta | None:
         """Drop an entry (a failed write, corrupt bytes, a deleted file); its slot is free again. Returns
@@ -270,11 +277,10 @@ class TierIndex:
                 self._lru.remove(victim)
                 victims.append(victim)
         if victims:
-            hashes = cols.block_hash[victims].tolist()
-            for h in hashes:
-                del self._slot[h]
+            hashes = cols.block_hash[victims]
+            self._slot.del_many(hashes)
             self._free(victims)
-            self.evicted.extend(hashes)
+            self.evicted.extend(hashes.tolist())
             self.num_evicted += len(victims)
         return len(victims)
 
@@ -297,10 +303,11 @@ class TierIndex:
     # ---- what the metrics show --------------------------------------------------------------------------
     def marked(self) -> list[int]:
         """Hashes of the entries marked RECLAIM."""
-        return [h for h, s in self._slot.items() if self.cols.reclaiming[s]]
+        hashes, slots = self._slot.items()
+        return hashes[self.cols.reclaiming[slots]].tolist()
 
     def stage_counts(self, now: float) -> Counter:
-        slots = np.fromiter(self._slot.values(), np.int64, len(self._slot))
+        slots = self._slot.values()
         return self.cols.stages(slots, self.cols.busy[slots] > 0, now, self.config)
 
     def num_free(self) -> int:

@@ -95,7 +95,7 @@ class TieredKV:
             return []
         now, host = self.blocks.clock(), self.host
         cols = host.cols
-        slots = np.fromiter((host.slot(h) for h in hashes), np.int64, len(hashes))
+        slots = host.slots(hashes)
         np.add.at(cols.busy, slots, 1)
         from_disk = cols.from_tier[slots] == TIER_CODE[Tier.DISK]
         num_disk = int(np.count_nonzero(from_disk))
@@ -178,7 +178,7 @@ class TieredKV:
         return self.host.slot(block_hash)
 
     def cold_slots(self, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        return tuple(map(self.host.slot, hashes))
+        return tuple(self.host.slots(hashes).tolist())
 
     # ---- engine side: after each step, the runner's results in, new operations out -----------------------
     def after_step(self) -> list[KVOp]:
@@ -286,23 +286,26 @@ class TieredKV:
         self._new_ops.append(op)
         return op
 
-    def _offload(self, cached: list[tuple[BlockId, BlockHash]]) -> None:
-        get = self.blocks.cached_get
-        live = [(b, h) for b, h in cached if get(h) == b]  # not reused for something else since
-        if not live:
+    def _offload(self, cached: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write newly registered device blocks through to host: `cached` holds (block ids, hashes) arrays."""
+        ids, keys = cached[0] if len(cached) == 1 else map(np.concatenate, zip(*cached))
+        if len(cached) > 1:  # a hash registered twice since (freed and registered again): its last block
+            _, last = np.unique(keys[::-1], return_index=True)
+            if len(last) < len(keys):
+                keep = np.sort(len(keys) - 1 - last)
+                ids, keys = ids[keep], keys[keep]
+        live = self.blocks.cached_blocks(keys) == ids  # not reused for something else since
+        if not live.all():
+            ids, keys = ids[live], keys[live]
+        if not len(ids):
             return
-        ids = np.fromiter((b for b, _ in live), np.int64, len(live))
-        hashes = [h for _, h in live]
-        booked, slots, rest = self.host.reserve_many(hashes, self.blocks.clock(), self.blocks.cols, ids)
-        if booked:
-            if len(booked) == len(live):
-                src = ids.tolist()
-            else:
-                block_of = {h: b for b, h in live}
-                src = [block_of[h] for h in booked]
-            op = self._submit("offload", tuple(booked), tuple(src), tuple(slots))
+        booked, slots, rest = self.host.reserve_many(keys, self.blocks.clock(), self.blocks.cols, ids)
+        if len(booked):
+            src = ids[booked].tolist()
+            op = self._submit("offload", tuple(keys[booked].tolist()), tuple(src), tuple(slots.tolist()))
             self.blocks.hold(op.holder, src)
-        self._flush(rest)  # in host already (e.g. loaded from there): make sure disk has it
+        if len(rest):
+            self._flush(keys[rest].tolist())  # in host already (e.g. loaded from there): make sure disk has it
 
     def _flush(self, hashes: Sequence[BlockHash]) -> None:
         if self.disk is None or not self.disk_writable:
