@@ -1,16 +1,18 @@
-"""LRUQueue against an OrderedDict model: pushes (single and runs), removals and predicate pops keep exactly
-the least-recently-pushed order, whatever chunks, stale entries and compactions do underneath."""
+"""Both slot orders (`LinkedQueue`, compiled; `ChunkQueue`, its numpy fallback) against an OrderedDict model:
+pushes (single and runs), removals and predicate pops keep exactly the least-recently-pushed order, whatever
+chunks, stale entries and compactions do underneath."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.core import lru_queue
-from pdserve.core.lru_queue import LRUQueue
+from pdserve.core.lru_queue import ChunkQueue, LinkedQueue, new_queue
 
 N = 24
 slot = st.integers(0, N - 1)
@@ -25,10 +27,17 @@ ops = st.lists(st.one_of(
 PREDICATES = [None, lambda s: s % 2 == 0, lambda s: s >= N // 2]
 
 
+def _linked(n: int) -> LinkedQueue:
+    q = new_queue(n)
+    assert isinstance(q, LinkedQueue), "the compiled order did not build here"
+    return q
+
+
+@pytest.mark.parametrize("make", [_linked, ChunkQueue], ids=["linked", "chunks"])
 @settings(max_examples=300, deadline=None)
-@given(ops)
-def test_matches_an_ordered_dict(operations):
-    q, model = LRUQueue(N), OrderedDict()
+@given(operations=ops)
+def test_matches_an_ordered_dict(make, operations):
+    q, model = make(N), OrderedDict()
     for op in operations:
         if op[0] == "push":
             q.push(op[1])
@@ -56,14 +65,23 @@ def test_matches_an_ordered_dict(operations):
         assert len(q) == len(model)
         assert q.order().tolist() == list(model)
         assert all((s in q) == (s in model) for s in range(N))
+        assert [s for run in q.runs() for s in run.tolist()] == list(model)
 
 
 def test_compaction_keeps_memory_bounded_and_order(monkeypatch):
     monkeypatch.setattr(lru_queue, "CHUNK", 4)
-    q = LRUQueue(8)
+    q = ChunkQueue(8)
     q.push_many(np.arange(8))
     for i in range(200):  # touch the same slots over and over: stale entries pile up behind the head
         q.push(i % 3)
     entries = sum(len(s) for s, _ in q._chunks) + len(q._tail_slots)
     assert entries <= 2 * 8 + 4 + 1
     assert q.order().tolist() == [3, 4, 5, 6, 7] + [(199 - 2 + k) % 3 for k in range(3)]
+
+
+def test_the_linked_order_refuses_slots_out_of_range():
+    q = _linked(4)
+    for bad in (lambda: q.push(4), lambda: q.push_many(np.array([1, -1])), lambda: q.remove(7)):
+        with pytest.raises(IndexError):
+            bad()
+    assert len(q) == 0  # a run with a bad slot changed nothing

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core import u64map
+from pdserve.core import native
 from pdserve.core.u64map import MISSING, DictMap, new_map
 
 
 def _compiled():
     m = new_map()
-    assert not isinstance(m, DictMap), f"the compiled map did not build here: {u64map.fallback_reason()}"
+    assert not isinstance(m, DictMap), f"the compiled map did not build here: {native.fallback_reason()}"
     return m
 
 
@@ -112,11 +112,11 @@ def test_growth_churn_and_bad_input(kind):
     assert "x" not in m and -1 not in m
 
 
-def test_without_the_compiled_map_the_fallback_is_taken_and_counted():
-    code = ("from pdserve.core import u64map; from pdserve.core.block_manager import KVBlockManager;"
-            "bm = KVBlockManager(8, 4); print(type(bm._cached).__name__, u64map.fallback_count(),"
-            " u64map.fallback_reason())")
+def test_without_the_compiled_module_the_fallbacks_are_taken_and_counted():
+    code = ("from pdserve.core import native; from pdserve.core.block_manager import KVBlockManager;"
+            "bm = KVBlockManager(8, 4); print(type(bm._cached).__name__, type(bm._free).__name__,"
+            " native.fallback_count(), native.fallback_reason())")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PDSERVE_NATIVE="0"),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[:2] == ["DictMap", "1"] and "PDSERVE_NATIVE=0" in out.stdout
+    assert out.stdout.split()[:3] == ["DictMap", "ChunkQueue", "2"] and "PDSERVE_NATIVE=0" in out.stdout

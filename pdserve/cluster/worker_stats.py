@@ -18,7 +18,7 @@ def step_shape(scheduled) -> list:
 
 def worker_stats(w) -> dict:
     """A worker's `stats` event: its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
-    from pdserve.core import u64map
+    from pdserve.core import native
     from pdserve.model import kernels
     sched, blocks = w.engine.scheduler, w.engine.block_manager
     out = {"type": "stats", "worker": w.spec.name, "role": w.spec.role,
@@ -29,7 +29,7 @@ def worker_stats(w) -> dict:
            "prompt_tokens_computed": sched.stats.num_prompt_tokens_computed, "preemptions": sched.stats.num_preemptions,
            "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
            "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": w.step_log,
-           "kernel_fallbacks": kernels.fallback_count(), "native_map_fallbacks": u64map.fallback_count(),
+           "kernel_fallbacks": kernels.fallback_count(), "native_fallbacks": native.fallback_count(),
            "grammar_errors": getattr(getattr(w.executor, "grammar", None), "errors", 0),
            "kv_pool_prefault_fallbacks": int(getattr(w.executor.kv_pool, "prefault_failed", False)),
            "kv_residual_evictions": getattr(getattr(w.executor, "residual", None), "evictions", 0),

@@ -27,7 +27,7 @@ import numpy as np
 from pdserve.core.block_hash import BlockHash, hash_blocks
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
-from pdserve.core.lru_queue import LRUQueue
+from pdserve.core.lru_queue import new_queue
 from pdserve.core.u64map import new_map
 
 BlockId = NewType("BlockId", int)
@@ -68,7 +68,7 @@ class KVBlockManager:
         self._ref = np.zeros(num_blocks, np.int32)
         self._registered = np.zeros(num_blocks, bool)  # full, hashed and in the prefix cache (metadata valid)
         self.cols = MetaColumns(num_blocks, Tier.DEVICE)
-        self._free = LRUQueue(num_blocks)
+        self._free = new_queue(num_blocks)
         self._free.push_many(np.arange(num_blocks))
         self._holders: set[str] = set()  # holders that held more than once (may hold a block twice)
         self._cached = new_map(num_blocks)  # block hash -> block id (compiled, bulk calls)

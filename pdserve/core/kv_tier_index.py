@@ -25,7 +25,7 @@ import numpy as np
 
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim
-from pdserve.core.lru_queue import LRUQueue
+from pdserve.core.lru_queue import new_queue
 from pdserve.core.u64map import new_map
 
 RECLAIM_INTERVAL_S = 1.0  # watermark marking runs at most this often (it walks the LRU order)
@@ -65,7 +65,7 @@ class TierIndex:
         self.low = max(0, int(capacity_blocks * low_watermark))
         self.cols = MetaColumns(capacity_blocks, tier)
         self._slot = new_map(capacity_blocks)  # block hash -> slot
-        self._lru = LRUQueue(capacity_blocks)  # occupied slots, least recently used first
+        self._lru = new_queue(capacity_blocks)  # occupied slots, least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self._marked = 0  # entries marked RECLAIM
         self._next_reclaim_s = float("-inf")

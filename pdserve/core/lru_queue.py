@@ -1,5 +1,9 @@
 """Slots in least-recently-pushed order, for tiers of 10^5 blocks touched in runs of hundreds.
 
+`new_queue` gives a `LinkedQueue`: the compiled `Order` (`pdserve/core/native/kvcore.c`, a doubly linked
+list over slot numbers: push, move and remove O(1), runs of slots in one call). Where the compiled module is
+unavailable it gives (counted, `pdserve.core.native`) a `ChunkQueue`, the same contract in numpy:
+
 Each slot carries a stamp, its position in the order: pushing a slot (again) gives it the next stamp and
 appends (slot, stamp) at the most recent end; removing it zeroes its stamp. Entries whose stamp no longer
 matches their slot's are stale and are dropped when the head reaches them, so a push or a removal is O(1)
@@ -15,10 +19,88 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from pdserve.core import native
+
 CHUNK = 4096  # longest chunk kept: a pop scans the head chunk a window at a time, never a whole tier
 
 
-class LRUQueue:
+def new_queue(num_slots: int) -> ChunkQueue:  # or a LinkedQueue: the same contract
+    if native.load() is not None:
+        return LinkedQueue(num_slots)
+    native.fallback()
+    return ChunkQueue(num_slots)
+
+
+class LinkedQueue:
+    """The compiled order. `size`, `in`, `push`, `remove` go straight to C; runs of slots are int64 arrays."""
+
+    __slots__ = ("_o", "push", "remove")
+
+    def __init__(self, num_slots: int) -> None:
+        self._o = native.load().Order(num_slots)
+        self.push, self.remove = self._o.push, self._o.remove
+
+    @property
+    def size(self) -> int:
+        return len(self._o)
+
+    def __len__(self) -> int:
+        return len(self._o)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._o
+
+    def push_many(self, slots: np.ndarray) -> None:
+        """`slots` (distinct) become the most recent, the last one most recent of all."""
+        self._o._push_many(np.ascontiguousarray(slots, np.int64))
+
+    def remove_many(self, slots: np.ndarray) -> None:
+        self._o._remove_many(np.ascontiguousarray(slots, np.int64))
+
+    def clear(self) -> None:
+        self._o.clear()
+
+    def runs(self) -> Iterator[np.ndarray]:
+        """The slots in order, a run at a time (do not push or pop while iterating)."""
+        after, size = -1, CHUNK
+        while True:
+            run = np.empty(size, np.int64)
+            k = self._o._peek(after, run)
+            if not k:
+                return
+            after = int(run[k - 1])
+            yield run[:k]
+            size = min(2 * size, 1 << 16)
+
+    def order(self) -> np.ndarray:
+        out = np.empty(len(self._o), np.int64)
+        return out[:self._o._peek(-1, out)]
+
+    def pop_first(self, count: int, allowed: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """Remove and return the first `count` slots (fewer if there are not that many) for which
+        `allowed(slots)` (a boolean mask) holds; the others keep their places."""
+        if allowed is None:
+            out = np.empty(min(count, len(self._o)), np.int64)
+            return out[:self._o._pop_first(out)]
+        taken, need, after, window = [], count, -1, max(2 * count, 64)
+        while need > 0:
+            cand = np.empty(window, np.int64)
+            k = self._o._peek(after, cand)
+            if not k:
+                break
+            cand = cand[:k]
+            after = int(cand[-1])
+            ok = np.flatnonzero(allowed(cand))[:need]
+            if len(ok):
+                taken.append(cand[ok])
+                need -= len(ok)
+            window *= 2
+        out = np.concatenate(taken) if len(taken) > 1 else taken[0] if taken else np.zeros(0, np.int64)
+        self._o._remove_many(out)
+        return out
+
+
+class ChunkQueue:
     def __init__(self, num_slots: int) -> None:
         self.stamp = np.zeros(num_slots, np.int64)  # 0: not in the queue
         self._next = 1

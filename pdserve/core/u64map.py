@@ -2,71 +2,27 @@
 
 The prefix cache and the tier indexes look up, insert and drop hundreds of block hashes per request and
 step; one Python dict operation per block was most of a simulated cluster's time. `U64Map` keeps them in a
-compiled open-addressing table (`native/u64map.c`, built at first use with the host's C compiler, cached by
-`pdserve.cbuild`; a CPython extension type, so a single lookup costs what a dict's does) and answers whole
-arrays in one call. Where the library cannot be built or loaded (no
-compiler; `PDSERVE_NATIVE=0`), `new_map` returns `DictMap`, the same contract over a dict, and counts it:
-`fallback_count()` maps made that way, `fallback_reason()` why (the workers' `pdserve_fallbacks_total{kind=
-"native_u64map"}`). Both are tested against one contract. Values are >= 0: -1 means "absent" in bulk answers.
+compiled open-addressing table (`native/kvcore.c`, a CPython extension type built at first use: a single
+lookup costs what a dict's does) and answers whole arrays in one call. Where the module cannot be built or
+loaded, `new_map` returns `DictMap`, the same contract over a dict, counted (`pdserve.core.native`). Both
+are tested against one contract. Values are >= 0: -1 means "absent" in bulk answers.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import logging
-import os
-import sysconfig
-from pathlib import Path
-
 import numpy as np
 
-from pdserve import cbuild
-
-log = logging.getLogger(__name__)
+from pdserve.core import native
 
 MISSING = -1
 _NO = object()
-_SOURCE = Path(__file__).parent / "native" / "u64map.c"
-_Map: type | None = None
-_reason: str | None = None
-_fallbacks = 0
-
-
-def _extension() -> type | None:
-    """The compiled `Map` type, built and imported at first use; None (and `_reason`) when it cannot be."""
-    global _Map, _reason
-    if _Map is None and _reason is None:
-        try:
-            if os.environ.get("PDSERVE_NATIVE", "1") == "0":
-                raise RuntimeError("turned off by PDSERVE_NATIVE=0")
-            flags = ["-O2", "-fPIC", "-shared", "-std=gnu11", f"-I{sysconfig.get_paths()['include']}"]
-            path = cbuild.build("pdserve_u64map", [_SOURCE], flags)
-            loader = importlib.machinery.ExtensionFileLoader("_u64map", str(path))
-            module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_u64map", loader))
-            loader.exec_module(module)
-            _Map = module.Map
-        except Exception as e:  # noqa: BLE001 - any build or load failure means DictMap, counted
-            _reason = f"{type(e).__name__}: {e}"
-            log.warning("compiled block-hash map unavailable, using dicts (slower): %s", _reason)
-    return _Map
-
-
-def fallback_count() -> int:
-    """How many maps were made as `DictMap` because the compiled one was unavailable."""
-    return _fallbacks
-
-
-def fallback_reason() -> str | None:
-    return _reason
 
 
 def new_map(hint: int = 0) -> DictMap:  # or the compiled U64Map: the same contract
-    """A compiled `U64Map`, or (counted) a `DictMap` where the extension is unavailable."""
-    global _fallbacks
-    if _extension() is not None:
+    """A compiled `U64Map`, or (counted, `pdserve.core.native.fallback`) a `DictMap` where it is unavailable."""
+    if native.load() is not None:
         return _u64map_class()(hint)
-    _fallbacks += 1
+    native.fallback()
     return DictMap(hint)
 
 
@@ -92,7 +48,7 @@ def _u64map_class() -> type:
     """`U64Map`: the compiled type with the bulk calls' array handling (made once the type is loaded)."""
     global _U64Map
     if _U64Map is None:
-        class U64Map(_Map):
+        class U64Map(native.load().Map):
             """uint64 key -> int >= 0 in the compiled table. Dict-like for single keys (as fast as a dict);
             bulk calls take arrays (or sequences) of keys."""
 

@@ -242,8 +242,8 @@ class Metrics:
             self._inc_total(self.rejected_connections, (w, f"rejected:{endpoint}"), n, endpoint=endpoint)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
-        # KV block-hash maps made as dicts: the compiled `U64Map` could not be built or loaded (no compiler)
-        self._inc_total(self.fallbacks, (w, "native_map"), s.get("native_map_fallbacks", 0), kind="native_u64map")
+        # KV bookkeeping structures made in Python: the compiled module could not be built or loaded
+        self._inc_total(self.fallbacks, (w, "native"), s.get("native_fallbacks", 0), kind="native_kv_core")
         # a shared KV pool whose pages could not be populated up front (Linux < 5.14): they fault in on use
         self._inc_total(self.fallbacks, (w, "prefault"), s.get("kv_pool_prefault_fallbacks", 0), kind="kv_pool_prefault")
         self._inc_total(self.fallbacks, (w, "checkpoint"), s.get("kv_checkpoint_fallbacks", 0),
