@@ -44,7 +44,7 @@ from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.hot_prefixes import HotPrefixes
 from pdserve.cluster.membership import MembershipEvents
 from pdserve.cluster.recovery import RecoveryEvents
-from pdserve.cluster.routing import AFFINITY_BLOCKS, MAX_RECENT_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.cluster.routing import AFFINITY_BLOCKS, MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
 from pdserve.cluster.staging import StagePlan, StagingEvents
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
@@ -173,7 +173,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f = FlightState(rid, prompt, params, tier, now, priority, pin)
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
-        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        hashes = HashRun(hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size))
         first, second = self._follow(follow) or self._route(hashes)
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),

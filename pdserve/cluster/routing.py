@@ -6,15 +6,77 @@ worker that saw a prefix recently probably still has its KV blocks cached.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import takewhile
+from functools import cached_property
 from typing import Protocol
+
+import numpy as np
+
+from pdserve.core.u64map import new_map
 
 
 AFFINITY_BLOCKS = 256  # prefix affinity looks at a prompt's first blocks only (4,096 tokens at block 16)
 MAX_RECENT_BLOCKS = 65536  # block hashes remembered per worker, at most (fewer: its KV capacity, once known)
+
+
+class HashRun(tuple):
+    """A prompt's leading block hashes (a tuple), with them as a uint64 array too (`keys`), made once: every
+    worker's `prefix_blocks` asks the compiled map with it."""
+
+    @cached_property
+    def keys(self) -> np.ndarray:
+        return np.array(self, np.uint64)
+
+
+def _keys(hashes: Sequence) -> np.ndarray:
+    keys = hashes.keys if isinstance(hashes, HashRun) else np.array(hashes[:AFFINITY_BLOCKS], np.uint64)
+    return keys[:AFFINITY_BLOCKS]
+
+
+class RecentBlocks:
+    """Block hashes recently sent to one worker, least recently sent first, at most `limit` (dropped oldest
+    first). A compiled map hash -> stamp (its last sending) answers membership and prefix lengths; the sending
+    order is kept as (hashes, stamps) runs, whose entries go stale once their hash is sent again."""
+
+    def __init__(self) -> None:
+        self._stamp = new_map()
+        self._runs: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._stamp)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._stamp
+
+    def __iter__(self) -> Iterator[int]:
+        for keys, stamps in list(self._runs):
+            yield from keys[self._stamp.get_many(keys) == stamps].tolist()
+
+    def clear(self) -> None:
+        self._stamp.clear()
+        self._runs.clear()
+
+    def prefix_len(self, keys: np.ndarray) -> int:
+        return self._stamp.prefix_len(keys)
+
+    def add(self, keys: np.ndarray, limit: int) -> None:
+        """`keys` (uint64, distinct) sent now, in order; then the oldest dropped down to `limit`."""
+        stamps = np.arange(self._next, self._next + len(keys), dtype=np.int64)
+        self._next += len(keys)
+        self._stamp.put_many(keys, stamps)
+        self._runs.append((keys, stamps))
+        excess = len(self._stamp) - limit
+        while excess > 0 and self._runs:
+            keys, stamps = self._runs.popleft()
+            live = np.flatnonzero(self._stamp.get_many(keys) == stamps)
+            drop = live[:excess]
+            self._stamp.del_many(keys[drop])
+            excess -= len(drop)
+            if len(drop) < len(live):  # the rest of this run stays the oldest
+                self._runs.appendleft((keys[drop[-1] + 1:], stamps[drop[-1] + 1:]))
 
 
 @dataclass
@@ -25,7 +87,7 @@ class WorkerLoad:
     alive: bool = True
     stalled: bool = False  # alive, but a transfer's lease lapsed on it; cleared when it reports again
     leaving: bool = False  # draining to leave the deployment: it finishes what it has and takes nothing new
-    recent_blocks: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU
+    recent_blocks: RecentBlocks = field(default_factory=RecentBlocks)
     max_recent_blocks: int = MAX_RECENT_BLOCKS
 
     @property
@@ -34,15 +96,11 @@ class WorkerLoad:
 
     def prefix_blocks(self, hashes: Sequence) -> int:
         """How many leading blocks of `hashes` (up to AFFINITY_BLOCKS) this worker was sent recently."""
-        # (C-level loops: the conductor asks this of every worker for every prompt)
-        return len(list(takewhile(self.recent_blocks.__contains__, hashes[:AFFINITY_BLOCKS])))
+        return self.recent_blocks.prefix_len(_keys(hashes)) if len(hashes) else 0
 
     def remember(self, hashes: Sequence) -> None:
-        head = hashes[:AFFINITY_BLOCKS]
-        self.recent_blocks.update(dict.fromkeys(head))
-        deque(map(self.recent_blocks.move_to_end, head), maxlen=0)  # most recent last, in order
-        while len(self.recent_blocks) > self.max_recent_blocks:
-            self.recent_blocks.popitem(last=False)
+        if len(hashes):
+            self.recent_blocks.add(_keys(hashes), self.max_recent_blocks)
 
 
 class RoutingPolicy(Protocol):
