@@ -279,6 +279,37 @@ def test_a_real_links_landing_estimates_are_reported_again_when_they_move():
     assert PrefillSide.relanded(side) == [] and "a" not in side.landings
 
 
+def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_again():
+    """The estimate is made at the throttle's rate; the transport then sends at half of it (as when another
+    prefill worker's transfers share the decode worker's port): rechecked, the landing has moved later and is
+    reported again at the rate measured."""
+    import time
+    from types import SimpleNamespace
+
+    from pdserve.engine.pd import PrefillSide
+    from pdserve.transfer.outbox import Chunk, Outbox
+
+    class Sender:
+        def send_chunk(self, dest, header, pieces) -> bool:
+            time.sleep(0.1)  # 50 kB in 0.1 s: 0.5 MB/s
+            return False
+
+    class Out:
+        xfer = rid = "a"
+        tier, link, dest, deadline_s, failed, by_copy, num_chunks, last_sent_s = "default", "d0", "d", 1.0, None, False, 0, 0
+
+    box = Outbox(sender=Sender(), policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
+    side = SimpleNamespace(outbox=box, outbound={"a": Out()}, closing={}, landings={})
+    for _ in range(10):
+        box.push(Chunk(side.outbound["a"], {}, [], 50_000, [0]))
+    assert PrefillSide.landing_in_s(side, "a") == pytest.approx(0.5)  # 500 kB at the throttle's 1 MB/s
+    side.closing["a"] = side.outbound.pop("a")
+    box.pump()  # the burst allowance lets one chunk go: at half the throttle's rate
+    assert box.links["d0"].landing_rate(1e6) == pytest.approx(5e5, rel=0.2)
+    (moved,) = PrefillSide.relanded(side)
+    assert moved[0] == "a" and moved[1] == pytest.approx(0.9, rel=0.2)  # the 9 chunks left at 0.5 MB/s
+
+
 def test_water_level_counts_only_the_tiers_at_or_above_the_best_waiting_one():
     from types import SimpleNamespace as R
 

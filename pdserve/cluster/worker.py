@@ -27,6 +27,7 @@ from pdserve.cluster.spec import WorkerSpec
 from pdserve.cluster.worker_stats import step_shape, worker_stats
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
+from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import InvalidRequestError, PdserveError
@@ -95,6 +96,7 @@ class Worker:
         self.exit_code = 0
         self.departure = Departure(self, spec.drain_timeout_s, spec.join_timeout_s, welcomed=not spec.joined)
         self.loop_s = time.monotonic()  # the main loop's last pass (the heartbeat thread reports its age)
+        self._recheck_s = 0.0  # when prefilled transfers' landings are next looked at
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         self._last_stats = 0.0
         self._held_since: float | None = None
@@ -134,6 +136,7 @@ class Worker:
                 self._report(outputs)
             if self.prefill is not None:
                 self.prefill.pump()
+                self._recheck_landings()
                 self.prefill.keepalive()
                 self._cancel_failed_deliveries()
                 self.prefill.release_lent()
@@ -142,6 +145,20 @@ class Worker:
             self.departure.step()
             if not self.spec.joined and os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
+
+    def _relanded(self) -> None:
+        moved = self.prefill.relanded()
+        if moved:
+            self.emit({"type": "relanded", "items": [[rid, landing_in_s] for rid, landing_in_s in moved]})
+
+    def _recheck_landings(self) -> None:
+        """Every LANDING_RECHECK_S while prefilled transfers are in the air: those whose landing moved as their
+        link went (slower than estimated: another sender on the decode worker's port, a loaded transport) are
+        reported again."""
+        now = time.monotonic()
+        if self.prefill.landings and now >= self._recheck_s:
+            self._recheck_s = now + LANDING_RECHECK_S
+            self._relanded()
 
     def _join_fields(self) -> dict:
         """What a joining worker's `ready` adds: where the gateway sends it commands, which model it serves."""
@@ -280,9 +297,7 @@ class Worker:
                 self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed, "landing_in_s": landing,
                            "queue_s": _diff(out.scheduled_s, out.arrival_s),
                            "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
-                moved = self.prefill.relanded()  # the others due on its link now share it with this one
-                if moved:
-                    self.emit({"type": "relanded", "items": [[rid, landing_in_s] for rid, landing_in_s in moved]})
+                self._relanded()  # the others due on its link now share it with this one
                 continue
             item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
                     "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens,

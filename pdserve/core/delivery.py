@@ -45,6 +45,7 @@ from pdserve.errors import InvalidRequestError
 DELIVERY_MODES = ("scheduled", "fifo")
 DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}
 RELAND_S = 0.001  # a prefilled transfer's landing estimate that moved by more than this is reported again
+LANDING_RECHECK_S = 0.05  # while prefilled transfers are in the air, their landings are re-estimated this often
 _EPS = 1e-12
 
 

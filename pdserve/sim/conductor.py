@@ -32,7 +32,7 @@ from pdserve.cluster.conductor import params_dict
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
-from pdserve.core.delivery import WaterLevel
+from pdserve.core.delivery import LANDING_RECHECK_S, WaterLevel
 from pdserve.core.production_pace import ProductionPace
 from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
@@ -71,6 +71,7 @@ class SimConductor(EngineHooks):
         self.num_finished = 0
         self.staging = SimStaging(self.life)
         self.landings = LandingWatch(links)
+        self._rechecking: set[str] = set()  # prefill engines whose landings are rechecked periodically
 
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
@@ -338,14 +339,31 @@ class SimConductor(EngineHooks):
     def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:
         """As the real prefill worker (`PrefillSide.relanded`): `f` became due on this engine's link; the
         other prefilled transfers in the air there whose landing estimate moved are reported again — and
-        those of other prefill engines sharing a port with `f` (its decode engine's), whose senders would see
-        their measured rate drop (the real worker does not poll for that yet)."""
+        those of other prefill engines sharing a port with `f` (its decode engine's), whose senders see their
+        measured rate drop (the real worker rechecks its landings every `LANDING_RECHECK_S` at the rate its
+        transport sent at lately: `LinkStats.landing_rate`)."""
         others = [e for e in self.landings.sharing(f) if e != engine.name]
         moved = self.landings.moved(engine.name, f, landing, now)
         for name in others:
             moved += self.landings.recheck(name, now)
+        self._relanded(moved, now)
+        if engine.name not in self._rechecking and self.landings.soon.get(engine.name):
+            self._rechecking.add(engine.name)
+            self.loop.at(now + LANDING_RECHECK_S, self._recheck, engine.name)
+
+    def _relanded(self, moved: list[tuple[str, float]], now: float) -> None:
         for rid, eta in moved:
             self._act(self._core("relanded", rid, now + self.control_s, eta - self.control_s))
+
+    def _recheck(self, name: str) -> None:
+        """As the real prefill worker's loop: every LANDING_RECHECK_S while its prefilled transfers are in the
+        air, the landings that moved since last reported (a flow sharing their port ended, or began)."""
+        now = self.loop.now
+        self._relanded(self.landings.recheck(name, now), now)
+        if self.landings.soon.get(name):
+            self.loop.at(now + LANDING_RECHECK_S, self._recheck, name)
+        else:
+            self._rechecking.discard(name)
 
     def _consumed(self, f: Flight, start_s: float) -> None:
         blocks = round((f.delivered - f.superseded) / self.block_bytes)

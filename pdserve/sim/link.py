@@ -142,11 +142,15 @@ class LinkModel:
                 for f in mine:
                     given[f, link] = shares[f.item]
         total = {link: sum(given[f, link] for f in link.flows if f in prod) / link.bandwidth for link in links}
+        rates = {}
         for f in flows:  # of the links giving it the least, the fullest
             least = min(given[f, link] for link in f.links)
-            f.bottleneck = max((link for link in f.links if given[f, link] <= least * (1 + 1e-9)),
-                               key=lambda link: total[link])
-        return {f: given[f, f.bottleneck] for f in flows}
+            bottleneck = max((link for link in f.links if given[f, link] <= least * (1 + 1e-9)),
+                             key=lambda link: total[link])
+            rates[f] = given[f, bottleneck]
+            if remaining is None:  # (a look ahead leaves the flows' present state alone: `_advance` reads it)
+                f.bottleneck = bottleneck
+        return rates
 
     def _reschedule(self, now: float) -> None:
         nxt = float("inf")
@@ -178,6 +182,7 @@ class LinkModel:
                 f.item.due, f.item.deadline_s = True, now
             self._reschedule(now)
         left = {f: f.remaining for f in self.flows}
+        caps = {f: f.item.cap for f in left}  # the look ahead's allocations set them: put back after
         waiting = [f for f in targets if f in left]
         t = now
         while waiting:
@@ -193,6 +198,8 @@ class LinkModel:
             for f in [f for f, b in left.items() if b <= 1e-9 * f.nbytes + 1e-6]:
                 del left[f]
             waiting = [f for f in waiting if f in left]
+        for f, cap in caps.items():
+            f.item.cap = cap
         return t - now + self.latency_s
 
     def stats(self, duration_s: float) -> dict:

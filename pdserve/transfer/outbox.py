@@ -26,6 +26,7 @@ from pdserve.transfer.base import KVSender, TransferError
 
 BURST_S = 0.005  # a throttled link's burst: this many seconds of its rate
 CHUNK_QUANTUM_S = 0.010  # a congested link's chunks: about this many seconds of its rate each
+RECENT_WEIGHT = 0.25  # a chunk's send rate's weight in a link's recent rate (an exponential mean)
 
 
 @dataclass
@@ -49,10 +50,23 @@ class LinkStats:
     chunks: int = 0
     demand_s: float = 0.0
     demand_since: float | None = None
+    recent: float | None = None  # bytes/s the transport sent its last chunks at (exponential mean)
 
     def rate(self, link_rate: float | None) -> float | None:
         """The link's capacity: its throttle's rate, else the rate the transport sent at (None: unknown)."""
         return link_rate or (self.bytes / self.busy_s if self.busy_s else None)
+
+    def sent(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            r = nbytes / seconds
+            self.recent = r if self.recent is None else self.recent + RECENT_WEIGHT * (r - self.recent)
+
+    def landing_rate(self, link_rate: float | None) -> float | None:
+        """The rate queued bytes go at now: the throttle's, unless the transport went slower lately (another
+        sender on the same receiver's port, a loaded host); else the transport's recent rate."""
+        if link_rate and self.recent:
+            return min(link_rate, self.recent)
+        return link_rate or self.recent or self.rate(None)
 
     def as_dict(self, link_rate: float | None, now: float) -> dict:
         demand = self.demand_s + (now - self.demand_since if self.demand_since is not None else 0.0)
@@ -122,8 +136,10 @@ class Outbox:
                 out.failed = str(e)
                 self.failures["send_timeout"] += 1
                 by_reference = None
-            stats.busy_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            stats.busy_s += took
             if by_reference is not None:
+                stats.sent(chunk.nbytes, took)
                 self._sent(chunk, stats, by_reference)
                 if bucket is not None:
                     bucket.take(chunk.nbytes, time.monotonic())
@@ -159,15 +175,15 @@ class Outbox:
 
     def landing_in_s(self, out, expedite: bool = True) -> float:
         """`out` is prefilled: its queued chunks are due (made so now, with `expedite`). When the last of them
-        will have gone, from now (in policy order, at the link's rate; 0 when nothing of it waits or the rate
-        is unknown yet)."""
+        will have gone, from now (in policy order, at the link's rate now: `LinkStats.landing_rate`; 0 when
+        nothing of it waits or the rate is unknown yet)."""
         queue = self.queues.get(out.link)
         if queue is None:
             return 0.0
         if expedite:
             queue.expedite(lambda it: it.key.out is out, time.monotonic())
         ahead = queue.bytes_until(lambda it: it.key.out is out)
-        rate = self.links[out.link].rate(self.link_rate)
+        rate = self.links[out.link].landing_rate(self.link_rate)
         return ahead / rate if ahead and rate else 0.0
 
     def link_backlog(self, link: str, tiers: set[str]) -> list[tuple[float, float | None]]:
