@@ -1,4 +1,5 @@
-"""Compile C sources with the host's C compiler at first use, cached, and load the result with ctypes.
+"""Compile C sources with the host's C compiler at first use, cached (the callers load the library: ctypes,
+or as a Python extension module).
 
 The library is cached under a key made of the sources, the flags, the compiler's version and the CPU's model
 and feature flags (what `-march=native` depends on): a cache directory shared with, or copied to, another kind

@@ -114,3 +114,14 @@ def test_policies_by_name():
     assert isinstance(make_routing_policy("prefix-affinity"), PrefixAffinity)
     with pytest.raises(ValueError, match="least-loaded.*prefix-affinity"):
         make_routing_policy("round-robin")
+
+
+def test_resending_the_same_prefix_keeps_the_memory_bounded():
+    load = WorkerLoad("w", "decode", max_recent_blocks=64)
+    hashes = list(range(1, 33))
+    for _ in range(2000):  # a hot system prompt routed here again and again
+        load.remember(hashes)
+    assert len(load.recent_blocks) == 32 and load.prefix_blocks(hashes) == 32
+    assert sum(len(keys) for keys, _ in load.recent_blocks._runs) <= 2 * 32 + AFFINITY_BLOCKS
+    load.remember([100, 101])
+    assert list(load.recent_blocks) == hashes + [100, 101]

@@ -109,7 +109,10 @@ def test_growth_churn_and_bad_input(kind):
     with pytest.raises(ValueError):
         m.put_new([1], [-4])
     assert m.get(np.uint64(keys[3])) == 3  # numpy integers are keys too
-    assert "x" not in m and -1 not in m
+    assert "x" not in m and -1 not in m and m.get("x") is None and m.pop(-1, "d") == "d"
+    with pytest.raises(OverflowError):
+        m[-3] = 1
+    assert (m.get_many(keys[::2][:4]) == np.arange(0, 8, 2)).all()  # strided arrays are taken
 
 
 def test_without_the_compiled_module_the_fallbacks_are_taken_and_counted():
@@ -120,3 +123,14 @@ def test_without_the_compiled_module_the_fallbacks_are_taken_and_counted():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:3] == ["DictMap", "ChunkQueue", "2"] and "PDSERVE_NATIVE=0" in out.stdout
+
+
+def test_the_compiled_types_are_usable_without_init():
+    mod = native.load()
+    m, o = mod.Map.__new__(mod.Map), mod.Order.__new__(mod.Order)
+    assert 5 not in m and len(m) == 0 and len(o) == 0
+    o.clear()
+    m[5] = 1
+    assert m[5] == 1
+    with pytest.raises(TypeError):  # the raw buffer calls take 64-bit integers only
+        m._get_many(np.zeros(3), np.empty(3, np.int64), MISSING)

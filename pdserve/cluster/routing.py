@@ -43,6 +43,7 @@ class RecentBlocks:
     def __init__(self) -> None:
         self._stamp = new_map()
         self._runs: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._entries = 0  # in the runs, live or stale
         self._next = 0
 
     def __len__(self) -> int:
@@ -58,6 +59,7 @@ class RecentBlocks:
     def clear(self) -> None:
         self._stamp.clear()
         self._runs.clear()
+        self._entries = 0
 
     def prefix_len(self, keys: np.ndarray) -> int:
         return self._stamp.prefix_len(keys)
@@ -68,6 +70,9 @@ class RecentBlocks:
         self._next += len(keys)
         self._stamp.put_many(keys, stamps)
         self._runs.append((keys, stamps))
+        self._entries += len(keys)
+        if self._entries > 2 * len(self._stamp) + AFFINITY_BLOCKS:  # mostly stale: the same prefixes again
+            self._compact()
         excess = len(self._stamp) - limit
         while excess > 0 and self._runs:
             keys, stamps = self._runs.popleft()
@@ -75,8 +80,17 @@ class RecentBlocks:
             drop = live[:excess]
             self._stamp.del_many(keys[drop])
             excess -= len(drop)
+            self._entries -= len(keys)
             if len(drop) < len(live):  # the rest of this run stays the oldest
                 self._runs.appendleft((keys[drop[-1] + 1:], stamps[drop[-1] + 1:]))
+                self._entries += len(keys) - drop[-1] - 1
+
+    def _compact(self) -> None:
+        """One run of the live entries, in order (memory stays O(entries) however often a prefix is resent)."""
+        live = [(k, s, self._stamp.get_many(k) == s) for k, s in self._runs]
+        keys = np.concatenate([k[m] for k, _, m in live]) if live else np.zeros(0, np.uint64)
+        self._runs = deque([(keys, np.concatenate([s[m] for _, s, m in live]))] if len(keys) else [])
+        self._entries = len(keys)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Pure bookkeeping: no tensors, no request objects. The scheduler asks, this module answers with block ids;
 it never writes into a request. Tensors indexed by these ids live in the worker's KV pool.
 
-Free blocks sit in an LRU queue (`LRUQueue`: O(1) removal from the middle when a cached block is hit
+Free blocks sit in an LRU queue (`pdserve.core.lru_queue`: O(1) removal from the middle when a cached block is hit
 again, runs pushed and popped as arrays). A freed block keeps its hash and stays findable by prefix lookups
 until it is popped for reuse: that is the whole prefix cache, with least-recently-freed eviction. A
 request's blocks are freed tail first, because the tail of a sequence is the part least likely to be shared

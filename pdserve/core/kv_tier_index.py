@@ -1,5 +1,5 @@
 """Bookkeeping of one lower KV tier (host memory or disk): which block hashes it holds, where, and their
-metadata. Pure Python: the bytes live in `pdserve.kv` (a host tensor, files) and move on an I/O thread.
+metadata. No tensors: the bytes live in `pdserve.kv` (a host tensor, files) and move on an I/O thread.
 
 Two-phase stores: `reserve` books a slot for a hash (the entry exists but is not `ready`, so no lookup
 hits it), the bytes are written, then `commit` makes it visible or `discard` drops it. Eviction happens in
@@ -11,8 +11,8 @@ Which block leaves: under LRU, the first evictable one in use order (the marks a
 so they go first unless a block ahead of them became evictable since); under another policy, the first
 evictable marked block, else the policy's pick among the `eviction_sample` least recently used.
 
-State is columnar (`MetaColumns` by slot, an `LRUQueue` of slots, a compiled `U64Map` hash -> slot): a run of blocks is
-reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_many`,
+State is columnar (`MetaColumns` by slot, a compiled slot order and hash -> slot map from `pdserve.core.native`):
+a run of blocks is reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_many`,
 `touch_many`). `entries` is a read-only mapping hash -> `MetaView`, least recently used first.
 """
 
@@ -124,7 +124,7 @@ class TierIndex:
 
     def touch_many(self, hashes: Sequence[int], now: float) -> None:
         """One use of each of `hashes` (distinct, all here), in order: the last becomes most recent."""
-        if hashes:
+        if len(hashes):
             self._touch_slots(self.slots(hashes), now)
 
     def _touch_slots(self, slots: np.ndarray, now: float) -> None:
@@ -302,7 +302,7 @@ class TierIndex:
 
     # ---- what the metrics show --------------------------------------------------------------------------
     def marked(self) -> list[int]:
-        """Hashes of the entries marked RECLAIM."""
+        """Hashes of the entries marked RECLAIM, in no particular order."""
         hashes, slots = self._slot.items()
         return hashes[self.cols.reclaiming[slots]].tolist()
 

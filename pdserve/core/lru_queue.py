@@ -101,6 +101,8 @@ class LinkedQueue:
 
 
 class ChunkQueue:
+    """The numpy order (stamps and chunks, above): `LinkedQueue`'s counted fallback, the same contract."""
+
     def __init__(self, num_slots: int) -> None:
         self.stamp = np.zeros(num_slots, np.int64)  # 0: not in the queue
         self._next = 1

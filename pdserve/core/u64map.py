@@ -18,7 +18,7 @@ MISSING = -1
 _NO = object()
 
 
-def new_map(hint: int = 0) -> DictMap:  # or the compiled U64Map: the same contract
+def new_map(hint: int = 0):  # -> U64Map (compiled) | DictMap: the same contract
     """A compiled `U64Map`, or (counted, `pdserve.core.native.fallback`) a `DictMap` where it is unavailable."""
     if native.load() is not None:
         return _u64map_class()(hint)
@@ -27,9 +27,13 @@ def new_map(hint: int = 0) -> DictMap:  # or the compiled U64Map: the same contr
 
 
 def _keys(keys) -> np.ndarray:
-    if isinstance(keys, np.ndarray) and keys.dtype == np.uint64 and keys.flags.c_contiguous:
+    """Keys as a contiguous 1-d uint64 array (sequences of ints, or arrays)."""
+    if isinstance(keys, np.ndarray) and keys.dtype == np.uint64 and keys.flags.c_contiguous and keys.ndim == 1:
         return keys
-    return np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), np.uint64)
+    out = np.ascontiguousarray(keys if isinstance(keys, np.ndarray) else list(keys), np.uint64)
+    if out.ndim != 1:
+        raise ValueError(f"keys must be 1-d, got shape {out.shape}")
+    return out
 
 
 def _vals(vals, n: int) -> np.ndarray:
@@ -122,6 +126,8 @@ class DictMap:
         return self._d[key]
 
     def __setitem__(self, key: int, value: int) -> None:
+        if not 0 <= key < 1 << 64:
+            raise OverflowError("U64Map keys are ints in [0, 2**64)")
         if value < 0:
             raise ValueError("U64Map values are >= 0")
         self._d[int(key)] = int(value)

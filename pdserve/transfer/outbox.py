@@ -50,7 +50,8 @@ class LinkStats:
     chunks: int = 0
     demand_s: float = 0.0
     demand_since: float | None = None
-    recent: float | None = None  # bytes/s the transport sent its last chunks at (exponential mean)
+    recent: float | None = None  # bytes/s the transport sent its last chunks at (exponential mean; it
+    # moves only when a chunk is sent: after a slow spell, landings stay late until the next chunk shows better)
 
     def rate(self, link_rate: float | None) -> float | None:
         """The link's capacity: its throttle's rate, else the rate the transport sent at (None: unknown)."""

@@ -23,6 +23,7 @@ from pdserve import cbuild
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kvcore.c")
+HEADERS = [Path(__file__).with_name(n) for n in ("u64map.h", "order.h")]  # included by kvcore.c
 _module: ModuleType | None = None
 _reason: str | None = None
 _fallbacks = 0
@@ -36,7 +37,7 @@ def load() -> ModuleType | None:
             if os.environ.get("PDSERVE_NATIVE", "1") == "0":
                 raise RuntimeError("turned off by PDSERVE_NATIVE=0")
             flags = ["-O2", "-fPIC", "-shared", "-std=gnu11", f"-I{sysconfig.get_paths()['include']}"]
-            path = cbuild.build("pdserve_kvcore", [SOURCE], flags)
+            path = cbuild.build("pdserve_kvcore", [SOURCE], flags, HEADERS)
             loader = importlib.machinery.ExtensionFileLoader("_kvcore", str(path))
             module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_kvcore", loader))
             loader.exec_module(module)
