@@ -219,7 +219,7 @@ class KVBlockManager:
             return []
         ids = np.asarray(block_ids, np.int64)
         self._free.remove_many(ids[self._ref[ids] == 0])
-        np.add.at(self._ref, ids, 1)
+        self._ref[ids] += 1  # (distinct ids: a fancy increment, not the slower ufunc.at)
         if use:
             registered = ids[self._registered[ids]]
             if len(registered):
@@ -307,7 +307,10 @@ class KVBlockManager:
         if not len(block_ids):
             return
         ids = np.asarray(block_ids, np.int64)
-        np.subtract.at(self._ref, ids, 1)
+        if may_repeat:
+            np.subtract.at(self._ref, ids, 1)
+        else:  # a table's ids are distinct
+            self._ref[ids] -= 1
         refs = self._ref[ids]
         if (refs < 0).any():
             raise AssertionError(f"block {ids[refs < 0][0]} ref count went negative")

@@ -232,7 +232,8 @@ class TieredKV:
                 done(h, failures.get(h))
         if op.kind == "offload":
             self.blocks.free(op.holder)
-            self._flush([h for h in op.hashes if h not in failures])
+            if self.disk is not None:
+                self._flush([h for h in op.hashes if h not in failures])
         for reason in failures.values():
             self.stats.failed_ops[op.kind] += 1
             if reason == "corrupt":
