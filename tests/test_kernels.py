@@ -234,9 +234,10 @@ def test_kernels_built_for_another_isa_pass_this_module(tmp_path, cflags, isa):
 def test_the_avx512_gemm_compiles_on_any_x86_host(tmp_path):
     """Hosts without AVX-512 cannot run that tiling, but they can compile it: a syntax or type error in
     it fails here, not first on an AVX-512 host."""
+    from pdserve import cbuild
     from pdserve.model.kernels import build
     for source in build.SOURCES:
-        proc = subprocess.run([build._compiler(), "-O2", "-march=skylake-avx512", "-fopenmp", "-std=gnu11",
+        proc = subprocess.run([cbuild.compiler(), "-O2", "-march=skylake-avx512", "-fopenmp", "-std=gnu11",
                                "-Werror", "-c", str(source), "-o", str(tmp_path / (source.stem + ".o"))],
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr

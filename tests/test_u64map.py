@@ -134,3 +134,6 @@ def test_the_compiled_types_are_usable_without_init():
     assert m[5] == 1
     with pytest.raises(TypeError):  # the raw buffer calls take 64-bit integers only
         m._get_many(np.zeros(3), np.empty(3, np.int64), MISSING)
+    with pytest.raises(ValueError):  # -1 / -2 mark free entries in the table: never a value
+        m._put(np.array([7], np.uint64), np.array([-1]), None, False)
+    assert 7 not in m

@@ -40,9 +40,14 @@ def _vals(vals, n: int) -> np.ndarray:
     out = np.ascontiguousarray(vals, np.int64)
     if out.shape != (n,):
         raise ValueError(f"{n} keys but {out.shape} values")
-    if n and out.min() < 0:
-        raise ValueError("U64Map values are >= 0")
     return out
+
+
+def _checked(vals: np.ndarray) -> np.ndarray:
+    """(DictMap: the compiled map refuses negative values itself, where -1 and -2 mark free entries)"""
+    if len(vals) and vals.min() < 0:
+        raise ValueError("U64Map values are >= 0")
+    return vals
 
 
 _U64Map: type | None = None
@@ -152,14 +157,14 @@ class DictMap:
 
     def put_many(self, keys, values) -> int:
         k = _keys(keys).tolist()
-        v = _vals(values, len(k))
+        v = _checked(_vals(values, len(k)))
         before = len(self._d)
         self._d.update(zip(k, v.tolist()))
         return len(self._d) - before
 
     def put_new(self, keys, values) -> np.ndarray:
         k = _keys(keys).tolist()
-        v = _vals(values, len(k))
+        v = _checked(_vals(values, len(k)))
         inserted = np.zeros(len(k), np.bool_)
         d = self._d
         for j, (key, val) in enumerate(zip(k, v.tolist())):

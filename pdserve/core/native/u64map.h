@@ -251,8 +251,10 @@ static PyObject *Map_put(MapObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "keys, values and mask differ in length");
         goto done;
     }
-    if (grow(&self->t, n)) { PyErr_NoMemory(); goto done; }
     const uint64_t *keys = kb.buf; const int64_t *vals = vb.buf; uint8_t *mask = ib.buf;
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (vals[j] < 0) { PyErr_SetString(PyExc_ValueError, "U64Map values are >= 0"); goto done; }
+    if (grow(&self->t, n)) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t j = 0; j < n; j++) {
         int64_t i = find(&self->t, keys[j]);
         if (i < 0) { place(&self->t, keys[j], vals[j]); added++; }

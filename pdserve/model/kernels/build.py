@@ -18,18 +18,11 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopen
          "-std=gnu11"]
 
 
-def library_path(cc: str) -> Path:
-    return cbuild.library_path(cc, "pdserve_kernels", SOURCES + HEADERS, FLAGS)
-
-
 def build() -> Path:
     """Path of the compiled library, compiling it first when the cache has none for this host."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the kernels are written for x86-64, this machine is {platform.machine()}")
     return cbuild.build("pdserve_kernels", SOURCES, FLAGS, HEADERS, ["-lm"])
-
-
-_compiler = cbuild.compiler
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
