@@ -239,6 +239,44 @@ def test_silent_sender_hits_the_lease(tiny_llama_dir, pair_factory):
     pair.assert_no_leak()
 
 
+def test_a_lease_is_judged_on_every_record_sent_before_the_receiver_looked(tiny_llama_dir, pair_factory):
+    """A decode worker busy placing one transfer's chunks past another's lease (a slow first copy, a loaded
+    host) reads the `alive` record sent meanwhile before it judges that sender silent: no lapse."""
+    a, b = _prompts(2)
+    pair = pair_factory("shm", timeout_s=0.5)
+    pair.prefill_one("a", a)  # a's records wait in the ring
+    pair.decode.reserve("b", b, GREEDY, "b#0")
+    (_, first), = pair.decode.try_reserve()  # b's lease runs from now
+    place, slowed = pair.decode._place, []
+
+    def slow_place(header):
+        if header.get("xfer") == "a#0" and not slowed:
+            slowed.append(header)
+            time.sleep(0.2)  # b's sender says it still holds b, well within its lease...
+            pair.prefill.sender.send_control(pair.decode.receiver.address, {"kind": "alive", "xfer": "b#0"})
+            time.sleep(0.5)  # ...while the receiver is still busy here, past b's lease
+        return place(header)
+
+    pair.decode._place = slow_place
+    for _ in range(100):  # (the ring's announcement may reach the receiver a moment after its records)
+        pair.decode.receive(timeout_ms=1)
+        if slowed:
+            break
+    assert slowed and pair.decode.inbound.get("b#0") is not None, "b lapsed on a record not read yet"
+    renewed = pair.decode.inbound.num_renewals
+    pair.decode.receive()  # the alive record: renewed
+    assert pair.decode.inbound.num_renewals == renewed + 1
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "delivered")]
+    pair.prefill.add("b", b, GREEDY, pair.decode.receiver.address, "b#0", first)
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+    pair.decode.receive(timeout_ms=50)
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("b#0", "delivered")]
+    assert pair.decode_all() == dict(zip(("a", "b"), _reference(tiny_llama_dir, [a, b])))
+    pair.assert_no_leak()
+
+
 def test_a_lapsed_lease_is_held_for_the_conductor_then_redirected_or_recomputed(tiny_llama_dir, pair_factory):
     """Under a conductor (`hold_lapsed`) a lapsed transfer keeps its reserved blocks: `redirect` expects the KV
     anew into them (from another prefill worker: here the same one, under the new transfer id), `kv_failed`

@@ -8,6 +8,7 @@ conductor decides (`redirect` to another prefill worker, or `kv_failed`: recompu
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -108,9 +109,13 @@ class DecodeSide:
         return new
 
     def receive(self, timeout_ms: int = 0) -> None:
+        """Take what arrived, then lapse the leases that ran out before this poll began: a poll reads every
+        record sent before it began, so a record sent while this worker was busy (placing a long run of
+        chunks, or anything else) is read before its sender is judged silent."""
+        began = time.monotonic()
         for msg in self.receiver.poll(timeout_ms, self._place):
             self._on_message(msg)
-        self.inbound.expire()
+        self.inbound.expire(began)
 
     def wait_ms(self, idle_ms: int) -> int:
         """How long the worker may sleep in its poller: 0 if KV is already waiting; with transfers in
