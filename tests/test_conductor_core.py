@@ -367,9 +367,13 @@ def test_a_dead_prefill_workers_prompts_move_to_another_prefill_worker():
     # a: a new transfer into the same reserved blocks, from prefill-1; counted
     assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
     redirect = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "redirect"]
-    assert redirect == [Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": core.flights["a"].xfer})]
-    (prefill,) = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "prefill"]
-    assert prefill.worker == "prefill-1" and prefill.cmd["xfer"] == core.flights["a"].xfer != "a#0"
+    new = core.flights["a"].xfer
+    assert redirect == [Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": new})]
+    # prefill-1 is sent the prompt once the decode worker expects the new transfer (its `reserved`)
+    assert not [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "prefill"]
+    assert core.reserved("a", "a#0", True, "addr", 1, 0.31) == []  # the old transfer's: stale
+    (prefill,) = core.reserved("a", new, True, "addr", 1, 0.32)
+    assert prefill.worker == "prefill-1" and prefill.cmd["type"] == "prefill" and prefill.cmd["xfer"] == new != "a#0"
     assert prefill.cmd["dest"] == "addr" and prefill.cmd["first_block"] == 1
     assert core.backlog["prefill-0"].tokens == {0: 0, 1: 0} and core.workers["prefill-1"].outstanding == 2
     # the last prefill worker dies: nowhere to move them, the decode worker recomputes both
@@ -392,7 +396,7 @@ def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it
     assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
     new = core.flights["a"].xfer
     assert Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": new}) in actions
-    (prefill,) = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "prefill"]
+    (prefill,) = core.reserved("a", new, True, "addr", 0, 2.15)  # the decode worker expects it now
     assert prefill.worker == "prefill-1" and prefill.cmd["xfer"] == new
     # stalled: routing passes prefill-0 by, even when prefill-1 is busier
     core.arrive("b", list(range(100, 140)), {}, 2.2)

@@ -292,7 +292,8 @@ def test_a_lapsed_lease_is_held_for_the_conductor_then_redirected_or_recomputed(
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "held"), ("b#0", "held")]
     held_blocks = pair.d_engine.block_manager.block_ids("a")
     assert held_blocks and pair.d_engine.scheduler.requests["a"].status.name == "WAITING_FOR_KV"
-    pair.decode.redirect("a#0", "a#1")
+    assert pair.decode.redirect("a#0", "a#1").xfer == "a#1"  # expected now: the conductor may send a#1's prompt
+    assert pair.decode.redirect("gone#0", "gone#1") is None  # ended meanwhile: nothing to expect, no dispatch
     pair.decode.peer_failed("b#0")  # b: the decode worker recomputes it
     assert pair.d_engine.scheduler.requests["b"].status.name == "WAITING"
     pair.decode.timeout_s = 10.0

@@ -283,7 +283,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
                     Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
         f.kv_addr, f.first_block = kv_addr, first_block
         if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
-            return self._recover(f, now)
+            return self._recover(f)
         deadline = self._predict_dispatch(f, first_block, now)
         return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "link": f.decode,
                                  "xfer": f.xfer, "first_block": first_block,

@@ -143,7 +143,7 @@ class MembershipEvents:
             if f.decode == name:
                 actions += self._migrate(f, reason, restarting)
             elif f.prefill == name:
-                actions += self._recover(f, now)
+                actions += self._recover(f)
         if self.orphans and not restarting and self._route(())[0] is None:
             actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
         return actions

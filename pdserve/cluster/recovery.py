@@ -2,9 +2,10 @@
 
 **A dead prefill worker** (`_recover`), or one whose transfer's lease lapsed (`_lease_lapsed`: alive but
 silent, so it is marked stalled until it reports again): its prompts move to another usable prefill worker
-(`redirect`: the decode worker keeps its reserved blocks and expects the KV under a new transfer id), unless
-recomputing on the decode worker is predicted faster or no prefill worker is left (`kv_failed`); each choice
-is counted (`kv_recovery{choice}`).
+(`redirect`: the decode worker keeps its reserved blocks and expects the KV under a new transfer id; its
+`reserved` for that id sends the prompt to the new worker, which so never sends before it is expected),
+unless recomputing on the decode worker is predicted faster or no prefill worker is left (`kv_failed`); each
+choice is counted (`kv_recovery{choice}`).
 
 **A dead decode (or colocated) worker** (`_migrate`): the conductor core keeps every token each request has
 streamed (`FlightState.outputs`). When its decode worker dies, the request moves: it is routed again (no
@@ -93,7 +94,7 @@ class RecoveryEvents:
         return [Fail(f.rid, 503, "its worker died and no live worker is left to move it to", "worker_died")
                 for f in waiting]
 
-    def _recover(self, f, now: float) -> list:
+    def _recover(self, f) -> list:
         """Its prefill worker died or stalled: move the prompt to another usable prefill worker, unless none is
         left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
         self._prefill_done(f)
@@ -116,10 +117,10 @@ class RecoveryEvents:
         f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
         self.backlog[other.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
         actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
-        if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker
+        if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker,
+            # sent once the decode worker expects it (its `reserved` for the new id dispatches the prompt)
             old, f.xfer = f.xfer, f"{f.rid}#{next(self._xfers)}"
             actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
-            actions += self.reserved(f.rid, f.xfer, True, f.kv_addr, f.first_block, now)
         return actions
 
     def _lease_lapsed(self, f, xfer: str, now: float) -> list:
@@ -133,4 +134,4 @@ class RecoveryEvents:
         stalled = self.workers[f.prefill]
         stalled.stalled = True
         return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, {"type": "abort", "rid": f.rid})]
-                + self._recover(f, now))
+                + self._recover(f))

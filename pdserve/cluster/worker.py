@@ -248,18 +248,23 @@ class Worker:
             self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
         elif kind == "kv_failed":
             self.decode.peer_failed(cmd["xfer"])
-        elif kind == "redirect":
-            self.decode.redirect(cmd["old"], cmd["xfer"])
+        elif kind == "redirect":  # expected anew: now the conductor sends the prompt to its new prefill worker
+            inbound = self.decode.redirect(cmd["old"], cmd["xfer"])
+            if inbound is not None:
+                self._reserved(inbound.request_id, inbound.xfer, inbound.first_block, True)
         elif kind == "peer_gone" and self.prefill is not None:
             self.prefill.peer_gone(cmd["addr"])
 
     # ---- decode side ------------------------------------------------------------------------------------
+    def _reserved(self, rid: str, xfer: str, first_block: int, needs_prefill: bool) -> None:
+        """Blocks are reserved and, with `needs_prefill`, the transfer `xfer` expected: its sender may start."""
+        self.emit({"type": "reserved", "rid": rid, "xfer": xfer, "first_block": first_block,
+                   "kv_addr": self.decode.receiver.address, "needs_prefill": needs_prefill})
+
     def _decode_bookkeeping(self) -> None:
         self.decode.receive(0)
         for res, first in self.decode.try_reserve():
-            self.emit({"type": "reserved", "rid": res.request.request_id, "xfer": res.xfer,
-                       "first_block": first, "kv_addr": self.decode.receiver.address,
-                       "needs_prefill": self.decode.inbound.get(res.xfer) is not None})
+            self._reserved(res.request.request_id, res.xfer, first, self.decode.inbound.get(res.xfer) is not None)
         for rid, xfer in self.decode.newly_waiting():
             self.emit({"type": "reserve_waiting", "rid": rid, "xfer": xfer})
         for inbound, outcome, req in self.decode.settle():

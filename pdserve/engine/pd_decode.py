@@ -210,16 +210,20 @@ class DecodeSide:
             piece[:] = payload[at:at + len(piece)]
             at += len(piece)
 
-    def redirect(self, old: str, new: str) -> None:
+    def redirect(self, old: str, new: str) -> Inbound | None:
         """Its prefill worker died or hung and the conductor moved the prompt to another: expect the KV anew
-        under `new` into the same reserved blocks (what arrived under `old` is overwritten: wasted)."""
+        under `new` into the same reserved blocks (what arrived under `old` is overwritten: wasted). Returns
+        the new transfer, or None when `old` had ended meanwhile (delivered, or failed and recomputed here):
+        only once this worker expects it may the new prefill worker send, or its first records would be
+        dropped as unknown and the transfer lapse."""
         held = self.held.pop(old, None)
         if held is not None:  # (its bytes were counted wasted when its lease lapsed)
-            self.inbound.expect(new, held.request_id, held.first_block, held.num_blocks, held.timeout_s)
-            return
+            return self.inbound.expect(new, held.request_id, held.first_block, held.num_blocks, held.timeout_s)
         inbound = self.inbound.restart(old, new)
-        if inbound is not None:
-            self.stats.wasted_bytes["redirected"] += inbound.num_bytes
+        if inbound is None:
+            return None
+        self.stats.wasted_bytes["redirected"] += inbound.num_bytes
+        return self.inbound.get(new)
 
     def peer_failed(self, xfer: str) -> None:
         """The conductor says this KV will not come: recompute the prompt here."""
