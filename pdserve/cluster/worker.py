@@ -24,6 +24,7 @@ import zmq
 
 from pdserve.cluster.joined import Departure
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.cluster.worker_reports import WorkerReports
 from pdserve.cluster.worker_stats import step_shape, worker_stats
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
@@ -46,7 +47,7 @@ def _die_with_parent() -> None:
         pass
 
 
-class Worker:
+class Worker(WorkerReports):
     replaces = False  # a joining worker restarted under its name (Ray): its dead self is replaced at once
     def __init__(self, spec: WorkerSpec) -> None:
         from pdserve.engine.pd import DecodeSide, PrefillSide
@@ -255,72 +256,6 @@ class Worker:
         elif kind == "peer_gone" and self.prefill is not None:
             self.prefill.peer_gone(cmd["addr"])
 
-    # ---- decode side ------------------------------------------------------------------------------------
-    def _reserved(self, rid: str, xfer: str, first_block: int, needs_prefill: bool) -> None:
-        """Blocks are reserved and, with `needs_prefill`, the transfer `xfer` expected: its sender may start."""
-        self.emit({"type": "reserved", "rid": rid, "xfer": xfer, "first_block": first_block,
-                   "kv_addr": self.decode.receiver.address, "needs_prefill": needs_prefill})
-
-    def _decode_bookkeeping(self) -> None:
-        self.decode.receive(0)
-        for res, first in self.decode.try_reserve():
-            self._reserved(res.request.request_id, res.xfer, first, self.decode.inbound.get(res.xfer) is not None)
-        for rid, xfer in self.decode.newly_waiting():
-            self.emit({"type": "reserve_waiting", "rid": rid, "xfer": xfer})
-        for inbound, outcome, req in self.decode.settle():
-            self.emit({"type": "transfer", "rid": inbound.request_id, "xfer": inbound.xfer, "outcome": outcome,
-                       "state": inbound.state.value, "bytes": inbound.num_bytes,
-                       "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name})
-            if req is not None and inbound.first_token is not None:  # the prefill worker's first token
-                self.emit({"type": "tokens", "worker": self.spec.name, "items": [{
-                    "rid": req.request_id, "i": 0, "t": inbound.first_token,
-                    "fin": req.status.finish_reason if req.is_finished else None,
-                    "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
-                    "prefill_s": None, **(inbound.logprobs or {})}]})
-
-    def _report_consumed(self, began: float) -> None:
-        """The step that just ran read delivered KV for the first time: when it began (the conductor checks
-        its consumption prediction against it). Before the step's tokens: a request may end with them."""
-        rids = self.decode.consumed(self.engine.last_scheduled)
-        if rids:
-            self.emit({"type": "consumed", "items": [[rid, began] for rid in rids]})
-
-    # ---- outputs ----------------------------------------------------------------------------------------
-    def _report(self, outputs) -> None:
-        items = []
-        for out in outputs:
-            if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
-                staged = self.prefill.stage_ended(out.request_id, out.finish_reason == "prefilled")
-                if staged is not None:
-                    self.emit({"type": "staged", "rid": staged, "ok": out.finish_reason == "prefilled"})
-                    continue
-                self.prefill.drop_stage(out.request_id, out.num_cached_tokens)
-                landing = self.prefill.landing_in_s(out.request_id)
-                failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled",
-                                             first_token=out.token_ids[-1] if out.token_ids else None,
-                                             logprobs=_logprobs(out) or None)
-                self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed, "landing_in_s": landing,
-                           "queue_s": _diff(out.scheduled_s, out.arrival_s),
-                           "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
-                self._relanded()  # the others due on its link now share it with this one
-                continue
-            item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
-                    "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens,
-                    **_logprobs(out)}
-            if len(out.token_ids) == 1:
-                item.update(queue_s=_diff(out.scheduled_s, out.arrival_s),
-                            prefill_s=_diff(out.prefilled_s, out.scheduled_s))
-            items.append(item)
-        if items:
-            self.emit({"type": "tokens", "worker": self.spec.name, "items": items})
-
-    def _cancel_failed_deliveries(self) -> None:
-        for rid in self.prefill.failed_requests():
-            self.engine.abort([rid])
-            self.prefill.drop_stage(rid)
-            failed = self.prefill.finish(rid, prefilled=False)
-            self.emit({"type": "prefilled", "rid": rid, "failed": failed, "queue_s": None, "prefill_s": None})
-
     def _log_step(self, seconds: float) -> None:
         """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
         scheduled = self.engine.last_scheduled
@@ -386,21 +321,6 @@ def _tier(cmd: dict) -> str:
     if tier not in TIERS:
         raise InvalidRequestError(f"unknown service tier {tier!r}", param="service_tier")
     return tier
-
-
-def _logprobs(out) -> dict:
-    """The logprobs an output carries when asked for: its newest token's ("lp") and, with its first token,
-    the prompt's ("plp")."""
-    extra = {}
-    if out.logprobs:
-        extra["lp"] = out.logprobs[-1]
-    if out.prompt_logprobs is not None and len(out.token_ids) == 1:
-        extra["plp"] = out.prompt_logprobs
-    return extra
-
-
-def _diff(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
 
 
 def main(argv: list[str] | None = None) -> int:
