@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
+from pdserve.cluster.recovery import HEARD_S, MAX_RENEW_S
 from pdserve.cluster.conductor import Conductor
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import make_routing_policy
@@ -408,6 +409,36 @@ def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it
     core.prefilled("a", 3.1)
     actions = core.transfer_outcome("a", "held", new, 5.0)
     assert actions == [Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", {"type": "kv_failed", "xfer": new})]
+
+
+def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time():
+    """A lease lapses while its sender's process was heard within HEARD_S (heartbeats from a busy worker):
+    renewed, not moved, for up to MAX_RENEW_S after the first lapse; a sender not heard (stopped) is stalled."""
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(40)), {}, 0.0)
+    core.reserved("a", "a#0", True, "addr", 0, 0.1)  # dispatched to prefill-0
+    renew = [Count("kv_lease_extensions", (("worker", "prefill-0"),)), Send("decode-0", {"type": "renew", "xfer": "a#0"})]
+    for t in (2.0, 3.0, 2.0 + MAX_RENEW_S):
+        core.workers["prefill-0"].heard_s = t - HEARD_S  # its heartbeat, a moment before the lapse
+        assert core.transfer_outcome("a", "held", "a#0", t) == renew
+    assert core.flights["a"].xfer == "a#0" and core.workers["prefill-0"].usable
+    core.workers["prefill-0"].heard_s = 122.5
+    actions = core.transfer_outcome("a", "held", "a#0", 123.0)  # heard, but silent too long: it moves
+    assert Count("kv_leases_lapsed", (("worker", "prefill-0"),)) in actions and core.workers["prefill-0"].stalled
+    assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
+    core.arrive("b", list(range(100, 140)), {}, 124.0)
+    core.reserved("b", "b#2", True, "addr", 0, 124.1)
+    assert core.flights["b"].prefill == "prefill-1"
+    core.workers["prefill-1"].heard_s = 124.0  # stopped since: last heard more than HEARD_S before the lapse
+    actions = core.transfer_outcome("b", "held", "b#2", 124.0 + HEARD_S + 0.01)
+    assert Count("kv_leases_lapsed", (("worker", "prefill-1"),)) in actions
+    core.prefilled("a", 126.0)  # prefilled by prefill-1 (a new transfer: its own bound), its KV late: heard
+    core.workers["prefill-1"].heard_s = 126.5
+    new = core.flights["a"].xfer
+    assert core.transfer_outcome("a", "held", new, 127.0) == [
+        Count("kv_lease_extensions", (("worker", "prefill-1"),)), Send("decode-0", {"type": "renew", "xfer": new})]
 
 
 def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_prediction():

@@ -85,6 +85,37 @@ def test_a_hung_prefill_workers_lease_lapses_and_with_no_other_the_decode_worker
         server.stop()
 
 
+def test_a_lease_lapsed_behind_a_long_step_of_a_busy_prefill_worker_is_renewed_not_recomputed():
+    # one prefill worker, busy for seconds in one long prompt's step; a short prompt sent meanwhile waits for
+    # the step to end before its worker even reads it: its lease lapses, but the worker's heartbeats were
+    # heard all along, so the decode worker is told to renew it instead of recomputing
+    lease = 0.5
+    server = Server("--kv-timeout-s", str(lease), "--max-num-batched-tokens", "4096")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask(prompt: str) -> float:
+        start = time.perf_counter()
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).choices[0].text
+        return time.perf_counter() - start
+
+    try:
+        ask(_prompt(0, 100))  # a cold first step is slow
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(ask, _prompt(1, 1500))  # ~2,000 tokens in one step (10 s on a Zen 5 vCPU pair)
+            time.sleep(0.5)
+            short = ask(_prompt(2, 50))
+            seconds = long.result()
+        seen = _recovery_metrics(server)
+        assert short > 2 * lease and seconds > 2 * lease, (short, seconds, seen)  # it waited past the lease
+        assert server.metric("pdserve_kv_lease_extensions_total", worker="prefill-0") >= 1, seen
+        assert server.metric("pdserve_kv_leases_lapsed_total") == 0, seen
+        assert server.metric("pdserve_kv_recovery_total") == 0, seen
+        assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 3, seen
+        assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_timeout", outcome="held") >= 1, seen
+    finally:
+        server.stop()
+
+
 def test_a_hung_prefill_workers_prompt_moves_to_the_other_and_it_is_used_again_once_it_reports():
     server = Server("--prefill", "2", "--kv-timeout-s", str(LEASE_S))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

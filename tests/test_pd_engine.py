@@ -288,7 +288,7 @@ def test_a_lapsed_lease_is_held_for_the_conductor_then_redirected_or_recomputed(
         pair.decode.reserve(rid, prompt, GREEDY, f"{rid}#0")
     assert len(pair.decode.try_reserve()) == 2
     time.sleep(0.3)
-    pair.decode.inbound.expire()
+    pair.decode.receive()
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "held"), ("b#0", "held")]
     held_blocks = pair.d_engine.block_manager.block_ids("a")
     assert held_blocks and pair.d_engine.scheduler.requests["a"].status.name == "WAITING_FOR_KV"
@@ -307,6 +307,47 @@ def test_a_lapsed_lease_is_held_for_the_conductor_then_redirected_or_recomputed(
     assert pair.d_engine.block_manager.block_ids("a") == held_blocks  # into the blocks it held
     assert pair.decode_all() == dict(zip(("a", "b"), _reference(tiny_llama_dir, [a, b])))
     assert not pair.decode.held
+    pair.assert_no_leak()
+
+
+def test_a_held_transfer_still_takes_its_kv_and_a_renewed_one_is_delivered(tiny_llama_dir, pair_factory):
+    """A lapsed transfer held for the conductor stays live: chunks its (busy, not hung) sender sends meanwhile
+    land, it is reported held once, `renew` gives it a lease again and it is delivered; one whose `done`
+    arrives before the conductor's word is delivered, and the late word (`kv_failed`, `renew`) changes
+    nothing."""
+    a, b = _prompts(2)
+    pair = pair_factory("shm", timeout_s=0.2)
+    pair.decode.hold_lapsed = True
+    firsts = {}
+    for rid, prompt in (("a", a), ("b", b)):
+        pair.decode.reserve(rid, prompt, GREEDY, f"{rid}#0")
+    for res, first in pair.decode.try_reserve():
+        firsts[res.request.request_id] = first
+    time.sleep(0.3)  # both senders silent past the lease
+    pair.decode.receive()
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "held"), ("b#0", "held")]
+    pair.decode.receive()
+    assert pair.decode.settle() == []  # reported once: no deadline while held
+    for rid, prompt in (("a", a), ("b", b)):  # now they send, late
+        pair.prefill.add(rid, prompt, GREEDY, pair.decode.receiver.address, f"{rid}#0", firsts[rid])
+    tokens = {}
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            tokens[o.request_id] = o.token_ids[-1]
+    pair.prefill.finish("a", prefilled=True, first_token=tokens["a"])
+    pair.decode.receive(timeout_ms=50)  # a: whole and done while held; b: its chunks landed, no done yet
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "delivered")]
+    pair.decode.peer_failed("a#0")  # the conductor's word came late: a decodes on
+    assert pair.d_engine.scheduler.requests["a"].status.name != "WAITING"
+    assert not pair.decode.renew("a#0")
+    assert pair.decode.renew("b#0") and pair.decode.inbound.get("b#0").deadline_s < float("inf")
+    pair.decode.timeout_s = pair.decode.inbound.get("b#0").timeout_s = 10.0
+    pair.decode.inbound.get("b#0").deadline_s = time.monotonic() + 10.0
+    pair.prefill.finish("b", prefilled=True, first_token=tokens["b"])
+    pair.decode.receive(timeout_ms=50)
+    assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("b#0", "delivered")]
+    assert pair.decode_all() == dict(zip(("a", "b"), _reference(tiny_llama_dir, [a, b])))
+    assert not pair.decode.held and pair.decode.stats.wasted_bytes == {}
     pair.assert_no_leak()
 
 

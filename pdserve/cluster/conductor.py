@@ -305,7 +305,7 @@ class Conductor:
         worker = self.workers.get(event["worker"])
         if worker is None:  # a joining worker that was refused (its heartbeats until it exits)
             return
-        worker.last_seen = self.clock()
+        worker.last_seen = worker.load.heard_s = self.clock()
         if kind == "beat":
             worker.loop_age_s = event["loop_age_s"]
         elif kind == "checkpointed":

@@ -12,8 +12,9 @@ simulated time. What it decides:
 * react to **failures** (`pdserve.cluster.recovery`): a dead decode worker's requests move to a live one
   with their outputs so far (nothing lost, no token changed); a dead prefill worker's prompts move to another
   prefill worker unless recomputing on the decode worker is predicted faster or none is left; a transfer
-  whose lease lapsed (its prefill worker alive but silent) is held by its decode worker for the same choice,
-  and that prefill worker is passed by until it reports again; a failed delivery aborts the moot prefill;
+  whose lease lapsed is held by its decode worker: renewed while its prefill worker's process is heard (busy,
+  not hung), else the same choice, that prefill worker passed by until it reports again; a failed delivery
+  aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
 * **stage** prompts while their decode worker has no room (PD, `--delivery scheduled`): an idle prefill
   worker computes a waiting prompt ahead (`stage`; which one: `pdserve.cluster.staging`); its KV stays in
@@ -68,6 +69,7 @@ class FlightState:
     dispatched_s: float | None = None  # PD: when its prefill command went out
     prefilled_s: float | None = None  # PD: when the prefill worker reported the prompt done
     prefilled_by: str | None = None  # PD: that prefill worker
+    lapsed_s: float | None = None  # PD: when its transfer's lease first lapsed (`_lease_lapsed`)
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0

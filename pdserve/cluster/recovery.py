@@ -5,7 +5,10 @@ silent, so it is marked stalled until it reports again): its prompts move to ano
 (`redirect`: the decode worker keeps its reserved blocks and expects the KV under a new transfer id; its
 `reserved` for that id sends the prompt to the new worker, which so never sends before it is expected),
 unless recomputing on the decode worker is predicted faster or no prefill worker is left (`kv_failed`); each
-choice is counted (`kv_recovery{choice}`).
+choice is counted (`kv_recovery{choice}`). A lapse whose sender's process was heard within `HEARD_S` (its
+heartbeat thread beats while its loop is busy: a long step of another prompt, a slow pass) is not a hang: the
+decode worker, which kept the transfer live, is told to `renew` its lease, for up to `MAX_RENEW_S` after
+its first lapse (`kv_lease_extensions{worker}`); a stopped or frozen process is heard from no more.
 
 **A dead decode (or colocated) worker** (`_migrate`): the conductor core keeps every token each request has
 streamed (`FlightState.outputs`). When its decode worker dies, the request moves: it is routed again (no
@@ -36,6 +39,12 @@ from pdserve.cluster.actions import Count, Fail, Send
 from pdserve.cluster.routing import AFFINITY_BLOCKS
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.online_fit import MIN_SAMPLES
+
+HEARD_S = 1.0  # a worker heard from this recently (two heartbeats) is running, however busy its loop
+# How long after its first lapse a transfer's lease is still renewed for a sender that is heard yet sends
+# nothing: the supervisor's bound for a wedged main loop at its defaults (6 x the 20 s heartbeat timeout),
+# beyond which a loop still heartbeating is taken for stuck, not busy.
+MAX_RENEW_S = 120.0
 
 
 class RecoveryEvents:
@@ -119,16 +128,24 @@ class RecoveryEvents:
         actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
         if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker,
             # sent once the decode worker expects it (its `reserved` for the new id dispatches the prompt)
-            old, f.xfer = f.xfer, f"{f.rid}#{next(self._xfers)}"
+            old, f.xfer, f.lapsed_s = f.xfer, f"{f.rid}#{next(self._xfers)}", None
             actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
         return actions
 
     def _lease_lapsed(self, f, xfer: str, now: float) -> list:
-        """Its prefill worker sent nothing for the lease (hung, stopped, unreachable): it is stalled, routing
-        passes it by until it reports again, and the prompt moves to another prefill worker unless
-        recomputing on the decode worker is predicted faster or none is left (`_recover`)."""
+        """Its prefill worker sent nothing for the lease: heard lately (busy), the lease is renewed; else (hung,
+        stopped, unreachable) it is stalled, routing passes it by until it reports again, and the prompt moves
+        to another prefill worker unless recomputing on the decode worker is predicted faster or none is left
+        (`_recover`)."""
         if f is None or f.xfer != xfer:
             return []  # ended (its abort frees the blocks) or already moved
+        sender = self.workers.get(f.prefill or f.prefilled_by or "")
+        if f.lapsed_s is None:
+            f.lapsed_s = now
+        if (sender is not None and sender.alive and sender.heard_s is not None and now - sender.heard_s <= HEARD_S
+                and now - f.lapsed_s <= MAX_RENEW_S):  # busy, not hung: what it sends meanwhile still lands
+            return [Count("kv_lease_extensions", (("worker", sender.name),)),
+                    Send(f.decode, {"type": "renew", "xfer": xfer})]
         if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
             return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, {"type": "kv_failed", "xfer": xfer})]
         stalled = self.workers[f.prefill]

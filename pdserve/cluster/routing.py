@@ -100,6 +100,7 @@ class WorkerLoad:
     outstanding: int = 0  # requests routed here and not finished (the gateway's own count: no lag)
     alive: bool = True
     stalled: bool = False  # alive, but a transfer's lease lapsed on it; cleared when it reports again
+    heard_s: float | None = None  # when its process was last heard (any event; heartbeats every 0.5 s)
     leaving: bool = False  # draining to leave the deployment: it finishes what it has and takes nothing new
     recent_blocks: RecentBlocks = field(default_factory=RecentBlocks)
     max_recent_blocks: int = MAX_RECENT_BLOCKS

@@ -3,7 +3,7 @@
     python -m pdserve.cluster.worker '<WorkerSpec JSON>'
 
 Commands (gateway -> worker, msgpack dicts with "type"): generate, prefill, reserve, abort, kv_failed,
-redirect, unpin, shutdown. Events (worker -> gateway): ready, reserved, prefilled, consumed, tokens, error,
+redirect, renew, unpin, shutdown. Events (worker -> gateway): ready, reserved, prefilled, consumed, tokens, error,
 transfer, checkpointed, stats (and, from a thread of their own, beat). The loop never blocks while it has
 work: it drains commands and KV messages, grants reservations, settles transfers, runs one engine step and
 reports; idle, it waits on its sockets for at most 20 ms.
@@ -249,6 +249,8 @@ class Worker(WorkerReports):
             self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
         elif kind == "kv_failed":
             self.decode.peer_failed(cmd["xfer"])
+        elif kind == "renew":  # its sender was heard: busy, not hung
+            self.decode.renew(cmd["xfer"])
         elif kind == "redirect":  # expected anew: now the conductor sends the prompt to its new prefill worker
             inbound = self.decode.redirect(cmd["old"], cmd["xfer"])
             if inbound is not None:

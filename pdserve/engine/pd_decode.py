@@ -3,8 +3,9 @@ blocks for a prompt, take verified chunks straight into them, settle each transf
 and report the step that first reads delivered KV.
 
 A transfer whose lease lapsed (its prefill worker sent nothing for the timeout: hung, stopped or unreachable)
-is, with `hold_lapsed` (a worker under a conductor), not recomputed here: its blocks stay reserved and the
-conductor decides (`redirect` to another prefill worker, or `kv_failed`: recompute here)."""
+is, with `hold_lapsed` (a worker under a conductor), not recomputed here: it stays live (its blocks reserved,
+late chunks still landing, a `done` still completing it) and the conductor decides: `renew` (the sender's
+process is heard: busy, not hung), `redirect` to another prefill worker, or `kv_failed` (recompute here)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class DecodeSide:
                  hold_lapsed: bool = False) -> None:
         self.engine = engine
         self.hold_lapsed = hold_lapsed
-        self.held: dict[str, Inbound] = {}  # lapsed transfers whose blocks wait for the conductor's choice
+        self.held: dict[str, Inbound] = {}  # lapsed transfers, still live, waiting for the conductor's choice
         self.receiver = receiver
         self.layers = kv_layers
         self.timeout_s = timeout_s
@@ -115,7 +116,7 @@ class DecodeSide:
         began = time.monotonic()
         for msg in self.receiver.poll(timeout_ms, self._place):
             self._on_message(msg)
-        self.inbound.expire(began)
+        self.inbound.expire(began, hold=self.hold_lapsed)
 
     def wait_ms(self, idle_ms: int) -> int:
         """How long the worker may sleep in its poller: 0 if KV is already waiting; with transfers in
@@ -217,20 +218,27 @@ class DecodeSide:
         only once this worker expects it may the new prefill worker send, or its first records would be
         dropped as unknown and the transfer lapse."""
         held = self.held.pop(old, None)
-        if held is not None:  # (its bytes were counted wasted when its lease lapsed)
-            return self.inbound.expect(new, held.request_id, held.first_block, held.num_blocks, held.timeout_s)
         inbound = self.inbound.restart(old, new)
         if inbound is None:
             return None
-        self.stats.wasted_bytes["redirected"] += inbound.num_bytes
+        self.stats.wasted_bytes["failed_timeout" if held is not None else "redirected"] += inbound.num_bytes
         return self.inbound.get(new)
+
+    def renew(self, xfer: str) -> bool:
+        """The conductor heard the lapsed transfer's sender (its process is alive, only busy): its lease
+        starts over, with what arrived meanwhile kept. False when it had ended (completed meanwhile)."""
+        return self.held.pop(xfer, None) is not None and self.inbound.resume(xfer)
 
     def peer_failed(self, xfer: str) -> None:
         """The conductor says this KV will not come: recompute the prompt here."""
         held = self.held.pop(xfer, None)
         if held is None:
             self.inbound.fail(xfer, TransferState.FAILED_PEER)
-        elif held.request_id in self.engine.scheduler.requests:
+            return
+        if self.inbound.drop(xfer) is None:
+            return  # it completed meanwhile: already delivered
+        self.stats.wasted_bytes["failed_timeout"] += held.num_bytes  # dropped, never consumed
+        if held.request_id in self.engine.scheduler.requests:
             self.engine.scheduler.kv_failed(held.request_id)
 
     def settle(self) -> list[tuple[Inbound, str, Request | None]]:
@@ -238,7 +246,13 @@ class DecodeSide:
         a delivered request that came with its first token has it as its first output (and may already be
         finished by it): the caller reports that token, no step computes it here."""
         settled = []
+        for inbound in self.inbound.take_lapsed():  # held live: the conductor decides
+            if self.inbound.get(inbound.xfer) is inbound:
+                self.stats.failures[TransferState.FAILED_TIMEOUT.value] += 1
+                self.held[inbound.xfer] = inbound
+                settled.append((inbound, "held", None))
         for inbound in self.inbound.take_ended():
+            self.held.pop(inbound.xfer, None)  # (one that lapsed and then ended: its end is what counts)
             if inbound.request_id not in self.engine.scheduler.requests:
                 self.stats.wasted_bytes["aborted"] += inbound.num_bytes
                 continue  # the request ended first (abort): its blocks are already free
@@ -251,10 +265,6 @@ class DecodeSide:
             else:
                 self.stats.failures[inbound.state.value] += 1
                 self.stats.wasted_bytes[inbound.state.value] += inbound.num_bytes  # dropped, never consumed
-                if self.hold_lapsed and inbound.state is TransferState.FAILED_TIMEOUT:
-                    self.held[inbound.xfer] = inbound  # the conductor decides: redirect or kv_failed
-                    settled.append((inbound, "held", None))
-                    continue
                 self.engine.scheduler.kv_failed(inbound.request_id)
                 settled.append((inbound, "recompute", None))
         return settled

@@ -139,6 +139,9 @@ class Metrics:
         self.kv_leases_lapsed = Counter("pdserve_kv_leases_lapsed", "KV transfers whose prefill worker sent nothing "
                                         "for --kv-timeout-s (the worker is passed by until it reports again)",
                                         ["worker"], registry=r)
+        self.kv_lease_extensions = Counter("pdserve_kv_lease_extensions", "Lapsed KV leases renewed because "
+                                           "their prefill worker's process was heard meanwhile (busy, not hung)",
+                                           ["worker"], registry=r)
         self.kv_path_transfers = Counter("pdserve_kv_path_transfers", "KV transfers a prefill worker started, by "
                                          "the transport path chosen for them (--transport auto)", ["worker", "path"],
                                          registry=r)

@@ -8,6 +8,10 @@ when the sender's `done` arrives, the chunk count matches and every expected blo
 Deadlines are leases: each verified chunk renews them, and so does each `alive` record, which the sender
 sends for every transfer it holds (queued behind other prompts, or producing) at least every third of the
 lease: a long queue at a live sender is not a failure; a dead, hung or unreachable sender's leases lapse.
+A receiver that holds lapsed transfers (`expire(hold=True)`: a decode worker under a conductor) keeps them
+live, with no deadline, until it is told their fate (`resume`: the sender's process was heard, it is only
+slow; `restart` under another sender; `drop`): chunks that arrive meanwhile still land, and a `done` still
+completes them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Inbound:
     num_bytes: int = 0
     first_token: int | None = None  # sampled by the prefill worker, from its `done`
     logprobs: dict | None = None  # its logprobs and the prompt's, when asked for (`done`'s "logprobs")
+    lapsed: bool = False  # its lease ran out and it is held live (no deadline) until it is told its fate
     _masks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -53,6 +58,7 @@ class InboundTransfers:
         self.num_layers = num_layers
         self._live: dict[str, Inbound] = {}
         self._ended: list[Inbound] = []
+        self._lapsed: list[Inbound] = []  # held live with their lease run out, not yet reported
         self.num_late_chunks = 0  # chunks of transfers that had already ended: dropped, never written
         self.num_renewals = 0  # leases renewed by `alive` records
 
@@ -95,13 +101,14 @@ class InboundTransfers:
         inbound.mark(layer, first, count)
         inbound.num_chunks += 1
         inbound.num_bytes += header.get("nbytes", 0)
-        inbound.deadline_s = time.monotonic() + inbound.timeout_s
+        if not inbound.lapsed:  # (a held one keeps no deadline until it is told its fate)
+            inbound.deadline_s = time.monotonic() + inbound.timeout_s
         return inbound
 
     def renew(self, xfer: str | None) -> None:
         """The sender still holds this transfer (an `alive` record): its lease starts over."""
         inbound = self._live.get(xfer)
-        if inbound is not None:
+        if inbound is not None and not inbound.lapsed:
             inbound.deadline_s = time.monotonic() + inbound.timeout_s
             self.num_renewals += 1
 
@@ -149,10 +156,34 @@ class InboundTransfers:
         for inbound in [t for t in self._live.values() if t.request_id == request_id]:
             self._end(inbound, TransferState.ABORTED)
 
-    def expire(self, now: float | None = None) -> None:
+    def expire(self, now: float | None = None, hold: bool = False) -> None:
+        """End the transfers whose lease ran out before `now` (FAILED_TIMEOUT), or with `hold` keep them live
+        and lapsed, with no deadline, for `take_lapsed` (their fate: `resume`, `restart` or `drop`)."""
         now = time.monotonic() if now is None else now
         for inbound in [t for t in self._live.values() if t.deadline_s < now]:
-            self._end(inbound, TransferState.FAILED_TIMEOUT)
+            if not hold:
+                self._end(inbound, TransferState.FAILED_TIMEOUT)
+                continue
+            inbound.state, inbound.lapsed, inbound.deadline_s = TransferState.FAILED_TIMEOUT, True, float("inf")
+            self._lapsed.append(inbound)
+
+    def take_lapsed(self) -> list[Inbound]:
+        """Transfers held live since their lease ran out, each returned once."""
+        lapsed, self._lapsed = self._lapsed, []
+        return lapsed
+
+    def resume(self, xfer: str) -> bool:
+        """A held lapsed transfer gets a lease again (its sender is alive, only slow). False if it had ended."""
+        inbound = self._live.get(xfer)
+        if inbound is None or not inbound.lapsed:
+            return False
+        inbound.lapsed, inbound.deadline_s = False, time.monotonic() + inbound.timeout_s
+        return True
+
+    def drop(self, xfer: str) -> Inbound | None:
+        """Forget a live transfer without ending it (its fate is decided elsewhere; late chunks are rejected).
+        Returns it, or None if it had ended."""
+        return self._live.pop(xfer, None)
 
     def take_ended(self) -> list[Inbound]:
         ended, self._ended = self._ended, []
