@@ -439,6 +439,14 @@ def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time()
     new = core.flights["a"].xfer
     assert core.transfer_outcome("a", "held", new, 127.0) == [
         Count("kv_lease_extensions", (("worker", "prefill-1"),)), Send("decode-0", {"type": "renew", "xfer": new})]
+    core.worker_steps("prefill-1", [])  # it reports again: usable
+    core.arrive("c", list(range(200, 240)), {}, 128.0)
+    core.reserved("c", "c#3", True, "addr", 0, 128.1)
+    assert core.flights["c"].prefill == "prefill-1"
+    core.prefilled("c", 129.0, failed=True)  # its worker gave up sending: heard, yet nothing more will come
+    core.workers["prefill-1"].heard_s = 130.5
+    assert core.transfer_outcome("c", "held", "c#3", 131.0) == [
+        Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", {"type": "kv_failed", "xfer": "c#3"})]
 
 
 def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_prediction():

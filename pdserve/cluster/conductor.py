@@ -278,7 +278,7 @@ class Conductor:
         elif kind == "prefilled":
             if self.metrics:
                 self.metrics.observe_prefill(event)
-            self._act(core.prefilled(event["rid"], now, event.get("landing_in_s")))
+            self._act(core.prefilled(event["rid"], now, event.get("landing_in_s"), bool(event.get("failed"))))
         elif kind == "relanded":
             for rid, landing_in_s in event["items"]:
                 self._act(core.relanded(rid, now, landing_in_s))

@@ -70,6 +70,7 @@ class FlightState:
     prefilled_s: float | None = None  # PD: when the prefill worker reported the prompt done
     prefilled_by: str | None = None  # PD: that prefill worker
     lapsed_s: float | None = None  # PD: when its transfer's lease first lapsed (`_lease_lapsed`)
+    gave_up: bool = False  # PD: its prefill worker gave up on delivering its KV (`prefilled` failed)
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
@@ -305,12 +306,13 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f.prediction = Prediction(blocks, predicted, predicted, tier=f.tier)
         return predicted
 
-    def prefilled(self, rid: str, now: float, landing_in_s: float | None = None) -> list:
-        """`landing_in_s`: the prefill worker's link's estimate of when the transfer's last chunk is out."""
+    def prefilled(self, rid: str, now: float, landing_in_s: float | None = None, failed: bool = False) -> list:
+        """`landing_in_s`: the prefill worker's link's estimate of when the transfer's last chunk is out;
+        `failed`: it gave up on the delivery (its sender will send nothing more: no lease is renewed for it)."""
         f = self.flights.get(rid)
         if f is None:
             return []
-        f.prefilled_s, f.prefilled_by = now, f.prefill
+        f.prefilled_s, f.prefilled_by, f.gave_up = now, f.prefill, failed
         prefill = f.prefill
         self._prefill_done(f)
         if f.prediction is not None:

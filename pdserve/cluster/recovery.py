@@ -128,7 +128,7 @@ class RecoveryEvents:
         actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
         if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker,
             # sent once the decode worker expects it (its `reserved` for the new id dispatches the prompt)
-            old, f.xfer, f.lapsed_s = f.xfer, f"{f.rid}#{next(self._xfers)}", None
+            old, f.xfer, f.lapsed_s, f.gave_up = f.xfer, f"{f.rid}#{next(self._xfers)}", None, False
             actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
         return actions
 
@@ -139,7 +139,7 @@ class RecoveryEvents:
         (`_recover`)."""
         if f is None or f.xfer != xfer:
             return []  # ended (its abort frees the blocks) or already moved
-        sender = self.workers.get(f.prefill or f.prefilled_by or "")
+        sender = None if f.gave_up else self.workers.get(f.prefill or f.prefilled_by or "")
         if f.lapsed_s is None:
             f.lapsed_s = now
         if (sender is not None and sender.alive and sender.heard_s is not None and now - sender.heard_s <= HEARD_S
