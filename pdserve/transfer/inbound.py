@@ -147,7 +147,7 @@ class InboundTransfers:
     def restart(self, old: str, new: str) -> Inbound | None:
         """The same blocks, from another sender: `old` is dropped unended (its late chunks are rejected) and
         `new` expects every block again. Returns the old transfer (None if it had ended)."""
-        inbound = self._live.pop(old, None)
+        inbound = self.drop(old)
         if inbound is not None:
             self.expect(new, inbound.request_id, inbound.first_block, inbound.num_blocks, inbound.timeout_s)
         return inbound
