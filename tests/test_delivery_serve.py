@@ -157,9 +157,10 @@ def test_a_hung_prefill_workers_prompt_moves_to_the_other_and_it_is_used_again_o
 
 
 def _recovery_metrics(server: Server) -> dict:
-    """Every lapse, recovery, failed transfer and prewarm by its labels, and the transfers' outcomes."""
-    names = ("pdserve_kv_leases_lapsed_total", "pdserve_kv_recovery_total", "pdserve_kv_transfer_failures_total",
-             "pdserve_kv_idle_prewarms_total", "pdserve_kv_transfer_time_seconds_count", "pdserve_fallbacks_total")
+    """Every lapse, renewal, recovery, failed transfer and prewarm by its labels, and the transfers' outcomes."""
+    names = ("pdserve_kv_leases_lapsed_total", "pdserve_kv_lease_extensions_total", "pdserve_kv_recovery_total",
+             "pdserve_kv_transfer_failures_total", "pdserve_kv_idle_prewarms_total",
+             "pdserve_kv_transfer_time_seconds_count", "pdserve_fallbacks_total")
     return {(n, lab): v for (n, lab), v in server.metrics().items() if n in names and v}
 
 
