@@ -36,6 +36,7 @@ from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 
 STATS_INTERVAL_S = 0.25
 HEARTBEAT_S = 0.5  # how often the heartbeat thread reports
+LEFT_FLUSH_S = 2.0  # how long a leaving worker waits at exit for its last events (`left`) to be sent
 IDLE_STEP_MS = 2  # a prefill worker whose last step had nothing runnable looks again this soon
 
 
@@ -303,7 +304,15 @@ class Worker(WorkerReports):
                 side.close()
         self.cmd_refusals.close()
         self.cmds.close(linger=0)
-        self.events.close(linger=100)  # the final stats, if the gateway still listens (not when it stops us)
+        leaving = self.departure.asked_s is not None
+        # the final stats, if the gateway still listens (not when it stops us); a leaving worker's `left` must
+        # reach it: the process ends in os._exit, which drops whatever zmq's I/O thread has not sent yet, so
+        # it waits (at most LEFT_FLUSH_S) for the context to send what its closed sockets hold
+        self.events.close(linger=int(LEFT_FLUSH_S * 1000) if leaving else 100)
+        if leaving:
+            flush = threading.Thread(target=self.ctx.term, name="flush", daemon=True)
+            flush.start()
+            flush.join(LEFT_FLUSH_S)
 
 
 def _long_context(spec: WorkerSpec) -> bool:
