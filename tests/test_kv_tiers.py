@@ -746,6 +746,38 @@ def test_offload_in_flight_keeps_the_device_block_held():
     check_quiescent(engine, io)
 
 
+def test_decode_blocks_are_written_through_in_units_and_the_rest_when_the_request_ends():
+    engine, io = tiered_engine(num_blocks=16, host=64)
+    bm = engine.block_manager
+    assert bm.offload_unit == 256 // BS  # WRITE_THROUGH_TOKENS
+    bm.offload_unit = 2
+    io.hold = True  # copies stay queued: each op is seen as submitted
+    prompt = prompts(1, 9, seed=5)[0]  # 2 full blocks + 1 token
+    engine.add_request(prompt, greedy(16), request_id="a")
+    sizes = []
+    while engine.has_unfinished():
+        engine.step()
+        sizes.append([len(op.hashes) for op in io.queue if op.kind == "offload"])
+        check_invariants(engine, io)
+    # the prompt's 2 blocks at once after its prefill; then decode blocks two at a time, never one alone
+    # while the request runs; the 24-token sequence (9 + 15 computed) has 6 full blocks: the last 2 of
+    # them form a unit too (or go when the request ends)
+    assert sizes[0] == [2]
+    assert sizes[-1] == [2, 2, 2] and all(s[-1] == 2 for s in sizes[1:] if s)
+    bm.offload_unit = 64  # a unit longer than the decode: all of its blocks go once, when it ends
+    engine.add_request(prompts(1, 9, seed=6)[0], greedy(16), request_id="b")
+    counts = []
+    while engine.has_unfinished():
+        engine.step()
+        counts.append([len(op.hashes) for op in io.queue if op.kind == "offload"][3:])
+    assert counts[0] == [2] and counts[-2] == [2] and counts[-1] == [2, 4]
+    io.hold = False
+    drain(engine, io)
+    check_quiescent(engine, io)
+    again = serve(engine, io, "b2", prompts(1, 9, seed=6)[0] + [0] * 16)
+    assert again.num_cached_tokens > 0
+
+
 def test_prefix_being_prefetched_makes_the_request_wait_then_hit():
     engine, io = tiered_engine(num_blocks=8, host=6, disk=64)
     a, *others = prompts(4, 17, seed=1)

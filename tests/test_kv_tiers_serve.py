@@ -194,3 +194,18 @@ def test_a_context_four_times_the_device_pool_matches_the_reference(long_referen
         assert server.metric("pdserve_kv_tier_bytes_total", tier="host", direction="in") > 0
     finally:
         server.stop()
+
+
+def test_a_long_decode_slides_its_own_blocks_out_of_the_hot_window_before_their_write_through_unit():
+    """In process: a 64-token hot window (4 blocks) and a decode of 100 tokens. Decode blocks go to host in
+    256-token units, so the window passes blocks not yet handed over: they are handed over and waited for,
+    then leave the device (no overflow past the window), and the tokens match a pool that holds it all."""
+    from pdserve import LLM, SamplingParams
+    prompt, params = "The history of the city is long and full of surprises. " * 3, \
+        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    ref = LLM(num_kv_blocks=600, kv_host_gb=0).generate(prompt, params)[0]
+    llm = LLM(num_kv_blocks=600, kv_host_gb=0.05, kv_hot_window_tokens=64)
+    assert llm.engine.block_manager.offload_unit > llm.engine.scheduler.window.window
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == ref.token_ids
+    assert llm.engine.scheduler.window.num_overflows == 0

@@ -83,6 +83,10 @@ class KVBlockManager:
         # (block ids, hashes) arrays of blocks registered since the owner last took them (the tiers copy them
         # down), one pair per registration
         self.newly_cached: list[tuple[np.ndarray, np.ndarray]] | None = None
+        # Decode-produced blocks are handed over in units of `offload_unit` per request (set by the tiers), or
+        # when the request frees its blocks: the registrations held back until then, per request
+        self.offload_unit = 1
+        self._deferred: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._pins: dict[str, float] = {}  # prewarm holders -> pinned until (clock seconds)
         self._cold: dict[str, int] = {}  # long contexts: leading blocks a request moved off the device
 
@@ -165,8 +169,10 @@ class KVBlockManager:
             self._hashes[request_id] = list(prefix.block_hashes[:len(hit)])
         return appended
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the request's blocks that became full and computed, so later requests can hit them."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          decode: bool = False) -> None:
+        """Register the request's blocks that became full and computed, so later requests can hit them.
+        `decode`: they hold generated tokens (a decode step's): handed to the tiers in units (`offload_unit`)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request_id]
@@ -190,7 +196,29 @@ class KVBlockManager:
         self._registered[new_ids] = True
         self.cols.fresh(new_ids, new_keys, self.clock(), 1, True)
         if self.newly_cached is not None:
-            self.newly_cached.append((new_ids, new_keys))
+            self._hand_over(request_id, new_ids, new_keys, decode)
+
+    def _hand_over(self, request_id: str, ids: np.ndarray, keys: np.ndarray, defer: bool) -> None:
+        """Registered blocks go to `newly_cached` (the tiers copy them down after the step); a decode step's
+        wait until the request has a unit's worth (or frees its blocks): one copy per unit, not per block."""
+        if defer and self.offload_unit > 1:
+            runs = self._deferred.setdefault(request_id, [])
+            runs.append((ids, keys))
+            if sum(len(r[0]) for r in runs) < self.offload_unit:
+                return
+            ids = keys = None
+        runs = self._deferred.pop(request_id, None)
+        if runs:
+            self.newly_cached.extend(runs)  # registered earlier: in order
+        if ids is not None:
+            self.newly_cached.append((ids, keys))
+
+    def hand_over_deferred(self, request_id: str) -> bool:
+        """Hand the request's held-back registrations to the tiers now; whether it had any."""
+        runs = self._deferred.pop(request_id, None)
+        if runs:
+            self.newly_cached.extend(runs)
+        return bool(runs)
 
     def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
@@ -294,6 +322,8 @@ class KVBlockManager:
 
     def free(self, request_id: str) -> None:
         """Release every block of `request_id` (finish, abort or preemption). Unknown ids are ignored."""
+        if self._deferred:
+            self.hand_over_deferred(request_id)  # copied down now: they leave the request's hands
         table = self._tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
         self._cold.pop(request_id, None)

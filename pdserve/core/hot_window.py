@@ -44,6 +44,8 @@ class HotWindow:
         if excess <= 0:
             return True
         hashes = self.blocks.registered_hashes(rid)[cold:cold + excess]
+        if self.blocks.hand_over_deferred(rid):  # decode blocks not copied down yet: now, and wait for them
+            return False
         count, pending = self.tiers.hold_cold(hashes)
         if count:
             self.blocks.spill(rid, count)

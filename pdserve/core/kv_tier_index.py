@@ -18,6 +18,8 @@ a run of blocks is reserved, committed, touched or evicted with a few array oper
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -261,7 +263,11 @@ class TierIndex:
         return self._marked
 
     def reclaim_due(self, now: float) -> bool:
-        return len(self._slot) >= self.high and now >= self._next_reclaim_s
+        return now >= self.next_reclaim_s()
+
+    def next_reclaim_s(self) -> float:
+        """From when `reclaim` would mark blocks if nothing else changes (inf: not while below the high mark)."""
+        return self._next_reclaim_s if len(self._slot) >= self.high else math.inf
 
     def _evict(self, count: int, now: float) -> int:
         """Free up to `count` slots by evicting; how many were freed."""

@@ -6,7 +6,10 @@ bytes and reports each operation's end. The real worker and the simulator run th
 Placement (write-through, as SGLang HiCache's default): a block is copied device -> host as soon as it
 is full and registered (`offload`), and host -> disk once it is in host (`flush`), so a block evicted from
 a tier above is already below and eviction never waits for a copy. While its copy runs, the device block is
-held (not reusable) and the host entry is `busy`; nothing unready is ever served.
+held (not reusable) and the host entry is `busy`; nothing unready is ever served. Blocks a decode step fills
+go down in runs of `WRITE_THROUGH_TOKENS` per request (LMCache's chunk), the rest when the request frees its
+blocks (finish, abort, preemption): one copy per run rather than one per block as it fills, and a block is in
+use on the device (so not evictable) until its request frees it.
 
 Lookup continues a device prefix hit block by block through host, then disk. Host hits are loaded into
 fresh device blocks by the executor before the step's forward (`KVLoad`s in the scheduler's output). Disk
@@ -20,6 +23,7 @@ prefetch (disk files -> host slots), delete (disk files of evicted entries).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -33,6 +37,9 @@ from pdserve.core.kv_ops import KVLoad, KVOp, TierHit, TierStats  # noqa: F401 (
 from pdserve.core.kv_tier_index import TierIndex
 
 
+# Decode-produced blocks are written through in runs of this many tokens per request (and the rest when the
+# request frees its blocks), LMCache's chunk: one copy per run instead of one per block as each fills
+WRITE_THROUGH_TOKENS = 256
 PREFETCH_HOLD_S = 5.0  # a block prefetched from disk stays in host at least this long, or until loaded
 
 
@@ -53,6 +60,7 @@ class TieredKV:
         self._loading: dict[tuple[int, int], BlockHash] = {}  # (device block, host slot) -> hash
         self.stale: list[BlockHash] = []  # disk files found at start that this run will not index
         blocks.newly_cached = [] if host is not None else None
+        blocks.offload_unit = max(1, WRITE_THROUGH_TOKENS // blocks.block_size)
 
     def tiers(self) -> list[TierIndex]:
         return [t for t in (self.host, self.disk) if t is not None]
@@ -202,11 +210,15 @@ class TieredKV:
 
     def has_step_work(self, now: float) -> bool:
         """Whether `after_step` at `now` would do anything (a simulator skips the call when not)."""
+        return self.next_work_s() <= now
+
+    def next_work_s(self) -> float:
+        """From when `after_step` would do something if nothing else changes: -inf at once, inf never."""
         if self.blocks.newly_cached or self._new_ops or self.stale:
-            return True
+            return -math.inf
         if any(t.evicted for t in self.tiers()):
-            return True
-        return any(t.reclaim_due(now) for t in self.tiers())
+            return -math.inf
+        return min((t.next_reclaim_s() for t in self.tiers()), default=math.inf)
 
     @property
     def has_new_ops(self) -> bool:

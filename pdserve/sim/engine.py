@@ -239,22 +239,9 @@ class SimEngine:
         if self.tiers is None:
             used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
         else:  # each step's tier work at its own time, as stepping does it
-            # Most steps of a window have no tier work: the checks skip the calls that would change nothing.
-            def before(i: int) -> None:  # LLMEngine.step's poll_kv; SimExecutor.execute starts what it submits
-                self._clock_s = t = starts[i - 1]
-                if self.kv_io.due(t) or self.engine.block_manager.has_pins or self.tiers.has_new_ops:
-                    self.engine.poll_kv()
-                    self.kv_io.start(t)
-                    self._observe_tiers()
-
-            def after(i: int) -> None:
-                if self.tiers.has_step_work(self._clock_s):
-                    self.kv_io.submit(self.tiers.after_step())
-                    self._observe_tiers()
-                    self.kv_io.start(window.ends[i - 1])
-
             try:
-                used = fastforward.apply(self.scheduler, window, j, self.executor.token_id, before, after)
+                used = fastforward.apply(self.scheduler, window, j, self.executor.token_id,
+                                         _WindowTierWork(self, starts, window.ends))
             finally:
                 self._clock_s = None
         for t, u in zip(starts, used):
@@ -263,3 +250,33 @@ class SimEngine:
         self.num_ff_steps += j
         self.busy_s += window.ends[j - 1] - self._window_open_s
         self.hooks.on_decode_run(self, window.requests, window.ends[:j], window.start_s)
+
+
+class _WindowTierWork:
+    """A fast-forward window's tier work, step by step at each step's time (`fastforward.StepWork`)."""
+
+    def __init__(self, engine: SimEngine, starts: list[float], ends: list[float]) -> None:
+        self.e, self.starts, self.ends = engine, starts, ends
+
+    def before(self, i: int) -> None:  # LLMEngine.step's poll_kv; SimExecutor.execute starts what it submits
+        e = self.e
+        e._clock_s = t = self.starts[i - 1]
+        if e.kv_io.due(t) or e.engine.block_manager.has_pins or e.tiers.has_new_ops:
+            e.engine.poll_kv()
+            e.kv_io.start(t)
+            e._observe_tiers()
+
+    def after(self, i: int) -> None:
+        e = self.e
+        if e.tiers.has_step_work(e._clock_s):
+            e.kv_io.submit(e.tiers.after_step())
+            e._observe_tiers()
+            e.kv_io.start(self.ends[i - 1])
+
+    def next_step(self, i: int) -> int:
+        """The first step after i whose start finds an operation done or tier work due (the checks above)."""
+        e = self.e
+        if e.engine.block_manager.has_pins or e.tiers.has_new_ops:
+            return i + 1
+        t = min(e.kv_io.next_due_s(), e.tiers.next_work_s())
+        return bisect.bisect_left(self.starts, t, i) + 1

@@ -9,15 +9,17 @@ preemption can happen inside). `apply` then performs the first j steps' effects 
 in the order the real `schedule()`/`update()` calls would: allocations of step i in running order, then
 registrations of step i, then step i+1. Nothing in the window touches the scheduler until it is applied, so
 a message arriving mid-window cuts it at the next step boundary and the result is the same as stepping.
-With KV tiers, `apply` calls `before(i)` and `after(i)` around step i so the engine can replay what each
-real step does with them at that step's time (take in finished tier operations; copy new blocks down).
+With KV tiers, `apply` calls `work.before(i)` and `work.after(i)` around step i so the engine can replay what
+each real step does with them at that step's time (take in finished tier operations; copy new blocks down).
+Steps where nothing happens (no block allocated or filled, no tier work due by `work.next_step`) are skipped:
+a window costs its events, not its steps.
 A step with host -> device loads pending (a reservation's host hits) is never fast-forwarded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -89,10 +91,18 @@ def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max
     return Window(running, now, ends, allocs)
 
 
-def apply(sched: Scheduler, window: Window, j: int, token_id: int, before: Callable[[int], None] | None = None,
-          after: Callable[[int], None] | None = None) -> list[int]:
+class StepWork(Protocol):
+    """What the engine does around each applied step besides the scheduler's own state (its KV tiers)."""
+
+    def before(self, i: int) -> None: ...  # before step i's allocations
+    def after(self, i: int) -> None: ...  # after step i's registrations
+    def next_step(self, i: int) -> int: ...  # the first step after i where before/after could do anything
+
+
+def apply(sched: Scheduler, window: Window, j: int, token_id: int, work: StepWork | None = None) -> list[int]:
     """Perform steps 1..j of the window; return the used-block count after each step (as the engine observes
-    it after a real step). `before(i)` runs before step i's allocations, `after(i)` after its registrations."""
+    it after a real step). Only the steps where something happens are visited (an allocation, a block filling,
+    or `work.next_step`): the others would change nothing."""
     blocks, bs, reqs = sched.blocks, sched.blocks.block_size, window.requests
     base = [r.num_computed_tokens for r in reqs]
     for r in reqs:
@@ -101,21 +111,30 @@ def apply(sched: Scheduler, window: Window, j: int, token_id: int, before: Calla
     for idx, b in enumerate(base):
         for i in range(bs - b % bs, j + 1, bs):
             crossing.setdefault(i, []).append(idx)
+    events = sorted(crossing.keys() | {i for i, _ in window.allocs if i <= j})
     used_after: list[int] = []
-    a = 0
-    for i in range(1, j + 1):
-        if before is not None:
-            before(i)
+    a = e = 0
+    i = 1
+    while i <= j:
+        if work is not None:
+            work.before(i)
         while a < len(window.allocs) and window.allocs[a][0] == i:
             idx = window.allocs[a][1]
             if blocks.allocate(reqs[idx].request_id, base[idx] + i) is None:
                 raise AssertionError("fast-forward allocation failed; the window was planned wrong")
             a += 1
         for idx in crossing.get(i, ()):
-            blocks.cache_full_blocks(reqs[idx].request_id, reqs[idx].all_token_ids, base[idx] + i)
-        if after is not None:
-            after(i)  # may hold blocks (copies down), as the real step's end does
-        used_after.append(blocks.num_used_blocks)
+            blocks.cache_full_blocks(reqs[idx].request_id, reqs[idx].all_token_ids, base[idx] + i, True)
+        if work is not None:
+            work.after(i)  # may hold blocks (copies down), as the real step's end does
+        while e < len(events) and events[e] <= i:
+            e += 1
+        nxt = events[e] if e < len(events) else j + 1
+        if work is not None:
+            nxt = min(nxt, work.next_step(i))
+        nxt = min(nxt, j + 1)
+        used_after.extend([blocks.num_used_blocks] * (nxt - i))
+        i = nxt
     for idx, r in enumerate(reqs):
         r.num_computed_tokens = base[idx] + j
     return used_after

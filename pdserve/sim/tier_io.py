@@ -24,6 +24,7 @@ operations whose end is at or before the engine's clock.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,7 +123,13 @@ class SimTierIO:
 
     def due(self, t: float) -> bool:
         """Whether a poll at `t` finds an operation done, or a start at `t` has one to begin."""
-        return bool(self._unstarted) or bool(self._in_flight) and self._in_flight[0][0] <= t
+        return self.next_due_s() <= t
+
+    def next_due_s(self) -> float:
+        """From when `due` holds if nothing else changes: -inf at once, inf never."""
+        if self._unstarted:
+            return -math.inf
+        return self._in_flight[0][0] if self._in_flight else math.inf
 
     def next_done_s(self) -> float | None:
         """When the next operation in flight ends (None when none is)."""
