@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.cluster.routing import HashRun
+
 HOT_COUNT = 1.5  # decayed count of requests that makes a prefix hot: two within a half-life
 HALF_LIFE_S = 60.0
 MIN_BLOCKS = 2  # shorter prefixes are not worth a pass
@@ -56,6 +58,10 @@ class HotPrefixes:
         for k, h in enumerate(hashes):
             entry = counts.get(h)
             if entry is None:
+                rest = hashes[k:]
+                if not any(h in counts for h in rest):  # (the usual case: a prefix seen once, the rest new)
+                    counts.update((h, [1.0, now]) for h in rest)  # below HOT_COUNT: none is hot yet
+                    break
                 entry = counts[h] = [0.0, now]
             else:
                 counts.move_to_end(h)
@@ -68,7 +74,7 @@ class HotPrefixes:
         self._forget(now)
         if deepest >= MIN_BLOCKS:
             self._remember(hashes[deepest - 1], HotPrefix(list(prompt[:deepest * block_size]),
-                                                          tuple(hashes[:deepest]), count, now))
+                                                          HashRun(hashes[:deepest]), count, now))
 
     def _forget(self, now: float) -> None:
         """Drop the least recently seen hashes whose count has decayed to nothing: under steady load the table

@@ -69,17 +69,29 @@ def _draw(key: tuple[int, ...], n: int, lo: int, hi: int) -> np.ndarray:
 def _hashed_prompt(index: int, input_len: int, hash_ids: tuple[int, ...], block: int, seed: int,
                    lo: int, hi: int, cache: dict[int, np.ndarray]) -> np.ndarray:
     """Blocks keyed by hash id (cached within one call), truncated or filled to exactly input_len."""
-    parts, have = [], 0
-    for h in hash_ids:
-        if have >= input_len:
-            break
-        if h not in cache:
-            cache[h] = _draw((seed, _BLOCK, h), block, lo, hi)
-        parts.append(cache[h][:input_len - have])
-        have += len(parts[-1])
-    if have < input_len:
+    used = hash_ids[:-(-input_len // block)]  # the blocks that reach into input_len
+    new = [h for h in dict.fromkeys(used) if h not in cache]
+    if new:  # the same values as _draw per block, in one pass
+        cache.update(zip(new, _draw_many([(seed, _BLOCK, h) for h in new], block, lo, hi)))
+    parts = [cache[h] for h in used]
+    have = len(used) * block
+    if have > input_len:
+        parts[-1] = parts[-1][:block - (have - input_len)]
+    elif have < input_len:
         parts.append(_draw((seed, _FILL, index), input_len - have, lo, hi))
-    return np.concatenate(parts)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _draw_many(keys: list[tuple[int, ...]], n: int, lo: int, hi: int) -> np.ndarray:
+    """`_draw(key, n, lo, hi)` for each key, as the rows of one array."""
+    seeds = []
+    for key in keys:
+        seed = 0
+        for part in key:
+            seed = _mix64((seed * _GOLDEN + part + 1) & _MASK)
+        seeds.append(seed)
+    counter = (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN))[None, :] + np.array(seeds, np.uint64)[:, None]
+    return lo + (_mix64_array(counter) % np.uint64(hi - lo)).astype(np.int64)
 
 
 def block_size(workload: Workload, block_tokens: int = 512) -> int:
