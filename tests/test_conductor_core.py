@@ -460,3 +460,17 @@ def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_predict
     assert core.relanded("nobody", 1.2, 0.8) == []
     errors = {o.metric: o.value for o in core.consumed("a", 2.003)}
     assert errors == pytest.approx({"kv_consumption_error": 0.003, "kv_consumption_error_at_prefilled": 0.503})
+
+
+def test_a_renewed_transfer_lapsing_again_is_one_failure_in_the_metrics():
+    """The decode worker reports every lapse (the conductor decides each time); `pdserve_kv_transfer_failures`
+    counts the transfer's failure once: its later lapses (`lapses` > 1) are not new failures."""
+    metrics = Metrics()
+    event = {"type": "transfer", "rid": "r", "xfer": "r#0", "outcome": "held", "state": "failed_timeout",
+             "bytes": 0, "seconds": 1.0, "worker": "decode-0"}
+    for lapses in (1, 2, 3):
+        metrics.observe_transfer({**event, "lapses": lapses})
+    metrics.observe_transfer({**event, "outcome": "recompute", "lapses": 3})
+    got = metrics.registry.get_sample_value
+    assert got("pdserve_kv_transfer_failures_total", {"reason": "failed_timeout", "outcome": "held"}) == 1
+    assert got("pdserve_kv_transfer_failures_total", {"reason": "failed_timeout", "outcome": "recompute"}) == 1

@@ -341,6 +341,11 @@ def test_a_held_transfer_still_takes_its_kv_and_a_renewed_one_is_delivered(tiny_
     assert pair.d_engine.scheduler.requests["a"].status.name != "WAITING"
     assert not pair.decode.renew("a#0")
     assert pair.decode.renew("b#0") and pair.decode.inbound.get("b#0").deadline_s < float("inf")
+    pair.decode.inbound.get("b#0").deadline_s = time.monotonic() - 1.0  # renewed, and lapses again
+    pair.decode.receive()
+    assert [(t.xfer, outcome, t.lapses) for t, outcome, _ in pair.decode.settle()] == [("b#0", "held", 2)]
+    assert pair.decode.stats.failures == {"failed_timeout": 2}  # a's lapse and b's first: b's second is the same
+    assert pair.decode.renew("b#0")
     pair.decode.timeout_s = pair.decode.inbound.get("b#0").timeout_s = 10.0
     pair.decode.inbound.get("b#0").deadline_s = time.monotonic() + 10.0
     pair.prefill.finish("b", prefilled=True, first_token=tokens["b"])

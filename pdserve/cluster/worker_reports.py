@@ -29,7 +29,8 @@ class WorkerReports:
         for inbound, outcome, req in self.decode.settle():
             self.emit({"type": "transfer", "rid": inbound.request_id, "xfer": inbound.xfer, "outcome": outcome,
                        "state": inbound.state.value, "bytes": inbound.num_bytes,
-                       "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name})
+                       "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name,
+                       "lapses": inbound.lapses})
             if req is not None and inbound.first_token is not None:  # the prefill worker's first token
                 self.emit({"type": "tokens", "worker": self.spec.name, "items": [{
                     "rid": req.request_id, "i": 0, "t": inbound.first_token,

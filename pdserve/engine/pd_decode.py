@@ -248,7 +248,9 @@ class DecodeSide:
         settled = []
         for inbound in self.inbound.take_lapsed():  # held live: the conductor decides
             if self.inbound.get(inbound.xfer) is inbound:
-                self.stats.failures[TransferState.FAILED_TIMEOUT.value] += 1
+                inbound.lapses += 1
+                if inbound.lapses == 1:  # a renewed transfer lapsing again is the same failure, counted once
+                    self.stats.failures[TransferState.FAILED_TIMEOUT.value] += 1
                 self.held[inbound.xfer] = inbound
                 settled.append((inbound, "held", None))
         for inbound in self.inbound.take_ended():

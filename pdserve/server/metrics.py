@@ -42,7 +42,8 @@ class Metrics:
         self.kv_transcoded = Counter("pdserve_kv_chunks_transcoded", "KV chunks a decode worker received in another "
                                      "KV format than its pool's (--decode-kv-cache-dtype) and transcoded",
                                      ["worker"], registry=r)
-        self.kv_transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV deliveries",
+        self.kv_transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV deliveries (outcome held: "
+                                            "its lease lapsed, the conductor decides; once per transfer)",
                                             ["reason", "outcome"], registry=r)
         self.kv_chunks = Counter("pdserve_kv_chunks_sent", "KV chunks a prefill worker sent: in_place = the decode "
                                  "worker copied them from its shared pool; payload = the bytes travelled",
@@ -323,6 +324,8 @@ class Metrics:
             self.prefill.labels(worker_role=role).observe(item["prefill_s"])
 
     def observe_transfer(self, e: dict) -> None:
+        if e["outcome"] == "held" and e.get("lapses", 1) > 1:
+            return  # a renewed lease lapsing again: its transfer's failure is counted (and timed) once
         self.kv_transfer_time.labels(outcome=e["outcome"]).observe(e["seconds"])
         if e["outcome"] != "delivered":
             self.kv_transfer_failures.labels(reason=e["state"], outcome=e["outcome"]).inc()

@@ -38,6 +38,7 @@ class Inbound:
     first_token: int | None = None  # sampled by the prefill worker, from its `done`
     logprobs: dict | None = None  # its logprobs and the prompt's, when asked for (`done`'s "logprobs")
     lapsed: bool = False  # its lease ran out and it is held live (no deadline) until it is told its fate
+    lapses: int = 0  # how many times its lease ran out (a renewed one may lapse again)
     _masks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
