@@ -254,10 +254,6 @@ class KVBlockManager:
                 self.cols.touch(registered, self.clock(), self.lifecycle.heat_half_life_s)
         return list(block_ids)
 
-    def registered_hashes(self, request_id: str) -> list[BlockHash]:
-        """Hashes of the request's registered (full, computed) blocks, from its first block on."""
-        return self._hashes.get(request_id, [])
-
     def num_cold_blocks(self, request_id: str) -> int:
         return self._cold.get(request_id, 0)
 

@@ -32,14 +32,14 @@ from pdserve.cluster.conductor import params_dict
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
-from pdserve.core.delivery import LANDING_RECHECK_S, WaterLevel
-from pdserve.core.production_pace import ProductionPace
+from pdserve.core.delivery import WaterLevel
 from pdserve.core.policy import insert_in_order
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.flight import Flight, Lifecycle
+from pdserve.sim.kv_push import KVPush
 from pdserve.sim.link import LandingWatch, LinkModel
 from pdserve.sim.staging import SimStaging, engine_capacity
 from pdserve.sim.timemodel import StepShape
@@ -47,7 +47,7 @@ from pdserve.sim.timemodel import StepShape
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
 
 
-class SimConductor(EngineHooks):
+class SimConductor(KVPush, EngineHooks):
     def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel, block_size: int, block_bytes: int,
                  failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
                  control_latency_s: float = 0.0, tiers: ServiceTiers | None = None,
@@ -262,27 +262,6 @@ class SimConductor(EngineHooks):
         if f.delivered and not f.finished:
             self.awaiting[f.rid] = f
 
-    # ---- prefill side: backpressure, layer-by-layer push ---------------------------------------------------
-    def hold_production_s(self, engine: SimEngine) -> float:
-        """As the real prefill worker: its next step is paced per link (`pdserve.core.production_pace`), here
-        the pair of ports a prompt's KV crosses; no step while every prompt's pair is backed up."""
-        if engine.role != "prefill":
-            return 0.0
-        egress = self.ports[engine.name]
-
-        def link_of(rid: str) -> str | None:
-            f = self.flights.get(rid)
-            return None if f is None or f.decode is None else f.decode.name
-
-        def backlog(dest: str, tiers: set[str]) -> list[tuple[float, float]]:
-            return [(self.links.queued_bytes(p, tiers), p.bandwidth) for p in (egress, self.ports[dest]) if p.flows]
-
-        pace = engine.scheduler.pace = ProductionPace.build(
-            engine.scheduler.requests.values(), link_of, backlog, self.water, self.block_bytes / self.block_size,
-            self.block_size, self.life.production_paced)
-        self.life.production_paused_s += pace.hold_s
-        return pace.hold_s
-
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
             shape = StepShape.of(scheduled)
@@ -299,77 +278,6 @@ class SimConductor(EngineHooks):
                 f = self.awaiting.pop(chunk.request_id, None)
                 if f is not None:
                     self._consumed(f, start_s)
-
-    def _push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
-        bs = self.block_size
-        final = end >= len(f.prompt)
-        # a partly filled block goes now and again complete; scheduled delivery sends only the last one
-        first, stop = f.next_block, -(-end // bs) if final or not self.links.policy.scheduled else end // bs
-        if first < stop:
-            nbytes = (stop - first) * self.block_bytes
-            if end % bs and not final and stop > end // bs:
-                f.superseded += self.block_bytes
-            self.life.bytes_sent += nbytes
-            ports = (self.ports[p.name], self.ports[f.decode.name])
-            last = f.in_air[-1] if f.in_air else None  # the transfer's flow still in the air takes the chunk
-            if last is not None and last.links == ports and self.links.extend(last, nbytes, duration_s):
-                f.next_block = max(f.next_block, end // bs)
-                return
-            f.flows += 1
-            sent: list = []  # the flow, whose bytes grow with the chunks that join it
-            flow = self.links.start(ports, nbytes, duration_s,
-                                    lambda: self._landed(f, sent[0].nbytes if sent else nbytes), f.tier, f.deadline_s)
-            if flow is not None:
-                sent.append(flow)
-                f.in_air.append(flow)
-        f.next_block = max(f.next_block, end // bs)
-
-    def _landed(self, f: Flight, nbytes: float) -> None:
-        f.flows -= 1
-        f.delivered += nbytes
-        self.life.bytes_delivered += nbytes
-        self._maybe_done(f, 0.0)
-
-    def _maybe_done(self, f: Flight, delay_s: float) -> None:
-        if f.prefilled and f.flows == 0 and not f.done_sent and not f.finished:
-            f.done_sent = True
-            d = f.decode
-            d.post(lambda: self.ready[d.name].append(f), delay_s)
-
-    def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:
-        """As the real prefill worker (`PrefillSide.relanded`): `f` became due on this engine's link; the
-        other prefilled transfers in the air there whose landing estimate moved are reported again — and
-        those of other prefill engines sharing a port with `f` (its decode engine's), whose senders see their
-        measured rate drop (the real worker rechecks its landings every `LANDING_RECHECK_S` at the rate its
-        transport sent at lately: `LinkStats.landing_rate`)."""
-        others = [e for e in self.landings.sharing(f) if e != engine.name]
-        moved = self.landings.moved(engine.name, f, landing, now)
-        for name in others:
-            moved += self.landings.recheck(name, now)
-        self._relanded(moved, now)
-        if engine.name not in self._rechecking and self.landings.soon.get(engine.name):
-            self._rechecking.add(engine.name)
-            self.loop.at(now + LANDING_RECHECK_S, self._recheck, engine.name)
-
-    def _relanded(self, moved: list[tuple[str, float]], now: float) -> None:
-        for rid, eta in moved:
-            self._act(self._core("relanded", rid, now + self.control_s, eta - self.control_s))
-
-    def _recheck(self, name: str) -> None:
-        """As the real prefill worker's loop: every LANDING_RECHECK_S while its prefilled transfers are in the
-        air, the landings that moved since last reported (a flow sharing their port ended, or began)."""
-        now = self.loop.now
-        self._relanded(self.landings.recheck(name, now), now)
-        if self.landings.soon.get(name):
-            self.loop.at(now + LANDING_RECHECK_S, self._recheck, name)
-        else:
-            self._rechecking.discard(name)
-
-    def _consumed(self, f: Flight, start_s: float) -> None:
-        blocks = round((f.delivered - f.superseded) / self.block_bytes)
-        self.life.bytes_consumed += f.delivered - f.superseded
-        self.life.blocks_consumed += blocks
-        self._act(self._core("consumed", f.rid, start_s))
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None:
