@@ -1,18 +1,19 @@
 """The records between a worker's tier bookkeeping (`pdserve.core.kv_tiers.TieredKV`) and the rest: the
 loads a step performs, the I/O operations a runner carries out (`pdserve.kv.tier_io`, the simulator's
-`SimTierIO`), the capacity it reports, a lookup's answer and the counters. Plain frozen dataclasses.
+`SimTierIO`), the capacity it reports, a lookup's answer and the counters. Plain frozen dataclasses (a
+load: a named tuple).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve.core.block_hash import BlockHash
 
 
-@dataclass(frozen=True)
-class KVLoad:
+class KVLoad(NamedTuple):  # (a named tuple: a long prompt's host hits make hundreds per request)
     """Copy host slot `host_slot` into device block `block_id` before the step's forward."""
 
     block_id: int

@@ -118,7 +118,7 @@ class TieredKV:
         if self.disk is not None:  # in use: not the disk tier's next victim either
             self.disk.touch_many([h for h in used if h in self.disk.entries], now)
         slot_list = slots.tolist()
-        loads = [KVLoad(b, s) for b, s in zip(block_ids, slot_list)]
+        loads = list(map(KVLoad._make, zip(block_ids, slot_list)))
         self._loading.update(zip(zip(block_ids, slot_list), hashes))
         self.stats.bytes_out[Tier.HOST] += len(loads) * self.block_bytes
         self.stats.bytes_in[Tier.DEVICE] += len(loads) * self.block_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import BlockId
@@ -36,7 +37,7 @@ class ScheduledChunk:
     """One request's share of a step: compute `token_ids` at positions `start_pos`, `start_pos + 1`, ..."""
 
     request_id: str
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]  # a slice of the request's tokens (list, or the simulator's array)
     start_pos: int  # == the request's computed tokens before this step
     block_ids: tuple[BlockId, ...]  # the whole block table, covering start_pos + len(token_ids) tokens
     sample: bool  # True when the chunk reaches the last known token, so a new token is sampled

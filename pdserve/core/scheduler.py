@@ -359,7 +359,7 @@ class Scheduler(KVReservations):
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(
-            request_id=req.request_id, token_ids=tuple(req.all_token_ids[start:start + n]), start_pos=start,
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,  # (a copy)
             block_ids=self.blocks.block_ids(req.request_id),
             sample=start + n == req.num_tokens,
             sampling_params=req.sampling_params,
