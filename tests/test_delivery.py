@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket, parse_link_share
+from pdserve.core.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket, _equal_split, parse_link_share
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.events import EventLoop
 from pdserve.sim.link import LinkModel
@@ -62,6 +62,24 @@ def test_rates_are_work_conserving_and_respect_caps(spec, mode, capacity):
     assert all(-1e-9 <= rates[f] <= f.cap * (1 + 1e-9) for f in flows)
     want = min(capacity, sum(f.cap for f in flows))
     assert sum(rates.values()) == pytest.approx(want, rel=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["priority", "default", "flex", "other"]), st.one_of(st.just(float("inf")), st.floats(0, 1e12)),
+       st.floats(1, 1e12), st.sampled_from(["scheduled", "fifo"]), st.booleans())
+def test_a_flow_alone_on_its_link_gets_what_the_split_gives_it(tier, cap, capacity, mode, due):
+    """`rates` answers a lone flow directly (the simulator's common case): min(cap, capacity), what the
+    split gives it up to its float rounding (a tier's share is multiplied in and divided out again there)."""
+    it = Item(0, tier, 1.0, cap=cap)
+    it.due = due
+    policy = DeliveryPolicy(mode, SHARES)
+    if mode == "fifo":
+        general = _equal_split([it], capacity)[it]
+    else:
+        out = {it: 0.0}
+        policy._share_out([it], out, capacity)
+        general = out[it]
+    assert policy.rates([it], capacity)[it] == pytest.approx(general, rel=1e-12)
 
 
 def test_pick_gives_each_backlogged_tier_its_share_and_the_earliest_deadline_first():

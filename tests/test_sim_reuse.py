@@ -63,7 +63,7 @@ def _reference(workload, prompts, cfg, num_blocks, block_size, tm):
 
 
 def _key(steps):
-    return [[(c.request_id, c.start_pos, c.token_ids, c.block_ids, c.sample) for c in s.chunks]
+    return [[(c.request_id, c.start_pos, list(c.token_ids), c.block_ids, c.sample) for c in s.chunks]
             for s in steps if not s.is_empty]
 
 

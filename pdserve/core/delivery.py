@@ -113,6 +113,8 @@ class DeliveryPolicy:
         """Split `capacity` bytes/s among fluid flows: fifo equally (each up to its cap, the rest shared
         again); scheduled by tier share, earliest deadline first within a tier."""
         items = list(items)
+        if len(items) == 1 and capacity >= 1.0:  # alone on the link (the common case): up to its cap
+            return {items[0]: max(0.0, min(items[0].cap, capacity))}  # (what either split below gives it)
         if not self.scheduled:
             return _equal_split(items, capacity)
         out = {it: 0.0 for it in items}
