@@ -68,6 +68,24 @@ def dead_worker(tiny_llama_dir, tmp_path):
     return engine, out, tokens
 
 
+def test_decoded_blocks_reach_disk_in_runs_no_longer_than_a_checkpoint(tiny_llama_dir, tmp_path):
+    """Decoded blocks are written through in runs (256 tokens by default); with checkpoints every 8 tokens a run
+    is at most 8 tokens, so what is on disk trails the decode by about a checkpoint, not by a whole run."""
+    engine = _engine(tiny_llama_dir, tmp_path / "kv", "d0")
+    KVCheckpoints(engine, engine.kv_io.disk, every=8)
+    assert engine.block_manager.offload_unit == 8 // BLOCK
+    engine.add_request(PROMPT, _params(TOKENS), request_id="r")
+    out = _run(engine, "r", until=14)  # 10 + 13 tokens computed: 5 full blocks, the 5th not yet a whole run
+    hashes = engine.block_manager.registered_hashes("r")
+    deadline, durable = time.monotonic() + 10, 0
+    while durable < 4:  # the write-through to disk runs on the I/O thread
+        assert time.monotonic() < deadline, f"{durable} of {len(hashes)} blocks on disk: a run never went down"
+        engine.poll_kv()
+        durable = engine.tiers.disk.ready_prefix(hashes)[0]
+        time.sleep(0.01)
+    assert len(out) == 14 and len(hashes) == 5
+
+
 def _taker(tiny_llama_dir, tmp_path):
     engine = _engine(tiny_llama_dir, tmp_path / "kv", "d1")
     receiver = make_receiver("shm", f"ipc://{tmp_path}/kv-{uuid.uuid4().hex[:8]}")

@@ -1,8 +1,8 @@
 """KV checkpoints of a decode worker's requests, for moving them when the worker dies (issue 15).
 
 **Taking one.** A worker with a disk KV tier already writes every full block through to it (device -> host ->
-disk, `pdserve.core.kv_tiers`), its decoded tokens' blocks included: a running request's leading blocks that
-are on disk are its checkpoint, in files that outlive the process (`<dir>/<identity>/<worker>/<hash>.kv`,
+disk, `pdserve.core.kv_tiers`), its decoded tokens' blocks included (in runs of at most `every` tokens): a
+running request's leading blocks that are on disk are its checkpoint, in files that outlive the process (`<dir>/<identity>/<worker>/<hash>.kv`,
 `pdserve.kv.disk_store`). `KVCheckpoints.due` tells the conductor how many of a request's tokens are there,
 each time that number grew by `every` tokens (`--kv-checkpoint-tokens`) since the last report.
 
@@ -36,6 +36,9 @@ class KVCheckpoints:
         self.disk = disk
         self.every = every
         self.reported: dict[str, int] = {}  # request id -> tokens on disk at its last report
+        blocks = engine.block_manager
+        if every > 0:  # decoded blocks go down in runs (`WRITE_THROUGH_TOKENS`): no longer than a checkpoint
+            blocks.offload_unit = max(1, min(blocks.offload_unit, every // blocks.block_size))
 
     def due(self) -> list[tuple[str, int]]:
         """[(request id, tokens of it whose KV is on disk)] for the running requests whose checkpoint grew by
