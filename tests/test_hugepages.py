@@ -1,11 +1,11 @@
-"""Huge-page buffers for the packed weights and the CPU KV pool: zeroed, aligned, disjoint, alive."""
+"""Huge-page buffers for the packed weights (zeroed, aligned, disjoint, alive); the CPU KV pool on lazily
+mapped normal pages."""
 
 from __future__ import annotations
 
 import gc
 import mmap
 
-import pytest
 import torch
 
 from pdserve.model.hugepages import HUGE_PAGE, Arena, huge_zeros
@@ -37,8 +37,22 @@ def test_arena_pieces_are_aligned_disjoint_and_outlive_the_arena():
         assert (p == i).all()  # no piece overwrote another, and the chunks live on with their pieces
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
-def test_cpu_kv_pool_is_on_huge_page_mappings():
+def _rss_kib(ptr: int) -> int:
+    """Resident KiB of the mapping of this process that holds address `ptr` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and len(line.split()) >= 5 and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+def test_cpu_kv_pool_is_lazily_mapped_on_normal_pages():
+    """The KV pool is touched block by block while serving: its pages are mapped as first written (nothing
+    resident up front), and on normal pages, whose first touch is cheap (see `pdserve.model.hugepages`)."""
     from pdserve.kv.codec import KVCodec
     from pdserve.kv.device_pool import DeviceKVPool
     from pdserve.model.config import ModelConfig
@@ -47,4 +61,8 @@ def test_cpu_kv_pool_is_on_huge_page_mappings():
                       tie_word_embeddings=True)
     pool = DeviceKVPool(cfg, num_blocks=4096, block_size=16,
                         codec=KVCodec("auto", 16, torch.float32), device=torch.device("cpu"))
-    assert all(t.data_ptr() % HUGE_PAGE == 0 and (t == 0).all() for t in pool.layers)
+    layer = pool.layers[0]
+    assert layer.nbytes == 2 * 2 * 4096 * 16 * 16 * 4 and _rss_kib(layer.data_ptr()) == 0
+    layer[0, 0, 7].fill_(1.0)  # one block of one head: 1 KiB
+    assert _rss_kib(layer.data_ptr()) <= 8  # a 4 KiB page (a huge page would make it 2,048 KiB)
+    assert (pool.layers[1] == 0).all()

@@ -44,9 +44,9 @@ class DeviceKVPool:
         self.shared_buffer: mmap.mmap | None = None
         if shared and torch.device(device).type == "cpu":
             self.layers = self._shared_layers(shape, dtype, config.num_layers)
-        elif torch.device(device).type == "cpu":  # decode attention reads blocks scattered: huge pages
-            numel = math.prod(shape)
-            self.layers = [huge_zeros(numel, dtype).view(shape) for _ in range(config.num_layers)]
+        elif torch.device(device).type == "cpu":  # mapped as blocks are first written (normal pages: see
+            numel = math.prod(shape)               # `pdserve.model.hugepages`)
+            self.layers = [huge_zeros(numel, dtype, huge=False).view(shape) for _ in range(config.num_layers)]
         else:
             self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 

@@ -1,4 +1,4 @@
-"""CPU tensors on transparent huge pages, for memory that a decode step streams end to end.
+"""CPU tensors on transparent huge pages, for memory that a decode step streams end to end (the weights).
 
 A batch-16 decode step reads every packed weight panel (hundreds of MB) and, scattered by block, the KV
 of every running request. With 4 KiB pages that is a TLB miss every 4 KiB, and the hardware prefetchers
@@ -7,6 +7,11 @@ when `THP_MEM_ALLOC_ENABLE=1` is set, so these buffers are mapped here: an anony
 aligned to 2 MiB, with `madvise(MADV_HUGEPAGE)` (honoured when
 /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`). Where the platform has no
 MADV_HUGEPAGE this is a plain `torch.zeros` (a decision for the platform, logged once at INFO).
+
+The CPU KV pool and host tier are lazily mapped on normal pages (`huge=False`): they are touched block by
+block while serving, and a huge page's first touch can be far dearer than 512 small ones (measured on an AMD
+EPYC VM: 4.6 s of system time per GiB against 0.37 s, and a 16-request long-prompt run 30% slower with the
+pool on huge pages, BENCHMARKS.md); the weights are touched once, at load.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ ARENA_CHUNK = 64 << 20  # bytes per arena chunk: few chunks, and little left unu
 _logged = False
 
 
-def huge_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zeroed 1-D CPU tensor of `numel` elements, on huge pages where the platform has them."""
+def huge_zeros(numel: int, dtype: torch.dtype = torch.float32, huge: bool = True) -> torch.Tensor:
+    """A zeroed 1-D CPU tensor of `numel` elements, on huge pages where the platform has them. Its pages are
+    mapped as first touched; `huge=False`: normal pages (lazily mapped all the same)."""
     global _logged
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not huge and nbytes >= HUGE_PAGE:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         if not _logged and nbytes >= HUGE_PAGE:
             _logged = True
