@@ -24,7 +24,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.core.schedule import ScheduledChunk
 from pdserve.model import kernels
 from pdserve.model.attention import _decode_attention
-from pdserve.model.hugepages import huge_zeros
+from pdserve.model.hugepages import lazy_zeros
 from pdserve.model.input_batch import CacheLayout, build_input_batch
 
 
@@ -66,7 +66,7 @@ def cold_parts(repeats: int, layers: int = 30, ctx: int = 192, bs: int = 16) -> 
     chunks = [ScheduledChunk(f"r{i}", (5,), ctx - 1, tuple(perm.pop() for _ in range(ctx // bs)), True,
                              SamplingParams()) for i in range(16)]
     meta = build_input_batch(chunks, CacheLayout(bs, nb, 3), torch.device("cpu")).meta
-    caches = [huge_zeros(2 * 3 * nb * bs * 64).view(2, 3, nb, bs, 64).normal_() for _ in range(layers)]
+    caches = [lazy_zeros(2 * 3 * nb * bs * 64).view(2, 3, nb, bs, 64).normal_() for _ in range(layers)]
     q, out = torch.randn(16, 9, 64), torch.empty(16, 9 * 64)
 
     def kernel():

@@ -19,15 +19,13 @@ import time
 
 
 def child(pages: str, rounds: int) -> None:
-    import torch
 
     import pdserve.kv.device_pool as pool_mod
     import pdserve.kv.host_store as host_mod
     from pdserve import LLM, SamplingParams
     from pdserve.model.hugepages import huge_zeros
     if pages == "huge":
-        pool_mod.huge_zeros = host_mod.huge_zeros = \
-            lambda numel, dtype=torch.float32, huge=True: huge_zeros(numel, dtype, True)
+        pool_mod.lazy_zeros = host_mod.lazy_zeros = huge_zeros
     llm = LLM(max_num_batched_tokens=2048)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     base = "The quick brown fox jumps over the lazy dog near the river bank today. " * 60

@@ -204,14 +204,11 @@ class KVBlockManager:
         if defer and self.offload_unit > 1:
             runs = self._deferred.setdefault(request_id, [])
             runs.append((ids, keys))
-            if sum(len(r[0]) for r in runs) < self.offload_unit:
-                return
-            ids = keys = None
-        runs = self._deferred.pop(request_id, None)
-        if runs:
-            self.newly_cached.extend(runs)  # registered earlier: in order
-        if ids is not None:
-            self.newly_cached.append((ids, keys))
+            if sum(len(r[0]) for r in runs) >= self.offload_unit:
+                self.hand_over_deferred(request_id)
+            return
+        self.hand_over_deferred(request_id)  # registered earlier: first, in order
+        self.newly_cached.append((ids, keys))
 
     def hand_over_deferred(self, request_id: str) -> bool:
         """Hand the request's held-back registrations to the tiers now; whether it had any."""

@@ -19,7 +19,6 @@ a run of blocks is reserved, committed, touched or evicted with a few array oper
 from __future__ import annotations
 
 import math
-
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 

@@ -214,9 +214,7 @@ class TieredKV:
 
     def next_work_s(self) -> float:
         """From when `after_step` would do something if nothing else changes: -inf at once, inf never."""
-        if self.blocks.newly_cached or self._new_ops or self.stale:
-            return -math.inf
-        if any(t.evicted for t in self.tiers()):
+        if self.blocks.newly_cached or self._new_ops or self.stale or any(t.evicted for t in self.tiers()):
             return -math.inf
         return min((t.next_reclaim_s() for t in self.tiers()), default=math.inf)
 

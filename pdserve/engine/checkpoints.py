@@ -2,8 +2,8 @@
 
 **Taking one.** A worker with a disk KV tier already writes every full block through to it (device -> host ->
 disk, `pdserve.core.kv_tiers`), its decoded tokens' blocks included (in runs of at most `every` tokens): a
-running request's leading blocks that are on disk are its checkpoint, in files that outlive the process (`<dir>/<identity>/<worker>/<hash>.kv`,
-`pdserve.kv.disk_store`). `KVCheckpoints.due` tells the conductor how many of a request's tokens are there,
+running request's leading blocks that are on disk are its checkpoint, in files that outlive the process
+(`<dir>/<identity>/<worker>/<hash>.kv`, `pdserve.kv.disk_store`). `KVCheckpoints.due` tells the conductor how many of a request's tokens are there,
 each time that number grew by `every` tokens (`--kv-checkpoint-tokens`) since the last report.
 
 **Restoring one.** When the worker dies, the conductor moves each request with a checkpoint to another worker

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.kv.codec import KVCodec
 from pdserve.model.config import ModelConfig
-from pdserve.model.hugepages import huge_zeros
+from pdserve.model.hugepages import lazy_zeros
 from pdserve.paging import Populating
 
 
@@ -46,7 +46,7 @@ class DeviceKVPool:
             self.layers = self._shared_layers(shape, dtype, config.num_layers)
         elif torch.device(device).type == "cpu":  # mapped as blocks are first written (normal pages: see
             numel = math.prod(shape)               # `pdserve.model.hugepages`)
-            self.layers = [huge_zeros(numel, dtype, huge=False).view(shape) for _ in range(config.num_layers)]
+            self.layers = [lazy_zeros(numel, dtype).view(shape) for _ in range(config.num_layers)]
         else:
             self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 

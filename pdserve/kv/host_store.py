@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.model.hugepages import huge_zeros
+from pdserve.model.hugepages import lazy_zeros
 
 
 class HostKVStore:
@@ -25,7 +25,7 @@ class HostKVStore:
         if pin:  # CUDA: page-locked, so copies to the device run at full speed (allocated up front)
             self.data = torch.zeros(shape, dtype=dtype, pin_memory=True)
         else:  # an anonymous mapping: a slot's pages cost memory only once a block is written there
-            self.data = huge_zeros(math.prod(shape), dtype, huge=False).view(shape)
+            self.data = lazy_zeros(math.prod(shape), dtype).view(shape)
         self.num_slots = num_slots
         self.num_layers = num_layers
 

@@ -8,7 +8,7 @@ aligned to 2 MiB, with `madvise(MADV_HUGEPAGE)` (honoured when
 /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`). Where the platform has no
 MADV_HUGEPAGE this is a plain `torch.zeros` (a decision for the platform, logged once at INFO).
 
-The CPU KV pool and host tier are lazily mapped on normal pages (`huge=False`): they are touched block by
+The CPU KV pool and host tier are lazily mapped on normal pages (`lazy_zeros`): they are touched block by
 block while serving, and a huge page's first touch can be far dearer than 512 small ones (measured on an AMD
 EPYC VM: 4.6 s of system time per GiB against 0.37 s, and a 16-request long-prompt run 30% slower with the
 pool on huge pages, BENCHMARKS.md); the weights are touched once, at load.
@@ -28,14 +28,20 @@ ARENA_CHUNK = 64 << 20  # bytes per arena chunk: few chunks, and little left unu
 _logged = False
 
 
-def huge_zeros(numel: int, dtype: torch.dtype = torch.float32, huge: bool = True) -> torch.Tensor:
-    """A zeroed 1-D CPU tensor of `numel` elements, on huge pages where the platform has them. Its pages are
-    mapped as first touched; `huge=False`: normal pages (lazily mapped all the same)."""
+def lazy_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zeroed 1-D CPU tensor of `numel` elements on normal pages, mapped as first touched (an anonymous
+    mapping: untouched parts cost no memory, where `torch.zeros` writes every page)."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < mmap.PAGESIZE:
+        return torch.zeros(numel, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)  # (holds `buf`: unmapped with the tensor)
+
+
+def huge_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zeroed 1-D CPU tensor of `numel` elements, on huge pages where the platform has them."""
     global _logged
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not huge and nbytes >= HUGE_PAGE:
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         if not _logged and nbytes >= HUGE_PAGE:
             _logged = True

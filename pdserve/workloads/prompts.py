@@ -59,10 +59,19 @@ def _mix64_array(z: np.ndarray) -> np.ndarray:
 def _draw(key: tuple[int, ...], n: int, lo: int, hi: int) -> np.ndarray:
     """n ids in [lo, hi) determined by `key` alone: splitmix64 over a counter from a key-derived seed (a few
     microseconds per block, where a seeded numpy Generator costs ~25: a one-hour trace has 180k blocks)."""
-    seed = 0
-    for part in key:
-        seed = _mix64((seed * _GOLDEN + part + 1) & _MASK)
-    counter = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(seed)
+    return _draw_many([key], n, lo, hi)[0]
+
+
+def _draw_many(keys: list[tuple[int, ...]], n: int, lo: int, hi: int) -> np.ndarray:
+    """`_draw(key, n, lo, hi)` for each key, as the rows of one array (one numpy pass for all of them)."""
+    seeds = []
+    for key in keys:
+        seed = 0
+        for part in key:
+            seed = _mix64((seed * _GOLDEN + part + 1) & _MASK)
+        seeds.append(seed)
+    steps = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+    counter = steps[None, :] + np.array(seeds, np.uint64)[:, None]
     return lo + (_mix64_array(counter) % np.uint64(hi - lo)).astype(np.int64)
 
 
@@ -80,18 +89,6 @@ def _hashed_prompt(index: int, input_len: int, hash_ids: tuple[int, ...], block:
     elif have < input_len:
         parts.append(_draw((seed, _FILL, index), input_len - have, lo, hi))
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def _draw_many(keys: list[tuple[int, ...]], n: int, lo: int, hi: int) -> np.ndarray:
-    """`_draw(key, n, lo, hi)` for each key, as the rows of one array."""
-    seeds = []
-    for key in keys:
-        seed = 0
-        for part in key:
-            seed = _mix64((seed * _GOLDEN + part + 1) & _MASK)
-        seeds.append(seed)
-    counter = (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN))[None, :] + np.array(seeds, np.uint64)[:, None]
-    return lo + (_mix64_array(counter) % np.uint64(hi - lo)).astype(np.int64)
 
 
 def block_size(workload: Workload, block_tokens: int = 512) -> int:
