@@ -10,6 +10,7 @@ token events into each request's queue.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,8 @@ from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.transfer.zmq_auth import Refusals, secure_client
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -245,11 +248,22 @@ class Conductor:
 
     # ---- events -----------------------------------------------------------------------------------------
     async def run_events(self) -> None:
-        while True:
-            event = msgpack.unpackb(await self.events.recv())
+        """Read and apply worker events until the socket closes. A message that does not decode, or an event
+        that fails, is logged and counted (`pdserve_fallbacks_total{kind="bad_event"}`) and the next one read:
+        a reader that died here would leave the gateway serving HTTP while no token reached any request."""
+        while not self.events.closed:
             try:
-                self.on_event(event)
+                raw = await self.events.recv()
+            except zmq.ZMQError:
+                if self.events.closed or self.ctx.closed:
+                    return
+                log.exception("the gateway's event socket failed a read")
+                await asyncio.sleep(0.01)  # (not a busy loop if it keeps failing)
+                continue
+            try:
+                self.on_event(msgpack.unpackb(raw))
             except Exception:  # noqa: BLE001 - one bad event must not stop the gateway
+                log.exception("a worker event (%d bytes) failed: %r", len(raw), raw[:120])
                 if self.metrics:
                     self.metrics.fallbacks.labels(kind="bad_event").inc()
 
