@@ -66,6 +66,9 @@ def test_matches_an_ordered_dict(make, operations):
         assert q.order().tolist() == list(model)
         assert all((s in q) == (s in model) for s in range(N))
         assert [s for run in q.runs() for s in run.tolist()] == list(model)
+        order = list(model)
+        for k, s in enumerate(order[:3]):  # (runs after a slot: what follows it)
+            assert [x for run in q.runs(s) for x in run.tolist()] == order[k + 1:]
 
 
 def test_compaction_keeps_memory_bounded_and_order(monkeypatch):

@@ -69,6 +69,7 @@ class TierIndex:
         self._lru = new_queue(capacity_blocks)  # occupied slots, least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self._marked = 0  # entries marked RECLAIM
+        self._reclaim_after = -1  # the slot marked last (LRU): marking goes on after it
         self._next_reclaim_s = float("-inf")
         self.entries = _Entries(self)
         self.evicted: list[int] = []  # hashes of dropped entries whose bytes the owner may delete (disk files)
@@ -239,9 +240,15 @@ class TierIndex:
             return self._marked
         cols = self.cols
         if isinstance(self.policy, LRUPolicy):  # the order is the policy: mark the first candidates
-            for run in self._lru.runs():
+            # ... after the last block marked, while it is still marked (so still in its place: a touch
+            # unmarks and moves a block, eviction unmarks it): not a walk past every marked block each time
+            after = self._reclaim_after if self._reclaim_after >= 0 and cols.reclaiming[self._reclaim_after] else -1
+            for run in self._lru.runs(after):
                 pick = run[cols.evictable(run, now) & ~cols.reclaiming[run]][:need]
+                if not len(pick):
+                    continue
                 cols.reclaiming[pick] = True
+                self._reclaim_after = int(pick[-1])
                 self._marked += len(pick)
                 need -= len(pick)
                 if need <= 0:

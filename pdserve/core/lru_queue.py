@@ -60,9 +60,10 @@ class LinkedQueue:
     def clear(self) -> None:
         self._o.clear()
 
-    def runs(self) -> Iterator[np.ndarray]:
-        """The slots in order, a run at a time (do not push or pop while iterating)."""
-        after, size = -1, CHUNK
+    def runs(self, after: int = -1) -> Iterator[np.ndarray]:
+        """The slots in order (those after slot `after`, which is in the queue, when given), a run at a time
+        (do not push or pop while iterating)."""
+        size = CHUNK
         while True:
             run = np.empty(size, np.int64)
             k = self._o._peek(after, run)
@@ -184,11 +185,15 @@ class ChunkQueue:
             slots, stamps = np.concatenate((last_slots, slots)), np.concatenate((last_stamps, stamps))
         self._chunks.append((slots, stamps))
 
-    def runs(self) -> Iterator[np.ndarray]:
-        """The live slots in order, a run at a time (do not push or pop while iterating)."""
+    def runs(self, after: int = -1) -> Iterator[np.ndarray]:
+        """The live slots in order (those after slot `after`, which is in the queue, when given), a run at a
+        time (do not push or pop while iterating)."""
         self._seal_tail()
+        past = int(self.stamp[after]) if after >= 0 else 0  # stamps grow along the order
         for slots, stamps in self._chunks:
-            live = slots[self.stamp[slots] == stamps]
+            if stamps[-1] <= past:
+                continue
+            live = slots[(self.stamp[slots] == stamps) & (stamps > past)]
             if len(live):
                 yield live
 
