@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.conductor_core import ConductorCore, Count, Send
-from pdserve.cluster.hot_prefixes import HALF_LIFE_S, MAX_HOT, HotPrefixes
+from pdserve.cluster.hot_prefixes import HALF_LIFE_S, MAX_HOT, DecayedCounts, HotPrefixes
 from pdserve.cluster.routing import WorkerLoad, make_routing_policy
 from pdserve.core.block_hash import hash_blocks
 from pdserve.sim.cluster import ClusterSpec, build
@@ -150,9 +152,10 @@ def test_counts_that_decayed_to_nothing_are_forgotten_so_steady_load_keeps_the_t
     for t in range(int(12 * HALF_LIFE_S)):
         _observe(hot, [t * 1000 + k for k in range(3 * BS)], float(t))
         sizes.append(len(hot._counts))
-    per_prompt = 3
-    assert sizes[-1] <= per_prompt * (4 * HALF_LIFE_S + 2)  # 1/16 of a count: four half-lives
-    assert sizes[-1] == sizes[int(6 * HALF_LIFE_S)]  # flat
+    per_prompt, sweep = 3, HALF_LIFE_S / 4  # (decayed hashes are dropped every quarter half-life)
+    assert max(sizes) <= per_prompt * (4 * HALF_LIFE_S + sweep + 2)  # 1/16 of a count: four half-lives
+    late = sizes[int(6 * HALF_LIFE_S):]
+    assert max(late) - min(late) <= per_prompt * (sweep + 1)  # flat, but for the sweeps
     # a shared prefix seen within the window is kept, and still turns hot
     _observe(hot, _prompt(1), 1000.0)
     _observe(hot, _prompt(2), 1000.0 + HALF_LIFE_S / 2)
@@ -167,3 +170,15 @@ def test_a_worker_remembers_no_more_block_hashes_than_its_kv_capacity():
     for t in range(20):
         load.remember(hash_blocks([t * 1000 + k for k in range(2 * BS)], BS))
     assert len(load.recent_blocks) == 8
+
+
+def test_decayed_counts_halve_per_half_life_and_a_full_table_drops_the_least_recently_seen():
+    counts = DecayedCounts(capacity=64)
+    first, second = np.arange(1, 41, dtype=np.uint64), np.arange(100, 130, dtype=np.uint64)
+    assert counts.add(first, 0.0).tolist() == [1.0] * 40
+    assert counts.add(first[:2], HALF_LIFE_S).tolist() == [1.5, 1.5]  # one request, a half-life ago, + this one
+    counts.add(second, HALF_LIFE_S + 1)  # 70 hashes in 64 places: the oldest go (of `first`, not its two)
+    assert len(counts) <= 64
+    again = counts.add(np.concatenate((first[:2], second)), HALF_LIFE_S + 2)
+    assert (again > 1.9).all()  # all still counted
+    assert counts.add(first[2:], HALF_LIFE_S + 3).min() == 1.0  # some of the rest had been dropped

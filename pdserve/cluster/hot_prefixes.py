@@ -18,16 +18,18 @@ prefix's requests over both workers. Counted: `Count("kv_idle_prewarms", worker,
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from pdserve.cluster.routing import HashRun
+from pdserve.core.u64map import new_map
 
 HOT_COUNT = 1.5  # decayed count of requests that makes a prefix hot: two within a half-life
 HALF_LIFE_S = 60.0
 MIN_BLOCKS = 2  # shorter prefixes are not worth a pass
-MAX_TRACKED = 1 << 16  # block hashes counted (least recently seen dropped first)
+MAX_TRACKED = 1 << 16  # block hashes counted (the least recently seen dropped first)
 FORGET_COUNT = 1 / 16  # a hash whose count decayed below this is dropped (a single request: after 4 half-lives)
 MAX_HOT = 64  # hot prefixes kept as candidates (the least valuable dropped first)
 
@@ -43,9 +45,69 @@ class HotPrefix:
         return self.count * 0.5 ** (max(now - self.at_s, 0.0) / HALF_LIFE_S)
 
 
+class DecayedCounts:
+    """Decayed request counts per block hash, for at most `capacity` hashes: a compiled map (hash -> slot) over
+    numpy columns, so a prompt's hundreds of blocks are counted in a few array operations. Hashes whose count
+    has decayed below `FORGET_COUNT` are dropped every quarter half-life; when the table is full the least
+    recently seen eighth goes."""
+
+    def __init__(self, capacity: int = MAX_TRACKED) -> None:
+        self._slot = new_map(capacity)
+        self._hash = np.zeros(capacity, np.uint64)
+        self._count = np.zeros(capacity)
+        self._at = np.full(capacity, -np.inf)  # -inf: a free slot
+        self._free = np.arange(capacity - 1, -1, -1)  # a stack: the free slots are its first `_num_free`
+        self._num_free = capacity
+        self._swept_s = -np.inf
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def add(self, keys: np.ndarray, now: float) -> np.ndarray:
+        """One more request for each of `keys` (distinct uint64 hashes) at `now`: their decayed counts after it
+        (a hash seen for the first time: 1.0)."""
+        if now - self._swept_s >= HALF_LIFE_S / 4:
+            self._forget(now)
+        slots = self._slot.get_many(keys)
+        seen = slots >= 0
+        counts = np.ones(len(keys))
+        old = slots[seen]
+        counts[seen] += self._count[old] * 0.5 ** (np.maximum(now - self._at[old], 0.0) / HALF_LIFE_S)
+        self._count[old], self._at[old] = counts[seen], now  # (before new slots are found: never evicted)
+        new = np.flatnonzero(~seen)[:len(self._hash) // 2]  # (a longer prompt's tail is not counted)
+        if len(new):
+            fresh = self._take(len(new))
+            self._slot.put_many(keys[new], fresh)
+            self._hash[fresh], self._count[fresh], self._at[fresh] = keys[new], 1.0, now
+        return counts
+
+    def _take(self, k: int) -> np.ndarray:
+        if self._num_free < k:  # full: the least recently seen go
+            used = np.flatnonzero(self._at > -np.inf)
+            drop = k - self._num_free + len(self._hash) // 8
+            self._release(used[np.argpartition(self._at[used], drop - 1)[:drop]])
+        self._num_free -= k
+        return self._free[self._num_free:self._num_free + k].copy()
+
+    def _forget(self, now: float) -> None:
+        """Drop the hashes whose count has decayed to nothing: under steady load the table holds the last few
+        half-lives' prompts, not all it has seen up to its capacity."""
+        self._swept_s = now
+        used = np.flatnonzero(self._at > -np.inf)
+        decayed = self._count[used] * 0.5 ** (np.maximum(now - self._at[used], 0.0) / HALF_LIFE_S)
+        self._release(used[decayed < FORGET_COUNT])
+
+    def _release(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self._slot.del_many(self._hash[slots])
+            self._at[slots] = -np.inf
+            self._free[self._num_free:self._num_free + len(slots)] = slots
+            self._num_free += len(slots)
+
+
 class HotPrefixes:
     def __init__(self) -> None:
-        self._counts: OrderedDict = OrderedDict()  # block hash -> [decayed count, at_s]
+        self._counts = DecayedCounts()
         self.hot: dict[int, HotPrefix] = {}  # its last block's hash -> prefix
         self.warming: dict[str, tuple[str, HotPrefix]] = {}  # warm pass id -> (prefill worker, prefix)
         self._version = 0  # bumped when a prefix turns hot or deepens: idle workers look again
@@ -53,38 +115,16 @@ class HotPrefixes:
 
     def observe(self, hashes: Sequence, prompt: Sequence[int], block_size: int, now: float) -> None:
         """A prompt was routed: count the requests sharing each of its leading blocks (`hashes`)."""
-        deepest, count = 0, 0.0
-        counts = self._counts
-        for k, h in enumerate(hashes):
-            entry = counts.get(h)
-            if entry is None:
-                rest = hashes[k:]
-                if not any(h in counts for h in rest):  # (the usual case: a prefix seen once, the rest new)
-                    counts.update((h, [1.0, now]) for h in rest)  # below HOT_COUNT: none is hot yet
-                    break
-                entry = counts[h] = [0.0, now]
-            else:
-                counts.move_to_end(h)
-            entry[0] = entry[0] * 0.5 ** (max(now - entry[1], 0.0) / HALF_LIFE_S) + 1.0
-            entry[1] = now
-            if entry[0] >= HOT_COUNT:
-                deepest, count = k + 1, entry[0]
-        while len(counts) > MAX_TRACKED:
-            counts.popitem(last=False)
-        self._forget(now)
+        if not len(hashes):
+            return
+        keys = hashes.keys if isinstance(hashes, HashRun) else np.array(hashes, np.uint64)
+        counts = self._counts.add(keys, now)
+        hot = np.flatnonzero(counts >= HOT_COUNT)
+        deepest = int(hot[-1]) + 1 if len(hot) else 0
         if deepest >= MIN_BLOCKS:
             self._remember(hashes[deepest - 1], HotPrefix(list(prompt[:deepest * block_size]),
-                                                          HashRun(hashes[:deepest]), count, now))
-
-    def _forget(self, now: float) -> None:
-        """Drop the least recently seen hashes whose count has decayed to nothing: under steady load the table
-        holds the last few half-lives' prompts, not all it has seen up to `MAX_TRACKED`."""
-        counts = self._counts
-        while counts:
-            count, at_s = next(iter(counts.values()))
-            if count * 0.5 ** (max(now - at_s, 0.0) / HALF_LIFE_S) >= FORGET_COUNT:
-                return
-            counts.popitem(last=False)
+                                                          HashRun(hashes[:deepest]), float(counts[deepest - 1]),
+                                                          now))
 
     def _remember(self, key, prefix: HotPrefix) -> None:
         if key not in self.hot:
