@@ -142,15 +142,18 @@ class HotPrefixes:
         found nothing)."""
         if self._looked.get(worker.name) == self._version:
             return None
-        best, best_value = None, 0.0
+        fits = []  # (its value if the worker had none of it, prefix)
         for key, p in list(self.hot.items()):
             if p.count_at(now) < HOT_COUNT / 2:
                 del self.hot[key]  # cooled down
-                continue
-            have = worker.prefix_blocks(p.hashes)
-            if len(p.hashes) > max_blocks or have >= len(p.hashes):
-                continue
-            value = self._value(p, now, have)
+            elif len(p.hashes) <= max_blocks:
+                fits.append((self._value(p, now), p))
+        fits.sort(key=lambda f: -f[0])
+        best, best_value = None, 0.0
+        for bound, p in fits:  # the most valuable first: the worker's cache is asked only while one may win
+            if bound <= best_value:
+                break
+            value = self._value(p, now, worker.prefix_blocks(p.hashes))
             if value > best_value:
                 best, best_value = p, value
         if best is None:
