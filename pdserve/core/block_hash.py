@@ -1,22 +1,59 @@
 """Chained content hashes of full KV blocks, the keys of the prefix cache.
 
 A block's hash covers its parent's hash and its own tokens, so equal hashes mean equal whole prefixes, not
-just equal blocks. xxh3-64 is fast enough to hash every block of every prompt on the scheduler's thread.
+just equal blocks. xxh3-64 is fast enough to hash every block of every prompt on the scheduler's thread; a
+run of blocks is hashed in one compiled call (`pdserve/core/native/hash_chain.h`, the xxhash package's own xxh3).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NewType
 
 import numpy as np
 import xxhash
 
+from pdserve.core import native
+
+log = logging.getLogger(__name__)
+
 BlockHash = NewType("BlockHash", int)
 
 # Root of every chain; any fixed value works, a non-zero one keeps "no parent" distinct from a parent of 0.
 _ROOT = (0x9E3779B97F4A7C15).to_bytes(8, "little")
+
+
+COMPILED_FROM = 4  # blocks: a shorter run is hashed in Python (the compiled call's set-up costs as much)
+_chain: Callable | None | bool = None  # the compiled chain once looked up, False where it is unavailable
+
+
+def _compiled_chain() -> Callable | None:
+    """`kvcore`'s hash_chain bound to the xxhash package's own xxh3 (checked against it once), or None (the
+    Python loop: counted, `pdserve.core.native.fallback`, and logged once)."""
+    global _chain
+    if _chain is None:
+        _chain, module = False, native.load()
+        try:
+            if module is None:
+                raise RuntimeError(native.fallback_reason())
+            import xxhash._xxhash as lib  # noqa: PLC0415 - its shared object exports the xxh3 functions
+            fn = ctypes.CDLL(lib.__file__).XXH3_64bits_withSeed
+            module.set_xxh3(ctypes.cast(fn, ctypes.c_void_p).value)
+            probe, out = np.arange(64, dtype=np.int64).tobytes(), np.empty(4, np.uint64)
+            module.hash_chain(probe, 128, 7, out)
+            want = [7]
+            for k in range(4):
+                want.append(xxhash.xxh3_64_intdigest(probe[k * 128:(k + 1) * 128], want[-1]))
+            if out.tolist() != want[1:]:
+                raise RuntimeError("the compiled chain disagrees with xxhash")
+            _chain = module.hash_chain
+        except Exception as e:  # noqa: BLE001 - any failure means the Python loop, counted
+            native.fallback()
+            log.warning("compiled block hashing unavailable, hashing in Python (slower): %s", e)
+    return _chain or None
 
 
 def _root(extra_key: bytes) -> int:
@@ -48,6 +85,11 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
                       else array("q", tokens).tobytes())
     stride = block_size * 8
     seed = _root(extra_key) if parent is None else parent
+    chain = _compiled_chain() if num_full - start_block >= COMPILED_FROM else None
+    if chain is not None:
+        out = np.empty(num_full - start_block, np.uint64)
+        chain(data, stride, seed, out)
+        return out.tolist()
     hashes: list[BlockHash] = []
     digest, append = xxhash.xxh3_64_intdigest, hashes.append
     for off in range(0, len(data), stride):

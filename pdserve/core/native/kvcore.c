@@ -8,6 +8,7 @@
  * cost what a dict's do, and bulk calls take buffers (numpy arrays) so a request's hundreds of blocks cost
  * one call, not one Python operation each. pdserve/core/u64map.py wraps it and holds its contract.
  * Order: a doubly linked list over slot numbers, O(1) push / move / remove; pdserve/core/lru_queue.py.
+ * hash_chain: a prompt's chained block hashes in one call (hash_chain.h); pdserve/core/block_hash.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,8 +18,9 @@
 
 #include "u64map.h"
 #include "order.h"
+#include "hash_chain.h"
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvcore", NULL, -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvcore", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit__kvcore(void) {
     if (PyType_Ready(&MapType) < 0 || PyType_Ready(&OrderType) < 0) return NULL;
