@@ -38,6 +38,8 @@ _FIELDS = {"produced_at_s": (np.float64, 0.0), "last_use_s": (np.float64, 0.0), 
            "sla_class": (np.int16, 1), "block_hash": (np.uint64, 0), "reclaiming": (np.bool_, False),
            "ready": (np.bool_, True), "busy": (np.int32, 0), "from_tier": (np.int8, 0)}
 _COPIED = list(_FIELDS)[:-4]
+_SET_BY_FRESH = {"block_hash", "produced_at_s", "last_use_s", "heat_at_s", "use_count", "heat", "ready"}
+_RESET = [(name, value) for name, (_, value) in _FIELDS.items() if name not in _SET_BY_FRESH]
 
 
 class MetaColumns:
@@ -57,7 +59,7 @@ class MetaColumns:
         """New blocks at `slots`: produced and last used now, used `use_count` times (heat as much)."""
         if not isinstance(slots, int) and len(slots) == 1:  # a scalar store is ~10x cheaper than a fancy one
             slots, hashes = int(slots[0]), int(hashes[0])
-        for name, (_, value) in _FIELDS.items():
+        for name, value in _RESET:
             getattr(self, name)[slots] = value
         self.block_hash[slots] = hashes
         self.produced_at_s[slots] = now
