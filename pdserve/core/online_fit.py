@@ -24,10 +24,12 @@ class OnlineFit:
         self.coef: np.ndarray | None = None
         self.width = width
         self._new = 0
+        self._fastest: float | None = None  # (of the rows as they are, computed when asked)
 
     def add(self, x: tuple, seconds: float) -> None:
         self.rows.append((*x, seconds))
         self._new += 1
+        self._fastest = None
 
     def coefficients(self) -> np.ndarray | None:
         """The fitted coefficients (refitted every `REFIT_EVERY` new samples), or None while too few."""
@@ -45,7 +47,9 @@ class OnlineFit:
     def fastest(self) -> float:
         """The shortest time among the recent samples: no whole step takes less (a fit whose intercept came
         out negative, and was dropped, predicts a tiny step at next to nothing)."""
-        return min(row[-1] for row in self.rows) if self.rows else 0.0
+        if self._fastest is None:
+            self._fastest = min(row[-1] for row in self.rows) if self.rows else 0.0
+        return self._fastest
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
