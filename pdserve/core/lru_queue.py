@@ -83,7 +83,7 @@ class LinkedQueue:
         if allowed is None:
             out = np.empty(min(count, len(self._o)), np.int64)
             return out[:self._o._pop_first(out)]
-        taken, need, after, window = [], count, -1, max(2 * count, 64)
+        taken, need, after, window = [], count, -1, count + max(count // 8, 64)  # (most at the head are allowed)
         while need > 0:
             cand = np.empty(window, np.int64)
             k = self._o._peek(after, cand)
