@@ -239,6 +239,18 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     assert core.backlog["decode-1"].decoding == 0 and core.workers["prefill-0"].outstanding == 0
 
 
+def test_a_delivery_given_up_after_the_prefill_keeps_who_prefilled_it():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(40)), {"max_tokens": 4}, 0.0)
+    core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
+    core.prefilled("a", 0.2)
+    core.prefilled("a", 0.9, failed=True)  # its sender gave the delivery up later (reported again)
+    f = core.flights["a"]
+    assert f.prefilled_by == "prefill-0" and f.gave_up and core.workers["prefill-0"].outstanding == 0
+
+
 def test_a_dead_decode_workers_checkpointed_request_moves_with_a_restore_of_its_checkpoint():
     core = ConductorCore("pd", make_routing_policy("least-loaded"))
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):

@@ -265,7 +265,8 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f = self.flights.get(rid)
         if f is None:
             return []
-        f.prefilled_s, f.prefilled_by, f.gave_up = now, f.prefill, failed
+        # (a delivery given up after its prompt was prefilled is reported again: who prefilled it stays)
+        f.prefilled_s, f.prefilled_by, f.gave_up = now, f.prefill or f.prefilled_by, failed
         prefill = f.prefill
         self._prefill_done(f)
         if f.prediction is not None:
