@@ -109,6 +109,8 @@ def test_admission_refuses_an_unattainable_slo_with_429_and_serves_best_effort_t
         "service_tier": "flex"})
     assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"  # before any SSE
     assert c.completions.create(model=MODEL, prompt="Quick one", max_tokens=3).choices[0].text is not None
+    assert c.completions.create(model=MODEL, prompt="Quick one", max_tokens=3,  # no SLO: best effort, served
+                                extra_body={"service_tier": "priority"}).service_tier == "priority"
     assert colocated.metric("pdserve_admission_rejected_total", service_tier="flex", reason="slo_ttft") >= 2
     assert colocated.metric("pdserve_requests_total", service_tier="default") >= 10
     assert colocated.metric("pdserve_time_to_first_token_seconds_count", service_tier="priority") >= 1
