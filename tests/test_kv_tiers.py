@@ -248,7 +248,7 @@ def test_eviction_never_takes_busy_unready_or_pinned():
 
 
 def test_staged_entries_are_pinned_until_delivered_then_evictable_again():
-    from pdserve.core.kv_tiers import STAGE_PIN_S, pin_staged, unpin_staged
+    from pdserve.core.stage_passes import STAGE_PIN_S, pin_staged, unpin_staged
     engine, io = tiered_engine(num_blocks=12, host=8)
     prompt = [k % 40 + 1 for k in range(4 * BS + 1)]  # 4 full blocks
     engine.add_request(prompt, greedy(1), "staged")

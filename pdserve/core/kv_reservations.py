@@ -99,7 +99,7 @@ class KVReservations:
         self._drop_cold(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        self._push_waiting(req)
+        self.waiting.push(req)
 
     def _reserved(self, request_id: str) -> Request:
         req = self.requests.get(request_id)

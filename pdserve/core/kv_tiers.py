@@ -394,21 +394,3 @@ def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, 
             if not disk.restore(meta):
                 tiers.stale.append(block_hash)  # over this run's capacity: deleted by the first step
     return tiers
-
-
-STAGE_PIN_S = 120.0  # a staged prompt's host entries are kept at most this long for its delivery
-
-
-def pin_staged(blocks: KVBlockManager, tiers: TieredKV | None, prompt: Sequence[int]) -> tuple:
-    """A prefill worker's stage pass of `prompt` ended (`pdserve.engine.pd`, "Staging"): pin the host entries of
-    its blocks for STAGE_PIN_S, so other prompts' write-through does not evict them before its delivery;
-    returns its block hashes (for `unpin_staged`)."""
-    hashes = tuple(blocks.find_prefix(prompt).block_hashes)
-    if tiers is not None and tiers.host is not None:
-        tiers.host.pin_many(hashes, blocks.clock() + STAGE_PIN_S)
-    return hashes
-
-
-def unpin_staged(tiers: TieredKV | None, hashes: Sequence[BlockHash]) -> None:
-    if hashes and tiers is not None and tiers.host is not None:
-        tiers.host.pin_many(hashes, 0.0)

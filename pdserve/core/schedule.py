@@ -1,7 +1,9 @@
-"""The seams around one engine step: what the scheduler asks for and what the executor answers."""
+"""The seams around one engine step: what the scheduler asks for and what the executor answers, and the
+scheduler's counters."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,3 +82,16 @@ class ExecutorOutput:
     # of the prompt tokens its chunk predicted (keyword-only: positional callers keep the order above)
     logprobs: dict[str, list] = field(default_factory=dict, kw_only=True)
     prompt_logprobs: dict[str, list] = field(default_factory=dict, kw_only=True)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    preemptions_by_tier: Counter = field(default_factory=Counter)  # service tier -> preemptions
+    num_share_preemptions: int = 0  # of them, to take the guaranteed tier's share back
+    prefill_yields_by_tier: Counter = field(default_factory=Counter)  # steps a running prefill let a
+    # higher-ranked waiting request go first (`Scheduler.schedule`), by the yielding request's tier
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    num_prefix_hit_tokens: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model here (recomputations too)
+    num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here

@@ -20,10 +20,7 @@ sampled (no stop checks there). The decode side's reservations for delivered KV 
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.hot_window import HotWindow
@@ -32,24 +29,12 @@ from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.production_pace import ProductionPace
 from pdserve.core.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
+from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.core.step_budget import StepBudget
 from pdserve.core.tier_share import ReservedShare
+from pdserve.core.waiting_queue import WaitingQueue
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: int = 0
-    preemptions_by_tier: Counter = field(default_factory=Counter)  # service tier -> preemptions
-    num_share_preemptions: int = 0  # of them, to take the guaranteed tier's share back
-    prefill_yields_by_tier: Counter = field(default_factory=Counter)  # steps a running prefill let a
-    # higher-ranked waiting request go first (`Scheduler.schedule`), by the yielding request's tier
-    num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
-    num_prefix_hit_tokens: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model here (recomputations too)
-    num_pinned_blocks: dict[str, int] = field(default_factory=dict)  # prewarm id -> blocks it pinned here
 
 
 _NO_TIER_HIT = TierHit()
@@ -70,8 +55,7 @@ class Scheduler(KVReservations):
         self.max_model_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # kept sorted by policy key: the last one is preempted first
-        self._waiting: list[tuple[tuple, Request]] = []  # heap; finished entries are skipped lazily
-        self._num_waiting = 0
+        self.waiting = WaitingQueue(self.policy)
         self._finished_ids: list[str] = []
         self._num_reserved = 0  # requests in WAITING_FOR_KV
         # Host and disk tiers below the block pool (set by the engine when it has them): a prefix hit goes
@@ -87,7 +71,7 @@ class Scheduler(KVReservations):
     def add_request(self, request: Request) -> None:
         self.check_new(request)
         self.requests[request.request_id] = request
-        self._push_waiting(request)
+        self.waiting.push(request)
 
     def check_new(self, request: Request) -> None:
         """Raise for a request that could never be served here (duplicate id, empty, over the context)."""
@@ -114,7 +98,7 @@ class Scheduler(KVReservations):
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -133,7 +117,7 @@ class Scheduler(KVReservations):
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         taken, self._taken_back = self._taken_back, []
-        head = self._peek_waiting()
+        head = self.waiting.peek()
         if head is not None:
             self._take_back(head, self.blocks.blocks_needed(min(head.num_tokens, budget)), taken)
         self.step_budget.begin(self.running)  # the decoding requests' TPOT SLOs cap this step's prefill
@@ -289,7 +273,7 @@ class Scheduler(KVReservations):
         the batch size and the blocks allow; returns the budget left."""
         parked: list[Request] = []
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._peek_waiting()
+            req = self.waiting.peek()
             if req is None or (stop is not None and self.policy.sort_key(req) > stop):
                 break
             prefix = self.blocks.find_prefix(req.all_token_ids, req.request_id)
@@ -308,14 +292,14 @@ class Scheduler(KVReservations):
             if n > 1:
                 n = self._grant(req, n, hit_tokens)
                 if n == 0 and self.pace is not None and self.pace.blocked(req.request_id):
-                    parked.append(self._pop_waiting())  # its link is backed up: later prompts may start
+                    parked.append(self.waiting.pop())  # its link is backed up: later prompts may start
                     continue
                 if n == 0:
                     break  # this step's prefill allowance is spent
             ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
             if ids is None:
                 break  # head of line waits for blocks; later requests do not overtake it
-            self._pop_waiting()
+            self.waiting.pop()
             if lower.host:
                 self._step_loads += self._load(lower, prefix, ids, count=req.num_preemptions == 0)
             if req.num_preemptions == 0:
@@ -329,7 +313,7 @@ class Scheduler(KVReservations):
             chunks.append(self._chunk(req, n))
             budget -= n
         for req in parked:
-            self._push_waiting(req)
+            self.waiting.push(req)
         return budget
 
     def _grant(self, req: Request, n: int, start_pos: int) -> int:
@@ -389,7 +373,7 @@ class Scheduler(KVReservations):
         req.status = RequestStatus.PREEMPTED
         self.stats.num_preemptions += 1
         self.stats.preemptions_by_tier[req.service_tier] += 1
-        self._push_waiting(req)
+        self.waiting.push(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:
@@ -398,7 +382,7 @@ class Scheduler(KVReservations):
             self._num_reserved -= 1
             self._drop_pending_loads(req.request_id)
         elif not req.is_finished:
-            self._num_waiting -= 1  # its heap entry is skipped when reached
+            self.waiting.ended()
         req.status = status
         req.finished_s = time.monotonic()
         if req.pin is not None and status in _PINNABLE:
@@ -410,17 +394,3 @@ class Scheduler(KVReservations):
         self.blocks.forget(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-
-    def _push_waiting(self, req: Request) -> None:
-        heapq.heappush(self._waiting, (self.policy.sort_key(req), req))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> Request | None:
-        while self._waiting and self._waiting[0][1].is_finished:
-            heapq.heappop(self._waiting)
-        return self._waiting[0][1] if self._waiting else None
-
-    def _pop_waiting(self) -> Request:
-        _, req = heapq.heappop(self._waiting)
-        self._num_waiting -= 1
-        return req

@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from pdserve.core.kv_tiers import TieredKV, pin_staged, unpin_staged
+from pdserve.core.block_hash import BlockHash
+from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.kv_tiers import TieredKV
 from pdserve.core.request import STAGE, Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 
@@ -99,3 +101,20 @@ class StagePasses:
             return len(hashes)
         return max(len(hashes) - cached_tokens // self.scheduler.blocks.block_size, 0)
 
+
+STAGE_PIN_S = 120.0  # a staged prompt's host entries are kept at most this long for its delivery
+
+
+def pin_staged(blocks: KVBlockManager, tiers: TieredKV | None, prompt: Sequence[int]) -> tuple:
+    """A prefill worker's stage pass of `prompt` ended (`pdserve.engine.pd`, "Staging"): pin the host entries of
+    its blocks for STAGE_PIN_S, so other prompts' write-through does not evict them before its delivery;
+    returns its block hashes (for `unpin_staged`)."""
+    hashes = tuple(blocks.find_prefix(prompt).block_hashes)
+    if tiers is not None and tiers.host is not None:
+        tiers.host.pin_many(hashes, blocks.clock() + STAGE_PIN_S)
+    return hashes
+
+
+def unpin_staged(tiers: TieredKV | None, hashes: Sequence[BlockHash]) -> None:
+    if hashes and tiers is not None and tiers.host is not None:
+        tiers.host.pin_many(hashes, 0.0)
