@@ -251,6 +251,20 @@ def test_a_delivery_given_up_after_the_prefill_keeps_who_prefilled_it():
     assert f.prefilled_by == "prefill-0" and f.gave_up and core.workers["prefill-0"].outstanding == 0
 
 
+def test_a_prefill_report_that_comes_after_the_first_token_keeps_who_prefilled_and_when():
+    core = ConductorCore("pd", make_routing_policy("least-loaded"))
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        core.add_worker(name, role)
+    core.arrive("a", list(range(40)), {"max_tokens": 4}, 0.0)
+    core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
+    f = core.flights["a"]
+    assert f.dispatched_s is not None
+    core.token("a", 0, False, 0.5, 7)  # the decode worker's first token overtook the prefill worker's report
+    core.prefilled("a", 0.7)
+    assert (f.prefilled_by, f.prefilled_s, f.first_token_s) == ("prefill-0", 0.5, 0.5)
+    assert core.workers["prefill-0"].outstanding == 0
+
+
 def test_a_dead_decode_workers_checkpointed_request_moves_with_a_restore_of_its_checkpoint():
     core = ConductorCore("pd", make_routing_policy("least-loaded"))
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):

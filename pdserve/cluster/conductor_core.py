@@ -265,9 +265,10 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f = self.flights.get(rid)
         if f is None:
             return []
-        # (a delivery given up after its prompt was prefilled is reported again: who prefilled it stays)
-        f.prefilled_s, f.prefilled_by, f.gave_up = now, f.prefill or f.prefilled_by, failed
-        prefill = f.prefill
+        prefill = f.prefill or f.prefilled_by  # (reported again, a delivery given up later: who prefilled it)
+        if not f.started:  # (a report that comes after the first token leaves the timeline the token set)
+            f.prefilled_s, f.prefilled_by = now, prefill
+        f.gave_up = failed
         self._prefill_done(f)
         if f.prediction is not None:
             self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
@@ -323,6 +324,9 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
             f.first_token_s = f.first_token_s or now
             if f.prefilled_s is not None and self.admission is not None:
                 self.admission.observe_delivery(f.decode, now - f.prefilled_s)
+            elif f.prefilled_s is None and f.prefill is not None and f.dispatched_s is not None:
+                # its KV came before its prefill worker's report (separate processes): prefilled by now
+                f.prefilled_s, f.prefilled_by = now, f.prefill
             self._prefill_done(f)
             self.backlog[f.decode].decoding += 1
         f.last_token_s = now
