@@ -239,12 +239,18 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     assert core.backlog["decode-1"].decoding == 0 and core.workers["prefill-0"].outstanding == 0
 
 
-def test_a_delivery_given_up_after_the_prefill_keeps_who_prefilled_it():
+def _dispatched() -> ConductorCore:
+    """A PD core with request "a" reserved on decode-0 and its prompt dispatched to prefill-0."""
     core = ConductorCore("pd", make_routing_policy("least-loaded"))
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         core.add_worker(name, role)
     core.arrive("a", list(range(40)), {"max_tokens": 4}, 0.0)
     core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
+    return core
+
+
+def test_a_delivery_given_up_after_the_prefill_keeps_who_prefilled_it():
+    core = _dispatched()
     core.prefilled("a", 0.2)
     core.prefilled("a", 0.9, failed=True)  # its sender gave the delivery up later (reported again)
     f = core.flights["a"]
@@ -252,11 +258,7 @@ def test_a_delivery_given_up_after_the_prefill_keeps_who_prefilled_it():
 
 
 def test_a_prefill_report_that_comes_after_the_first_token_keeps_who_prefilled_and_when():
-    core = ConductorCore("pd", make_routing_policy("least-loaded"))
-    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-        core.add_worker(name, role)
-    core.arrive("a", list(range(40)), {"max_tokens": 4}, 0.0)
-    core.reserved("a", "a#0", True, "addr-0", 0, 0.1)
+    core = _dispatched()
     f = core.flights["a"]
     assert f.dispatched_s is not None
     core.token("a", 0, False, 0.5, 7)  # the decode worker's first token overtook the prefill worker's report
