@@ -164,7 +164,10 @@ class KVBlockManager:
         appended = self._take_refs(hit)
         if num_new > 0:
             appended += self._pop_free_many(num_new)
-        self._tables[request_id] = table + appended
+        if table:
+            table.extend(appended)
+        else:
+            self._tables[request_id] = list(appended)  # (the caller owns what is returned)
         if hit:
             self._hashes[request_id] = list(prefix.block_hashes[:len(hit)])
         return appended
@@ -182,6 +185,10 @@ class KVBlockManager:
         if num_full <= len(hashes):
             return
         first = len(hashes)
+        if num_full == first + 1:  # a decode step's: one block, in scalar steps
+            self._cache_one(request_id, table[first - cold], self._sequence_hashes(request_id, token_ids,
+                                                                                   num_full)[first], decode)
+            return
         new_hashes = self._sequence_hashes(request_id, token_ids, num_full)[first:num_full]
         hashes.extend(new_hashes)
         ids = np.array(table[first - cold:num_full - cold], np.int64)
@@ -197,6 +204,17 @@ class KVBlockManager:
         self.cols.fresh(new_ids, new_keys, self.clock(), 1, True)
         if self.newly_cached is not None:
             self._hand_over(request_id, new_ids, new_keys, decode)
+
+    def _cache_one(self, request_id: str, block_id: int, block_hash: BlockHash, decode: bool) -> None:
+        """`cache_full_blocks` for one block (what most calls are): the same steps on scalars."""
+        self._hashes[request_id].append(block_hash)
+        if self._registered[block_id] or block_hash in self._cached:  # (a duplicate stays unregistered)
+            return
+        self._cached[block_hash] = block_id
+        self._registered[block_id] = True
+        self.cols.fresh(block_id, block_hash, self.clock(), 1, True)
+        if self.newly_cached is not None:
+            self._hand_over(request_id, np.array([block_id], np.int64), np.array([block_hash], np.uint64), decode)
 
     def _hand_over(self, request_id: str, ids: np.ndarray, keys: np.ndarray, defer: bool) -> None:
         """Registered blocks go to `newly_cached` (the tiers copy them down after the step); a decode step's
@@ -353,6 +371,15 @@ class KVBlockManager:
         recently freed (exact LRU) or, with a policy, its picks one at a time."""
         if self.eviction is None:
             ids = self._free.pop_first(count)
+            if len(ids) == 1:  # a decode step's one block, in scalar steps
+                block_id = int(ids[0])
+                if self._registered[block_id]:
+                    block_hash = int(self.cols.block_hash[block_id])
+                    if self._cached.get(block_hash) == block_id:
+                        del self._cached[block_hash]
+                    self._registered[block_id] = False
+                self._ref[block_id] = 1
+                return [block_id]
         else:
             ids = np.fromiter((self._victim() for _ in range(count)), np.int64, count)
         registered = ids[self._registered[ids]]

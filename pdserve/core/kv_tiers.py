@@ -51,6 +51,7 @@ class TieredKV:
         self.blocks = blocks
         self.host = host
         self.disk = disk
+        self._tiers = [t for t in (host, disk) if t is not None]  # (asked at every simulated step)
         self.block_bytes = block_bytes
         self.disk_writable = disk is not None
         self.stats = TierStats()
@@ -63,7 +64,7 @@ class TieredKV:
         blocks.offload_unit = max(1, WRITE_THROUGH_TOKENS // blocks.block_size)
 
     def tiers(self) -> list[TierIndex]:
-        return [t for t in (self.host, self.disk) if t is not None]
+        return self._tiers
 
     # ---- scheduler side ---------------------------------------------------------------------------------
     def extend(self, hashes: Sequence[BlockHash]) -> TierHit:
@@ -214,9 +215,14 @@ class TieredKV:
 
     def next_work_s(self) -> float:
         """From when `after_step` would do something if nothing else changes: -inf at once, inf never."""
-        if self.blocks.newly_cached or self._new_ops or self.stale or any(t.evicted for t in self.tiers()):
+        if self.blocks.newly_cached or self._new_ops or self.stale:
             return -math.inf
-        return min((t.next_reclaim_s() for t in self.tiers()), default=math.inf)
+        due = math.inf
+        for tier in self._tiers:
+            if tier.evicted:
+                return -math.inf
+            due = min(due, tier.next_reclaim_s())
+        return due
 
     @property
     def has_new_ops(self) -> bool:

@@ -24,12 +24,20 @@ class OnlineFit:
         self.coef: np.ndarray | None = None
         self.width = width
         self._new = 0
-        self._fastest: float | None = None  # (of the rows as they are, computed when asked)
+        self._terms: tuple[float, ...] = ()  # coef as floats: a prediction is a few products, not a numpy call
+        self._added = 0  # samples ever added (the index of the next)
+        self._lows: deque = deque()  # (index, seconds) of the rows, ascending: the window's minimum first
 
     def add(self, x: tuple, seconds: float) -> None:
         self.rows.append((*x, seconds))
         self._new += 1
-        self._fastest = None
+        lows = self._lows  # a sliding-window minimum: no later sample is lower than what stays behind it
+        while lows and lows[-1][1] >= seconds:
+            lows.pop()
+        lows.append((self._added, seconds))
+        self._added += 1
+        if lows[0][0] <= self._added - 1 - WINDOW:
+            lows.popleft()
 
     def coefficients(self) -> np.ndarray | None:
         """The fitted coefficients (refitted every `REFIT_EVERY` new samples), or None while too few."""
@@ -38,18 +46,18 @@ class OnlineFit:
         if self.coef is None or self._new >= REFIT_EVERY:
             data = np.asarray(self.rows, dtype=float)
             self.coef, self._new = nonnegative_lstsq(data[:, :self.width], data[:, self.width]), 0
+            self._terms = tuple(self.coef.tolist())
         return self.coef
 
     def predict(self, x: tuple) -> float | None:
-        coef = self.coefficients()
-        return None if coef is None else float(np.dot(coef, x))
+        if self.coefficients() is None:
+            return None
+        return sum(c * v for c, v in zip(self._terms, x))
 
     def fastest(self) -> float:
         """The shortest time among the recent samples: no whole step takes less (a fit whose intercept came
         out negative, and was dropped, predicts a tiny step at next to nothing)."""
-        if self._fastest is None:
-            self._fastest = min(row[-1] for row in self.rows) if self.rows else 0.0
-        return self._fastest
+        return self._lows[0][1] if self._lows else 0.0
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
