@@ -171,8 +171,8 @@ def check_index(tier: TierIndex) -> None:
     slots = [m.slot for m in tier]
     assert len(set(slots)) == len(slots), f"{tier.tier}: a slot used twice"
     assert all(0 <= s < tier.capacity for s in slots)
-    assert set(slots).isdisjoint(tier._free_slots)
-    assert len(set(tier._free_slots)) == len(tier._free_slots)
+    assert set(slots).isdisjoint(tier.free_slots())
+    assert len(set(tier.free_slots())) == len(tier.free_slots())
     assert len(slots) + tier.num_free() == tier.capacity
     assert all(m.busy >= 0 for m in tier), f"{tier.tier}: negative busy"
     assert all(h in tier.entries and tier.entries[h].reclaiming for h in tier.marked())

@@ -55,7 +55,7 @@ class _Entries(Mapping):
 class TierIndex:
     def __init__(self, tier: Tier, capacity_blocks: int, policy: EvictionPolicy,
                  config: LifecycleConfig | None = None, high_watermark: float = 0.95,
-                 low_watermark: float = 0.90) -> None:
+                 low_watermark: float = 0.90, keep_evicted: bool = True) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"{tier.value} tier needs a positive capacity, got {capacity_blocks} blocks")
         self.tier = tier
@@ -67,12 +67,15 @@ class TierIndex:
         self.cols = MetaColumns(capacity_blocks, tier)
         self._slot = new_map(capacity_blocks)  # block hash -> slot
         self._lru = new_queue(capacity_blocks)  # occupied slots, least recently used first
-        self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+        # free slots: a stack, its top at _num_free - 1 (slot 0 first)
+        self._free_stack = np.arange(capacity_blocks - 1, -1, -1, dtype=np.int64)
+        self._num_free = capacity_blocks
         self._marked = 0  # entries marked RECLAIM
         self._reclaim_after = -1  # the slot marked last (LRU): marking goes on after it
         self._next_reclaim_s = float("-inf")
         self.entries = _Entries(self)
         self.evicted: list[int] = []  # hashes of dropped entries whose bytes the owner may delete (disk files)
+        self.keep_evicted = keep_evicted  # (a host tier's owner has nothing to delete: it keeps none)
         self.num_evicted = 0
 
     def __len__(self) -> int:
@@ -153,9 +156,9 @@ class TierIndex:
         being written) or every block is pinned or busy. `template` carries metadata from the tier above."""
         if block_hash in self._slot:
             return None
-        if not self._free_slots and not self._evict(1, now):
+        if not self._num_free and not self._evict(1, now):
             return None
-        slot = self._free_slots.pop()
+        slot = self._pop_free()
         self._slot[block_hash] = slot
         self.cols.fresh(slot, block_hash, now, 0, ready=False)
         if template is not None:
@@ -170,15 +173,15 @@ class TierIndex:
         (one per hash). Returns the positions in `hashes` booked, their slots, and the positions not booked
         (here already, or no room was left), as int64 arrays."""
         new = np.flatnonzero(self._slot.get_many(hashes) < 0)
-        room = len(self._free_slots)
+        room = self._num_free
         if len(new) > room:
             room += self._evict(len(new) - room, now)
         new = new[:room]
         k = len(new)
         if not k:
             return new, new, np.arange(len(hashes))
-        slots = np.array(self._free_slots[-k:][::-1], np.int64)
-        del self._free_slots[-k:]
+        self._num_free -= k
+        slots = self._free_stack[self._num_free:self._num_free + k][::-1].copy()
         self._slot.put_many(hashes[new], slots)
         if src is None:
             self.cols.fresh(slots, hashes[new], now, 0, ready=False)
@@ -209,19 +212,30 @@ class TierIndex:
         self._free([slot])
         return meta
 
-    def _free(self, slots: Sequence[int]) -> None:
+    def _free(self, slots: Sequence[int], unlinked: bool = False) -> None:
+        """`slots` are free again (`unlinked`: already out of the LRU order)."""
         arr = np.asarray(slots, np.int64)
         marked = self.cols.reclaiming[arr]
         self._marked -= int(np.count_nonzero(marked))
         self.cols.reclaiming[arr] = False
-        self._lru.remove_many(arr)
-        self._free_slots.extend(slots)
+        if not unlinked:
+            self._lru.remove_many(arr)
+        self._free_stack[self._num_free:self._num_free + len(arr)] = arr
+        self._num_free += len(arr)
+
+    def _pop_free(self) -> int:
+        self._num_free -= 1
+        return int(self._free_stack[self._num_free])
+
+    def free_slots(self) -> list[int]:
+        """The free slots, the next to be taken last."""
+        return self._free_stack[:self._num_free].tolist()
 
     def restore(self, meta: BlockMeta) -> bool:
         """Re-index a block found at start (disk files of an earlier run); False when the tier is full."""
-        if meta.block_hash in self._slot or not self._free_slots:
+        if meta.block_hash in self._slot or not self._num_free:
             return False
-        slot = self._free_slots.pop()
+        slot = self._pop_free()
         self._slot[meta.block_hash] = slot
         self.cols.fresh(slot, meta.block_hash, 0.0, 0, ready=True)
         self.cols.set_from(slot, meta)
@@ -279,20 +293,22 @@ class TierIndex:
         """Free up to `count` slots by evicting; how many were freed."""
         cols = self.cols
         if isinstance(self.policy, LRUPolicy):
-            victims = self._lru.pop_first(count, lambda slots: cols.evictable(slots, now)).tolist()
+            victims = self._lru.pop_first(count, lambda slots: cols.evictable(slots, now))
         else:
-            victims = []
+            picked = []
             for _ in range(count):
                 victim = self._pick(now)
                 if victim is None:
                     break
                 self._lru.remove(victim)
-                victims.append(victim)
-        if victims:
+                picked.append(victim)
+            victims = np.array(picked, np.int64)
+        if len(victims):
             hashes = cols.block_hash[victims]
             self._slot.del_many(hashes)
-            self._free(victims)
-            self.evicted.extend(hashes.tolist())
+            self._free(victims, unlinked=True)
+            if self.keep_evicted:
+                self.evicted.extend(hashes.tolist())
             self.num_evicted += len(victims)
         return len(victims)
 
@@ -323,4 +339,4 @@ class TierIndex:
         return self.cols.stages(slots, self.cols.busy[slots] > 0, now, self.config)
 
     def num_free(self) -> int:
-        return len(self._free_slots)
+        return self._num_free

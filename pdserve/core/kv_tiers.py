@@ -205,8 +205,6 @@ class TieredKV:
             if gone:
                 self._submit("delete", tuple(dict.fromkeys(gone)))
             self.stale = []
-        if self.host is not None:
-            self.host.evicted.clear()  # host bytes need no deleting: the slot is simply reused
         return self.take_ops()
 
     def has_step_work(self, now: float) -> bool:
@@ -386,7 +384,7 @@ def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, 
                     restored: Sequence[tuple[int, float, float]] = (), wall_now: float | None = None) -> TieredKV:
     """Tiers sized by `capacity` (`host_blocks`, `disk_blocks`, `block_bytes`), the disk tier re-indexing
     `restored` blocks [(hash, produced-at, last use) in wall-clock seconds] from an earlier run."""
-    host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle)
+    host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle, keep_evicted=False)
     disk = TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle) if capacity.disk_blocks else None
     tiers = TieredKV(blocks, host, disk, capacity.block_bytes)
     if disk is not None and restored:
