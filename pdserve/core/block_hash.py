@@ -80,11 +80,16 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     if start_block >= num_full:
         return []
     tokens = token_ids[start_block * block_size:num_full * block_size]
-    # numpy arrays pack in place; lists fastest through array("q")
-    data = memoryview(tokens.astype(np.int64).tobytes() if isinstance(tokens, np.ndarray)
-                      else array("q", tokens).tobytes())
-    stride = block_size * 8
+    # numpy arrays and int64 arrays pack in place; lists fastest through array("q")
+    if isinstance(tokens, np.ndarray):
+        raw = tokens.astype(np.int64).tobytes()
+    else:
+        raw = (tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)).tobytes()
     seed = _root(extra_key) if parent is None else parent
+    if num_full - start_block == 1:  # a decode step's block
+        return [xxhash.xxh3_64_intdigest(raw, seed)]
+    data = memoryview(raw)
+    stride = block_size * 8
     chain = _compiled_chain() if num_full - start_block >= COMPILED_FROM else None
     if chain is not None:
         out = np.empty(num_full - start_block, np.uint64)
