@@ -133,11 +133,17 @@ class LinkModel:
         prod = {f: production_cap(f, f.remaining if remaining is None else remaining[f], now) for f in flows}
         links = list(dict.fromkeys(link for flow in flows for link in flow.links))
         given: dict = {}  # (flow, link) -> allocation
+        asked: dict = {}  # link -> the caps its last allocation was made with (the same caps: the same shares)
         for _ in range(ALLOCATION_ROUNDS if len(links) > 1 else 1):
             for link in links:
                 mine = [f for f in link.flows if f in prod]
+                caps = []
                 for f in mine:
                     f.item.cap = min([prod[f]] + [given[f, o] for o in f.links if o is not link and (f, o) in given])
+                    caps.append(f.item.cap)
+                if asked.get(link) == caps:
+                    continue
+                asked[link] = caps
                 shares = self.policy.rates([f.item for f in mine], link.bandwidth)
                 for f in mine:
                     given[f, link] = shares[f.item]
