@@ -25,6 +25,7 @@ from typing import NewType
 import numpy as np
 
 from pdserve.core.block_hash import BlockHash, hash_blocks
+from pdserve.core.block_holds import BlockHolds
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
 from pdserve.core.lru_queue import new_queue
@@ -50,7 +51,7 @@ class PrefixHit:
         return len(self.block_ids) * self.block_size
 
 
-class KVBlockManager:
+class KVBlockManager(BlockHolds):
     """Allocates fixed-size KV blocks to requests, with a chained-hash prefix cache.
 
     Invariant: every block is either in the free queue (ref_cnt 0) or held by >= 1 request (ref_cnt > 0).
@@ -268,64 +269,6 @@ class KVBlockManager:
             if len(registered):
                 self.cols.touch(registered, self.clock(), self.lifecycle.heat_half_life_s)
         return list(block_ids)
-
-    def num_cold_blocks(self, request_id: str) -> int:
-        return self._cold.get(request_id, 0)
-
-    def start_cold(self, request_id: str, head: Sequence[BlockHash]) -> None:
-        """A request that holds no blocks starts with `head` (the hashes of its first blocks) in a lower tier:
-        its table will begin at logical block len(head)."""
-        if self._tables.get(request_id):
-            raise ValueError(f"{request_id!r} already holds blocks")
-        self._cold[request_id] = len(head)
-        self._hashes[request_id] = list(head)
-
-    def spill(self, request_id: str, count: int) -> None:
-        """Drop the request's `count` oldest device blocks (registered ones: their KV now lives in a lower
-        tier); its table then starts at logical block `num_cold_blocks`. The blocks stay cached here until
-        reused, like any freed block."""
-        table = self._tables[request_id]
-        if count > len(table) or len(self._hashes.get(request_id, ())) < self._cold.get(request_id, 0) + count:
-            raise ValueError(f"{request_id!r}: only registered blocks can leave the device")
-        self._release(table[:count])
-        del table[:count]
-        self._cold[request_id] = self._cold.get(request_id, 0) + count
-
-    def pin(self, holder: str, request_id: str, until_s: float) -> int:
-        """Keep `request_id`'s registered (full, cached) blocks on the device until `until_s` or `unpin`,
-        marked as prewarmed; returns how many. Call before the request's blocks are freed."""
-        table = np.asarray(self._tables.get(request_id, [])[:len(self._hashes.get(request_id, ()))], np.int64)
-        ids = table[self._registered[table]]
-        self.hold(holder, ids.tolist())
-        cols = self.cols
-        cols.pinned_until_s[ids] = np.maximum(cols.pinned_until_s[ids], until_s)
-        cols.prewarmed[ids] = True
-        self._pins[holder] = until_s
-        return len(ids)
-
-    def unpin(self, holder: str) -> bool:
-        if self._pins.pop(holder, None) is None:
-            return False
-        ids = np.asarray(self._tables.get(holder, ()), np.int64)
-        self.cols.pinned_until_s[ids[self._registered[ids]]] = 0.0
-        self.free(holder)
-        return True
-
-    def expire_pins(self, now: float) -> list[str]:
-        if not self._pins:
-            return []
-        expired = [h for h, until in self._pins.items() if until <= now]
-        for holder in expired:
-            self.unpin(holder)
-        return expired
-
-    @property
-    def has_pins(self) -> bool:
-        return bool(self._pins)
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(self._tables.get(h, ())) for h in self._pins)
 
     def forget(self, request_id: str) -> None:
         """The request ended for good: drop its memoized hashes (call after its last `free`)."""
