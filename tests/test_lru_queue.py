@@ -22,6 +22,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("remove"), slot),
     st.tuples(st.just("remove_many"), st.lists(slot, max_size=6)),
     st.tuples(st.just("pop"), st.integers(0, 6), st.integers(0, 2)),  # count, predicate: all / even / >= 12
+    st.tuples(st.just("pop_evictable"), st.integers(0, 6), st.integers(0, 2**16)),  # count, a seed for columns
 ), max_size=80)
 
 PREDICATES = [None, lambda s: s % 2 == 0, lambda s: s >= N // 2]
@@ -55,6 +56,14 @@ def test_matches_an_ordered_dict(make, operations):
             q.remove_many(np.array(op[1], np.int64))
             for s in op[1]:
                 model.pop(s, None)
+        elif op[0] == "pop_evictable":  # MetaColumns' columns: ready, busy readers, pinned until
+            rng = np.random.default_rng(op[2])
+            ready, busy = rng.random(N) < 0.8, rng.integers(0, 3, N).astype(np.int32) * (rng.random(N) < 0.3)
+            pinned, now = rng.choice([0.0, 2.0, 5.0], N), 2.0  # (pinned until now: evictable now)
+            want = [s for s in model if ready[s] and busy[s] == 0 and pinned[s] <= now][:op[1]]
+            assert q.pop_evictable(op[1], ready, busy, pinned, now).tolist() == want
+            for s in want:
+                del model[s]
         else:
             count, pred = op[1], PREDICATES[op[2]]
             allowed = None if pred is None else (lambda slots, p=pred: p(slots))

@@ -293,7 +293,7 @@ class TierIndex:
         """Free up to `count` slots by evicting; how many were freed."""
         cols = self.cols
         if isinstance(self.policy, LRUPolicy):
-            victims = self._lru.pop_first(count, lambda slots: cols.evictable(slots, now))
+            victims = self._lru.pop_evictable(count, cols.ready, cols.busy, cols.pinned_until_s, now)
         else:
             picked = []
             for _ in range(count):

@@ -100,6 +100,13 @@ class LinkedQueue:
         self._o._remove_many(out)
         return out
 
+    def pop_evictable(self, count: int, ready: np.ndarray, busy: np.ndarray, pinned_until: np.ndarray,
+                      now: float) -> np.ndarray:
+        """`pop_first(count, allowed)` with `allowed` = ready & busy == 0 & pinned_until <= now (columns by
+        slot: `MetaColumns.evictable`), in one compiled walk."""
+        out = np.empty(min(count, len(self._o)), np.int64)
+        return out[:self._o._pop_evictable(out, ready, busy, pinned_until, float(now))]
+
 
 class ChunkQueue:
     """The numpy order (stamps and chunks, above): `LinkedQueue`'s counted fallback, the same contract."""
@@ -238,3 +245,7 @@ class ChunkQueue:
         self.stamp[taken] = 0
         self.size -= len(taken)
         return taken
+
+    def pop_evictable(self, count: int, ready: np.ndarray, busy: np.ndarray, pinned_until: np.ndarray,
+                      now: float) -> np.ndarray:
+        return self.pop_first(count, lambda slots: ready[slots] & (busy[slots] == 0) & (pinned_until[slots] <= now))

@@ -148,6 +148,49 @@ static PyObject *Order_pop_first(OrderObject *self, PyObject *oo) {
     return PyLong_FromSsize_t(k);
 }
 
+/* A read-only C-contiguous 1-d buffer of at least `n` items of `itemsize` bytes, format one of `formats`. */
+static int column_of(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char *formats, int64_t n,
+                     const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (b->itemsize != itemsize || b->ndim != 1 || !f[0] || f[1] || !strchr(formats, f[0]) || b->len / itemsize < n) {
+        PyErr_Format(PyExc_TypeError, "%s: a 1-d array of %zd-byte items covering every slot is needed", what,
+                     itemsize);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* _pop_evictable(out, ready bool, busy int32, pinned_until float64, now) -> k: remove the first k
+ * (<= len(out)) slots that are ready, not busy and not pinned past `now` into out; the others keep their
+ * places (`MetaColumns.evictable` in one walk). */
+static PyObject *Order_pop_evictable(OrderObject *self, PyObject *args) {
+    PyObject *oo, *ro, *bo, *po; double now;
+    if (!PyArg_ParseTuple(args, "OOOOd", &oo, &ro, &bo, &po, &now)) return NULL;
+    Py_buffer ob, rb, bb, pb;
+    if (buffer_of(oo, &ob, 1, "out")) return NULL;
+    if (column_of(ro, &rb, 1, "?", self->n, "ready")) { PyBuffer_Release(&ob); return NULL; }
+    if (column_of(bo, &bb, 4, "il", self->n, "busy")) { PyBuffer_Release(&ob); PyBuffer_Release(&rb); return NULL; }
+    if (column_of(po, &pb, 8, "d", self->n, "pinned_until")) {
+        PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); return NULL;
+    }
+    const uint8_t *ready = rb.buf; const int32_t *busy = bb.buf; const double *pinned = pb.buf;
+    int64_t *out = ob.buf, s = self->nxt[self->n];
+    Py_ssize_t k = 0, cap = nitems(&ob);
+    while (k < cap && s != self->n) {
+        int64_t next = self->nxt[s];
+        if (ready[s] && busy[s] == 0 && pinned[s] <= now) {
+            unlink_slot(self, s);
+            out[k++] = s;
+        }
+        s = next;
+    }
+    PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); PyBuffer_Release(&pb);
+    return PyLong_FromSsize_t(k);
+}
+
 static PyObject *Order_clear(OrderObject *self, PyObject *unused) {
     memset(self->in, 0, self->n + 1);
     self->prv[self->n] = self->nxt[self->n] = self->n;
@@ -163,6 +206,7 @@ static PyMethodDef Order_methods[] = {
     {"_remove_many", (PyCFunction)Order_remove_many, METH_O, NULL},
     {"_peek", (PyCFunction)Order_peek, METH_VARARGS, NULL},
     {"_pop_first", (PyCFunction)Order_pop_first, METH_O, NULL},
+    {"_pop_evictable", (PyCFunction)Order_pop_evictable, METH_VARARGS, NULL},
     {NULL}
 };
 
