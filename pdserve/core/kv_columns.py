@@ -5,7 +5,9 @@ kept as columns, a run of blocks is registered, copied to the tier below, touche
 few array operations instead of one Python object per block (what lets the simulator replay an hour-long
 trace in well under a minute per engine-hour). `view(slot)` is a `BlockMeta`-shaped window onto one slot
 (reads and writes go to the columns) for the code that works a block at a time: policies, tests, rare paths.
-`codec` and `sla_class` are stored as small codes into one process-wide table of names.
+`codec` and `sla_class` are stored as small codes into one process-wide table of names. A run's rows are
+copied to the tier below and set fresh by the compiled `copy_rows` / `fill_rows` (`pdserve.core.native`), one
+call for every column instead of a numpy gather and scatter each; numpy does it where that is unavailable.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import Counter
 
 import numpy as np
 
+from pdserve.core import native
 from pdserve.core.kv_meta import BlockMeta, LifecycleConfig, Stage, Tier
 
 _NAMES: list[str] = ["float32", "default"]
@@ -40,6 +43,8 @@ _FIELDS = {"produced_at_s": (np.float64, 0.0), "last_use_s": (np.float64, 0.0), 
 _COPIED = list(_FIELDS)[:-4]
 _SET_BY_FRESH = {"block_hash", "produced_at_s", "last_use_s", "heat_at_s", "use_count", "heat", "ready"}
 _RESET = [(name, value) for name, (_, value) in _FIELDS.items() if name not in _SET_BY_FRESH]
+_FRESH = [name for name, _ in _RESET] + ["produced_at_s", "last_use_s", "heat_at_s", "use_count", "heat", "ready"]
+_AFTER_COPY = (("reclaiming", False), ("ready", False), ("busy", 0), ("from_tier", 0))
 
 
 class MetaColumns:
@@ -48,6 +53,12 @@ class MetaColumns:
         for name, (dtype, fresh) in _FIELDS.items():
             setattr(self, name, np.full(num_slots, fresh, dtype))
         self._views: dict[int, MetaView] = {}
+        self._rows = native.load()  # copy_rows / fill_rows, or None: numpy (counted)
+        if self._rows is None:
+            native.fallback()
+        self._copied = tuple(getattr(self, name) for name in _COPIED)
+        self._fresh = tuple(getattr(self, name) for name in _FRESH)
+        self._after_copy = tuple(getattr(self, name) for name, _ in _AFTER_COPY)
 
     def view(self, slot: int) -> MetaView:
         v = self._views.get(slot)
@@ -59,6 +70,11 @@ class MetaColumns:
         """New blocks at `slots`: produced and last used now, used `use_count` times (heat as much)."""
         if not isinstance(slots, int) and len(slots) == 1:  # a scalar store is ~10x cheaper than a fancy one
             slots, hashes = int(slots[0]), int(hashes[0])
+        elif self._rows is not None and not isinstance(slots, int):
+            self._rows.fill_rows(self._fresh, (*(v for _, v in _RESET), now, now, now, use_count, float(use_count),
+                                               ready), np.ascontiguousarray(slots, np.int64))
+            self.block_hash[slots] = hashes
+            return
         for name, value in _RESET:
             getattr(self, name)[slots] = value
         self.block_hash[slots] = hashes
@@ -73,6 +89,12 @@ class MetaColumns:
         """Slots `slots` take the metadata of `src`'s `src_slots` (a copy into this tier: not ready yet)."""
         if len(slots) == 1:
             slots, src_slots = int(slots[0]), int(src_slots[0])
+        elif self._rows is not None:
+            slots = np.ascontiguousarray(slots, np.int64)
+            self._rows.copy_rows(self._copied, src._copied, slots, np.ascontiguousarray(src_slots, np.int64))
+            self.last_use_s[slots] = np.maximum(self.last_use_s[slots], 0.0)
+            self._rows.fill_rows(self._after_copy, tuple(v for _, v in _AFTER_COPY), slots)
+            return
         for name in _COPIED:
             getattr(self, name)[slots] = getattr(src, name)[src_slots]
         self.last_use_s[slots] = np.maximum(self.last_use_s[slots], 0.0)

@@ -23,7 +23,7 @@ from pdserve import cbuild
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kvcore.c")
-HEADERS = [Path(__file__).with_name(n) for n in ("u64map.h", "order.h", "hash_chain.h")]  # included by kvcore.c
+HEADERS = [Path(__file__).with_name(n) for n in ("u64map.h", "order.h", "hash_chain.h", "columns.h")]  # included by kvcore.c
 _module: ModuleType | None = None
 _reason: str | None = None
 _fallbacks = 0

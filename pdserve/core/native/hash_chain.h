@@ -39,9 +39,3 @@ static PyObject *hash_chain(PyObject *module, PyObject *args) {
     PyBuffer_Release(&db); PyBuffer_Release(&ob);
     return result;
 }
-
-static PyMethodDef module_methods[] = {
-    {"set_xxh3", (PyCFunction)set_xxh3, METH_O, "set_xxh3(address of XXH3_64bits_withSeed)"},
-    {"hash_chain", (PyCFunction)hash_chain, METH_VARARGS, "hash_chain(data, stride, seed, out u64) -> blocks"},
-    {NULL}
-};

@@ -9,6 +9,7 @@
  * one call, not one Python operation each. pdserve/core/u64map.py wraps it and holds its contract.
  * Order: a doubly linked list over slot numbers, O(1) push / move / remove; pdserve/core/lru_queue.py.
  * hash_chain: a prompt's chained block hashes in one call (hash_chain.h); pdserve/core/block_hash.py.
+ * copy_rows / fill_rows: metadata rows copied or set across columns in one call (columns.h); kv_columns.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,6 +20,15 @@
 #include "u64map.h"
 #include "order.h"
 #include "hash_chain.h"
+#include "columns.h"
+
+static PyMethodDef module_methods[] = {
+    {"set_xxh3", (PyCFunction)set_xxh3, METH_O, "set_xxh3(address of XXH3_64bits_withSeed)"},
+    {"hash_chain", (PyCFunction)hash_chain, METH_VARARGS, "hash_chain(data, stride, seed, out u64) -> blocks"},
+    {"copy_rows", (PyCFunction)copy_rows, METH_VARARGS, "copy_rows(dst columns, src columns, dst slots, src slots)"},
+    {"fill_rows", (PyCFunction)fill_rows, METH_VARARGS, "fill_rows(columns, values, slots)"},
+    {NULL}
+};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvcore", NULL, -1, module_methods};
 
