@@ -61,6 +61,11 @@ def test_matches_an_ordered_dict(make, operations):
             ready, busy = rng.random(N) < 0.8, rng.integers(0, 3, N).astype(np.int32) * (rng.random(N) < 0.3)
             pinned, now = rng.choice([0.0, 2.0, 5.0], N), 2.0  # (pinned until now: evictable now)
             want = [s for s in model if ready[s] and busy[s] == 0 and pinned[s] <= now][:op[1]]
+            marked = rng.random(N) < 0.2
+            for after in [-1, *list(model)[:2]]:  # the watermark marking's look: nothing leaves the order
+                rest = list(model) if after < 0 else list(model)[list(model).index(after) + 1:]
+                look = [s for s in rest if ready[s] and busy[s] == 0 and pinned[s] <= now and not marked[s]][:op[1]]
+                assert q.first_evictable(op[1], after, ready, busy, pinned, marked, now).tolist() == look
             assert q.pop_evictable(op[1], ready, busy, pinned, now).tolist() == want
             for s in want:
                 del model[s]

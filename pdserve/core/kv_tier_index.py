@@ -257,16 +257,12 @@ class TierIndex:
             # ... after the last block marked, while it is still marked (so still in its place: a touch
             # unmarks and moves a block, eviction unmarks it): not a walk past every marked block each time
             after = self._reclaim_after if self._reclaim_after >= 0 and cols.reclaiming[self._reclaim_after] else -1
-            for run in self._lru.runs(after):
-                pick = run[cols.evictable(run, now) & ~cols.reclaiming[run]][:need]
-                if not len(pick):
-                    continue
+            pick = self._lru.first_evictable(need, after, cols.ready, cols.busy, cols.pinned_until_s,
+                                             cols.reclaiming, now)
+            if len(pick):
                 cols.reclaiming[pick] = True
                 self._reclaim_after = int(pick[-1])
                 self._marked += len(pick)
-                need -= len(pick)
-                if need <= 0:
-                    break
             return self._marked
         # Each mark is the lowest-scoring of the first `eviction_sample` evictable unmarked candidates (least
         # recently used first): a window over the LRU order that moves on by one after each mark.

@@ -100,6 +100,13 @@ class LinkedQueue:
         self._o._remove_many(out)
         return out
 
+    def first_evictable(self, count: int, after: int, ready: np.ndarray, busy: np.ndarray,
+                        pinned_until: np.ndarray, reclaiming: np.ndarray, now: float) -> np.ndarray:
+        """The first `count` slots after `after` (-1: from the head) that are evictable (as `pop_evictable`)
+        and not `reclaiming`, in order; nothing is removed."""
+        out = np.empty(min(count, len(self._o)), np.int64)
+        return out[:self._o._peek_evictable(after, out, ready, busy, pinned_until, reclaiming, float(now))]
+
     def pop_evictable(self, count: int, ready: np.ndarray, busy: np.ndarray, pinned_until: np.ndarray,
                       now: float) -> np.ndarray:
         """`pop_first(count, allowed)` with `allowed` = ready & busy == 0 & pinned_until <= now (columns by
@@ -249,3 +256,14 @@ class ChunkQueue:
     def pop_evictable(self, count: int, ready: np.ndarray, busy: np.ndarray, pinned_until: np.ndarray,
                       now: float) -> np.ndarray:
         return self.pop_first(count, lambda slots: ready[slots] & (busy[slots] == 0) & (pinned_until[slots] <= now))
+
+    def first_evictable(self, count: int, after: int, ready: np.ndarray, busy: np.ndarray,
+                        pinned_until: np.ndarray, reclaiming: np.ndarray, now: float) -> np.ndarray:
+        picks, need = [], count
+        for run in self.runs(after):
+            pick = run[ready[run] & (busy[run] == 0) & (pinned_until[run] <= now) & ~reclaiming[run]][:need]
+            picks.append(pick)
+            need -= len(pick)
+            if need <= 0:
+                break
+        return np.concatenate(picks) if picks else np.zeros(0, np.int64)

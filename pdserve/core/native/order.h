@@ -163,6 +163,36 @@ static int column_of(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char 
     return 0;
 }
 
+/* _peek_evictable(after, out, ready, busy, pinned_until, reclaiming bool, now) -> k: the first k (<= len(out))
+ * slots after `after` (-1: from the head) that are evictable (as below) and not reclaiming, in order; the
+ * order is left as it is (a tier's watermark marking). */
+static PyObject *Order_peek_evictable(OrderObject *self, PyObject *args) {
+    long long after; PyObject *oo, *ro, *bo, *po, *co; double now;
+    if (!PyArg_ParseTuple(args, "LOOOOOd", &after, &oo, &ro, &bo, &po, &co, &now)) return NULL;
+    if (after < -1 || after >= self->n || (after >= 0 && !self->in[after])) {
+        PyErr_Format(PyExc_ValueError, "slot %lld is not in the order", after);
+        return NULL;
+    }
+    Py_buffer ob, rb, bb, pb, cb;
+    if (buffer_of(oo, &ob, 1, "out")) return NULL;
+    if (column_of(ro, &rb, 1, "?", self->n, "ready")) { PyBuffer_Release(&ob); return NULL; }
+    if (column_of(bo, &bb, 4, "il", self->n, "busy")) { PyBuffer_Release(&ob); PyBuffer_Release(&rb); return NULL; }
+    if (column_of(po, &pb, 8, "d", self->n, "pinned_until")) {
+        PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); return NULL;
+    }
+    if (column_of(co, &cb, 1, "?", self->n, "reclaiming")) {
+        PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); PyBuffer_Release(&pb); return NULL;
+    }
+    const uint8_t *ready = rb.buf, *marked = cb.buf; const int32_t *busy = bb.buf; const double *pinned = pb.buf;
+    int64_t *out = ob.buf, s = self->nxt[after < 0 ? self->n : after];
+    Py_ssize_t k = 0, cap = nitems(&ob);
+    for (; k < cap && s != self->n; s = self->nxt[s])
+        if (ready[s] && busy[s] == 0 && pinned[s] <= now && !marked[s]) out[k++] = s;
+    PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); PyBuffer_Release(&pb);
+    PyBuffer_Release(&cb);
+    return PyLong_FromSsize_t(k);
+}
+
 /* _pop_evictable(out, ready bool, busy int32, pinned_until float64, now) -> k: remove the first k
  * (<= len(out)) slots that are ready, not busy and not pinned past `now` into out; the others keep their
  * places (`MetaColumns.evictable` in one walk). */
@@ -207,6 +237,7 @@ static PyMethodDef Order_methods[] = {
     {"_peek", (PyCFunction)Order_peek, METH_VARARGS, NULL},
     {"_pop_first", (PyCFunction)Order_pop_first, METH_O, NULL},
     {"_pop_evictable", (PyCFunction)Order_pop_evictable, METH_VARARGS, NULL},
+    {"_peek_evictable", (PyCFunction)Order_peek_evictable, METH_VARARGS, NULL},
     {NULL}
 };
 
