@@ -7,6 +7,7 @@ load: a named tuple).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -20,13 +21,13 @@ class KVLoad(NamedTuple):  # (a named tuple: a long prompt's host hits make hund
     host_slot: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared by identity: its fields may be arrays)
 class KVOp:
     op_id: int
     kind: str  # offload | flush | prefetch | delete
-    hashes: tuple[int, ...]
-    src: tuple[int, ...] = ()  # offload: device block ids; flush: host slots
-    dst: tuple[int, ...] = ()  # offload, prefetch: host slots
+    hashes: Sequence[int]  # an offload's: a uint64 array (hundreds per prompt); the others' a tuple
+    src: Sequence[int] = ()  # offload: device block ids (an int64 array); flush: host slots
+    dst: Sequence[int] = ()  # offload (an int64 array), prefetch: host slots
 
     @property
     def holder(self) -> str:

@@ -242,12 +242,12 @@ class TieredKV:
             self._moved(Tier.DEVICE, Tier.HOST, len(op.hashes))
         else:
             done = getattr(self, f"_done_{op.kind}")
-            for h in op.hashes:
+            for h in _ints(op.hashes):
                 done(h, failures.get(h))
         if op.kind == "offload":
             self.blocks.free(op.holder)
             if self.disk is not None:
-                self._flush([h for h in op.hashes if h not in failures])
+                self._flush([h for h in _ints(op.hashes) if h not in failures])
         for reason in failures.values():
             self.stats.failed_ops[op.kind] += 1
             if reason == "corrupt":
@@ -315,10 +315,10 @@ class TieredKV:
         if not len(ids):
             return
         booked, slots, rest = self.host.reserve_many(keys, self.blocks.clock(), self.blocks.cols, ids)
-        if len(booked):
-            src = ids[booked].tolist()
-            op = self._submit("offload", tuple(keys[booked].tolist()), tuple(src), tuple(slots.tolist()))
-            self.blocks.hold(op.holder, src)
+        if len(booked):  # (an offload's hashes, blocks and slots are arrays: hundreds per prompt)
+            src = ids[booked]
+            op = self._submit("offload", keys[booked], src, slots)
+            self.blocks.hold(op.holder, src.tolist())
         if len(rest):
             self._flush(keys[rest].tolist())  # in host already (e.g. loaded from there): make sure disk has it
 
@@ -373,6 +373,11 @@ class TieredKV:
     @property
     def num_ops_in_flight(self) -> int:
         return len(self._ops)
+
+
+def _ints(values) -> Sequence[int]:
+    """An operation's hashes as Python ints (an offload's are a uint64 array)."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
 
 
 def capacity_blocks(blocks: KVBlockManager, tiers: TieredKV | None) -> int:
