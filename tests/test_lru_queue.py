@@ -102,3 +102,44 @@ def test_the_linked_order_refuses_slots_out_of_range():
         with pytest.raises(IndexError):
             bad()
     assert len(q) == 0  # a run with a bad slot changed nothing
+
+
+ref_ops = st.lists(st.one_of(
+    st.tuples(st.just("take"), st.lists(slot, max_size=8, unique=True)),
+    st.tuples(st.just("release"), st.lists(slot, max_size=10)),  # repeats: a holder that held a block twice
+), max_size=40)
+
+
+@pytest.mark.parametrize("make", [_linked, ChunkQueue], ids=["linked", "chunks"])
+@settings(max_examples=200, deadline=None)
+@given(operations=ref_ops)
+def test_ref_counts_move_blocks_in_and_out_of_the_free_queue(make, operations):
+    """A pool's free queue: a block with no reference is in it (least recently freed first), else not."""
+    q, free, ref = make(N), OrderedDict.fromkeys(range(N)), np.zeros(N, np.int32)
+    q.push_many(np.arange(N))
+    for kind, ids in operations:
+        if kind == "take":
+            q.take_refs(ref, np.array(ids, np.int64))
+            for s in ids:
+                free.pop(s, None)
+        else:
+            ids = [s for s in ids if ref[s] > ids.count(s) - 1]  # (never below zero here: see the next test)
+            want = ref.copy()
+            for s in ids:
+                want[s] -= 1
+            q.release_refs(ref, np.array(ids, np.int64))
+            for s in ids:
+                if want[s] == 0 and s not in free:
+                    free[s] = None
+            np.testing.assert_array_equal(ref, want)
+        assert q.order().tolist() == list(free)
+        assert all((ref[s] == 0) == (s in free) for s in range(N))
+
+
+@pytest.mark.parametrize("make", [_linked, ChunkQueue], ids=["linked", "chunks"])
+def test_a_reference_count_going_negative_raises_and_frees_nothing(make):
+    q, ref = make(N), np.zeros(N, np.int32)
+    ref[3] = 1
+    with pytest.raises(AssertionError, match="block 5 ref count went negative"):
+        q.release_refs(ref, np.array([3, 5], np.int64))
+    assert 3 not in q and len(q) == 0

@@ -71,7 +71,6 @@ class KVBlockManager(BlockHolds):
         self.cols = MetaColumns(num_blocks, Tier.DEVICE)
         self._free = new_queue(num_blocks)
         self._free.push_many(np.arange(num_blocks))
-        self._holders: set[str] = set()  # holders that held more than once (may hold a block twice)
         self._cached = new_map(num_blocks)  # block hash -> block id (compiled, bulk calls)
         self._tables: dict[str, list[BlockId]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
@@ -252,8 +251,6 @@ class KVBlockManager(BlockHolds):
         (their contents are intact: a block is only overwritten after it is popped for a new owner)."""
         if holder in self._memo or holder in self._hashes:
             raise ValueError(f"{holder!r} is a request; holders must have ids of their own")
-        if holder in self._tables:
-            self._holders.add(holder)  # holds some blocks a second time, maybe: its free dedupes
         self._tables.setdefault(holder, []).extend(self._take_refs(block_ids, use=False))
 
     def _take_refs(self, block_ids: Sequence[BlockId], use: bool = True) -> list[BlockId]:
@@ -262,8 +259,7 @@ class KVBlockManager(BlockHolds):
         if not len(block_ids):
             return []
         ids = np.asarray(block_ids, np.int64)
-        self._free.remove_many(ids[self._ref[ids] == 0])
-        self._ref[ids] += 1  # (distinct ids: a fancy increment, not the slower ufunc.at)
+        self._free.take_refs(self._ref, ids)
         if use:
             registered = ids[self._registered[ids]]
             if len(registered):
@@ -282,27 +278,13 @@ class KVBlockManager(BlockHolds):
         self._hashes.pop(request_id, None)
         self._cold.pop(request_id, None)
         if table:
-            holder = request_id in self._holders
-            self._holders.discard(request_id)
-            self._release(table[::-1], may_repeat=holder)
+            self._release(table[::-1])
 
-    def _release(self, block_ids: Sequence[BlockId], may_repeat: bool = False) -> None:
-        """One reference less on each; the blocks left unreferenced join the free queue in this order."""
-        if not len(block_ids):
-            return
-        ids = np.asarray(block_ids, np.int64)
-        if may_repeat:
-            np.subtract.at(self._ref, ids, 1)
-        else:  # a table's ids are distinct
-            self._ref[ids] -= 1
-        refs = self._ref[ids]
-        if (refs < 0).any():
-            raise AssertionError(f"block {ids[refs < 0][0]} ref count went negative")
-        freed = ids[refs == 0]
-        if may_repeat and len(freed) > 1:  # a holder holding a block twice: it is freed once
-            _, first = np.unique(freed, return_index=True)
-            freed = freed[np.sort(first)]
-        self._free.push_many(freed)
+    def _release(self, block_ids: Sequence[BlockId]) -> None:
+        """One reference less on each (a holder may hold a block twice); the blocks left unreferenced join
+        the free queue in this order (`take_refs` / `release_refs` of the queue: compiled, or numpy)."""
+        if len(block_ids):
+            self._free.release_refs(self._ref, np.asarray(block_ids, np.int64))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change). Blocks in use are untouched."""

@@ -100,6 +100,16 @@ class LinkedQueue:
         self._o._remove_many(out)
         return out
 
+    # ---- the free queue of a pool of ref-counted blocks (`ref`: an int32 count per slot) ----------------
+    def take_refs(self, ref: np.ndarray, ids: np.ndarray) -> None:
+        """One more reference to each of `ids` (distinct); those that had none leave the queue."""
+        self._o._take_refs(ref, np.ascontiguousarray(ids, np.int64))
+
+    def release_refs(self, ref: np.ndarray, ids: np.ndarray) -> None:
+        """One reference less on each of `ids` (repeats allowed); those left with none join the queue in the
+        order they first appear. A count going negative raises AssertionError."""
+        self._o._release_refs(ref, np.ascontiguousarray(ids, np.int64))
+
     def first_evictable(self, count: int, after: int, ready: np.ndarray, busy: np.ndarray,
                         pinned_until: np.ndarray, reclaiming: np.ndarray, now: float) -> np.ndarray:
         """The first `count` slots after `after` (-1: from the head) that are evictable (as `pop_evictable`)
@@ -267,3 +277,20 @@ class ChunkQueue:
             if need <= 0:
                 break
         return np.concatenate(picks) if picks else np.zeros(0, np.int64)
+
+    def take_refs(self, ref: np.ndarray, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, np.int64)
+        self.remove_many(ids[ref[ids] == 0])
+        ref[ids] += 1  # (distinct ids: a fancy increment, not the slower ufunc.at)
+
+    def release_refs(self, ref: np.ndarray, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, np.int64)
+        np.subtract.at(ref, ids, 1)
+        refs = ref[ids]
+        if (refs < 0).any():
+            raise AssertionError(f"block {ids[refs < 0][0]} ref count went negative")
+        freed = ids[refs == 0]
+        if len(freed) > 1:  # a block released twice (a holder holding it twice): it joins once
+            _, first = np.unique(freed, return_index=True)
+            freed = freed[np.sort(first)]
+        self.push_many(freed)

@@ -221,6 +221,58 @@ static PyObject *Order_pop_evictable(OrderObject *self, PyObject *args) {
     return PyLong_FromSsize_t(k);
 }
 
+/* _take_refs(ref int32, ids int64): one more reference to each block (distinct ids); a block that had none
+ * leaves this order (the free queue). */
+static PyObject *Order_take_refs(OrderObject *self, PyObject *args) {
+    PyObject *ro, *io;
+    if (!PyArg_ParseTuple(args, "OO", &ro, &io)) return NULL;
+    Py_buffer rb, ib;
+    if (PyObject_GetBuffer(ro, &rb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)) return NULL;
+    if (rb.itemsize != 4 || rb.ndim != 1 || rb.len / 4 < self->n) {
+        PyErr_SetString(PyExc_TypeError, "ref: an int32 array covering every slot is needed");
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    if (slots_of(self, io, &ib)) { PyBuffer_Release(&rb); return NULL; }
+    int32_t *ref = rb.buf; const int64_t *ids = ib.buf;
+    for (Py_ssize_t j = 0; j < nitems(&ib); j++) {
+        if (ref[ids[j]] == 0 && self->in[ids[j]]) unlink_slot(self, ids[j]);
+        ref[ids[j]]++;
+    }
+    PyBuffer_Release(&rb); PyBuffer_Release(&ib);
+    Py_RETURN_NONE;
+}
+
+/* _release_refs(ref int32, ids int64) -> freed: one reference less on each block (an id may repeat: a
+ * holder that held a block twice); those left with none join this order, in the order of their first
+ * appearance. A count that goes negative raises (the counts stay decremented; nothing joins the order). */
+static PyObject *Order_release_refs(OrderObject *self, PyObject *args) {
+    PyObject *ro, *io;
+    if (!PyArg_ParseTuple(args, "OO", &ro, &io)) return NULL;
+    Py_buffer rb, ib;
+    if (PyObject_GetBuffer(ro, &rb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)) return NULL;
+    if (rb.itemsize != 4 || rb.ndim != 1 || rb.len / 4 < self->n) {
+        PyErr_SetString(PyExc_TypeError, "ref: an int32 array covering every slot is needed");
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    if (slots_of(self, io, &ib)) { PyBuffer_Release(&rb); return NULL; }
+    int32_t *ref = rb.buf; const int64_t *ids = ib.buf;
+    Py_ssize_t n = nitems(&ib), freed = 0;
+    int64_t negative = -1;
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (--ref[ids[j]] < 0 && negative < 0) negative = ids[j];
+    if (negative < 0)
+        for (Py_ssize_t j = 0; j < n; j++)
+            if (ref[ids[j]] == 0 && !self->in[ids[j]]) { append_slot(self, ids[j]); freed++; }
+    PyBuffer_Release(&rb); PyBuffer_Release(&ib);
+    if (negative >= 0) {
+        PyErr_Format(PyExc_AssertionError, "block %lld ref count went negative", (long long)negative);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(freed);
+}
+
 static PyObject *Order_clear(OrderObject *self, PyObject *unused) {
     memset(self->in, 0, self->n + 1);
     self->prv[self->n] = self->nxt[self->n] = self->n;
@@ -238,6 +290,8 @@ static PyMethodDef Order_methods[] = {
     {"_pop_first", (PyCFunction)Order_pop_first, METH_O, NULL},
     {"_pop_evictable", (PyCFunction)Order_pop_evictable, METH_VARARGS, NULL},
     {"_peek_evictable", (PyCFunction)Order_peek_evictable, METH_VARARGS, NULL},
+    {"_take_refs", (PyCFunction)Order_take_refs, METH_VARARGS, NULL},
+    {"_release_refs", (PyCFunction)Order_release_refs, METH_VARARGS, NULL},
     {NULL}
 };
 
