@@ -148,10 +148,10 @@ static PyObject *Order_pop_first(OrderObject *self, PyObject *oo) {
     return PyLong_FromSsize_t(k);
 }
 
-/* A read-only C-contiguous 1-d buffer of at least `n` items of `itemsize` bytes, format one of `formats`. */
+/* A C-contiguous 1-d buffer (writable when asked) of at least `n` items of `itemsize` bytes, format one of `formats`. */
 static int column_of(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char *formats, int64_t n,
-                     const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) return -1;
+                     const char *what, int writable) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0))) return -1;
     const char *f = b->format ? b->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     if (b->itemsize != itemsize || b->ndim != 1 || !f[0] || f[1] || !strchr(formats, f[0]) || b->len / itemsize < n) {
@@ -175,12 +175,12 @@ static PyObject *Order_peek_evictable(OrderObject *self, PyObject *args) {
     }
     Py_buffer ob, rb, bb, pb, cb;
     if (buffer_of(oo, &ob, 1, "out")) return NULL;
-    if (column_of(ro, &rb, 1, "?", self->n, "ready")) { PyBuffer_Release(&ob); return NULL; }
-    if (column_of(bo, &bb, 4, "il", self->n, "busy")) { PyBuffer_Release(&ob); PyBuffer_Release(&rb); return NULL; }
-    if (column_of(po, &pb, 8, "d", self->n, "pinned_until")) {
+    if (column_of(ro, &rb, 1, "?", self->n, "ready", 0)) { PyBuffer_Release(&ob); return NULL; }
+    if (column_of(bo, &bb, 4, "il", self->n, "busy", 0)) { PyBuffer_Release(&ob); PyBuffer_Release(&rb); return NULL; }
+    if (column_of(po, &pb, 8, "d", self->n, "pinned_until", 0)) {
         PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); return NULL;
     }
-    if (column_of(co, &cb, 1, "?", self->n, "reclaiming")) {
+    if (column_of(co, &cb, 1, "?", self->n, "reclaiming", 0)) {
         PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); PyBuffer_Release(&pb); return NULL;
     }
     const uint8_t *ready = rb.buf, *marked = cb.buf; const int32_t *busy = bb.buf; const double *pinned = pb.buf;
@@ -201,9 +201,9 @@ static PyObject *Order_pop_evictable(OrderObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOd", &oo, &ro, &bo, &po, &now)) return NULL;
     Py_buffer ob, rb, bb, pb;
     if (buffer_of(oo, &ob, 1, "out")) return NULL;
-    if (column_of(ro, &rb, 1, "?", self->n, "ready")) { PyBuffer_Release(&ob); return NULL; }
-    if (column_of(bo, &bb, 4, "il", self->n, "busy")) { PyBuffer_Release(&ob); PyBuffer_Release(&rb); return NULL; }
-    if (column_of(po, &pb, 8, "d", self->n, "pinned_until")) {
+    if (column_of(ro, &rb, 1, "?", self->n, "ready", 0)) { PyBuffer_Release(&ob); return NULL; }
+    if (column_of(bo, &bb, 4, "il", self->n, "busy", 0)) { PyBuffer_Release(&ob); PyBuffer_Release(&rb); return NULL; }
+    if (column_of(po, &pb, 8, "d", self->n, "pinned_until", 0)) {
         PyBuffer_Release(&ob); PyBuffer_Release(&rb); PyBuffer_Release(&bb); return NULL;
     }
     const uint8_t *ready = rb.buf; const int32_t *busy = bb.buf; const double *pinned = pb.buf;
@@ -221,19 +221,20 @@ static PyObject *Order_pop_evictable(OrderObject *self, PyObject *args) {
     return PyLong_FromSsize_t(k);
 }
 
+/* The (ref int32 covering every slot, writable; ids int64 in range) arguments of the two calls below. */
+static int refs_and_ids(OrderObject *self, PyObject *args, Py_buffer *rb, Py_buffer *ib) {
+    PyObject *ro, *io;
+    if (!PyArg_ParseTuple(args, "OO", &ro, &io)) return -1;
+    if (column_of(ro, rb, 4, "il", self->n, "ref", 1)) return -1;
+    if (slots_of(self, io, ib)) { PyBuffer_Release(rb); return -1; }
+    return 0;
+}
+
 /* _take_refs(ref int32, ids int64): one more reference to each block (distinct ids); a block that had none
  * leaves this order (the free queue). */
 static PyObject *Order_take_refs(OrderObject *self, PyObject *args) {
-    PyObject *ro, *io;
-    if (!PyArg_ParseTuple(args, "OO", &ro, &io)) return NULL;
     Py_buffer rb, ib;
-    if (PyObject_GetBuffer(ro, &rb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)) return NULL;
-    if (rb.itemsize != 4 || rb.ndim != 1 || rb.len / 4 < self->n) {
-        PyErr_SetString(PyExc_TypeError, "ref: an int32 array covering every slot is needed");
-        PyBuffer_Release(&rb);
-        return NULL;
-    }
-    if (slots_of(self, io, &ib)) { PyBuffer_Release(&rb); return NULL; }
+    if (refs_and_ids(self, args, &rb, &ib)) return NULL;
     int32_t *ref = rb.buf; const int64_t *ids = ib.buf;
     for (Py_ssize_t j = 0; j < nitems(&ib); j++) {
         if (ref[ids[j]] == 0 && self->in[ids[j]]) unlink_slot(self, ids[j]);
@@ -247,16 +248,8 @@ static PyObject *Order_take_refs(OrderObject *self, PyObject *args) {
  * holder that held a block twice); those left with none join this order, in the order of their first
  * appearance. A count that goes negative raises (the counts stay decremented; nothing joins the order). */
 static PyObject *Order_release_refs(OrderObject *self, PyObject *args) {
-    PyObject *ro, *io;
-    if (!PyArg_ParseTuple(args, "OO", &ro, &io)) return NULL;
     Py_buffer rb, ib;
-    if (PyObject_GetBuffer(ro, &rb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)) return NULL;
-    if (rb.itemsize != 4 || rb.ndim != 1 || rb.len / 4 < self->n) {
-        PyErr_SetString(PyExc_TypeError, "ref: an int32 array covering every slot is needed");
-        PyBuffer_Release(&rb);
-        return NULL;
-    }
-    if (slots_of(self, io, &ib)) { PyBuffer_Release(&rb); return NULL; }
+    if (refs_and_ids(self, args, &rb, &ib)) return NULL;
     int32_t *ref = rb.buf; const int64_t *ids = ib.buf;
     Py_ssize_t n = nitems(&ib), freed = 0;
     int64_t negative = -1;
