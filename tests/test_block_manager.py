@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
@@ -491,6 +492,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(refs[b] == holders[b] for b in range(self.n))
         assert refs.count(0) == bm.num_free_blocks
         assert bm.num_cached_blocks <= self.n
+        # cached_as (the blocks' own columns) agrees with the hash map, for each block under its own hash
+        ids = np.arange(self.n)
+        hashes = bm.cols.block_hash[ids]
+        for keys in (hashes, np.roll(hashes, 1)):  # (and under another block's hash)
+            np.testing.assert_array_equal(bm.cached_as(ids, keys), bm.cached_blocks(keys) == ids)
         for rid in self.waiting_tokens:
             assert bm.block_ids(rid) == ()
 

@@ -339,6 +339,11 @@ class KVBlockManager(BlockHolds):
     def cached_block(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
 
+    def cached_as(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """Whether each block is still the one cached under its hash (the prefix cache maps hashes[j] to
+        block_ids[j]): registered, and with that hash. From the blocks' own columns, not the hash map."""
+        return self._registered[block_ids] & (self.cols.block_hash[block_ids] == hashes)
+
     def cached_blocks(self, hashes: np.ndarray) -> np.ndarray:
         """The block id cached under each hash (uint64 array), -1 where none is."""
         return self._cached.get_many(hashes)

@@ -309,7 +309,7 @@ class TieredKV:
             if len(last) < len(keys):
                 keep = np.sort(len(keys) - 1 - last)
                 ids, keys = ids[keep], keys[keep]
-        live = self.blocks.cached_blocks(keys) == ids  # not reused for something else since
+        live = self.blocks.cached_as(ids, keys)  # not reused for something else since
         if not live.all():
             ids, keys = ids[live], keys[live]
         if not len(ids):

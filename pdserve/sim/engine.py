@@ -244,8 +244,7 @@ class SimEngine:
                                          _WindowTierWork(self, starts, window.ends))
             finally:
                 self._clock_s = None
-        for t, u in zip(starts, used):
-            self.device.observe(t, u)
+        self.device.observe_many(starts, used)
         self.num_steps += j
         self.num_ff_steps += j
         self.busy_s += window.ends[j - 1] - self._window_open_s

@@ -32,6 +32,22 @@ class DeviceTier:
             self.series.append((t, used))
             self._next_sample = t + self.sample_s
 
+    def observe_many(self, times, used) -> None:
+        """`observe(t, u)` for each pair in order (a fast-forward window's steps), the same sums in the same
+        order, without a call per step."""
+        area, last_t, last_used = self._area, self._last_t, self._last_used
+        peak, nxt, series = self.peak_blocks, self._next_sample, self.series
+        for t, u in zip(times, used):
+            area += last_used * (t - last_t)
+            last_t, last_used = t, u
+            if u > peak:
+                peak = u
+            if t >= nxt:
+                series.append((t, u))
+                nxt = t + self.sample_s
+        self._area, self._last_t, self._last_used = area, last_t, last_used
+        self.peak_blocks, self._next_sample = peak, nxt
+
     def stats(self, duration_s: float) -> dict:
         mean = self._area / duration_s if duration_s > 0 else 0.0
         total = self.blocks.num_blocks

@@ -31,8 +31,10 @@ static column *columns_of(PyObject *tuple, int writable, Py_ssize_t *n) {
         }
         const char *f = b->format ? b->format : "B";
         if (*f == '<' || *f == '=' || *f == '@') f++;
-        char k = strchr("?", *f) ? 'b' : strchr("bhilq", *f) ? 'i' : strchr("BHILQ", *f) ? 'u' : strchr("fd", *f) ? 'f' : 0;
-        if (b->ndim != 1 || !k || f[1] || (b->itemsize != 1 && b->itemsize != 2 && b->itemsize != 4 && b->itemsize != 8)) {
+        char k = strchr("?", *f) ? 'b' : strchr("bhilq", *f) ? 'i' : strchr("BHILQ", *f) ? 'u'
+                 : strchr("fd", *f) ? 'f' : 0;
+        Py_ssize_t size = b->itemsize;
+        if (b->ndim != 1 || !k || f[1] || (size != 1 && size != 2 && size != 4 && size != 8)) {
             PyErr_SetString(PyExc_TypeError, "columns must be 1-d numeric arrays");
             release_columns(c, i + 1);
             return NULL;

@@ -148,7 +148,8 @@ static PyObject *Order_pop_first(OrderObject *self, PyObject *oo) {
     return PyLong_FromSsize_t(k);
 }
 
-/* A C-contiguous 1-d buffer (writable when asked) of at least `n` items of `itemsize` bytes, format one of `formats`. */
+/* A C-contiguous 1-d buffer (writable when asked) of at least `n` items of `itemsize` bytes, format one of
+ * `formats`. */
 static int column_of(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char *formats, int64_t n,
                      const char *what, int writable) {
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0))) return -1;
