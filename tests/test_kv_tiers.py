@@ -179,6 +179,7 @@ def check_index(tier: TierIndex) -> None:
     assert sum(m.reclaiming for m in tier) == len(tier.marked()) == tier._marked
     assert all(m.block_hash == h and m.tier is tier.tier for h, m in tier.entries.items())
     assert len(tier._lru) == len(tier.entries)
+    assert not tier.cols.block_hash[tier.free_slots()].any(), "a free slot still holds a hash (commit_slots)"
 
 
 def filled(capacity: int, n: int, policy=None, config: LifecycleConfig = CFG) -> TierIndex:
@@ -1200,3 +1201,17 @@ class TieredEngineMachine(RuleBasedStateMachine):
 TieredEngineMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None,
                                                  suppress_health_check=list(HealthCheck))
 test_tiered_engine_machine = TieredEngineMachine.TestCase
+
+
+def test_commit_slots_commits_only_slots_still_holding_their_hash():
+    import numpy as np
+    tier = TierIndex(Tier.HOST, 4, LRUPolicy())
+    hashes = np.array([11, 12, 13], np.uint64)
+    booked, slots, _ = tier.reserve_many(hashes, 0.0)
+    assert len(booked) == 3 and tier.ready(11) is None  # written, not yet visible
+    tier.discard(12)  # a failed write: its slot is free ...
+    tier.reserve(99, 0.0)  # ... and maybe someone else's already
+    tier.commit_slots(hashes, slots)
+    assert tier.ready(11) is not None and tier.ready(13) is not None
+    assert tier.get(12) is None and tier.ready(99) is None  # neither the dropped hash nor the slot's new owner
+    check_index(tier)

@@ -202,6 +202,12 @@ class TierIndex:
     def commit_many(self, hashes: Sequence[int]) -> None:
         self.cols.ready[self._present(hashes)] = True
 
+    def commit_slots(self, hashes: np.ndarray, slots: np.ndarray) -> None:
+        """`commit_many` where the caller knows each hash's slot (an offload's, from `reserve_many`): those
+        still holding their hash are committed, without a hash-map probe per block."""
+        slots = np.asarray(slots, np.int64)
+        self.cols.ready[slots[self.cols.block_hash[slots] == hashes]] = True
+
     def discard(self, block_hash: int) -> BlockMeta | None:
         """Drop an entry (a failed write, corrupt bytes, a deleted file); its slot is free again. Returns
         a copy of its metadata."""
@@ -218,6 +224,7 @@ class TierIndex:
         marked = self.cols.reclaiming[arr]
         self._marked -= int(np.count_nonzero(marked))
         self.cols.reclaiming[arr] = False
+        self.cols.block_hash[arr] = 0  # (a free slot holds no hash: `commit_slots` relies on it)
         if not unlinked:
             self._lru.remove_many(arr)
         self._free_stack[self._num_free:self._num_free + len(arr)] = arr

@@ -238,7 +238,7 @@ class TieredKV:
         op = self._ops.pop(op_id)
         failures = failures or {}
         if op.kind == "offload" and not failures:  # the common case, in one pass
-            self.host.commit_many(op.hashes)
+            self.host.commit_slots(op.hashes, op.dst)
             self._moved(Tier.DEVICE, Tier.HOST, len(op.hashes))
         else:
             done = getattr(self, f"_done_{op.kind}")
