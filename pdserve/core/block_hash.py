@@ -76,6 +76,18 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
 
     Equal to calling `hash_block` block by block; the tokens are packed once and hashed in place.
     """
+    out = _hashes(token_ids, block_size, parent, start_block, extra_key)
+    return out.tolist() if isinstance(out, np.ndarray) else out
+
+
+def hash_blocks_array(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None,
+                      start_block: int = 0, extra_key: bytes = b"") -> np.ndarray:
+    """`hash_blocks` as a uint64 array (what the compiled chain writes: no list made)."""
+    out = _hashes(token_ids, block_size, parent, start_block, extra_key)
+    return out if isinstance(out, np.ndarray) else np.array(out, np.uint64)
+
+
+def _hashes(token_ids, block_size: int, parent, start_block: int, extra_key: bytes) -> np.ndarray | list:
     num_full = len(token_ids) // block_size
     if start_block >= num_full:
         return []
@@ -94,7 +106,7 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     if chain is not None:
         out = np.empty(num_full - start_block, np.uint64)
         chain(data, stride, seed, out)
-        return out.tolist()
+        return out
     hashes: list[BlockHash] = []
     digest, append = xxhash.xxh3_64_intdigest, hashes.append
     for off in range(0, len(data), stride):

@@ -24,7 +24,7 @@ from typing import NewType
 
 import numpy as np
 
-from pdserve.core.block_hash import BlockHash, hash_blocks
+from pdserve.core.block_hash import BlockHash, hash_blocks, hash_blocks_array
 from pdserve.core.block_holds import BlockHolds
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
@@ -75,6 +75,7 @@ class KVBlockManager(BlockHolds):
         self._tables: dict[str, list[BlockId]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's registered full blocks
         self._memo: dict[str, list[BlockHash]] = {}  # block hashes of each live request's token sequence
+        self._memo_keys: dict[str, np.ndarray] = {}  # the same as uint64 (room to grow: its first len(memo))
         # Which cached free block is reused first: None = least recently freed (exact LRU, O(1)); a policy
         # chooses among the `lifecycle.eviction_sample` least recently freed.
         self.eviction = None if isinstance(eviction, LRUPolicy) else eviction
@@ -140,7 +141,7 @@ class KVBlockManager(BlockHolds):
             hashes = hash_blocks(usable, self.block_size, extra_key=self._salt)
         else:
             hashes = self._sequence_hashes(request_id, token_ids, num_full)[:num_full]
-        keys = np.array(hashes, np.uint64)
+        keys = np.array(hashes, np.uint64) if request_id is None else self._memo_keys[request_id][:num_full]
         hit = self._cached.get_many(keys[:self._cached.prefix_len(keys)]).tolist()
         return PrefixHit(tuple(hit), tuple(hashes), self.block_size)
 
@@ -192,7 +193,7 @@ class KVBlockManager(BlockHolds):
         new_hashes = self._sequence_hashes(request_id, token_ids, num_full)[first:num_full]
         hashes.extend(new_hashes)
         ids = np.array(table[first - cold:num_full - cold], np.int64)
-        keys = np.array(new_hashes, np.uint64)
+        keys = self._memo_keys[request_id][first:num_full]
         # an unregistered block whose hash another block holds already stays unregistered (a duplicate)
         unregistered = ~self._registered[ids]
         fresh = np.zeros(len(ids), bool)
@@ -236,12 +237,22 @@ class KVBlockManager(BlockHolds):
         return bool(runs)
 
     def _sequence_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
-        """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks."""
+        """The memoized chain of block hashes of `request_id`'s tokens, extended to `num_blocks` blocks (also
+        kept as uint64 in `_memo_keys`, for the hash map's bulk calls)."""
         memo = self._memo.setdefault(request_id, [])
         if len(memo) < num_blocks:
-            bs = self.block_size
-            memo.extend(hash_blocks(token_ids[len(memo) * bs:num_blocks * bs], bs, memo[-1] if memo else None,
-                                    0, self._salt))  # only the new blocks' tokens are sliced
+            bs, have = self.block_size, len(memo)
+            new = hash_blocks_array(token_ids[have * bs:num_blocks * bs], bs, memo[-1] if memo else None, 0,
+                                    self._salt)  # only the new blocks' tokens are sliced
+            keys = self._memo_keys.get(request_id)
+            if keys is None or len(keys) < num_blocks:
+                grown = np.empty(max(num_blocks, 2 * have, 16), np.uint64)
+                grown[:have] = keys[:have] if keys is not None else ()
+                keys = self._memo_keys[request_id] = grown
+            keys[have:num_blocks] = new
+            memo.extend(new.tolist())
+        elif request_id not in self._memo_keys:
+            self._memo_keys[request_id] = np.empty(16, np.uint64)
         return memo
 
     def hold(self, holder: str, block_ids: Sequence[BlockId]) -> None:
@@ -269,6 +280,7 @@ class KVBlockManager(BlockHolds):
     def forget(self, request_id: str) -> None:
         """The request ended for good: drop its memoized hashes (call after its last `free`)."""
         self._memo.pop(request_id, None)
+        self._memo_keys.pop(request_id, None)
 
     def free(self, request_id: str) -> None:
         """Release every block of `request_id` (finish, abort or preemption). Unknown ids are ignored."""
