@@ -36,3 +36,16 @@ def test_predictions_are_the_fitted_coefficients_dot_the_shape():
         x = (1.0, 512.0, 512.0 * 512)
         assert fit.predict(x) == pytest.approx(float(np.dot(fit.coefficients(), x)), rel=1e-12)
     assert abs(fit.predict((1.0, 512.0, 512.0 * 512)) - float(np.dot(truth, (1.0, 512.0, 512.0 * 512)))) < 1e-9
+
+
+def test_the_fit_is_made_over_the_rows_kept_in_their_order():
+    from pdserve.core.online_fit import REFIT_EVERY, nonnegative_lstsq
+    rng = np.random.default_rng(2)
+    fit = OnlineFit(3)
+    for n in range(1, WINDOW * 2 + 5):
+        x = (1.0, float(rng.integers(1, 4096)), float(rng.integers(0, 10**6)))
+        fit.add(x, float(rng.random()))
+        if n >= MIN_SAMPLES and n % 37 == 0:
+            fit._new = REFIT_EVERY  # refit now
+            rows = np.asarray(fit.rows, dtype=float)
+            np.testing.assert_array_equal(fit.coefficients(), nonnegative_lstsq(rows[:, :3], rows[:, 3]))

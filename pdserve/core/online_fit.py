@@ -27,9 +27,11 @@ class OnlineFit:
         self._terms: tuple[float, ...] = ()  # coef as floats: a prediction is a few products, not a numpy call
         self._added = 0  # samples ever added (the index of the next)
         self._lows: deque = deque()  # (index, seconds) of the rows, ascending: the window's minimum first
+        self._ring = np.empty((WINDOW, width + 1))  # the rows as numbers, row `_added % WINDOW` written next
 
     def add(self, x: tuple, seconds: float) -> None:
         self.rows.append((*x, seconds))
+        self._ring[self._added % WINDOW] = self.rows[-1]
         self._new += 1
         lows = self._lows  # a sliding-window minimum: no later sample is lower than what stays behind it
         while lows and lows[-1][1] >= seconds:
@@ -44,7 +46,8 @@ class OnlineFit:
         if len(self.rows) < MIN_SAMPLES:
             return None
         if self.coef is None or self._new >= REFIT_EVERY:
-            data = np.asarray(self.rows, dtype=float)
+            at = self._added % WINDOW  # (the oldest row once the ring is full: the rows in their order)
+            data = self._ring[:at] if self._added < WINDOW else np.concatenate((self._ring[at:], self._ring[:at]))
             self.coef, self._new = nonnegative_lstsq(data[:, :self.width], data[:, self.width]), 0
             self._terms = tuple(self.coef.tolist())
         return self.coef
