@@ -174,3 +174,22 @@ def test_wake_up_time_lands_on_the_first_step_after_idle(mode):
         assert gaps[1][1:] == pytest.approx(gaps[0][1:])
     else:
         assert gaps[1] == pytest.approx(gaps[0])
+
+
+def test_the_event_loop_quiets_the_collector_only_while_it_runs():
+    import gc
+
+    from pdserve.sim.events import GC_YOUNG, EventLoop
+    before, initial, seen = gc.get_threshold(), gc.get_freeze_count(), []
+    loop = EventLoop()
+    loop.at(1.0, lambda: seen.append((gc.get_threshold()[0], gc.get_freeze_count() > 0)))
+    loop.run()
+    assert seen == [(max(before[0], GC_YOUNG), True)]
+    assert gc.get_threshold() == before and gc.get_freeze_count() == initial
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        EventLoop().run()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

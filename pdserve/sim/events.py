@@ -27,13 +27,16 @@ def quiet_gc() -> Iterator[None]:
     """Objects alive now are left out of collections (`gc.freeze`), and young ones are collected less often;
     both undone on exit (cycles made meanwhile are still collected, just in larger batches)."""
     threshold = gc.get_threshold()
-    gc.freeze()
+    freeze = gc.get_freeze_count() == 0  # (a caller that froze objects itself keeps them frozen)
+    if freeze:
+        gc.freeze()
     gc.set_threshold(max(threshold[0], GC_YOUNG), *threshold[1:])
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 class EventLoop:
