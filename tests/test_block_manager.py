@@ -496,7 +496,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ids = np.arange(self.n)
         hashes = bm.cols.block_hash[ids]
         for keys in (hashes, np.roll(hashes, 1)):  # (and under another block's hash)
-            np.testing.assert_array_equal(bm.cached_as(ids, keys), bm.cached_blocks(keys) == ids)
+            np.testing.assert_array_equal(bm.cached_as(ids, keys), bm._cached.get_many(keys) == ids)
         for rid in self.waiting_tokens:
             assert bm.block_ids(rid) == ()
 

@@ -356,10 +356,6 @@ class KVBlockManager(BlockHolds):
         block_ids[j]): registered, and with that hash. From the blocks' own columns, not the hash map."""
         return self._registered[block_ids] & (self.cols.block_hash[block_ids] == hashes)
 
-    def cached_blocks(self, hashes: np.ndarray) -> np.ndarray:
-        """The block id cached under each hash (uint64 array), -1 where none is."""
-        return self._cached.get_many(hashes)
-
     def stage_counts(self, now: float) -> Counter:
         """Device blocks by lifecycle stage: registered blocks by their metadata; unregistered blocks held by
         a request (being filled) are ACTIVE; free unregistered blocks are not counted."""

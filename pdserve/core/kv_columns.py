@@ -45,6 +45,8 @@ _SET_BY_FRESH = {"block_hash", "produced_at_s", "last_use_s", "heat_at_s", "use_
 _RESET = [(name, value) for name, (_, value) in _FIELDS.items() if name not in _SET_BY_FRESH]
 _FRESH = [name for name, _ in _RESET] + ["produced_at_s", "last_use_s", "heat_at_s", "use_count", "heat", "ready"]
 _AFTER_COPY = (("reclaiming", False), ("ready", False), ("busy", 0), ("from_tier", 0))
+_RESET_VALUES = tuple(value for _, value in _RESET)
+_AFTER_COPY_VALUES = tuple(value for _, value in _AFTER_COPY)
 
 
 class MetaColumns:
@@ -71,8 +73,8 @@ class MetaColumns:
         if not isinstance(slots, int) and len(slots) == 1:  # a scalar store is ~10x cheaper than a fancy one
             slots, hashes = int(slots[0]), int(hashes[0])
         elif self._rows is not None and not isinstance(slots, int):
-            self._rows.fill_rows(self._fresh, (*(v for _, v in _RESET), now, now, now, use_count, float(use_count),
-                                               ready), np.ascontiguousarray(slots, np.int64))
+            self._rows.fill_rows(self._fresh, (*_RESET_VALUES, now, now, now, use_count, float(use_count), ready),
+                                 np.ascontiguousarray(slots, np.int64))
             self.block_hash[slots] = hashes
             return
         for name, value in _RESET:
@@ -93,7 +95,7 @@ class MetaColumns:
             slots = np.ascontiguousarray(slots, np.int64)
             self._rows.copy_rows(self._copied, src._copied, slots, np.ascontiguousarray(src_slots, np.int64))
             self.last_use_s[slots] = np.maximum(self.last_use_s[slots], 0.0)
-            self._rows.fill_rows(self._after_copy, tuple(v for _, v in _AFTER_COPY), slots)
+            self._rows.fill_rows(self._after_copy, _AFTER_COPY_VALUES, slots)
             return
         for name in _COPIED:
             getattr(self, name)[slots] = getattr(src, name)[src_slots]

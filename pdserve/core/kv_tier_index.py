@@ -12,7 +12,7 @@ so they go first unless a block ahead of them became evictable since); under ano
 evictable marked block, else the policy's pick among the `eviction_sample` least recently used.
 
 State is columnar (`MetaColumns` by slot, a compiled slot order and hash -> slot map from `pdserve.core.native`):
-a run of blocks is reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_many`,
+a run of blocks is reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_slots`,
 `touch_many`). `entries` is a read-only mapping hash -> `MetaView`, least recently used first.
 """
 
@@ -199,12 +199,9 @@ class TierIndex:
         if slot is not None:
             self.cols.ready[slot] = True
 
-    def commit_many(self, hashes: Sequence[int]) -> None:
-        self.cols.ready[self._present(hashes)] = True
-
     def commit_slots(self, hashes: np.ndarray, slots: np.ndarray) -> None:
-        """`commit_many` where the caller knows each hash's slot (an offload's, from `reserve_many`): those
-        still holding their hash are committed, without a hash-map probe per block."""
+        """`commit` for a run whose slots the caller knows (an offload's, from `reserve_many`): those still
+        holding their hash are committed, without a hash-map probe per block."""
         slots = np.asarray(slots, np.int64)
         self.cols.ready[slots[self.cols.block_hash[slots] == hashes]] = True
 

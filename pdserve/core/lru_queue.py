@@ -265,13 +265,13 @@ class ChunkQueue:
 
     def pop_evictable(self, count: int, ready: np.ndarray, busy: np.ndarray, pinned_until: np.ndarray,
                       now: float) -> np.ndarray:
-        return self.pop_first(count, lambda slots: ready[slots] & (busy[slots] == 0) & (pinned_until[slots] <= now))
+        return self.pop_first(count, lambda slots: _evictable(slots, ready, busy, pinned_until, now))
 
     def first_evictable(self, count: int, after: int, ready: np.ndarray, busy: np.ndarray,
                         pinned_until: np.ndarray, reclaiming: np.ndarray, now: float) -> np.ndarray:
         picks, need = [], count
         for run in self.runs(after):
-            pick = run[ready[run] & (busy[run] == 0) & (pinned_until[run] <= now) & ~reclaiming[run]][:need]
+            pick = run[_evictable(run, ready, busy, pinned_until, now) & ~reclaiming[run]][:need]
             picks.append(pick)
             need -= len(pick)
             if need <= 0:
@@ -294,3 +294,9 @@ class ChunkQueue:
             _, first = np.unique(freed, return_index=True)
             freed = freed[np.sort(first)]
         self.push_many(freed)
+
+
+def _evictable(slots: np.ndarray, ready: np.ndarray, busy: np.ndarray, pinned_until: np.ndarray,
+               now: float) -> np.ndarray:
+    """`MetaColumns.evictable` over raw columns (what the compiled walks test per slot)."""
+    return ready[slots] & (busy[slots] == 0) & (pinned_until[slots] <= now)

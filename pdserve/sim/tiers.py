@@ -23,14 +23,7 @@ class DeviceTier:
         self.series: list[tuple[float, int]] = []
 
     def observe(self, t: float, used: int | None = None) -> None:
-        used = self.blocks.num_used_blocks if used is None else used
-        self._area += self._last_used * (t - self._last_t)
-        self._last_t, self._last_used = t, used
-        if used > self.peak_blocks:
-            self.peak_blocks = used
-        if t >= self._next_sample:
-            self.series.append((t, used))
-            self._next_sample = t + self.sample_s
+        self.observe_many((t,), (self.blocks.num_used_blocks if used is None else used,))
 
     def observe_many(self, times, used) -> None:
         """`observe(t, u)` for each pair in order (a fast-forward window's steps), the same sums in the same
