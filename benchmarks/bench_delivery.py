@@ -3,15 +3,15 @@
     .venv/bin/python benchmarks/bench_delivery.py --part sim [--link-gbps 10] [--max-requests 600] [--rates 1,2,3]
     .venv/bin/python benchmarks/bench_delivery.py --part serve [--serve-link-gbps 0.032] [--transports shm,tcp]
 
-`--part sim` runs `pdserve simulate` twice in one invocation, `--delivery scheduled` and `--delivery fifo`, on the same
-workload: the Mooncake conversation trace (first N requests, prompts clipped to 8,000 tokens: llama-3-8b's
+`--part sim` runs `pdserve simulate` once per `--modes` entry in one invocation (default: `--delivery scheduled`,
+the same with `--decode-cadence steady`, and `--delivery fifo`, today's baseline), on the same workload: the Mooncake conversation trace (first N requests, prompts clipped to 8,000 tokens: llama-3-8b's
 context), llama-3-8b on H100s, 2 prefill + 2 decode engines, KV links of `--link-gbps` per engine (the
 H100 preset's is 400), tier mix priority 0.2 / default 0.6 / flex 0.2 (`--tier-mix`, `none`: untagged). Prints the four lifecycle metrics
 (schedule predictability, effective link utilization, P99 inter-token jitter, wasted-transfer rate), TTFT
 per tier and goodput (highest rate with >= 90% of requests within --slo-ttft-ms / --slo-tpot-ms).
 
 `--part serve` starts the real `pdserve serve` (1 prefill + 1 decode worker, SmolLM2-135M) once per transport
-and delivery mode, one after another, each link throttled to `--serve-link-gbps`, and replays the Azure 2023
+and mode, one after another, each link throttled to `--serve-link-gbps`, and replays the Azure 2023
 conversation trace on it with `pdserve bench serve` (first 40 requests, lengths x 0.3, inputs <= 1,024,
 outputs <= 32, 1 req/s, the same tier mix): long prompts interfere with short ones on the link. Prints the
 four lifecycle metrics as `bench serve` measured them from /metrics, TTFT and TPOT per tier.
@@ -31,11 +31,18 @@ AZURE = "/work/shared/traces/AzureLLMInferenceTrace_conv_2023.csv"
 TIERS = "priority=0.2,default=0.6,flex=0.2"
 
 
-def simulate(delivery: str, args, out: Path) -> dict:
+def _mode(mode: str) -> tuple[str, str]:
+    """"scheduled+steady" -> ("scheduled", "steady"): the delivery order and the decode cadence."""
+    delivery, _, cadence = mode.partition("+")
+    return delivery, cadence or "off"
+
+
+def simulate(mode: str, args, out: Path) -> dict:
+    delivery, cadence = _mode(mode)
     cmd = [sys.executable, "-m", "pdserve.cli", "simulate", "--workload", f"mooncake:{args.trace}",
            "--max-requests", str(args.max_requests), "--max-input-len", "8000", "--max-output-len", "190",
            "--model", "llama-3-8b", "--gpu", "h100", "--prefill", "2", "--decode", "2",
-           "--link-gbps", str(args.link_gbps), "--delivery", delivery,
+           "--link-gbps", str(args.link_gbps), "--delivery", delivery, "--decode-cadence", cadence,
            *(["--tier-mix", args.tier_mix] if args.tier_mix != "none" else []), "--rates", args.rates, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
            "--no-progress", "--output", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -48,7 +55,7 @@ def _pct(v) -> str:
 
 def report(results: dict[str, dict]) -> None:
     print("delivery   rate | predictable (final / at prefilled / at dispatch) | eff. link util | jitter p99 ms | wasted | "
-          "TTFT p50/p99 ms: priority, default, flex | SLO attained")
+          "TTFT p50/p99 ms: priority, default, flex | TPOT mean/p99 ms | SLO attained")
     for delivery, res in results.items():
         for run in res["runs"]:
             life, summary = run["sim"]["lifecycle"], run["summary"]
@@ -57,18 +64,21 @@ def report(results: dict[str, dict]) -> None:
                              if t in tiers and tiers[t]["ttft_ms"]["p50"] is not None else "-"
                              for t in ("priority", "default", "flex"))
             jitter = life["p99_inter_token_jitter_ms"]
-            print(f"{delivery:9s} {run['rate']:5g} | {_pct(life['schedule_predictability'])} / "
+            tpot = summary["tpot_ms"]
+            print(f"{delivery:16s} {run['rate']:5g} | {_pct(life['schedule_predictability'])} / "
                   f"{_pct(life.get('schedule_predictability_at_prefilled'))} / "
                   f"{_pct(life['schedule_predictability_at_dispatch'])} | {_pct(life['effective_link_utilization'])} | "
                   f"{'-' if jitter is None else f'{jitter:.2f}'} | {_pct(life['wasted_transfer_rate'])} | {ttft} | "
-                  f"{_pct(summary['slo']['attainment'])}")
-        print(f"{delivery:9s} goodput: {res.get('goodput_req_s') or '-'} req/s")
+                  f"{tpot['mean']:.2f}/{tpot['p99']:.2f} | {_pct(summary['slo']['attainment'])}")
+        print(f"{delivery:16s} goodput: {res.get('goodput_req_s') or '-'} req/s")
 
 
-def serve_run(transport: str, delivery: str, args, out: Path) -> dict:
+def serve_run(transport: str, mode: str, args, out: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from serve_util import Server
-    server = Server("--transport", transport, "--delivery", delivery, "--link-gbps", str(args.serve_link_gbps))
+    delivery, cadence = _mode(mode)
+    server = Server("--transport", transport, "--delivery", delivery, "--decode-cadence", cadence,
+                    "--link-gbps", str(args.serve_link_gbps))
     try:
         subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--endpoint", server.url,
                         "--workload", f"azure:{args.azure}", "--max-requests", "40", "--length-scale", "0.3",
@@ -94,7 +104,7 @@ def report_serve(results: dict[tuple[str, str], dict]) -> None:
                              for t in ("priority", "default", "flex"))
         eff = ", ".join(f"{v:.1%}" for v in kv["link_effective_utilization"].values()) or "-"
         jitter = kv["p99_inter_token_jitter_ms"]
-        print(f"{transport:9s} {delivery:9s} | {_pct(kv['schedule_predictability'])} / "
+        print(f"{transport:9s} {delivery:16s} | {_pct(kv['schedule_predictability'])} / "
               f"{_pct(kv.get('schedule_predictability_at_prefilled'))} / "
               f"{_pct(kv['schedule_predictability_at_dispatch'])} | {eff} | "
               f"{'-' if jitter is None else f'{jitter:.1f}'} | {_pct(kv['wasted_rate'])} | {cell('ttft_ms')} | "
@@ -114,15 +124,17 @@ def main() -> None:
     ap.add_argument("--azure", default=AZURE)
     ap.add_argument("--serve-link-gbps", type=float, default=0.032)
     ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--modes", default="scheduled,scheduled+steady,fifo",
+                    help="delivery order [+ decode cadence] of each run, side by side")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.part == "sim":
-            report({d: simulate(d, args, Path(tmp) / d) for d in ("scheduled", "fifo")})
+            report({m: simulate(m, args, Path(tmp) / m) for m in args.modes.split(",")})
             return
         results = {}
         for transport in args.transports.split(","):
-            for delivery in ("scheduled", "fifo"):
-                results[transport, delivery] = serve_run(transport, delivery, args, Path(tmp) / f"{transport}-{delivery}")
+            for mode in args.modes.split(","):
+                results[transport, mode] = serve_run(transport, mode, args, Path(tmp) / f"{transport}-{mode}")
         report_serve(results)
 
 

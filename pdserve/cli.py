@@ -95,7 +95,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
                        data_host=args.data_host, drain_timeout_s=args.drain_timeout_s,
                        kv_timeout_s=args.kv_timeout_s, delivery=args.delivery,
-                       delivery_backlog_s=args.delivery_backlog_s, join_timeout_s=args.join_timeout_s)
+                       delivery_backlog_s=args.delivery_backlog_s, join_timeout_s=args.join_timeout_s,
+                       decode_cadence=args.decode_cadence)
     from pdserve.cluster.worker import run
     return run(spec)
 
@@ -117,6 +118,7 @@ def _add_worker_parser(sub) -> None:
     w.add_argument("--kv-timeout-s", type=float, default=30.0, help="as pdserve serve's")
     w.add_argument("--delivery", default="scheduled", help="as pdserve serve's (prefill workers)")
     w.add_argument("--delivery-backlog-s", type=float, default=2.0, help="as pdserve serve's (prefill workers)")
+    w.add_argument("--decode-cadence", default="off", choices=["off", "steady"], help="as pdserve serve's (decode workers)")
     add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 

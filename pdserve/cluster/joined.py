@@ -24,6 +24,7 @@ import time
 from urllib.parse import urlsplit
 
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.core.decode_cadence import check_cadence
 from pdserve.core.delivery import check_mode
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth
@@ -34,7 +35,8 @@ READY_EVERY_S = 2.0  # a joining worker says it is ready again this often until 
 
 def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, data_host: str | None = None,
                 drain_timeout_s: float = 30.0, kv_timeout_s: float = 30.0, delivery: str = "scheduled",
-                delivery_backlog_s: float = 2.0, join_timeout_s: float = 30.0) -> WorkerSpec:
+                delivery_backlog_s: float = 2.0, join_timeout_s: float = 30.0, decode_cadence: str = "off"
+                ) -> WorkerSpec:
     """The spec of a worker that joins the gateway at `join` (checked here: bad input is a one-line error
     before the model loads). `engine`: EngineConfig fields, `model` among them."""
     from pdserve.model.loader import resolve_model_dir
@@ -47,6 +49,7 @@ def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, 
     if not drain_timeout_s >= 0 or not kv_timeout_s > 0 or not join_timeout_s > 0:
         raise InvalidRequestError("--drain-timeout-s must be >= 0, --kv-timeout-s and --join-timeout-s positive")
     check_mode(delivery)
+    check_cadence(decode_cadence)
     data_host = data_host or local_address(host, port)
     engine = dict(engine)
     model_dir = str(resolve_model_dir(engine.pop("model", None)))
@@ -54,7 +57,7 @@ def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, 
                       engine=engine, cmd_addr=zmq_address(data_host, "*"), event_addr=zmq_address(host, port),
                       transport="tcp", kv_host=data_host, kv_timeout_s=kv_timeout_s, delivery=delivery,
                       delivery_backlog_s=delivery_backlog_s, joined=True, drain_timeout_s=drain_timeout_s,
-                      join_timeout_s=join_timeout_s)
+                      join_timeout_s=join_timeout_s, decode_cadence=decode_cadence)
 
 
 def parse_join(url: str) -> tuple[str, int]:

@@ -26,6 +26,7 @@ class WorkerSpec:
     link_share: dict | None = None  # tier -> bandwidth share under scheduled delivery
     link_bytes_s: float | None = None  # prefill: each link throttled to this (None: unthrottled)
     delivery_backlog_s: float = 2.0  # prefill: production pauses above this much queued delivery (0: never)
+    decode_cadence: str = "off"  # decode: steady paces its steps' outputs (pdserve.core.decode_cadence)
     joined: bool = False  # started by `pdserve worker --join`, not by the gateway (`pdserve.cluster.joined`)
     drain_timeout_s: float = 30.0  # joined: on SIGTERM, the longest it finishes its requests before leaving
     join_timeout_s: float = 30.0  # joined: the gateway's welcome must come this soon after its `ready`

@@ -28,6 +28,7 @@ from pdserve.cluster.worker_reports import WorkerReports
 from pdserve.cluster.worker_stats import step_shape, worker_stats
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import TIERS
+from pdserve.core.decode_cadence import DecodeCadence
 from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import stage_capacity
@@ -104,6 +105,7 @@ class Worker(WorkerReports):
         self._held_since: float | None = None
         self._idle_step = False
         self.step_log: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
+        self.cadence = DecodeCadence() if spec.role == "decode" and spec.decode_cadence == "steady" else None
 
     def emit(self, event: dict) -> None:
         self.events.send(msgpack.packb(event))
@@ -121,21 +123,15 @@ class Worker(WorkerReports):
         self.emit(self.ready_event)
         while self.running:
             sched = self.engine.scheduler
-            busy = sched.num_running + sched.num_waiting > 0 and not self._held()
+            busy = self._has_work(sched) and not self._held()
             # a prefill step that found nothing runnable (its links' headroom is spent): no busy spinning
             self.poller.poll(0 if busy and not self._idle_step else IDLE_STEP_MS if busy else self._idle_ms())
             self._drain_commands()
             self.engine.poll_kv()
             if self.decode is not None:
                 self._decode_bookkeeping()
-            if sched.num_running + sched.num_waiting > 0 and not self._held():
-                start, began = time.perf_counter(), time.monotonic()
-                outputs = self.engine.step()
-                self._idle_step = self.prefill is not None and self.engine.last_scheduled.is_empty
-                self._log_step(time.perf_counter() - start)
-                if self.decode is not None:
-                    self._report_consumed(began)
-                self._report(outputs)
+            if self._has_work(sched) and not self._held():
+                self._step()
             if self.prefill is not None:
                 self.prefill.pump()
                 self._recheck_landings()
@@ -147,6 +143,25 @@ class Worker(WorkerReports):
             self.departure.step()
             if not self.spec.joined and os.getppid() == 1:  # orphaned (PDEATHSIG unavailable)
                 break
+
+    @staticmethod
+    def _has_work(sched) -> bool:
+        """Requests to step, or a reservation's host tier hits to load (an idle decode worker loads them now,
+        while the KV is still on its way, not in the first step after it lands)."""
+        return sched.num_running + sched.num_waiting > 0 or sched.has_pending_loads
+
+    def _step(self) -> None:
+        start, began = time.perf_counter(), time.monotonic()
+        outputs = self.engine.step()
+        seconds = time.perf_counter() - start
+        scheduled = self.engine.last_scheduled
+        self._idle_step = self.prefill is not None and scheduled.is_empty
+        self._log_step(seconds)
+        if self.cadence is not None and scheduled.chunks:  # its tokens go out at the cadence's period
+            self._hold(scheduled, start, seconds)
+        if self.decode is not None:
+            self._report_consumed(began)
+        self._report(outputs)
 
     def _relanded(self) -> None:
         moved = self.prefill.relanded()

@@ -38,6 +38,18 @@ class WorkerReports:
                     "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
                     "prefill_s": None, **(inbound.logprobs or {})}]})
 
+    def _hold(self, scheduled, start: float, seconds: float) -> None:
+        """--decode-cadence steady: hold a step (begun at `start`, perf_counter; `seconds` long) until its period
+        is up, serving commands and delivered KV meanwhile (`pdserve.core.decode_cadence`)."""
+        sched = self.engine.scheduler
+        sample = not scheduled.kv_loads and all(c.num_tokens == 1 for c in scheduled.chunks)
+        until = start + self.cadence.pace(start, seconds, sample, sched.step_budget.tightest_tpot_s(sched.running))
+        while self.running and (left := until - time.perf_counter()) > 0:
+            self.poller.poll(max(1, int(left * 1000)) if left >= 0.001 else 0)
+            self._drain_commands()
+            self.engine.poll_kv()
+            self._decode_bookkeeping()
+
     def _report_consumed(self, began: float) -> None:
         """The step that just ran read delivered KV for the first time: when it began (the conductor checks
         its consumption prediction against it). Before the step's tokens: a request may end with them."""

@@ -118,6 +118,13 @@ class StepBudget:
             self._granted += got
         return got
 
+    def tightest_tpot_s(self, running: Iterable[Request]) -> float | None:
+        """The tightest TPOT SLO among the decoding requests of `running` (None: none has one)."""
+        if not self.tpot_s:
+            return None
+        slos = [self.tpot_s.get(r.service_tier) for r in running if r.status is RequestStatus.DECODING]
+        return min((s for s in slos if s is not None), default=None)
+
     def _allow(self, running: Iterable[Request]) -> None:
         tpot, ds, ctx = None, 0, 0
         for r in running:

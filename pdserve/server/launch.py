@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.core import kv_codecs
+from pdserve.core.decode_cadence import check_cadence
 from pdserve.core.delivery import check_mode, parse_link_share
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth
@@ -76,6 +77,10 @@ class ServeConfig:
     delivery_backlog_s: float = 2.0
     """Backpressure: a prefill worker produces no more KV while its links would need longer than this to
     send what is queued (0: never pause)."""
+    decode_cadence: str = "off"
+    """steady: a decode worker sends each step's tokens a steady period after the step began (the recent
+    steps' 99th-percentile time, at most 1.25x the step's own), so every stream's inter-token gaps stay even as
+    requests join and leave its batch; tokens wait up to that long. off: as soon as the step ends (pd mode)."""
     prefill_kv_cache_dtype: str | None = None
     """--kv-cache-dtype of the prefill workers only (pd mode); default: --kv-cache-dtype."""
     decode_kv_cache_dtype: str | None = None
@@ -162,6 +167,7 @@ class ServeConfig:
         if not self.admission_margin >= 0 or self.max_outstanding < 1:
             raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
         check_mode(self.delivery)
+        check_cadence(self.decode_cadence)
         for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
             if getattr(self, name) is not None:
                 kv_codecs.check(getattr(self, name), name)
@@ -249,7 +255,7 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
                                 link_share=parse_link_share(cfg.link_share),
                                 link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None,
-                                delivery_backlog_s=cfg.delivery_backlog_s))
+                                delivery_backlog_s=cfg.delivery_backlog_s, decode_cadence=cfg.decode_cadence))
     return specs
 
 

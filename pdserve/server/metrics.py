@@ -153,6 +153,12 @@ class Metrics:
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "
                                          "--delivery-backlog-s of sending (backpressure)", ["worker"], registry=r)
+        self.cadence_held = Counter("pdserve_decode_cadence_held_seconds", "Time a decode worker held its steps' "
+                                    "tokens past the step's end, to send them at its steady period "
+                                    "(--decode-cadence steady)", ["worker"], registry=r)
+        self.cadence_period = Gauge("pdserve_decode_cadence_period_seconds", "A decode worker's step period under "
+                                    "--decode-cadence steady (0 while its recent steps are too few)", ["worker"],
+                                    registry=r)
         self.production_paced = Counter("pdserve_production_paced", "Prefill chunks a link's delivery backlog cut "
                                          "short (outcome capped) or held back while other links' prompts ran "
                                          "(outcome held): production paced per link", ["worker", "outcome"],
@@ -229,6 +235,9 @@ class Metrics:
             self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)
         for reason, n in s.get("kv_wasted_bytes", {}).items():  # decode: delivered; prefill: staged
             self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
+        if "cadence_held_s" in s:  # a decode worker under --decode-cadence steady
+            self._inc_total(self.cadence_held, (w, "cadence_held"), s["cadence_held_s"], worker=w)
+            self.cadence_period.labels(worker=w).set(s["cadence_period_s"])
         if "kv_transfers_lent" in s:  # a prefill worker
             self._observe_links(w, s.get("kv_links", {}))
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])

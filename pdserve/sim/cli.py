@@ -81,6 +81,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         "predicted consumption first) or fifo (equal shares)")
     p.add_argument("--link-share", default=None, metavar="TIER=SHARE[,...]",
                    help="tier bandwidth shares under scheduled delivery (default priority=0.5,default=0.4,flex=0.1)")
+    p.add_argument("--decode-cadence", default="off", choices=["off", "steady"],
+                   help="as `pdserve serve`: steady paces decode steps to a steady period (even inter-token gaps)")
     p.add_argument("--delivery-backlog-s", type=float, default=2.0,
                    help="as `pdserve serve`: prefill production pauses above this much queued delivery (0: never)")
     p.add_argument("--idle-prewarm", default=True, action=argparse.BooleanOptionalAction,
@@ -129,7 +131,8 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        service_tiers=tuple(args.service_tier or ()), admission=args.admission,
                        admission_margin=args.admission_margin, delivery=args.delivery,
                        link_share=args.link_share, link_gbps=args.link_gbps,
-                       delivery_backlog_s=args.delivery_backlog_s, idle_prewarm=args.idle_prewarm,
+                       delivery_backlog_s=args.delivery_backlog_s, decode_cadence=args.decode_cadence,
+                       idle_prewarm=args.idle_prewarm,
                        role_switching=args.role_switching, role_switch_s=args.role_switch_s)
 
 

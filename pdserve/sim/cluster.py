@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.routing import make_routing_policy
+from pdserve.core.decode_cadence import DecodeCadence, check_cadence
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel, check_mode, parse_link_share
 from pdserve.core.kv_meta import EVICTION_POLICIES
 from pdserve.core.role_planner import RolePlanner
@@ -74,6 +75,7 @@ class ClusterSpec:
     link_share: str | None = None  # `--link-share` spec; None: the default shares
     link_gbps: float | None = None  # KV link bandwidth per engine, Gbit/s; None: tp x the GPU preset's
     delivery_backlog_s: float = 2.0  # prefill production pauses above this much queued delivery (0: never)
+    decode_cadence: str = "off"  # steady: decode engines pace their steps (pdserve.core.decode_cadence)
     idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.cluster.hot_prefixes)
     role_switching: str = "off"  # auto: the role planner moves engines between prefill and decode (pdserve.sim.roles)
     role_switch_s: float = 20.0  # a moved engine is out this long after it drained (weights reloaded)
@@ -95,6 +97,7 @@ class ClusterSpec:
         if self.admission not in (None, "predict", "off"):
             raise InvalidRequestError(f"admission must be predict or off, got {self.admission!r}", param="admission")
         check_mode(self.delivery)
+        check_cadence(self.decode_cadence)
         if not self.delivery_backlog_s >= 0:
             raise InvalidRequestError("delivery_backlog_s must be >= 0", param="delivery_backlog_s")
         parse_link_share(self.link_share)
@@ -166,7 +169,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
                               max_model_len=model.max_model_len, service_tiers=tuple(spec.service_tiers))
         return SimEngine(name, role, loop, time_model, cfg, blocks, spec.block_size, block_bytes, tiers, conductor,
                          spec.fast_forward, vocab_size=max(model.vocab, 1024),
-                         kv_eviction_policy=spec.kv_eviction_policy)
+                         kv_eviction_policy=spec.kv_eviction_policy,
+                         cadence=DecodeCadence() if role == "decode" and spec.decode_cadence == "steady" else None)
 
     for role, n in roles.items():
         engines[role] = [make_engine(f"{role}-{i}", role) for i in range(n)]

@@ -31,6 +31,7 @@ from array import array
 from collections.abc import Callable
 
 from pdserve.cluster.routing import WorkerLoad
+from pdserve.core.decode_cadence import DecodeCadence
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -66,8 +67,11 @@ class EngineHooks:
 class SimEngine:
     def __init__(self, name: str, role: str, loop: EventLoop, time_model: TimeModel, config: SchedulerConfig,
                  num_blocks: int, block_size: int, block_bytes: int, tiers: TierSpec | None, hooks: EngineHooks,
-                 fast_forward: bool = True, vocab_size: int = 32000, kv_eviction_policy: str = "lru") -> None:
+                 fast_forward: bool = True, vocab_size: int = 32000, kv_eviction_policy: str = "lru",
+                 cadence: DecodeCadence | None = None) -> None:
         self.name, self.role, self.loop, self.hooks = name, role, loop, hooks
+        self.cadence = cadence  # a decode engine's step cadence (`--decode-cadence steady`)
+        self._cadence_log: list[tuple[float, float, float | None, bool]] = []  # a window's steps, for the cadence
         self._clock_s: float | None = None  # set while a fast-forward window's steps are replayed
         self.kv_io = SimTierIO(tiers, self.clock) if tiers is not None else None
         self.executor = SimExecutor(time_model, block_size, vocab_size, kv_io=self.kv_io)
@@ -121,7 +125,7 @@ class SimEngine:
             self.kv_io.start(now)
         self.hooks.before_step(self)
         sched = self.scheduler
-        if sched.num_running + sched.num_waiting == 0:
+        if sched.num_running + sched.num_waiting == 0 and not sched.has_pending_loads:
             self.busy = False
             self.device.observe(now)
             if self.tiers is not None:
@@ -155,8 +159,12 @@ class SimEngine:
                 self._arm_kv_wake()
             self.busy = False
             return
-        wake = self._wake_s(now, decode=self.executor.last_shape.prefill_tokens == 0)
+        decode_only = self.executor.last_shape.prefill_tokens == 0
+        wake = self._wake_s(now, decode=decode_only)
         end = (now + wake) + duration  # the fast-forward's float operations, so both agree bit for bit
+        if self.cadence is not None and self.role == "decode" and scheduled.chunks:  # (tokens go out)
+            sample = decode_only and wake == 0 and not scheduled.kv_loads  # a plain decode step sets the period
+            end = _paced_end(self.cadence, now, end, sample, self._tpot_slo_s())
         if self.kv_io is not None:
             self._observe_tiers()
             self.kv_io.start(end)  # what the step produced is copied once its forward is done
@@ -199,7 +207,8 @@ class SimEngine:
     # ---- fast-forward -----------------------------------------------------------------------------------
     def _open_window(self, now: float) -> bool:
         wake = self._wake_s(now, decode=True)
-        window = fastforward.plan(self.scheduler, self.executor.time_model, now + wake, self.executor.token_id)
+        window = fastforward.plan(self.scheduler, self.executor.time_model, now + wake, self.executor.token_id,
+                                  pace=self._window_pace(now, wake), boundary_s=now)
         if window is None:
             return False
         self.window, self._window_open_s = window, now  # the window's steps start at now + wake
@@ -208,6 +217,22 @@ class SimEngine:
         self.last_end_s = window.ends[-1]
         self.loop.at(window.ends[-1], self._window_end, self._current_window)
         return True
+
+    def _window_pace(self, now: float, wake: float) -> Callable[[float, float], float] | None:
+        """A window's steps paced by the cadence: planned on a copy, replayed on it as they are applied."""
+        if self.cadence is None or self.role != "decode":
+            return None
+        trial, slo, log = self.cadence.trial(), self._tpot_slo_s(), []
+        self._cadence_log = log
+
+        def pace(start: float, end: float) -> float:
+            sample = wake == 0 or start != now  # a step that woke the engine does not set the period
+            log.append((start, end, slo, sample))
+            return _paced_end(trial, start, end, sample, slo)
+        return pace
+
+    def _tpot_slo_s(self) -> float | None:
+        return self.scheduler.step_budget.tightest_tpot_s(self.scheduler.running)
 
     def _may_fast_forward(self) -> bool:
         """With KV tiers, a reservation waiting for blocks or for a tier operation (a prefix being copied into
@@ -236,6 +261,10 @@ class SimEngine:
     def _close_window(self, j: int) -> None:
         window, self.window = self.window, None
         starts = [self._window_open_s] + window.ends[:j - 1]
+        if self._cadence_log:
+            for start, end, slo, sample in self._cadence_log[:j]:
+                _paced_end(self.cadence, start, end, sample, slo)
+            self._cadence_log = []
         if self.tiers is None:
             used = fastforward.apply(self.scheduler, window, j, self.executor.token_id)
         else:  # each step's tier work at its own time, as stepping does it
@@ -249,6 +278,13 @@ class SimEngine:
         self.num_ff_steps += j
         self.busy_s += window.ends[j - 1] - self._window_open_s
         self.hooks.on_decode_run(self, window.requests, window.ends[:j], window.start_s)
+
+
+def _paced_end(cadence: DecodeCadence, start: float, end: float, decode_only: bool, slo: float | None) -> float:
+    """A step from `start` whose forward ends at `end`: when its outputs go out under the cadence."""
+    step = end - start
+    held = cadence.pace(start, step, decode_only, slo)
+    return end if held == step else start + held
 
 
 class _WindowTierWork:

@@ -19,6 +19,7 @@ A step with host -> device loads pending (a reservation's host hits) is never fa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -59,8 +60,10 @@ def eligible(sched: Scheduler, token_id: int) -> bool:
     return True
 
 
-def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max_steps: int = 1 << 30
-         ) -> Window | None:
+def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max_steps: int = 1 << 30,
+         pace: Callable[[float, float], float] | None = None, boundary_s: float | None = None) -> Window | None:
+    """`pace(start, end)`: a step's end as the decode cadence holds it (`pdserve.core.decode_cadence`), the
+    window's steps starting at `boundary_s` (before any wake-up; default `now`)."""
     if not eligible(sched, token_id):
         return None
     running = list(sched.running)
@@ -81,6 +84,14 @@ def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max
         if k < MIN_STEPS:
             return None
     n, ctx = len(running), sum(r.num_computed_tokens for r in running)
+    if pace is not None:  # each step ends where the cadence holds it; the next starts there
+        ends, t, start = [], now, now if boundary_s is None else boundary_s
+        durations = (time_model.decode_times(n, ctx, k).tolist() if hasattr(time_model, "decode_times") else
+                     [time_model.step_time(StepShape.decode(n, ctx + n * i)) for i in range(1, k + 1)])
+        for d in durations:
+            t = start = pace(start, t + d)
+            ends.append(t)
+        return Window(running, now, ends, allocs)
     if hasattr(time_model, "decode_times"):  # same floats, one numpy pass; accumulate adds left to right
         ends = np.add.accumulate(np.concatenate(([now], time_model.decode_times(n, ctx, k))))[1:].tolist()
         return Window(running, now, ends, allocs)
