@@ -526,8 +526,8 @@ class TierFakeExecutor(FakeExecutor):
     """FakeExecutor that runs the step's host -> device loads before its forward, as ModelExecutor does."""
 
     def execute(self, scheduled):
-        if scheduled.kv_loads:
-            self.kv_io.load(scheduled.kv_loads)
+        if scheduled.kv_loads or scheduled.kv_loads_ahead:
+            self.kv_io.load(scheduled.kv_loads + scheduled.kv_loads_ahead)
         return super().execute(scheduled)
 
 
@@ -875,14 +875,46 @@ def test_reserve_kv_with_host_hits_loads_on_the_next_schedule():
     ha = bm.find_prefix(a).block_hashes
     assert all(engine.tiers.host.get(h).busy == 1 for h in ha)  # pinned for the pending loads
     engine.step()
-    loads = engine.executor.steps[-1].kv_loads
-    assert len(loads) == 4 and list(loads) == io.loads[-4:]
+    loads = engine.executor.steps[-1].kv_loads_ahead  # (its KV is still on the way: nothing reads them yet)
+    assert len(loads) == 4 and list(loads) == io.loads[-4:] and engine.executor.steps[-1].kv_loads == ()
     assert all(engine.tiers.host.get(h).busy == 0 for h in ha)
     # The prefill worker "delivers" the rest of the prompt but its last token, which is computed here.
     table = bm.block_ids("pd")
     for pos in range(hit, len(a) - 1):
         engine.executor._slots[table[pos // BS] * BS + pos % BS] = (pos, a[pos])
     sched.kv_delivered("pd", None)
+    outs = run_engine(engine, io)
+    assert outs["pd"][-1].token_ids == expected(a, 3)
+    drain(engine, io)
+    check_quiescent(engine, io)
+
+
+def test_a_reservations_host_hits_load_ahead_in_budgeted_steps_and_the_rest_with_its_first_step():
+    """`ahead_load_blocks` = 3: a reservation's 4 host hits load 3 in the next step (ahead: nothing reads them);
+    its KV lands before the fourth: that one loads in the step that first reads the request, and the
+    output is the same as computing it all."""
+    engine, io = tiered_engine(num_blocks=8, host=64)
+    a, b, c = prompts(3, 18, seed=10)
+    for rid, p in (("a", a), ("b", b), ("c", c)):
+        serve(engine, io, rid, p)
+    drain(engine, io)
+    sched, bm = engine.scheduler, engine.block_manager
+    sched.ahead_load_blocks = 3
+    req = engine.make_request("pd", a, greedy(3))
+    hit = sched.reserve_kv(req)
+    assert hit == 16
+    engine.step()
+    step = engine.executor.steps[-1]
+    assert len(step.kv_loads_ahead) == 3 and step.kv_loads == () and not step.chunks
+    assert sched.has_pending_loads
+    table = bm.block_ids("pd")
+    for pos in range(hit, len(a) - 1):
+        engine.executor._slots[table[pos // BS] * BS + pos % BS] = (pos, a[pos])
+    sched.kv_delivered("pd", None)
+    engine.step()
+    step = engine.executor.steps[-1]
+    assert len(step.kv_loads) == 1 and step.kv_loads_ahead == () and [c.request_id for c in step.chunks] == ["pd"]
+    assert not sched.has_pending_loads
     outs = run_engine(engine, io)
     assert outs["pd"][-1].token_ids == expected(a, 3)
     drain(engine, io)
@@ -904,7 +936,7 @@ def test_aborting_a_reservation_drops_its_loads_and_unpins():
     assert all(engine.tiers.host.get(h).busy == 0 for h in ha)
     assert not engine.tiers._loading and bm.num_used_blocks == 0
     engine.step()
-    assert engine.executor.steps[-1].kv_loads == ()
+    assert engine.executor.steps[-1].kv_loads == engine.executor.steps[-1].kv_loads_ahead == ()
     # and kv_failed does the same
     req = engine.make_request("pd2", a, greedy(3))
     assert sched.reserve_kv(req) == 16

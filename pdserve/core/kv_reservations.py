@@ -16,6 +16,7 @@ import bisect
 import time
 
 from pdserve.core.block_manager import PrefixHit
+from pdserve.core.kv_ops import KVLoad
 from pdserve.core.request import Request, RequestStatus
 
 
@@ -90,6 +91,27 @@ class KVReservations:
             if status is not None:
                 self._finish(req, status)
         return req
+
+    def _reservation_loads(self) -> tuple[list[KVLoad], list[KVLoad]]:
+        """This step's loads of reservations' host hits: (those a request whose KV landed reads now, those
+        ahead of the KV, at most `ahead_load_blocks`, oldest reservation first)."""
+        needed: list[KVLoad] = []
+        ahead: list[KVLoad] = []
+        left = self.ahead_load_blocks
+        for rid, loads in list(self._pending_loads.items()):
+            req = self.requests.get(rid)
+            if req is not None and req.status is not RequestStatus.WAITING_FOR_KV:
+                needed += loads
+                take = len(loads)
+            else:
+                take = len(loads) if left is None else min(left, len(loads))
+                ahead += loads[:take]
+                left = None if left is None else left - take
+            if take == len(loads):
+                del self._pending_loads[rid]
+            else:
+                self._pending_loads[rid] = loads[take:]
+        return needed, ahead
 
     def kv_failed(self, request_id: str) -> None:
         """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""

@@ -62,6 +62,9 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...] = ()  # ended since the last step; executors drop their state
     preempted_request_ids: tuple[str, ...] = ()  # preempted during this schedule() call
     kv_loads: tuple[KVLoad, ...] = ()  # host tier -> device blocks, done before this step's forward
+    # host tier -> the blocks of reservations whose KV is still on its way: nothing in this step reads them
+    # (a GPU's copy engine overlaps them with the forward; the simulator models it so)
+    kv_loads_ahead: tuple[KVLoad, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

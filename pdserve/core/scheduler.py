@@ -62,7 +62,11 @@ class Scheduler(KVReservations):
         # on through them, and the host blocks it finds are loaded before the step that reads them.
         self.tiers: TieredKV | None = None
         self._step_loads: list[KVLoad] = []
-        self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next step
+        self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next steps
+        # A reservation's host hits loaded per step at most, ahead of its KV (None: all in the next step); what
+        # is left when the KV lands is loaded by the step that first reads it (the simulator sets it to what a
+        # decode step's forward hides).
+        self.ahead_load_blocks: int | None = None
         self.window: HotWindow | None = None  # long contexts (see `enable_long_context`)
         self.pace: ProductionPace | None = None  # a prefill worker's per-link pacing, set before each step
         self.stats = SchedulerStats()
@@ -133,9 +137,9 @@ class Scheduler(KVReservations):
             for req in yielded:  # counted by tier: let a higher-ranked waiting request take the budget first
                 self.stats.prefill_yields_by_tier[req.service_tier] += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
-        loads = [ld for lds in self._pending_loads.values() for ld in lds] + self._step_loads
-        self._pending_loads, self._step_loads = {}, []
-        return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads))
+        needed, ahead = self._reservation_loads()
+        loads, self._step_loads = needed + self._step_loads, []
+        return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads), tuple(ahead))
 
     def _run(self, running: list[Request], budget: int, chunks: list[ScheduledChunk], preempted: list[str] | None,
              outranked: tuple | None, yielded: list[Request]) -> int:
@@ -174,8 +178,8 @@ class Scheduler(KVReservations):
         """Advance requests by what the step computed and sampled; return the requests that finished."""
         now = time.monotonic()
         finished: list[Request] = []
-        if scheduled.kv_loads:
-            self.tiers.loads_done(scheduled.kv_loads)
+        if scheduled.kv_loads or scheduled.kv_loads_ahead:
+            self.tiers.loads_done(scheduled.kv_loads + scheduled.kv_loads_ahead)
         for chunk in scheduled.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.is_finished or req.status is RequestStatus.PREEMPTED:

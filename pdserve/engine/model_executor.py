@@ -88,8 +88,8 @@ class ModelExecutor:
                 self.grammar.release(request_id)
         if self.residual is not None:
             self.residual.release(scheduled.finished_request_ids + scheduled.preempted_request_ids)
-        if scheduled.kv_loads:  # host tier hits, into the blocks this step reads
-            self.kv_io.load(scheduled.kv_loads)
+        if scheduled.kv_loads or scheduled.kv_loads_ahead:  # host tier hits: into the blocks this step reads,
+            self.kv_io.load(scheduled.kv_loads + scheduled.kv_loads_ahead)  # and a reservation's (ahead)
         if scheduled.is_empty:
             return ExecutorOutput()
         host_kv = self.kv_io.host.data if self.kv_io is not None else None

@@ -40,7 +40,7 @@ from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.executor import SimExecutor
 from pdserve.sim.tier_io import SimTierIO, TierSpec
 from pdserve.sim.tiers import DeviceTier
-from pdserve.sim.timemodel import TimeModel
+from pdserve.sim.timemodel import StepShape, TimeModel
 
 
 class SimRequest(Request):
@@ -78,6 +78,10 @@ class SimEngine:
         self.engine = LLMEngine(self.executor, config, num_blocks, kv_eviction_policy=kv_eviction_policy,
                                 clock=self.clock)
         self.tiers = self.engine.tiers  # the real TieredKV (None without a host tier)
+        if tiers is not None:  # a reservation's host hits, loaded ahead of its KV: what a copy engine moves
+            # during the lightest decode step's forward, per step (the rest in later steps)
+            lightest = time_model.step_time(StepShape.decode(1, 1))
+            self.engine.scheduler.ahead_load_blocks = max(1, int(lightest * tiers.host_link_bw / block_bytes))
         self.scheduler = self.engine.scheduler
         self.load = WorkerLoad(name, role)
         self.device = DeviceTier(self.engine.block_manager, block_bytes)
@@ -152,7 +156,8 @@ class SimEngine:
         outputs = self.engine.step()
         scheduled, duration = self.executor.last, self.executor.last_duration
         self.device.observe(now)
-        if scheduled.is_empty and not scheduled.kv_loads:  # nothing runnable until a message or a tier op
+        if scheduled.is_empty and not (scheduled.kv_loads or scheduled.kv_loads_ahead):  # nothing runnable until
+            # a message or a tier op
             if self.kv_io is not None:
                 self._observe_tiers()
                 self.kv_io.start(now)
@@ -163,7 +168,8 @@ class SimEngine:
         wake = self._wake_s(now, decode=decode_only)
         end = (now + wake) + duration  # the fast-forward's float operations, so both agree bit for bit
         if self.cadence is not None and self.role == "decode" and scheduled.chunks:  # (tokens go out)
-            sample = decode_only and wake == 0 and not scheduled.kv_loads  # a plain decode step sets the period
+            # a plain decode step sets the period
+            sample = decode_only and wake == 0 and not (scheduled.kv_loads or scheduled.kv_loads_ahead)
             end = _paced_end(self.cadence, now, end, sample, self._tpot_slo_s())
         if self.kv_io is not None:
             self._observe_tiers()

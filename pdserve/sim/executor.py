@@ -39,6 +39,10 @@ class SimExecutor:
         self.last_load_s = self.kv_io.load(scheduled.kv_loads) if scheduled.kv_loads else 0.0
         compute = self.time_model.step_time(self.last_shape) if scheduled.chunks else 0.0
         self.last_duration = compute + self.last_load_s if self.last_load_s else compute
+        if scheduled.kv_loads_ahead:  # beside the forward (a copy engine): the step ends when both have
+            ahead = self.kv_io.load(scheduled.kv_loads_ahead)
+            self.last_load_s += ahead
+            self.last_duration = max(self.last_duration, ahead)
         self.num_steps += 1
         if self.history is not None:
             self.history.append(scheduled)
