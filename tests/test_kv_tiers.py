@@ -861,12 +861,27 @@ def test_restored_disk_blocks_are_served():
     check_quiescent(engine2, io2)
 
 
-def test_reserve_kv_with_host_hits_loads_on_the_next_schedule():
+def _a_prompt_in_host(seed: int = 10):
+    """An engine whose device pool lost prompt `a` (three prompts served through 8 blocks) and whose host
+    tier keeps its first 16 tokens."""
     engine, io = tiered_engine(num_blocks=8, host=64)
-    a, b, c = prompts(3, 18, seed=10)
+    a, b, c = prompts(3, 18, seed=seed)
     for rid, p in (("a", a), ("b", b), ("c", c)):
         serve(engine, io, rid, p)
     drain(engine, io)
+    return engine, io, a
+
+
+def _deliver_all_but_the_last_token(engine, a: list[int], hit: int) -> None:
+    """The prefill worker "delivers" the rest of the prompt but its last token, which is computed here."""
+    table = engine.block_manager.block_ids("pd")
+    for pos in range(hit, len(a) - 1):
+        engine.executor._slots[table[pos // BS] * BS + pos % BS] = (pos, a[pos])
+    engine.scheduler.kv_delivered("pd", None)
+
+
+def test_reserve_kv_with_host_hits_loads_on_the_next_schedule():
+    engine, io, a = _a_prompt_in_host()
     sched, bm = engine.scheduler, engine.block_manager
     assert bm.find_prefix(a).block_ids == ()
     req = engine.make_request("pd", a, greedy(3))
@@ -878,11 +893,7 @@ def test_reserve_kv_with_host_hits_loads_on_the_next_schedule():
     loads = engine.executor.steps[-1].kv_loads_ahead  # (its KV is still on the way: nothing reads them yet)
     assert len(loads) == 4 and list(loads) == io.loads[-4:] and engine.executor.steps[-1].kv_loads == ()
     assert all(engine.tiers.host.get(h).busy == 0 for h in ha)
-    # The prefill worker "delivers" the rest of the prompt but its last token, which is computed here.
-    table = bm.block_ids("pd")
-    for pos in range(hit, len(a) - 1):
-        engine.executor._slots[table[pos // BS] * BS + pos % BS] = (pos, a[pos])
-    sched.kv_delivered("pd", None)
+    _deliver_all_but_the_last_token(engine, a, hit)
     outs = run_engine(engine, io)
     assert outs["pd"][-1].token_ids == expected(a, 3)
     drain(engine, io)
@@ -893,12 +904,8 @@ def test_a_reservations_host_hits_load_ahead_in_budgeted_steps_and_the_rest_with
     """`ahead_load_blocks` = 3: a reservation's 4 host hits load 3 in the next step (ahead: nothing reads them);
     its KV lands before the fourth: that one loads in the step that first reads the request, and the
     output is the same as computing it all."""
-    engine, io = tiered_engine(num_blocks=8, host=64)
-    a, b, c = prompts(3, 18, seed=10)
-    for rid, p in (("a", a), ("b", b), ("c", c)):
-        serve(engine, io, rid, p)
-    drain(engine, io)
-    sched, bm = engine.scheduler, engine.block_manager
+    engine, io, a = _a_prompt_in_host()
+    sched = engine.scheduler
     sched.ahead_load_blocks = 3
     req = engine.make_request("pd", a, greedy(3))
     hit = sched.reserve_kv(req)
@@ -907,10 +914,7 @@ def test_a_reservations_host_hits_load_ahead_in_budgeted_steps_and_the_rest_with
     step = engine.executor.steps[-1]
     assert len(step.kv_loads_ahead) == 3 and step.kv_loads == () and not step.chunks
     assert sched.has_pending_loads
-    table = bm.block_ids("pd")
-    for pos in range(hit, len(a) - 1):
-        engine.executor._slots[table[pos // BS] * BS + pos % BS] = (pos, a[pos])
-    sched.kv_delivered("pd", None)
+    _deliver_all_but_the_last_token(engine, a, hit)
     engine.step()
     step = engine.executor.steps[-1]
     assert len(step.kv_loads) == 1 and step.kv_loads_ahead == () and [c.request_id for c in step.chunks] == ["pd"]
