@@ -925,6 +925,25 @@ def test_a_reservations_host_hits_load_ahead_in_budgeted_steps_and_the_rest_with
     check_quiescent(engine, io)
 
 
+def test_a_delivered_request_ending_before_its_host_hits_loaded_drops_them():
+    """Its KV lands with a first token that ends it while one host hit is still to load: that load is
+    dropped (its host entry unpinned), never written into the freed blocks another request may take."""
+    engine, io, a = _a_prompt_in_host()
+    sched = engine.scheduler
+    sched.ahead_load_blocks = 3
+    req = engine.make_request("pd", a, greedy(1))
+    assert sched.reserve_kv(req) == 16
+    engine.step()
+    assert sched.has_pending_loads
+    loaded = len(io.loads)
+    done = sched.kv_delivered("pd", 7)  # max_tokens 1: the first token ends it
+    assert done.is_finished and not sched.has_pending_loads
+    engine.step()
+    assert len(io.loads) == loaded and engine.executor.steps[-1].kv_loads == ()
+    drain(engine, io)
+    check_quiescent(engine, io)
+
+
 def test_aborting_a_reservation_drops_its_loads_and_unpins():
     engine, io = tiered_engine(num_blocks=8, host=64)
     a, b, c = prompts(3, 17, seed=11)

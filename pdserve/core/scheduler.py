@@ -370,6 +370,7 @@ class Scheduler(KVReservations):
         return None
 
     def _preempt(self, req: Request) -> None:
+        self._drop_pending_loads(req.request_id)  # (a delivered request's host hits not loaded yet)
         self.blocks.free(req.request_id)
         self._drop_cold(req)
         req.num_computed_tokens = 0
@@ -384,9 +385,9 @@ class Scheduler(KVReservations):
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING_FOR_KV:
             self._num_reserved -= 1
-            self._drop_pending_loads(req.request_id)
         elif not req.is_finished:
             self.waiting.ended()
+        self._drop_pending_loads(req.request_id)  # never loaded into blocks freed (and reused) meanwhile
         req.status = status
         req.finished_s = time.monotonic()
         if req.pin is not None and status in _PINNABLE:
