@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+from pdserve.core.decode_cadence import plain_decode
+
 
 class WorkerReports:
     # ---- decode side ------------------------------------------------------------------------------------
@@ -42,8 +44,8 @@ class WorkerReports:
         """--decode-cadence steady: hold a step (begun at `start`, perf_counter; `seconds` long) until its period
         is up, serving commands and delivered KV meanwhile (`pdserve.core.decode_cadence`)."""
         sched = self.engine.scheduler
-        sample = not (scheduled.kv_loads or scheduled.kv_loads_ahead) and all(c.num_tokens == 1 for c in scheduled.chunks)
-        until = start + self.cadence.pace(start, seconds, sample, sched.step_budget.tightest_tpot_s(sched.running))
+        until = start + self.cadence.pace(start, seconds, plain_decode(scheduled),
+                                          sched.step_budget.tightest_tpot_s(sched.running))
         while self.running and (left := until - time.perf_counter()) > 0:
             self.poller.poll(max(1, int(left * 1000)) if left >= 0.001 else 0)
             self._drain_commands()

@@ -48,6 +48,12 @@ def check_cadence(mode: str) -> str:
     return mode
 
 
+def plain_decode(scheduled) -> bool:
+    """A step that may set the period: one token per request, no host tier loads (a `SchedulerOutput`)."""
+    return (not (scheduled.kv_loads or scheduled.kv_loads_ahead)
+            and all(c.num_tokens == 1 for c in scheduled.chunks))
+
+
 class DecodeCadence:
     def __init__(self, window_s: float = 20.0, quantile: float = 0.99, max_stretch: float = 1.25) -> None:
         if window_s <= 0 or not 0.0 < quantile <= 1.0 or max_stretch < 1.0:

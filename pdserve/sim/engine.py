@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Callable
 
 from pdserve.cluster.routing import WorkerLoad
-from pdserve.core.decode_cadence import DecodeCadence
+from pdserve.core.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -164,13 +164,11 @@ class SimEngine:
                 self._arm_kv_wake()
             self.busy = False
             return
-        decode_only = self.executor.last_shape.prefill_tokens == 0
-        wake = self._wake_s(now, decode=decode_only)
+        wake = self._wake_s(now, decode=self.executor.last_shape.prefill_tokens == 0)
         end = (now + wake) + duration  # the fast-forward's float operations, so both agree bit for bit
         if self.cadence is not None and self.role == "decode" and scheduled.chunks:  # (tokens go out)
-            # a plain decode step sets the period
-            sample = decode_only and wake == 0 and not (scheduled.kv_loads or scheduled.kv_loads_ahead)
-            end = _paced_end(self.cadence, now, end, sample, self._tpot_slo_s())
+            # a plain decode step sets the period (one that woke the engine does not)
+            end = _paced_end(self.cadence, now, end, plain_decode(scheduled) and wake == 0, self._tpot_slo_s())
         if self.kv_io is not None:
             self._observe_tiers()
             self.kv_io.start(end)  # what the step produced is copied once its forward is done
