@@ -4,6 +4,7 @@ pool, host tier and capacity follow the codec."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,9 +60,14 @@ def test_fp16_saturates():
 
 
 def test_token_bytes_and_errors():
-    assert [kv_codecs.token_bytes(n, 64, 4) for n in ["auto", *CODED]] == [256, 128, 128, 68, 68, 40]
+    sizes = {n: kv_codecs.token_bytes(n, 64, 4) for n in ["auto", *CODED]}
+    assert list(sizes.values()) == [256, 128, 128, 68, 68, 40]
+    # what the codecs really write per token is what pools, links and tiers are sized by
+    x = rows(5, 4, 64, 1.0, 10.0)
+    written = {n: KVCodec(n, 64, torch.float32).encode(x).nbytes // len(x) for n in sizes}
+    assert written == sizes
     # int8 >= 3.5x and int4 >= 6x the tokens of fp32 in the same bytes
-    assert 256 / 68 >= 3.5 and 256 / 40 >= 6
+    assert written["auto"] / written["int8"] >= 3.5 and written["auto"] / written["int4"] >= 6
     with pytest.raises(InvalidRequestError, match="choose from auto, fp16, bf16, fp8_e4m3, int8, int4"):
         kv_codecs.check("int3")
 
@@ -151,10 +157,75 @@ def test_a_delivered_chunk_transcodes_token_by_token(src, dst):
     wire = bytearray(chunk_nbytes(layer, len(ids)))
     gather_blocks(layer, ids, wire)
     assert len(wire) == payload_nbytes(a, 3, 16, len(ids))
-    got = transcode(memoryview(wire), codec_of(a.format, b), b)
-    tokens = layer[:, :, ids].reshape(-1, a.width)  # wire order: [2 * Hkv, count, block_size]
-    expected = b.encode(a.decode(tokens))
-    assert bytes(got) == bytes(expected.contiguous().view(-1).view(torch.uint8).numpy())
+    got = np.frombuffer(bytes(transcode(memoryview(wire), codec_of(a.format, b), b)), np.uint8)
+    got = got.reshape(-1, b.token_bytes)
+    # the reference: the codecs' formats (`pdserve.core.kv_codecs`) read and written in numpy, not by pdserve
+    sent = layer[:, :, ids].reshape(-1, a.width).contiguous().view(torch.uint8).numpy()  # wire order
+    want = np_decode(src, sent)
+    if dst == "int4":  # rounding in a rotated basis: within half a level of what numpy computes
+        rotated = want @ np_hadamard(64)
+        groups = rotated.reshape(-1, 2, 32)
+        lo, hi = groups.min(axis=2), groups.max(axis=2)
+        scale, got_lo = np_int4_params(got)
+        np.testing.assert_allclose(scale, (hi - lo) / 15, rtol=2e-3, atol=1e-6)
+        np.testing.assert_allclose(got_lo, lo, rtol=2e-3, atol=1e-6)
+        err = np.abs(np_int4_levels(got) - groups)
+        assert (err <= scale[:, :, None] * 0.501 + 2e-3 * np.abs(groups).max(axis=2, keepdims=True)).all()
+        np.testing.assert_allclose(np_decode("int4", got), want, atol=0.2 * np.abs(want).max())
+    else:
+        assert got.tobytes() == np_encode(dst, want).tobytes()
+
+
+def np_decode(name: str, records: np.ndarray) -> np.ndarray:
+    """[N, token_bytes] uint8 records -> [N, 64] float32 values, read as the module doc of kv_codecs has them."""
+    if name == "auto":
+        return records.view(np.float32)
+    if name == "fp16":
+        return records.view(np.float16).astype(np.float32)
+    if name == "bf16":
+        return (records.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if name == "int4":
+        return np_int4_levels(records).reshape(-1, 64) @ np_hadamard(64)
+    codes, scale = records[:, :64], records[:, 64:].copy().view(np.float32)
+    if name == "int8":
+        return codes.view(np.int8).astype(np.float32) * scale
+    sign = np.where(codes >> 7, -1.0, 1.0)  # fp8 e4m3: bias 7, subnormals below exponent 1
+    exp, man = (codes >> 3) & 15, (codes & 7).astype(np.float64)
+    value = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp.astype(np.float64) - 7))
+    return (sign * value).astype(np.float32) * scale
+
+
+def np_encode(name: str, x: np.ndarray) -> np.ndarray:
+    if name == "auto":
+        return x.astype(np.float32)
+    if name == "fp16":
+        return np.clip(x, -65504, 65504).astype(np.float16)
+    assert name == "int8"
+    scale = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    codes = np.clip(np.round(x / scale), -127, 127).astype(np.int8)  # half to even, as numpy rounds
+    return np.concatenate([codes.view(np.uint8), scale.view(np.uint8)], axis=1)
+
+
+def np_int4_params(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int4 records -> (scale, minimum) [N, 2] of the two channel groups (fp16 each, after the 32 code bytes)."""
+    p = records[:, 32:].copy().view(np.float16).astype(np.float32).reshape(-1, 2, 2)
+    return p[:, :, 0], p[:, :, 1]
+
+
+def np_int4_levels(records: np.ndarray) -> np.ndarray:
+    """int4 records -> [N, 2, 32] values in the rotated basis (channel 2k in byte k's low nibble, 2k+1 high)."""
+    codes = records[:, :32]
+    q = np.stack([codes & 15, codes >> 4], axis=2).reshape(-1, 2, 32).astype(np.float32)
+    scale, lo = np_int4_params(records)
+    return q * scale[:, :, None] + lo[:, :, None]
+
+
+def np_hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(n))
 
 
 def test_unknown_chunk_formats_name_no_codec():

@@ -96,10 +96,13 @@ def test_logprobs_out_of_range_are_refused(value):
             SamplingParams(**{name: value})
 
 
-def test_logprobs_sum_to_one_over_the_vocabulary(tiny_llama_dir):
-    # the top-k of a tiny vocabulary's row (k = 20) holds most of the mass; all of it with every token
-    llm = LLM(str(tiny_llama_dir))
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0]
-    top = out.logprobs[0][2]
-    assert sum(math.exp(lp) for _, lp in top) <= 1.0 + 1e-5
-    assert top[0][1] >= top[-1][1]  # most likely first
+def test_logprobs_sum_to_one_over_the_vocabulary(tmp_path, default_model_dir):
+    # a vocabulary of 16 tokens: the top 16 alternatives are every token, so their probabilities sum to 1
+    from conftest import make_tiny_model
+    llm = LLM(str(make_tiny_model(tmp_path, default_model_dir, vocab_size=16)))
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, logprobs=16, ignore_eos=True))[0]
+    for token, (logprob, rank, top) in zip(out.token_ids, out.logprobs):
+        assert sorted(t for t, _ in top) == list(range(16))
+        assert sum(math.exp(lp) for _, lp in top) == pytest.approx(1.0, abs=1e-5)
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)  # most likely first
+        assert rank == 1 and logprob == pytest.approx(top[0][1]) and token == top[0][0]  # greedy: the top one

@@ -84,11 +84,18 @@ def test_greedy():
     assert not SamplingParams(temperature=0.1).greedy
 
 
-@pytest.mark.parametrize("kwargs", [dict(stop=None), dict(stop=5), dict(stop_token_ids=None),
-                                    dict(stop_token_ids=["a"]), dict(temperature=None), dict(temperature="hot"),
-                                    dict(top_p=None)])
-def test_malformed_types_raise_invalid_request_error(kwargs):
-    try:
+@pytest.mark.parametrize("kwargs,param,message", [
+    (dict(stop=5), "stop", "stop must be a string or a list of non-empty strings"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids", "stop_token_ids must be a list of non-negative integers"),
+    (dict(temperature=None), "temperature", "temperature must be a number, got None"),
+    (dict(temperature="hot"), "temperature", "temperature must be a number, got 'hot'"),
+    (dict(top_p=None), "top_p", "top_p must be a number, got None")])
+def test_malformed_types_raise_invalid_request_error(kwargs, param, message):
+    with pytest.raises(PdserveError) as e:
         SamplingParams(**kwargs)
-    except PdserveError:
-        pass  # rejected the documented way (accepting e.g. stop=None as "no stop" would be fine too)
+    assert type(e.value) is InvalidRequestError and e.value.status_code == 400
+    assert e.value.param == param and e.value.message == message
+
+
+def test_none_for_a_list_means_an_empty_one():
+    assert SamplingParams(stop=None).stop == () and SamplingParams(stop_token_ids=None).stop_token_ids == ()
