@@ -20,14 +20,27 @@ gather; the decode kernel decodes records in place (`kernels/kv_codec.c`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.kv.codec import KVCodec
 from pdserve.model import kernels, residual_attention
 from pdserve.model.residual_attention import ResidualMeta
 from pdserve.model.rope import RotaryEmbedding
+
+
+class CacheCodec(Protocol):
+    """What attention asks of a coded pool's codec (`pdserve.kv.codec.KVCodec` is the one): the model runtime
+    sits below the KV store and takes its codec as an argument, never importing it."""
+
+    name: str
+    head_dim: int
+    width: int  # the pool's last dimension (a token record's bytes)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, records: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     decode_lens: torch.Tensor | None = None  # [B] int64 context length of each decode (for the kernel)
     host_kv: torch.Tensor | None = None  # the host tier [slots, layers, 2, Hkv, bs, D] (long contexts)
-    codec: KVCodec | None = None  # the pool's KV codec when it is not `auto` (caches hold token records)
+    codec: CacheCodec | None = None  # the pool's KV codec when it is not `auto` (caches hold token records)
     residual: ResidualMeta | None = None  # the codec's residual window, when it keeps one
 
 
@@ -65,7 +78,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_rows: torch.Tensor, num_heads: int, num_kv: int,
-                  codec: KVCodec | None = None):
+                  codec: CacheCodec | None = None):
     """qkv: [T, (H + 2 Hkv) * D]; cos, sin: [T, 1, D]. Applies the rotary embedding to q and k, writes k
     and v into the cache -> q [T, H, D], k, v [T, Hkv, D] (through `codec`: k and v as the cache holds them)."""
     if codec is not None:
@@ -99,7 +112,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     return q, k, v, residual_attention.write_window(meta.residual, layer, meta.codec, *rows, qkv.shape[0])
 
 
-def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int, codec: KVCodec,
+def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int, codec: CacheCodec,
                       exact: list | None = None):
     """rope_write_kv into a coded pool: q and k rotated, k and v encoded into their token records (the
     kernels, else torch), and returned decoded from those records; `exact` (when given) gets the rows of k and
@@ -132,7 +145,7 @@ def _rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int
     return q.contiguous(), k_out.view(num_kv, t, d).transpose(0, 1), v_out.view(num_kv, t, d).transpose(0, 1)
 
 
-def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor, codec: KVCodec | None = None) -> torch.Tensor:
+def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor, codec: CacheCodec | None = None) -> torch.Tensor:
     """[Hkv, num_blocks, bs, D] cache, block rows [Hkv * N] -> [Hkv, N * bs, D] (N blocks per head); a coded
     cache's records are decoded (fp32)."""
     num_kv, _, block_size, width = cache.shape
@@ -189,7 +202,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _cold_kv(host_kv: torch.Tensor, slots: torch.Tensor, layer: int, device: torch.device,
-             codec: KVCodec | None = None):
+             codec: CacheCodec | None = None):
     """One layer's K and V of a long context's oldest blocks, from the host tier: [Hkv, n * bs, D] each.
     Read layer by layer, right before that layer's attention, so the device holds one layer of them at once."""
     blocks = host_kv[slots, layer].to(device, non_blocking=True)  # [n, 2, Hkv, bs, D]
@@ -203,7 +216,7 @@ def _cold_kv(host_kv: torch.Tensor, slots: torch.Tensor, layer: int, device: tor
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, chunk: PrefillChunk, scale: float, cold=None,
-                       codec: KVCodec | None = None, own=None) -> torch.Tensor:
+                       codec: CacheCodec | None = None, own=None) -> torch.Tensor:
     """`own`: (exact k, exact v, ResidualMeta, layer) of a codec with a residual window."""
     # SDPA wants [1, H, S, D]
     qh = q.transpose(0, 1).unsqueeze(0)
