@@ -81,7 +81,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.server.launch import ServeConfig, serve
+    from pdserve.server.launch import ServeConfig
+    from pdserve.server.serve import serve
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
     cfg = ServeConfig(**{k: tuple(v or ()) if isinstance(getattr(ServeConfig, k, None), tuple) else v
                          for k, v in values.items()})  # repeatable flags: tuples

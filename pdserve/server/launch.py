@@ -8,14 +8,10 @@ command with the tail of its log. Workers die with the gateway (PR_SET_PDEATHSIG
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -329,44 +325,6 @@ class WorkerProcesses:
                 p.wait()
 
 
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror}", param="port") from e
-
-
 def sigterm_as_interrupt() -> None:
     """SIGTERM stops `pdserve serve` as Ctrl-C does (a KeyboardInterrupt in the main thread: drain, then stop)."""
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-
-
-def serve(cfg: ServeConfig, engine: dict) -> int:
-    from pdserve.model.loader import resolve_model_dir
-
-    check_port_free(cfg.host, cfg.port)
-    api_keys(cfg)  # a bad keys file fails now, before any worker starts
-    model_dir = resolve_model_dir(cfg.model, convert_in_child=True)  # a GGUF once, before any worker starts
-    if cfg.cluster is not None:  # the gateway and its workers as Ray actors
-        from pdserve.server.launch_ray import serve_on_ray
-        return serve_on_ray(cfg, engine, str(model_dir))
-    run_dir = tempfile.mkdtemp(prefix="pdserve-")
-    sigterm_as_interrupt()
-    try:
-        return asyncio.run(_serve(cfg, engine, str(model_dir), run_dir))
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-async def _serve(cfg: ServeConfig, engine: dict, model_dir: str, run_dir: str) -> int:
-    from pdserve.server.app_runtime import run_gateway
-
-    procs = WorkerProcesses(worker_specs(cfg, model_dir, engine, run_dir), run_dir)
-    try:
-        return await run_gateway(cfg, procs, model_dir)
-    finally:
-        procs.stop()
