@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.cluster.admission import Admission
+from pdserve.core.delivery import CONSUME_TOLERANCE_S
 
-CONSUME_TOLERANCE_S = 0.005  # "on time": within +-5 ms of the prediction
 TAIL_SAMPLES = 64
 TIER_SAMPLES = 8  # a tier's own consumption tail is used once it has this many samples
 

@@ -46,6 +46,9 @@ DELIVERY_MODES = ("scheduled", "fifo")
 DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}
 RELAND_S = 0.001  # a prefilled transfer's landing estimate that moved by more than this is reported again
 LANDING_RECHECK_S = 0.05  # while prefilled transfers are in the air, their landings are re-estimated this often
+# "on time": a transfer's KV first consumed within +-5 ms of its predicted consumption (its deadline): the
+# conductor's consumption tails, the simulator's and `pdserve bench`'s predictability shares
+CONSUME_TOLERANCE_S = 0.005
 _EPS = 1e-12
 
 
