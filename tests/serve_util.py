@@ -7,8 +7,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
 from pdserve.bench.server_proc import free_port, scrape_metrics, wait_ready
+
+_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "traces"  # a checkout next to shared/
+# the public traces: `$PDSERVE_TRACES`, else `shared/traces` next to the repository, else /work/shared/traces
+# (where a clone elsewhere on this machine finds them); tests that need one skip where it is absent
+TRACES = Path(os.environ.get("PDSERVE_TRACES") or (_BESIDE if _BESIDE.is_dir() else "/work/shared/traces"))
 
 
 class Server:

@@ -6,12 +6,9 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from serve_util import Server
-
-TRACES = Path("/work/shared/traces")
+from serve_util import TRACES, Server
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

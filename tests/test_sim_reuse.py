@@ -7,8 +7,6 @@ it is absent."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +18,8 @@ from pdserve.sim.cluster import ClusterSpec, build, simulate
 from pdserve.sim.hardware import get_gpu, get_model
 from pdserve.sim.timemodel import RooflineTimeModel, StepShape
 from pdserve.workloads import build_prompts, load_workload
+from serve_util import TRACES
 
-_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "traces"  # a checkout next to shared/
-TRACES = Path(os.environ.get("PDSERVE_TRACES") or (_BESIDE if _BESIDE.is_dir() else "/work/shared/traces"))
 TRACE = TRACES / "mooncake_conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"no Mooncake trace at {TRACE} "
                                  "(set PDSERVE_TRACES to the directory of the public traces)")

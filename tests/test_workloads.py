@@ -1,6 +1,7 @@
 """pdserve.workloads: trace readers, arrival processes, scaling/caps, exact-length prompts, error messages.
 
-Mostly small hand-made files in tmp_path; the real traces in /work/shared/traces are used when present.
+Mostly small hand-made files in tmp_path; the real traces in `$PDSERVE_TRACES` (`serve_util.TRACES`) are used
+when present.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import pytest
 
 from pdserve.errors import InvalidRequestError
 from pdserve.workloads import RequestSpec, Workload, block_size, build_prompts, generate_arrivals, load_workload
-
-TRACES = Path("/work/shared/traces")
+from serve_util import TRACES
 
 
 def _mooncake(tmp_path: Path, rows: list[dict]) -> str:
