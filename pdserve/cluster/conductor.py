@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import msgpack
 import zmq
@@ -23,7 +23,8 @@ from pdserve.cluster.admission import Admission
 from pdserve.cluster.actions import Level, Switch
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
-from pdserve.core.sampling_params import SamplingParams
+# (params_dict is also imported from here by pdserve.sim.conductor, until it takes it from core)
+from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.transfer.zmq_auth import Refusals, secure_client
 
@@ -339,9 +340,3 @@ class Conductor:
             if self.metrics:
                 self.metrics.observe_worker_stats(event)
                 self.metrics.observe_backlog(self.core.backlog)
-
-
-def params_dict(params: SamplingParams) -> dict:
-    d = asdict(params)
-    d["stop"] = []  # stop strings are the gateway's business (it detokenizes)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from pdserve.errors import InvalidRequestError
 
@@ -72,6 +72,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def params_dict(params: SamplingParams) -> dict:
+    """`params` as a worker command carries them (msgpack-able: lists, not tuples); `SamplingParams(**d)` reads
+    them back."""
+    d = asdict(params)
+    d["stop"] = []  # stop strings are the gateway's business (it detokenizes)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 def _is_int(x) -> bool:
