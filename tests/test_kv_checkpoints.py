@@ -109,9 +109,10 @@ def test_a_restored_checkpoint_resumes_with_the_same_tokens(tiny_llama_dir, tmp_
     _, out, tokens = dead_worker
     engine, side = _taker(tiny_llama_dir, tmp_path)
     resumed = PROMPT + out
-    (res, first), = _reserve(engine, side, resumed, TOKENS - len(out), tokens)
+    (grant,) = _reserve(engine, side, resumed, TOKENS - len(out), tokens)
     assert side.inbound.get("r#1") is None  # no prefill worker: the checkpoint's tail is computed here
-    assert first == tokens // BLOCK and side.checkpoint_fallbacks == 0
+    assert not grant.needs_prefill
+    assert grant.first_block == tokens // BLOCK and side.stats.checkpoint_fallbacks == 0
     (_, outcome, req), = side.settle()
     assert outcome == "delivered" and req.num_computed_tokens == tokens  # the rest, computed by the next steps
     assert engine.tiers.stats.hit_tokens[Tier.DISK] >= tokens - BLOCK
@@ -137,9 +138,9 @@ def test_a_damaged_checkpoint_goes_to_a_prefill_worker(tiny_llama_dir, tmp_path,
         data[-1] ^= 0xFF
         victim.write_bytes(bytes(data))
     engine, side = _taker(tiny_llama_dir, tmp_path)
-    (res, first), = _reserve(engine, side, PROMPT + out, TOKENS - len(out), tokens)
+    (grant,) = _reserve(engine, side, PROMPT + out, TOKENS - len(out), tokens)
     assert side.inbound.get("r#1") is not None  # a prefill worker must send what the checkpoint lacks
-    assert first <= 1 and side.checkpoint_fallbacks == 1
+    assert grant.needs_prefill and grant.first_block <= 1 and side.stats.checkpoint_fallbacks == 1
     if damage == "corrupt":
         assert engine.tiers.stats.corrupt[Tier.DISK] == 1  # found on read, dropped, never served
     side.abort("r")

@@ -70,10 +70,11 @@ class Pair:
             self.decode.reserve(rid, p, params, xfer=rid + "#0")
         outs = {}
         for _ in range(max_steps):
-            for res, first in self.decode.try_reserve():
-                if self.decode.inbound.get(res.xfer) is not None:
+            for g in self.decode.try_reserve():
+                if g.needs_prefill:
+                    res = g.reservation
                     self.prefill.add(res.request.request_id, res.request.prompt_token_ids, params,
-                                     self.decode.receiver.address, res.xfer, first)
+                                     self.decode.receiver.address, res.xfer, g.first_block)
             if self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
                 for o in self.p_engine.step():
                     self.prefill.finish(o.request_id, prefilled=o.finish_reason == "prefilled",
@@ -98,7 +99,8 @@ class Pair:
     def prefill_one(self, rid, prompt, params=GREEDY):
         """Reserve on the decode side and run the whole prefill, without letting the decode side read."""
         self.decode.reserve(rid, prompt, params, f"{rid}#0")
-        (res, first), = self.decode.try_reserve()
+        (grant,) = self.decode.try_reserve()
+        first = grant.first_block
         self.prefill.add(rid, prompt, params, self.decode.receiver.address, f"{rid}#0", first)
         while self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
             for o in self.p_engine.step():
@@ -246,7 +248,8 @@ def test_a_lease_is_judged_on_every_record_sent_before_the_receiver_looked(tiny_
     pair = pair_factory("shm", timeout_s=0.5)
     pair.prefill_one("a", a)  # a's records wait in the ring
     pair.decode.reserve("b", b, GREEDY, "b#0")
-    (_, first), = pair.decode.try_reserve()  # b's lease runs from now
+    (grant,) = pair.decode.try_reserve()  # b's lease runs from now
+    first = grant.first_block
     place, slowed = pair.decode._place, []
 
     def slow_place(header):
@@ -321,8 +324,8 @@ def test_a_held_transfer_still_takes_its_kv_and_a_renewed_one_is_delivered(tiny_
     firsts = {}
     for rid, prompt in (("a", a), ("b", b)):
         pair.decode.reserve(rid, prompt, GREEDY, f"{rid}#0")
-    for res, first in pair.decode.try_reserve():
-        firsts[res.request.request_id] = first
+    for g in pair.decode.try_reserve():
+        firsts[g.reservation.request.request_id] = g.first_block
     time.sleep(0.3)  # both senders silent past the lease
     pair.decode.receive()
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "held"), ("b#0", "held")]
@@ -360,7 +363,8 @@ def test_abort_while_waiting_for_kv_frees_blocks_and_drops_late_chunks(tiny_llam
     prompt = _prompts(1)[0]
     pair = pair_factory("shm")
     pair.decode.reserve("a", prompt, GREEDY, "a#0")
-    (res, first), = pair.decode.try_reserve()
+    (grant,) = pair.decode.try_reserve()
+    first = grant.first_block
     pair.prefill.add("a", prompt, GREEDY, pair.decode.receiver.address, "a#0", first)
     assert pair.d_engine.block_manager.num_used_blocks > 0
     pair.d_engine.abort(["a"])

@@ -107,12 +107,12 @@ def _cmd(kind: str, rid: str, priority: int, **extra) -> dict:
 def test_decode_worker_grants_reservations_in_priority_order(make_worker):
     worker = make_worker("decode", max_num_seqs=1)
     worker._handle(_cmd("reserve", "first", 0))
-    assert [r.request.request_id for r, _ in worker.decode.try_reserve()] == ["first"]
+    assert [g.reservation.request.request_id for g in worker.decode.try_reserve()] == ["first"]
     worker._handle(_cmd("reserve", "low", 5))
     worker._handle(_cmd("reserve", "urgent", -1))
     assert worker.decode.try_reserve() == []  # the one slot is taken
     worker._handle({"type": "abort", "rid": "first"})
-    granted = [r.request for r, _ in worker.decode.try_reserve()]
+    granted = [g.reservation.request for g in worker.decode.try_reserve()]
     assert [(r.request_id, r.priority) for r in granted] == [("urgent", -1)]
 
 

@@ -245,7 +245,7 @@ class Worker(WorkerReports):
                 # the adopted blocks are found as prefix hits below; what is missing is computed here, counted
                 tokens = restore["tokens"]
                 adopted = self.decode.checkpoints.adopt(restore["peer"], cmd["prompt"][:tokens])
-                self.decode.checkpoint_fallbacks += adopted < tokens
+                self.decode.stats.checkpoint_fallbacks += adopted < tokens
             req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
                                            cmd.get("priority", 0), pin=_pin(cmd), service_tier=_tier(cmd))
             self.engine.scheduler.add_request(req)

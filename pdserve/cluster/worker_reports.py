@@ -23,9 +23,9 @@ class WorkerReports:
 
     def _decode_bookkeeping(self) -> None:
         self.decode.receive(0)
-        for res, first in self.decode.try_reserve():
-            expected = self.decode.inbound.get(res.xfer) is not None
-            self._reserved(res.request.request_id, res.xfer, first, expected)
+        for g in self.decode.try_reserve():
+            res = g.reservation
+            self._reserved(res.request.request_id, res.xfer, g.first_block, g.needs_prefill)
         for rid, xfer in self.decode.newly_waiting():
             self.emit({"type": "reserve_waiting", "rid": rid, "xfer": xfer})
         for inbound, outcome, req in self.decode.settle():

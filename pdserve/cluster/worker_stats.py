@@ -58,7 +58,7 @@ def worker_stats(w) -> dict:
                    kv_late_chunks=w.decode.inbound.num_late_chunks,
                    kv_lease_renewals=w.decode.inbound.num_renewals,
                    pending_reservations=len(w.decode.pending),
-                   kv_checkpoint_fallbacks=w.decode.checkpoint_fallbacks)
+                   kv_checkpoint_fallbacks=st.checkpoint_fallbacks)
     cadence = getattr(w, "cadence", None)
     if cadence is not None:  # --decode-cadence steady
         out.update(cadence.stats())

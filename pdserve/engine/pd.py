@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.delivery import RELAND_S, DeliveryPolicy, WaterLevel
 from pdserve.core.production_pace import ProductionPace
+from pdserve.core.push_range import push_range
 from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
@@ -166,20 +167,17 @@ class PrefillSide:
             out = self.outbound.get(chunk.request_id)
             if out is None or out.failed:
                 continue
-            end = chunk.start_pos + chunk.num_tokens
             # a long prompt's oldest blocks left the pool (`cold_slots`): they were sent when computed
             cold = len(chunk.cold_slots)
-            first, full = max(out.next_block, cold), end // self.block_size
-            if first < full:
-                self._push(out, layer, first, list(chunk.block_ids[first - cold:full - cold]))
-            final = end >= out.num_tokens
-            if end % self.block_size and first <= full and (final or not self.outbox.policy.scheduled):
-                # A block only partly filled now: its bytes as they are now (a copy: the next step writes
-                # more tokens into it), sent again, complete, with the next chunk. Scheduled delivery sends
-                # only the prompt's last one: the receiver reads nothing before the transfer is done.
-                self._push(out, layer, full, [chunk.block_ids[full - cold]], partial=True, useful=final)
+            span = push_range(out.next_block, chunk.start_pos + chunk.num_tokens, out.num_tokens, self.block_size,
+                              self.outbox.policy.scheduled, cold)
+            if span.first < span.full:
+                self._push(out, layer, span.first, list(chunk.block_ids[span.first - cold:span.full - cold]))
+            if span.partial:  # its bytes as they are now: a copy (the next step writes more tokens into it)
+                self._push(out, layer, span.full, [chunk.block_ids[span.full - cold]], partial=True,
+                           useful=span.final)
             if last:
-                out.next_block = max(out.next_block, end // self.block_size)
+                out.next_block = span.next_block
         self.outbox.pump()
         self.keepalive()  # also during a step longer than a third of the lease
 

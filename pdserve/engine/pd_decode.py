@@ -10,10 +10,8 @@ process is heard: busy, not hung), `redirect` to another prefill worker, or `kv_
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
-from pdserve.core.policy import insert_in_order
+from pdserve.core.decode_books import DecodeBooks, DecodeStats, Grant, Reservation
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerOutput
 from pdserve.engine.checkpoints import KVCheckpoints
@@ -22,23 +20,6 @@ from pdserve.kv.block_io import block_pieces, chunk_nbytes, mixed_pieces, scatte
 from pdserve.kv.transcode import codec_of, payload_nbytes, transcode
 from pdserve.transfer.base import KVReceiver, TransferState
 from pdserve.transfer.inbound import Inbound, InboundTransfers
-
-
-@dataclass
-class Reservation:
-    request: Request
-    xfer: str
-    local: int = 1  # prompt tokens this worker computes itself when the rest is cached here (restore: more)
-
-
-@dataclass
-class DecodeStats:
-    failures: Counter = field(default_factory=Counter)  # by TransferState value; outcome: recompute or held
-    wasted_bytes: Counter = field(default_factory=Counter)  # received and verified, never consumed: by reason
-    bytes_received: int = 0
-    chunks_received: int = 0
-    chunks_transcoded: int = 0  # arrived in another KV format than this pool's
-    transfers_completed: int = 0
 
 
 class DecodeSide:
@@ -54,14 +35,14 @@ class DecodeSide:
         self.codec = getattr(engine.executor, "codec", None)  # this pool's; chunks in another are transcoded
         self._sources: dict = {}  # a chunk header's `kv` format -> its KVCodec (False: names none)
         self.inbound = InboundTransfers(len(kv_layers))
-        # Waiting for blocks, in the scheduler's queue-policy order (fcfs: arrival; priority: lowest value
-        # first), so a reservation queue never undoes the order the waiting queue would keep.
-        self.pending: list[Reservation] = []
-        self.stats = DecodeStats()
+        # reservations, grants, waiting reports, settlement, consumption: the decisions the simulator runs too
+        self.books = DecodeBooks(engine.scheduler, self.block_size)
+        self.stats: DecodeStats = self.books.stats
         self.checkpoints: KVCheckpoints | None = None  # with a disk tier (`pdserve.engine.checkpoints`)
-        self.checkpoint_fallbacks = 0  # restores short of blocks: recomputed by a prefill worker (or here)
-        self.unread: set[str] = set()  # delivered, not yet read by a step
-        self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
+
+    @property
+    def pending(self) -> list[Reservation]:
+        return self.books.pending
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
                 pin: tuple[str, float] | None = None, service_tier: str = "default",
@@ -71,43 +52,28 @@ class DecodeSide:
         a request moved off the dead worker `peer` whose first `tokens` tokens' KV it left on disk: adopted
         here, and the rest computed here (no prefill worker) when they all hit."""
         req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier)
-        self.engine.scheduler.check_new(req)  # fail fast, before queueing
+        self.engine.scheduler.check_new(req)  # fail fast, before a checkpoint is adopted
         local = 1
         if restore and self.checkpoints is not None:
             self.checkpoints.adopt(restore["peer"], prompt[:restore["tokens"]])
             local = max(len(prompt) - restore["tokens"], 1)
-        insert_in_order(self.pending, Reservation(req, xfer, local), lambda r: r.request,
-                        self.engine.scheduler.policy)
+        self.books.reserve(req, xfer, local)
 
-    def try_reserve(self) -> list[tuple[Reservation, int]]:
-        """Grant queued reservations in policy order while blocks last: [(reservation, first block to
-        deliver)]. The head waits for room; later ones do not overtake it (as in the waiting queue)."""
-        granted = []
-        while self.pending:
-            res = self.pending[0]
-            cached = self.engine.scheduler.reserve_kv(res.request)
-            if cached is None:
-                break
-            self.pending.pop(0)
-            first = cached // self.block_size
-            # Every prompt token but the last cached here (a restore: but its checkpoint's tail): no prefill
-            # worker, the rest is computed here.
-            needed = 0 if cached >= res.request.num_prompt_tokens - res.local else (
-                -(-res.request.num_prompt_tokens // self.block_size) - first)
-            self.checkpoint_fallbacks += needed > 0 and res.local > 1
-            self.inbound.expect(res.xfer, res.request.request_id, first, needed, self.timeout_s)
-            if needed == 0:
+    def try_reserve(self) -> list[Grant]:
+        """Grant queued reservations in policy order while blocks last (`DecodeBooks.grant`), each expecting
+        its transfer (one that needs no prefill worker is complete at once)."""
+        granted = self.books.grant()
+        for g in granted:
+            res = g.reservation
+            self.inbound.expect(res.xfer, res.request.request_id, g.first_block, g.num_blocks, self.timeout_s)
+            if not g.needs_prefill:
                 self.inbound.complete_now(res.xfer)
-            granted.append((res, first))
         return granted
 
     def newly_waiting(self) -> list[tuple[str, str]]:
         """(request id, xfer) of reservations left waiting for room, each reported once: the conductor may
         have the prompt staged meanwhile."""
-        pending = {r.xfer: r.request.request_id for r in self.pending}
-        new = [(rid, xfer) for xfer, rid in pending.items() if xfer not in self._told_waiting]
-        self._told_waiting = set(pending)
-        return new
+        return [(r.request.request_id, r.xfer) for r in self.books.newly_waiting()]
 
     def receive(self, timeout_ms: int = 0) -> None:
         """Take what arrived, then lapse the leases that ran out before this poll began: a poll reads every
@@ -255,32 +221,19 @@ class DecodeSide:
                 settled.append((inbound, "held", None))
         for inbound in self.inbound.take_ended():
             self.held.pop(inbound.xfer, None)  # (one that lapsed and then ended: its end is what counts)
-            if inbound.request_id not in self.engine.scheduler.requests:
-                self.stats.wasted_bytes["aborted"] += inbound.num_bytes
-                continue  # the request ended first (abort): its blocks are already free
-            if inbound.state is TransferState.COMPLETED:
-                req = self.engine.scheduler.kv_delivered(inbound.request_id, inbound.first_token)
-                self.stats.transfers_completed += 1
-                if inbound.num_bytes and not req.is_finished:
-                    self.unread.add(inbound.request_id)
-                settled.append((inbound, "delivered", req))
-            else:
-                self.stats.failures[inbound.state.value] += 1
-                self.stats.wasted_bytes[inbound.state.value] += inbound.num_bytes  # dropped, never consumed
-                self.engine.scheduler.kv_failed(inbound.request_id)
-                settled.append((inbound, "recompute", None))
+            outcome, req = self.books.settle(inbound.request_id, inbound.state is TransferState.COMPLETED,
+                                             inbound.first_token, inbound.num_bytes, inbound.state.value)
+            if outcome != "aborted":  # (the request ended first: its blocks are already free)
+                settled.append((inbound, outcome, req))
         return settled
 
     def consumed(self, scheduled: SchedulerOutput | None) -> list[str]:
         """The requests whose delivered KV the step `scheduled` read first."""
-        if not self.unread or scheduled is None:
+        if scheduled is None:
             return []
-        rids = [c.request_id for c in scheduled.chunks if c.request_id in self.unread]
-        self.unread.difference_update(rids)
-        return rids
+        return self.books.consumed(c.request_id for c in scheduled.chunks)
 
     def abort(self, request_id: str) -> None:
-        self.unread.discard(request_id)
-        self.pending = [r for r in self.pending if r.request.request_id != request_id]
+        self.books.abort(request_id)
         self.held = {x: t for x, t in self.held.items() if t.request_id != request_id}
         self.inbound.abort_request(request_id)

@@ -4,20 +4,23 @@ Every conductor decision (route, admit or reject, dispatch the prefill once bloc
 made by `pdserve.cluster.conductor_core.ConductorCore`, the same object the gateway drives; this module
 carries out its actions on simulated workers and models what the real workers do with them:
 * colocated: `generate` — the worker runs the whole request;
-* pd: `reserve` — the decode worker queues a reservation; at a step boundary it grants reservations in
-  order while blocks last (`Scheduler.reserve_kv`, as `DecodeSide.try_reserve`) and reports `reserved` to
+* pd: `reserve` — the decode worker queues a reservation in its books (`pdserve.core.decode_books`, the
+  real decode worker's); at a step boundary the books grant reservations in order while blocks last and
+  the worker reports `reserved` to
   the core, whose `prefill` command puts the prompt on the prefill worker as a `prefill_only` request (as
   `PrefillSide.add`), its predicted consumption (the core's, `pdserve.cluster.consumption`) the deadline of its
   flows on the links (`--delivery`). Each prefill step pushes the chunk's new blocks over the link while it computes
   (a partly filled block goes again, complete, with the next chunk, as `on_layer` does); the last one
   samples the first token. When the prefill is done and every flow has landed, the decode worker settles
-  the transfer (`kv_delivered` with that token, which is the request's first output, or `kv_failed` for an
-  injected failure: recompute there); its next decode step first consumes the delivered blocks, reported to
+  the transfer in its books (delivered with that token, which is the request's first output, or recomputed
+  there for an injected failure); its next decode step first consumes the delivered blocks, reported to
   the core, which checks its prediction (`Observe("kv_consumption_error")`, per block). When every
   prompt token but the last is cached on the decode worker, no prefill worker is involved: the decode
-  worker computes the last prompt token, as the real one does. A reservation left waiting for room is told
-  to the core (`reserve_waiting`), whose `stage` command runs the prompt ahead on an idle prefill engine
+  worker computes the last prompt token (the books' grant says so). A reservation left waiting for room is
+  told to the core (`reserve_waiting`), whose `stage` command runs the prompt ahead on an idle prefill engine
   (`pdserve.sim.staging`, as the real prefill worker does).
+Requests are made from the fields of the commands the core sends (prompt, sampling parameters, priority,
+service tier), as a real worker makes them.
 A request may be aborted by a TTFT timeout (the client gives up); its delivered-but-unread KV is waste.
 """
 
@@ -28,13 +31,12 @@ from collections import Counter
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
-from pdserve.cluster.conductor import params_dict
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
+from pdserve.core.decode_books import DecodeBooks
 from pdserve.core.delivery import WaterLevel
-from pdserve.core.policy import insert_in_order
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
@@ -66,7 +68,7 @@ class SimConductor(KVPush, EngineHooks):
         self.failure_rate, self.ttft_timeout_s = failure_rate, ttft_timeout_s
         self._rng = random.Random(seed)
         self.flights: dict[str, Flight] = {}
-        self.awaiting: dict[str, Flight] = {}  # delivered, not yet read by a decode step
+        self.books: dict[str, DecodeBooks] = {}  # each decode engine's (the real decode worker's books)
         self.life = Lifecycle()
         self.num_finished = 0
         self.staging = SimStaging(self.life)
@@ -76,7 +78,7 @@ class SimConductor(KVPush, EngineHooks):
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
         self.engines, self.port_bw = engines, port_bw
-        self.by_name, self.ports, self.pending, self.ready, self.queued_tokens = {}, {}, {}, {}, {}
+        self.by_name, self.ports, self.ready = {}, {}, {}
         for e in [e for es in engines.values() for e in es]:
             e.load = self.core.add_worker(e.name, e.role, e.load)
             self._register(e)
@@ -94,9 +96,13 @@ class SimConductor(KVPush, EngineHooks):
                                         **engine_capacity(e, self.links.policy.scheduled)})
         self.ports[e.name] = self.links.link(e.name, self.port_bw)
         if e.role == "decode":
-            self.pending[e.name], self.ready[e.name] = [], []
-        elif e.role == "prefill":
-            self.queued_tokens[e.name] = 0
+            # A request that ended at the gateway is dropped from the reservations at once (its abort is
+            # still on its way to the engine).
+            self.books[e.name] = DecodeBooks(e.scheduler, self.block_size, gone=self._gone)
+            self.ready[e.name] = []
+
+    def _gone(self, rid: str) -> bool:
+        return rid not in self.flights
 
     # ---- intake -----------------------------------------------------------------------------------------
     def submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int = 0,
@@ -152,20 +158,22 @@ class SimConductor(KVPush, EngineHooks):
         kind, rid = cmd["type"], cmd.get("rid")
         f = self.flights.get(rid)
         if kind == "generate":
-            engine.post(lambda: self._add(engine, f, self._request(f.prompt, f)), self.control_s)
+            engine.post(lambda: self._add(engine, f, self._request(cmd)), self.control_s)
         elif kind == "reserve":
-            self.pending_append(f)
+            engine.post(lambda: self._reserve(engine, f, cmd), self.control_s)
         elif kind == "prefill":
             if cmd.get("deadline_in_s") is not None:
                 f.deadline_s = self.loop.now + cmd["deadline_in_s"]
-            self._dispatch(f, engine)
+            # the decode worker's reply to the gateway, then the gateway's command to the prefill worker
+            engine.post(lambda: self.staging.add_prefill(
+                engine, rid, lambda: self._add(engine, f, self._request(cmd, prefill_only=True))),
+                self.links.latency_s + 2 * self.control_s)
         elif kind == "stage":
-            engine.post(lambda: self.staging.stage(engine, self._request(f.prompt, f, prefill_only=True)),
-                        self.control_s)
+            engine.post(lambda: self.staging.stage(engine, self._request(cmd, prefill_only=True)), self.control_s)
         elif kind == "warm":
             engine.post(lambda: self.staging.warm(engine, rid, cmd["prompt"], self.loop.now), self.control_s)
         elif kind == "abort":
-            engine.post(lambda: (engine.engine.abort([rid]), self.staging.abort(engine, rid)), self.control_s)
+            engine.post(lambda: self._abort(engine, rid), self.control_s)
         elif kind == "kv_failed":
             engine.post(lambda: self._kv_failed(engine, rid), self.control_s)
 
@@ -174,18 +182,27 @@ class SimConductor(KVPush, EngineHooks):
         if req is not None and req.status.name == "WAITING_FOR_KV":
             engine.scheduler.kv_failed(rid)
 
-    def pending_append(self, f: Flight) -> None:
-        """The decode worker makes the request when the reservation reaches it and queues it in its queue
-        policy's order (as `DecodeSide.reserve`)."""
-        def reserve() -> None:
-            f.decode_request = self._request(f.prompt, f)
-            insert_in_order(self.pending[f.decode.name], f, lambda g: g.decode_request, f.decode.scheduler.policy)
-        f.decode.post(reserve, self.control_s)
+    def _abort(self, engine: SimEngine, rid: str) -> None:
+        engine.engine.abort([rid])
+        self.staging.abort(engine, rid)
+        books = self.books.get(engine.name)
+        if books is not None:
+            books.abort(rid)
 
-    def _request(self, prompt, f: Flight, prefill_only: bool = False) -> SimRequest:
-        """Stamped with the simulated time it reaches its worker (the real worker stamps its own clock)."""
-        return SimRequest(f.rid, prompt, f.params, arrival_s=self.loop.now, priority=f.priority,
-                          prefill_only=prefill_only, service_tier=f.tier)
+    def _reserve(self, engine: SimEngine, f: Flight, cmd: dict) -> None:
+        """The decode worker makes the request when the reservation reaches it and queues it in its books."""
+        try:
+            self.books[engine.name].reserve(self._request(cmd), cmd["xfer"])
+        except PdserveError as e:
+            if not f.finished:
+                self._fail(f, str(e))
+
+    def _request(self, cmd: dict, prefill_only: bool = False) -> SimRequest:
+        """A command's request, as a worker makes it (`LLMEngine.make_request`), stamped with the simulated
+        time it reaches its worker (the real worker stamps its own clock)."""
+        return SimRequest(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), arrival_s=self.loop.now,
+                          priority=cmd.get("priority", 0), prefill_only=prefill_only,
+                          service_tier=cmd.get("tier") or "default")
 
     def _add(self, engine: SimEngine, f: Flight, req: SimRequest) -> None:
         if f.finished:
@@ -197,7 +214,8 @@ class SimConductor(KVPush, EngineHooks):
 
     # ---- decode side: reservations and settlement (before each decode step) ------------------------------
     def has_pending(self, engine: SimEngine) -> bool:
-        return bool(self.pending.get(engine.name))
+        books = self.books.get(engine.name)
+        return books is not None and bool(books.pending)
 
     def before_step(self, engine: SimEngine) -> None:
         if engine.role != "decode":
@@ -208,59 +226,30 @@ class SimConductor(KVPush, EngineHooks):
             self._settle(engine, f)
 
     def _grant(self, engine: SimEngine) -> None:
-        pending, bs = self.pending[engine.name], self.block_size
-        while pending:
-            f = pending[0]
-            if f.finished:
-                pending.pop(0)
-                continue
-            try:
-                cached = engine.scheduler.reserve_kv(f.decode_request)
-            except PdserveError as e:
-                pending.pop(0)
-                self._fail(f, str(e))
-                continue
-            if cached is None:
-                self._tell_waiting(pending)
-                break
-            pending.pop(0)
-            f.next_block = cached // bs
-            needs_prefill = cached < len(f.prompt) - 1
-            if not needs_prefill:
+        """The books grant what blocks allow; the core hears of each grant, and once of each reservation left
+        waiting for room (as the real decode worker reports them)."""
+        books = self.books[engine.name]
+        for g in books.grant():
+            f = self.flights[g.reservation.request.request_id]
+            f.next_block = g.first_block
+            if not g.needs_prefill:
                 self.ready[engine.name].append(f)
-            xfer = self.core.flights[f.rid].xfer
-            self._act(self._core("reserved", f.rid, xfer, needs_prefill, engine.name, f.next_block, self.loop.now))
-
-    def _tell_waiting(self, pending: list[Flight]) -> None:
-        """Reservations left waiting for room, each told to the core once (as `DecodeSide.newly_waiting`)."""
-        for f in pending:
-            if not f.told_waiting and not f.finished:
-                f.told_waiting = True
-                self._act(self._core("reserve_waiting", f.rid, self.core.flights[f.rid].xfer, self.loop.now))
-
-    def _dispatch(self, f: Flight, p: SimEngine) -> None:
-        tokens = len(f.prompt)
-        self.queued_tokens[p.name] += tokens
-        # the decode worker's reply to the gateway, then the gateway's command to the prefill worker
-        p.post(lambda: self._add_prefill(p, f, tokens), self.links.latency_s + 2 * self.control_s)
-
-    def _add_prefill(self, p: SimEngine, f: Flight, tokens: int) -> None:
-        self.queued_tokens[p.name] -= tokens
-        self.staging.add_prefill(p, f.rid, lambda: self._add(p, f, self._request(f.prompt, f, prefill_only=True)))
+            self._act(self._core("reserved", f.rid, g.reservation.xfer, g.needs_prefill, engine.name,
+                                 g.first_block, self.loop.now))
+        for res in books.newly_waiting():
+            self._act(self._core("reserve_waiting", res.request.request_id, res.xfer, self.loop.now))
 
     def _settle(self, engine: SimEngine, f: Flight) -> None:
+        """Its KV landed (or none was needed): the books settle it, delivered or (an injected failure)
+        recomputed."""
         if f.finished or engine.scheduler.requests.get(f.rid) is None:
             return
         self.life.transfers += f.delivered > 0
-        if f.delivered and self._rng.random() < self.failure_rate:
-            self.life.transfer_failures += 1
-            engine.scheduler.kv_failed(f.rid)
-            return
-        req = engine.scheduler.kv_delivered(f.rid, f.first_token)
-        if f.first_token is not None:  # the first output token is out now, with no step here
+        failed = bool(f.delivered) and self._rng.random() < self.failure_rate
+        self.life.transfer_failures += failed
+        _, req = self.books[engine.name].settle(f.rid, not failed, f.first_token, f.delivered, "failed_injected")
+        if req is not None and f.first_token is not None:  # the first output token is out now, no step here
             self._token(engine, f, [f.first_token], req.is_finished, self.loop.now)
-        if f.delivered and not f.finished:
-            self.awaiting[f.rid] = f
 
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
@@ -273,11 +262,8 @@ class SimConductor(KVPush, EngineHooks):
                 f = self.flights.get(chunk.request_id)
                 if f is not None and not f.finished:
                     self._push(engine, f, chunk.start_pos + chunk.num_tokens, duration_s)
-        elif engine.role == "decode" and self.awaiting:
-            for chunk in scheduled.chunks:
-                f = self.awaiting.pop(chunk.request_id, None)
-                if f is not None:
-                    self._consumed(f, start_s)
+        elif engine.role == "decode" and self.books[engine.name].unread:
+            self._read(engine, (chunk.request_id for chunk in scheduled.chunks), start_s)
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def on_step_end(self, engine: SimEngine, scheduled, outputs, end_s: float) -> None:
@@ -319,8 +305,15 @@ class SimConductor(KVPush, EngineHooks):
             f = self.flights.get(req.request_id)
             if f is not None:
                 f.record.token_times.extend(e + self.control_s for e in ends)
-            f = self.awaiting.pop(req.request_id, None)
-            if f is not None:  # the run's first step read the delivered blocks
+        if engine.role == "decode" and self.books[engine.name].unread:  # the run's first step read them
+            self._read(engine, (req.request_id for req in requests), start_s)
+
+    def _read(self, engine: SimEngine, rids, start_s: float) -> None:
+        """A step beginning at `start_s` read these requests: those whose delivered KV it read first are
+        consumed (a request that ended meanwhile is not)."""
+        for rid in self.books[engine.name].consumed(rids):
+            f = self.flights.get(rid)
+            if f is not None:
                 self._consumed(f, start_s)
 
     # ---- endings ----------------------------------------------------------------------------------------
@@ -330,7 +323,6 @@ class SimConductor(KVPush, EngineHooks):
             return
         f.finished = True
         del self.flights[f.rid]
-        self.awaiting.pop(f.rid, None)
         self.num_finished += 1
 
     def _fail(self, f: Flight, message: str) -> None:

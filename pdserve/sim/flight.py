@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.sim.engine import SimEngine, SimRequest
+from pdserve.sim.engine import SimEngine
 
 
 @dataclass(eq=False)
@@ -31,8 +31,6 @@ class Flight:
     superseded: float = 0.0  # partly filled blocks sent again later
     deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
     first_token: int | None = None  # sampled by the prefill worker
-    decode_request: SimRequest | None = None
-    told_waiting: bool = False  # the core heard its reservation wait for room
     failed: bool = False
     finished: bool = False
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.production_pace import ProductionPace
+from pdserve.core.push_range import push_range
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.flight import Flight
 
@@ -37,19 +38,16 @@ class KVPush:
         return pace.hold_s
 
     def _push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
-        bs = self.block_size
-        final = end >= len(f.prompt)
-        # a partly filled block goes now and again complete; scheduled delivery sends only the last one
-        first, stop = f.next_block, -(-end // bs) if final or not self.links.policy.scheduled else end // bs
-        if first < stop:
-            nbytes = (stop - first) * self.block_bytes
-            if end % bs and not final and stop > end // bs:
+        span = push_range(f.next_block, end, len(f.prompt), self.block_size, self.links.policy.scheduled)
+        if span.num_blocks:
+            nbytes = span.num_blocks * self.block_bytes
+            if span.superseded:
                 f.superseded += self.block_bytes
             self.life.bytes_sent += nbytes
             ports = (self.ports[p.name], self.ports[f.decode.name])
             last = f.in_air[-1] if f.in_air else None  # the transfer's flow still in the air takes the chunk
             if last is not None and last.links == ports and self.links.extend(last, nbytes, duration_s):
-                f.next_block = max(f.next_block, end // bs)
+                f.next_block = span.next_block
                 return
             f.flows += 1
             sent: list = []  # the flow, whose bytes grow with the chunks that join it
@@ -58,7 +56,7 @@ class KVPush:
             if flow is not None:
                 sent.append(flow)
                 f.in_air.append(flow)
-        f.next_block = max(f.next_block, end // bs)
+        f.next_block = span.next_block
 
     def _landed(self, f: Flight, nbytes: float) -> None:
         f.flows -= 1
