@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -26,13 +28,13 @@ def _fill(bm: KVBlockManager, request_id: str, tokens: list[int]) -> list[int]:
 # ---- unit tests ----------------------------------------------------------------------------------------
 def test_constructor_rejects_empty_pool():
     with pytest.raises(ValueError):
-        KVBlockManager(0, BS)
+        KVBlockManager(0, BS, clock=time.monotonic)
     with pytest.raises(ValueError):
-        KVBlockManager(4, 0)
+        KVBlockManager(4, 0, clock=time.monotonic)
 
 
 def test_allocate_and_free_counts():
-    bm = KVBlockManager(10, BS)
+    bm = KVBlockManager(10, BS, clock=time.monotonic)
     assert (bm.num_free_blocks, bm.num_used_blocks) == (10, 0)
     ids = bm.allocate("a", 9)  # 3 blocks
     assert ids is not None and len(ids) == 3 and len(set(ids)) == 3
@@ -57,7 +59,7 @@ def test_allocate_and_free_counts():
 
 
 def test_allocate_returns_none_and_changes_nothing_when_short():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     a = bm.allocate("a", 8)
     assert a is not None and len(a) == 2
     assert bm.allocate("b", 12) is None  # needs 3, 2 free
@@ -73,7 +75,7 @@ def test_allocate_returns_none_and_changes_nothing_when_short():
 
 
 def test_allocate_with_prefix_returns_none_and_changes_nothing_when_short():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     prompt = list(range(9))
     _fill(bm, "a", prompt)  # 3 blocks, two full ones cached
     bm.free("a")
@@ -90,7 +92,7 @@ def test_allocate_with_prefix_returns_none_and_changes_nothing_when_short():
 
 
 def test_prefix_hit_after_cached_and_freed():
-    bm = KVBlockManager(8, BS)
+    bm = KVBlockManager(8, BS, clock=time.monotonic)
     prompt = list(range(10))  # blocks [0..3], [4..7], partial [8, 9]
     a = _fill(bm, "a", prompt)
     assert bm.num_cached_blocks == 2
@@ -110,7 +112,7 @@ def test_prefix_hit_after_cached_and_freed():
 
 
 def test_cache_full_blocks_only_registers_computed_full_blocks():
-    bm = KVBlockManager(8, BS)
+    bm = KVBlockManager(8, BS, clock=time.monotonic)
     prompt = list(range(12))
     bm.allocate("a", 12)
     bm.cache_full_blocks("a", prompt, 7)  # only block 0 is full and computed
@@ -122,7 +124,7 @@ def test_cache_full_blocks_only_registers_computed_full_blocks():
 
 
 def test_prefix_caching_disabled():
-    bm = KVBlockManager(8, BS, enable_prefix_caching=False)
+    bm = KVBlockManager(8, BS, enable_prefix_caching=False, clock=time.monotonic)
     prompt = list(range(9))
     _fill(bm, "a", prompt)
     bm.free("a")
@@ -131,8 +133,8 @@ def test_prefix_caching_disabled():
 
 
 def test_cache_salt_separates_caches():
-    a = KVBlockManager(8, BS, cache_salt=b"model-a")
-    b = KVBlockManager(8, BS, cache_salt=b"model-b")
+    a = KVBlockManager(8, BS, cache_salt=b"model-a", clock=time.monotonic)
+    b = KVBlockManager(8, BS, cache_salt=b"model-b", clock=time.monotonic)
     prompt = list(range(9))
     _fill(a, "r", prompt)
     _fill(b, "r", prompt)
@@ -141,7 +143,7 @@ def test_cache_salt_separates_caches():
 
 @pytest.mark.parametrize("n_blocks", [1, 2, 3])
 def test_find_prefix_leaves_one_token_uncomputed(n_blocks):
-    bm = KVBlockManager(8, BS)
+    bm = KVBlockManager(8, BS, clock=time.monotonic)
     prompt = list(range(n_blocks * BS))
     _fill(bm, "a", prompt)
     assert bm.num_cached_blocks == n_blocks
@@ -155,7 +157,7 @@ def test_find_prefix_leaves_one_token_uncomputed(n_blocks):
 
 
 def test_find_prefix_changes_nothing():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     prompt = list(range(9))
     _fill(bm, "a", prompt)
     bm.free("a")
@@ -165,7 +167,7 @@ def test_find_prefix_changes_nothing():
 
 
 def test_lru_least_recently_freed_reused_first():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     a = _fill(bm, "a", [1] * 4 + [0])  # a[0] cached
     b = _fill(bm, "b", [2] * 4 + [0])  # b[0] cached
     bm.free("a")  # freed first -> evicted first
@@ -180,7 +182,7 @@ def test_lru_least_recently_freed_reused_first():
 
 
 def test_lru_tail_blocks_evicted_before_head():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     prompt = list(range(16))
     a = _fill(bm, "a", prompt)  # 4 full blocks, all cached
     bm.free("a")
@@ -193,7 +195,7 @@ def test_lru_tail_blocks_evicted_before_head():
 
 
 def test_hit_refreshes_lru_position():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     a = _fill(bm, "a", [1] * 4 + [0])
     b = _fill(bm, "b", [2] * 4 + [0])
     bm.free("a")
@@ -207,7 +209,7 @@ def test_hit_refreshes_lru_position():
 
 
 def test_hit_on_block_in_use_is_shared():
-    bm = KVBlockManager(6, BS)
+    bm = KVBlockManager(6, BS, clock=time.monotonic)
     prompt = list(range(9))
     a = _fill(bm, "a", prompt)  # still running
     free_before = bm.num_free_blocks
@@ -225,7 +227,7 @@ def test_hit_on_block_in_use_is_shared():
 
 
 def test_shared_in_use_hit_needs_no_free_block():
-    bm = KVBlockManager(3, BS)
+    bm = KVBlockManager(3, BS, clock=time.monotonic)
     prompt = list(range(9))
     a = _fill(bm, "a", prompt)  # all three blocks in use
     assert bm.num_free_blocks == 0
@@ -236,7 +238,7 @@ def test_shared_in_use_hit_needs_no_free_block():
 
 
 def test_prefix_given_to_request_holding_blocks_is_rejected():
-    bm = KVBlockManager(6, BS)
+    bm = KVBlockManager(6, BS, clock=time.monotonic)
     prompt = list(range(9))
     _fill(bm, "a", prompt)
     bm.allocate("b", 1)
@@ -245,7 +247,7 @@ def test_prefix_given_to_request_holding_blocks_is_rejected():
 
 
 def test_reset_prefix_cache():
-    bm = KVBlockManager(6, BS)
+    bm = KVBlockManager(6, BS, clock=time.monotonic)
     prompt = list(range(9))
     a = _fill(bm, "a", prompt)
     bm.free("a")
@@ -267,7 +269,7 @@ def test_reset_prefix_cache():
 
 
 def test_same_content_computed_twice_keeps_one_cache_entry():
-    bm = KVBlockManager(8, BS)
+    bm = KVBlockManager(8, BS, clock=time.monotonic)
     prompt = list(range(9))
     a = bm.allocate("a", 9)
     b = bm.allocate("b", 9)  # both computed the same prompt without sharing
@@ -302,7 +304,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 16), seed=st.lists(ALPHABET, min_size=BS + 1, max_size=4 * BS),
                 keep_seed=st.booleans())
     def setup(self, num_blocks, seed, keep_seed):
-        self.bm = KVBlockManager(num_blocks, BS)
+        self.bm = KVBlockManager(num_blocks, BS, clock=time.monotonic)
         self.n = num_blocks
         self.reqs: dict[str, dict] = {}  # rid -> {"tokens", "alloc" (tokens covered), "computed"}
         self.waiting_tokens: dict[str, list[int]] = {}
@@ -517,7 +519,7 @@ TestBlockManagerStateful = BlockManagerMachine.TestCase
 
 
 def test_hold_keeps_blocks_past_their_request_until_the_holder_frees_them():
-    bm = KVBlockManager(num_blocks=8, block_size=4)
+    bm = KVBlockManager(num_blocks=8, block_size=4, clock=time.monotonic)
     ids = bm.allocate("r", 12)
     bm.hold("xfer:r", ids[:2])  # e.g. a transfer whose receiver reads these two in place
     bm.free("r")

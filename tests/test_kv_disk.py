@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -345,7 +346,7 @@ def test_tiered_kv_with_real_tier_io_round_trip(tmp_path: Path):
     disk = DiskKVStore(str(tmp_path), "ident", "w0", host.slot_nbytes)
     io = TierIO(layers, host, disk, disk_blocks=8)
     try:
-        bm = KVBlockManager(NUM_BLOCKS, BS)
+        bm = KVBlockManager(NUM_BLOCKS, BS, clock=time.monotonic)
         tiers = build_tiered_kv(bm, io.capacity, LRUPolicy(), LifecycleConfig())
         tokens = list(range(9))
         bm.allocate("a", 9, bm.find_prefix(tokens, "a"))

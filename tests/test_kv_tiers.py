@@ -13,6 +13,7 @@ wrong place shows up as a raise or as tokens that differ from the reference.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -218,7 +219,7 @@ def test_reserve_copies_metadata_from_the_tier_above():
 
 
 def test_unready_entries_are_never_hit_by_extend():
-    bm = KVBlockManager(4, BS)
+    bm = KVBlockManager(4, BS, clock=time.monotonic)
     host = TierIndex(Tier.HOST, 4, LRUPolicy(), CFG)
     tiers = TieredKV(bm, host, None, 100)
     host.reserve(11, 0.0)
@@ -384,7 +385,7 @@ def test_build_tiered_kv_restores_the_most_recently_used_and_deletes_the_rest():
 
 def test_a_disk_tier_needs_a_host_tier():
     with pytest.raises(ValueError, match="needs a host tier"):
-        TieredKV(KVBlockManager(4, BS), None, TierIndex(Tier.DISK, 4, LRUPolicy()), 64)
+        TieredKV(KVBlockManager(4, BS, clock=time.monotonic), None, TierIndex(Tier.DISK, 4, LRUPolicy()), 64)
     with pytest.raises(ValueError, match="positive capacity"):
         TierIndex(Tier.HOST, 0, LRUPolicy())
 
@@ -831,7 +832,7 @@ def test_disk_full_stops_flushing_and_serving_goes_on():
 def test_failed_offload_is_dropped_and_not_served():
     engine, io = tiered_engine(num_blocks=8, host=64)
     a, b, c = prompts(3, 17, seed=8)
-    ha = KVBlockManager(8, BS).find_prefix(a).block_hashes
+    ha = KVBlockManager(8, BS, clock=time.monotonic).find_prefix(a).block_hashes
     io.fail["offload"][ha[1]] = "RuntimeError: copy failed"
     serve(engine, io, "a", a)
     serve(engine, io, "b", b)
@@ -1070,7 +1071,7 @@ class Driver:
         rng = random.Random(seed)
         root = [rng.randrange(VOCAB) for _ in range(8)]  # two blocks every head shares
         self.heads = [root + [rng.randrange(VOCAB) for _ in range(8)] for _ in range(4)]
-        self.head_hashes = [KVBlockManager(1, BS).find_prefix(h + [0]).block_hashes for h in self.heads]
+        self.head_hashes = [KVBlockManager(1, BS, clock=time.monotonic).find_prefix(h + [0]).block_hashes for h in self.heads]
         self.reqs: dict[str, tuple[list[int], int]] = {}
         self.reserved: dict[str, int] = {}  # WAITING_FOR_KV request -> prompt tokens it had here
         self.ended: set[str] = set()

@@ -117,7 +117,7 @@ def test_growth_churn_and_bad_input(kind):
 
 def test_without_the_compiled_module_the_fallbacks_are_taken_and_counted():
     code = ("from pdserve.core import native; from pdserve.core.block_manager import KVBlockManager;"
-            "bm = KVBlockManager(8, 4); print(type(bm._cached).__name__, type(bm._free).__name__,"
+            "bm = KVBlockManager(8, 4, clock=lambda: 0.0); print(type(bm._cached).__name__, type(bm._free).__name__,"
             " native.fallback_count(), native.fallback_reason())")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PDSERVE_NATIVE="0"),
                          capture_output=True, text=True, timeout=120)

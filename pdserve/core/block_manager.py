@@ -16,7 +16,6 @@ array operations: the simulator replays hours of a cluster on this same code.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ class KVBlockManager(BlockHolds):
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  cache_salt: bytes = b"", eviction: EvictionPolicy | None = None,
-                 lifecycle: LifecycleConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 lifecycle: LifecycleConfig | None = None, *, clock: Callable[[], float]) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -80,7 +79,7 @@ class KVBlockManager(BlockHolds):
         # chooses among the `lifecycle.eviction_sample` least recently freed.
         self.eviction = None if isinstance(eviction, LRUPolicy) else eviction
         self.lifecycle = lifecycle or LifecycleConfig()
-        self.clock = clock
+        self.clock = clock  # seconds: the engine's (the wall clock's monotonic time, or the simulator's)
         # (block ids, hashes) arrays of blocks registered since the owner last took them (the tiers copy them
         # down), one pair per registration
         self.newly_cached: list[tuple[np.ndarray, np.ndarray]] | None = None

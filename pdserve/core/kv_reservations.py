@@ -13,7 +13,6 @@ blocks, tiers, hot window, request table and waiting queue), kept apart so each 
 from __future__ import annotations
 
 import bisect
-import time
 
 from pdserve.core.block_manager import PrefixHit
 from pdserve.core.kv_ops import KVLoad
@@ -51,7 +50,7 @@ class KVReservations:
             hit_tokens = prefix.num_tokens + len(lower.host) * self.blocks.block_size
         self.requests[request.request_id] = request
         self._num_reserved += 1
-        request.scheduled_s = time.monotonic()
+        request.scheduled_s = self.blocks.clock()
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_prompt_tokens = hit_tokens
         self.stats.num_prompt_tokens += request.num_prompt_tokens
@@ -85,7 +84,7 @@ class KVReservations:
         req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
         bisect.insort(self.running, req, key=self.policy.sort_key)
         if first_token is not None:
-            req.prefilled_s = req.first_token_s = time.monotonic()
+            req.prefilled_s = req.first_token_s = self.blocks.clock()
             req.append_output_token(first_token)
             status = self._stop_status(req)
             if status is not None:

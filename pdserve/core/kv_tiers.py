@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -388,12 +387,15 @@ def capacity_blocks(blocks: KVBlockManager, tiers: TieredKV | None) -> int:
 def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, lifecycle: LifecycleConfig,
                     restored: Sequence[tuple[int, float, float]] = (), wall_now: float | None = None) -> TieredKV:
     """Tiers sized by `capacity` (`host_blocks`, `disk_blocks`, `block_bytes`), the disk tier re-indexing
-    `restored` blocks [(hash, produced-at, last use) in wall-clock seconds] from an earlier run."""
+    `restored` blocks [(hash, produced-at, last use) in wall-clock seconds] from an earlier run, aged by
+    `wall_now` (the wall clock now, which the caller reads: core reads no clock)."""
     host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle, keep_evicted=False)
     disk = TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle) if capacity.disk_blocks else None
     tiers = TieredKV(blocks, host, disk, capacity.block_bytes)
     if disk is not None and restored:
-        now, wall_now = blocks.clock(), time.time() if wall_now is None else wall_now
+        if wall_now is None:
+            raise ValueError("restored blocks need wall_now, the wall clock they were stamped by")
+        now = blocks.clock()
         restored = sorted(restored, key=lambda r: r[2])  # least recently used first, as the index keeps them
         over = max(len(restored) - disk.capacity, 0)
         tiers.stale.extend(block_hash for block_hash, _, _ in restored[:over])  # the least recently used go

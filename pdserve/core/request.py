@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 from pdserve.core.sampling_params import SamplingParams
@@ -67,7 +66,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival_s: float = field(default_factory=time.monotonic)
+    arrival_s: float = 0.0  # on the engine's clock: its caller stamps it (core reads no clock)
     priority: int = 0
     service_tier: str = "default"  # priority | default | flex (`pdserve.core.service_tiers`)
     prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample the first token, stop

@@ -20,7 +20,6 @@ sampled (no stop checks there). The decode side's reservations for delivered KV 
 from __future__ import annotations
 
 import bisect
-import time
 
 from pdserve.core.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.hot_window import HotWindow
@@ -176,7 +175,7 @@ class Scheduler(KVReservations):
 
     def update(self, scheduled: SchedulerOutput, result: ExecutorOutput) -> list[Request]:
         """Advance requests by what the step computed and sampled; return the requests that finished."""
-        now = time.monotonic()
+        now = self.blocks.clock()
         finished: list[Request] = []
         if scheduled.kv_loads or scheduled.kv_loads_ahead:
             self.tiers.loads_done(scheduled.kv_loads + scheduled.kv_loads_ahead)
@@ -312,7 +311,7 @@ class Scheduler(KVReservations):
                 req.num_cached_prompt_tokens = hit_tokens
             req.num_computed_tokens = hit_tokens
             req.status = RequestStatus.PREFILLING
-            req.scheduled_s = req.scheduled_s or time.monotonic()
+            req.scheduled_s = req.scheduled_s or self.blocks.clock()
             bisect.insort(self.running, req, key=self.policy.sort_key)
             chunks.append(self._chunk(req, n))
             budget -= n
@@ -389,7 +388,7 @@ class Scheduler(KVReservations):
             self.waiting.ended()
         self._drop_pending_loads(req.request_id)  # never loaded into blocks freed (and reused) meanwhile
         req.status = status
-        req.finished_s = time.monotonic()
+        req.finished_s = self.blocks.clock()
         if req.pin is not None and status in _PINNABLE:
             pin_id, ttl_s = req.pin
             self.stats.num_pinned_blocks[pin_id] = self.blocks.pin(f"prewarm:{pin_id}", req.request_id,

@@ -65,7 +65,7 @@ class LLMEngine:
         self.tiers: TieredKV | None = None
         if self.kv_io is not None and enable_prefix_caching:
             self.tiers = build_tiered_kv(self.block_manager, self.kv_io.capacity, eviction, lifecycle,
-                                         self.kv_io.restored())
+                                         self.kv_io.restored(), wall_now=time.time())
             self.scheduler.tiers = self.tiers
         self.eos_token_ids = eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
