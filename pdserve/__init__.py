@@ -5,7 +5,7 @@ Imports are lazy so that `import pdserve.core` (and the simulator) never loads t
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from pdserve.version import __version__
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve import __version__
+from pdserve.version import __version__
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.server.gateway import Gateway
 from pdserve.server.choices import Collected, Shape
