@@ -69,6 +69,7 @@ class SimConductor(KVPush, EngineHooks):
         self._rng = random.Random(seed)
         self.flights: dict[str, Flight] = {}
         self.books: dict[str, DecodeBooks] = {}  # each decode engine's (the real decode worker's books)
+        self.xfers: dict[str, str] = {}  # transfer -> request id, as reserved (a command may name only the first)
         self.life = Lifecycle()
         self.num_finished = 0
         self.staging = SimStaging(self.life)
@@ -175,12 +176,13 @@ class SimConductor(KVPush, EngineHooks):
         elif kind == "abort":
             engine.post(lambda: self._abort(engine, rid), self.control_s)
         elif kind == "kv_failed":
-            engine.post(lambda: self._kv_failed(engine, rid), self.control_s)
+            engine.post(lambda: self._kv_failed(engine, cmd["xfer"]), self.control_s)
 
-    def _kv_failed(self, engine: SimEngine, rid: str) -> None:
-        req = engine.scheduler.requests.get(rid)
+    def _kv_failed(self, engine: SimEngine, xfer: str) -> None:
+        """The conductor says this KV will not come: the prompt is recomputed here."""
+        req = engine.scheduler.requests.get(self.xfers.get(xfer))
         if req is not None and req.status.name == "WAITING_FOR_KV":
-            engine.scheduler.kv_failed(rid)
+            engine.scheduler.kv_failed(req.request_id)
 
     def _abort(self, engine: SimEngine, rid: str) -> None:
         engine.engine.abort([rid])
@@ -191,6 +193,8 @@ class SimConductor(KVPush, EngineHooks):
 
     def _reserve(self, engine: SimEngine, f: Flight, cmd: dict) -> None:
         """The decode worker makes the request when the reservation reaches it and queues it in its books."""
+        if not f.finished:
+            f.xfer, self.xfers[cmd["xfer"]] = cmd["xfer"], cmd["rid"]
         try:
             self.books[engine.name].reserve(self._request(cmd), cmd["xfer"])
         except PdserveError as e:
@@ -323,6 +327,7 @@ class SimConductor(KVPush, EngineHooks):
             return
         f.finished = True
         del self.flights[f.rid]
+        self.xfers.pop(f.xfer, None)
         self.num_finished += 1
 
     def _fail(self, f: Flight, message: str) -> None:

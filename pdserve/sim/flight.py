@@ -21,6 +21,7 @@ class Flight:
     priority: int = 0  # as the real conductor's: carried to both workers' schedulers
     tier: str = "default"
     decode: SimEngine | None = None
+    xfer: str = ""  # its transfer, as the decode engine reserved it
     prefill: SimEngine | None = None
     next_block: int = 0  # first block-table index not yet sent in full
     flows: int = 0  # flows in the air
