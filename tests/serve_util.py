@@ -18,6 +18,17 @@ _BESIDE = Path(__file__).resolve().parents[2] / "shared" / "traces"  # a checkou
 TRACES = Path(os.environ.get("PDSERVE_TRACES") or (_BESIDE if _BESIDE.is_dir() else "/work/shared/traces"))
 
 
+def wait_for(read, ok=bool, timeout_s: float = 10.0, every_s: float = 0.1):
+    """`read()` polled until `ok` of its value holds or `timeout_s` passed: the last value read (assert on it;
+    never sleep a fixed time and then assert)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if ok(value) or time.monotonic() >= deadline:
+            return value
+        time.sleep(every_s)
+
+
 class Server:
     def __init__(self, *args: str, env: dict | None = None, timeout_s: float = 300) -> None:
         self.args = args
@@ -43,6 +54,11 @@ class Server:
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         return scrape_metrics(self.url)
+
+    def wait_metric(self, name: str, ok, timeout_s: float = 10.0, **labels) -> float:
+        """The metric once `ok` of it holds (the workers' stats reach the gateway every 0.25 s), else its last
+        value after `timeout_s` (the caller's assert then fails on it)."""
+        return wait_for(lambda: self.metric(name, **labels), ok, timeout_s)
 
     def metric(self, name: str, **labels) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""

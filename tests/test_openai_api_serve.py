@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import jsonschema
 import openai
@@ -54,23 +53,34 @@ def test_n_samples_differ_repeat_with_the_seed_and_share_one_prefill(server):
     c = client(server)
     before = _computed(server)
     first = c.completions.create(model=MODEL, prompt=prompt, n=3, seed=11, temperature=1.0, max_tokens=12)
-    time.sleep(2.5)  # (worker stats arrive every second)
-    computed = _computed(server) - before
     texts = [ch.text for ch in sorted(first.choices, key=lambda ch: ch.index)]
     assert [ch.index for ch in first.choices] == [0, 1, 2] and len(set(texts)) == 3
     n_prompt = first.usage.prompt_tokens
     assert 3 <= first.usage.completion_tokens <= 36
     # the prompt ran through the model once; each other sequence computed only what no full block covers
-    assert n_prompt <= computed <= n_prompt + 2 * BLOCK, (computed, n_prompt)
+    tail = n_prompt % BLOCK or BLOCK
+    computed = server.wait_metric("pdserve_prompt_tokens_computed_total", lambda v: v - before >= n_prompt + 2 * tail)
+    assert computed - before == n_prompt + 2 * tail, (computed - before, n_prompt)
     again = c.completions.create(model=MODEL, prompt=prompt, n=3, seed=11, temperature=1.0, max_tokens=12)
     assert [ch.text for ch in sorted(again.choices, key=lambda ch: ch.index)] == texts
 
 
 def test_best_of_returns_the_best_n_and_counts_every_token(server):
-    resp = client(server).completions.create(model=MODEL, prompt="My favourite animal is", n=2, best_of=4,
-                                             temperature=1.0, max_tokens=6, extra_body={"ignore_eos": True})
+    body = dict(model=MODEL, prompt="My favourite animal is", temperature=1.0, max_tokens=6, seed=5,
+                extra_body={"ignore_eos": True})
+    resp = client(server).completions.create(n=2, best_of=4, **body)
     assert len(resp.choices) == 2 and resp.usage.completion_tokens == 4 * 6
     assert all(ch.logprobs is None for ch in resp.choices)
+    # sequence i samples with seed + i, so n=4 with the same seed shows all four best_of ran: the two returned
+    # are the two with the highest cumulative logprob, best first
+    scored = client(server).completions.create(n=2, best_of=4, logprobs=0, **body)
+    every = client(server).completions.create(n=4, logprobs=0, **body)
+    total = {ch.text: sum(ch.logprobs.token_logprobs) for ch in every.choices}
+    assert len(total) == 4, total  # (four different samples: the ranking means something)
+    ranked = sorted(total, key=total.get, reverse=True)
+    assert [ch.text for ch in scored.choices] == [ch.text for ch in resp.choices] == ranked[:2], total
+    for ch in scored.choices:
+        assert sum(ch.logprobs.token_logprobs) == pytest.approx(total[ch.text], abs=1e-4)
     with pytest.raises(openai.BadRequestError):
         client(server).completions.create(model=MODEL, prompt="x", n=3, best_of=2, max_tokens=2)
 
@@ -176,6 +186,16 @@ def test_a_tool_conversation_round_trips(server):
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"}]
-    r = client(server).chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=16)
-    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    c = client(server)
+    # after the tool's result, a call forced by name is that function's, its arguments its schema's
+    forced = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, ADD], max_tokens=60,
+                                       tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "add" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+    # and `none` forces an answer in words
+    words = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=16,
+                                      tool_choice="none")
+    assert not words.choices[0].message.tool_calls and words.choices[0].message.content
+    assert words.usage.completion_tokens >= 1 and words.choices[0].finish_reason in ("stop", "length")
     assert server.metric("pdserve_fallbacks_total", kind="tools_in_system_prompt") >= 1
