@@ -4,7 +4,6 @@ transports."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import openai
@@ -122,7 +121,8 @@ def test_serve_with_transport_auto_probes_both_paths_and_delivers_every_transfer
         texts = [client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Note {i}: " + "the tide rises " * 30,
                                            max_tokens=8, temperature=0).choices[0].text for i in range(4)]
         assert all(texts)
-        time.sleep(0.6)  # the workers' stats
+        # the workers' stats
+        assert server.wait_metric("pdserve_kv_path_transfers_total", lambda v: v >= 4, worker="prefill-0") == 4
         assert server.metric("pdserve_kv_path_transfers_total", worker="prefill-0", path="shm") == 2
         assert server.metric("pdserve_kv_path_transfers_total", worker="prefill-0", path="tcp") == 2
         assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 4
