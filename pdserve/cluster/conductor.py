@@ -23,7 +23,6 @@ from pdserve.cluster.admission import Admission
 from pdserve.cluster.actions import Level, Switch
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
-# (params_dict is also imported from here by pdserve.sim.conductor, until it takes it from core)
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.transfer.zmq_auth import Refusals, secure_client
