@@ -28,7 +28,7 @@ from pathlib import Path
 
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 AZURE = "/work/shared/traces/AzureLLMInferenceTrace_conv_2023.csv"
-TIERS = "priority=0.2,default=0.6,flex=0.2"
+TIER_MIX = "priority=0.2,default=0.6,flex=0.2"
 
 
 def _mode(mode: str) -> tuple[str, str]:
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--part", default="sim", choices=["sim", "serve"])
-    ap.add_argument("--tier-mix", default=TIERS, help="service tier mix of the requests, or none")
+    ap.add_argument("--tier-mix", default=TIER_MIX, help="service tier mix of the requests, or none")
     ap.add_argument("--azure", default=AZURE)
     ap.add_argument("--serve-link-gbps", type=float, default=0.032)
     ap.add_argument("--transports", default="shm,tcp")

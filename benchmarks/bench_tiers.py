@@ -85,7 +85,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pdserve.bench.metrics import RequestRecord, goodput, latency_stats, meets_slo, per_tier, tier_slo  # noqa: E402
 from pdserve.bench.tier_mix import assign_tiers, parse_tier_mix, tier_slos  # noqa: E402
-from pdserve.core.service_tiers import TIERS  # noqa: E402
+from pdserve.core.service_tiers import SERVICE_TIERS  # noqa: E402
 from serve_proc import PDSERVE, Server  # noqa: E402 - beside this script
 
 CONFIGS = ("tiered+admission", "tiered, no admission", "fifo")
@@ -275,7 +275,7 @@ def run_rows(config: str, load: float, rate: float, run: dict, slos: dict, tags:
     duration = run["summary"]["duration_s"]
     recs = records_of(run, tags)
     tiers = per_tier(recs, duration_s=duration, tier_slos=slos) if tags is not None else run["summary"]["per_tier"]
-    tiers = {n: tiers.get(n) or no_requests(n, slos) for n in TIERS if n in tiers or n in mix}
+    tiers = {n: tiers.get(n) or no_requests(n, slos) for n in SERVICE_TIERS if n in tiers or n in mix}
     source = "recomputed from result.json records" if tags is not None else "result.json per_tier"
     rows = []
     for tier, t in [*tiers.items(), ("all", all_tiers(recs, slos, duration))]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import typing
 
-from pdserve.engine.config import EngineConfig, field_help
+from pdserve.engine.config import EngineConfig
 from pdserve.errors import PdserveError
+from pdserve.flags import add_config_args
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
@@ -16,27 +16,6 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
     parser.add_argument("--service-tier", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,share=Z]",
                         help="a service tier's SLOs (priority, default, flex) and the priority tier's reserved "
                              "share of each worker (repeatable); tiers without an SLO are best effort")
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: frozenset[str] = frozenset()) -> None:
-    """One flag per field of a config dataclass, help text taken from the field's docstring."""
-    helps = field_help(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name])
-            continue
-        if typing.get_origin(hint) is tuple:  # repeatable
-            parser.add_argument(flag, action="append", type=str, default=None, help=helps[f.name] + " (repeatable)",
-                                metavar=f.name.upper())
-            continue
-        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(flag, type=base if base in (int, float) else str, default=f.default,
-                            help=helps[f.name], metavar=f.name.upper())
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -93,16 +72,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.cluster.joined import worker_spec
+    from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, pick
     spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
-                       data_host=args.data_host, drain_timeout_s=args.drain_timeout_s,
-                       kv_timeout_s=args.kv_timeout_s, delivery=args.delivery,
-                       delivery_backlog_s=args.delivery_backlog_s, join_timeout_s=args.join_timeout_s,
-                       decode_cadence=args.decode_cadence)
+                       data_host=args.data_host, supervision=pick(SupervisionSettings, args),
+                       delivery=DeliverySettings(delivery=args.delivery, delivery_backlog_s=args.delivery_backlog_s),
+                       cadence=pick(CadenceSettings, args),
+                       join_timeout_s=args.join_timeout_s)
     from pdserve.cluster.worker import run
     return run(spec)
 
 
 def _add_worker_parser(sub) -> None:
+    from pdserve.cluster.spec import WorkerSpec
+    from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, default_of
     w = sub.add_parser("worker", help="start a worker that joins a running pdserve serve (its --control-port)")
     w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     w.add_argument("--join", required=True, metavar="tcp://HOST:PORT",
@@ -112,14 +94,12 @@ def _add_worker_parser(sub) -> None:
     w.add_argument("--data-host", default=None,
                    help="address it binds its command and KV sockets on and tells its peers; default: the "
                         "address this host reaches the gateway from")
-    w.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, the longest it finishes its requests before leaving (what is left moves)")
-    w.add_argument("--join-timeout-s", type=float, default=30.0,
+    w.add_argument("--join-timeout-s", type=float, default=default_of(WorkerSpec, "join_timeout_s"),
                    help="exit (status 2) when the gateway has not taken it this long after it is ready")
-    w.add_argument("--kv-timeout-s", type=float, default=30.0, help="as pdserve serve's")
-    w.add_argument("--delivery", default="scheduled", help="as pdserve serve's (prefill workers)")
-    w.add_argument("--delivery-backlog-s", type=float, default=2.0, help="as pdserve serve's (prefill workers)")
-    w.add_argument("--decode-cadence", default="off", choices=["off", "steady"], help="as pdserve serve's (decode workers)")
+    add_config_args(w, SupervisionSettings)
+    # a joined worker's link shares and rate are its spec's defaults: no flags for them
+    add_config_args(w, DeliverySettings, skip=frozenset({"link_share", "link_gbps"}))
+    add_config_args(w, CadenceSettings)
     add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 

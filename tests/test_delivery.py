@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket, _equal_split, parse_link_share
+from pdserve.core.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket, _equal_split
+from pdserve.core.settings import parse_link_share
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.events import EventLoop
 from pdserve.sim.link import LinkModel

@@ -17,7 +17,7 @@ Definitions (all times in seconds on one monotonic clock; summaries report milli
   `num_ok` nor in `num_errors` (nor in `errors`); num_requests = num_ok + num_errors + num_rejected. They count
   as SLO misses like failures.
 
-Per service tier (`per_tier`, present when any record has a `service_tier`; tiers in `TIERS` order, then any
+Per service tier (`per_tier`, present when any record has a `service_tier`; tiers in `SERVICE_TIERS` order, then any
 other name sorted): counts as above, TTFT/TPOT stats over that tier's successful requests, and `slo`:
 * the tier's SLO is `tier_slos[tier]`, each of its two limits falling back to the global `slo_ttft_ms` /
   `slo_tpot_ms` when None or when the tier is not in `tier_slos`;
@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.core.service_tiers import TIERS
+from pdserve.core.service_tiers import SERVICE_TIERS
 
 PERCENTILES = (50, 90, 99)
 PERCENTILE_METHOD = "linear"
 MAX_ERROR_GROUPS = 5
-TIER_ORDER = TIERS  # the per-tier rows' order; names outside it follow, sorted
+TIER_ORDER = SERVICE_TIERS  # the per-tier rows' order; names outside it follow, sorted
 
 TierSlos = dict[str, tuple[float | None, float | None]]
 

@@ -1,6 +1,6 @@
 """Service-tier mixes for the load generator: `--tier-mix priority=0.2,default=0.6,flex=0.2`.
 
-`parse_tier_mix` checks the spec (tier names from `pdserve.core.service_tiers.TIERS`, every fraction > 0, their
+`parse_tier_mix` checks the spec (tier names from `pdserve.core.service_tiers.SERVICE_TIERS`, every fraction > 0, their
 sum 1 within `SUM_TOLERANCE`); `assign_tiers` tags each request of a workload with one tier, drawn
 independently with those probabilities from `random.Random(seed)`: the same arguments give the same tags, so
 every rate of a sweep (and `pdserve simulate` with the same seed) sends the same tier to the same request.
@@ -16,7 +16,7 @@ import bisect
 import itertools
 import random
 
-from pdserve.core.service_tiers import TIERS, ServiceTiers
+from pdserve.core.service_tiers import SERVICE_TIERS, ServiceTiers
 from pdserve.errors import InvalidRequestError
 
 SUM_TOLERANCE = 1e-6
@@ -35,8 +35,8 @@ def parse_tier_mix(text: str) -> dict[str, float]:
         name = name.strip()
         if not eq:
             raise _fail(text, f"expected {_FORM}, got {item!r}")
-        if name not in TIERS:
-            raise _fail(text, f"unknown tier {name!r}; choose from {', '.join(TIERS)}")
+        if name not in SERVICE_TIERS:
+            raise _fail(text, f"unknown tier {name!r}; choose from {', '.join(SERVICE_TIERS)}")
         if name in mix:
             raise _fail(text, f"tier {name!r} given twice")
         try:
@@ -67,7 +67,7 @@ def assign_tiers(num_requests: int, mix: dict[str, float], seed: int) -> list[st
 def tier_slos(specs) -> dict[str, tuple[float | None, float | None]]:
     """`--service-tier` specs -> {tier: (ttft_ms, tpot_ms)} for the tiers given (None: use the global SLO)."""
     tiers = ServiceTiers.from_specs(specs or ())
-    return {n: (tiers[n].ttft_ms, tiers[n].tpot_ms) for n in TIERS if tiers[n].has_slo}
+    return {n: (tiers[n].ttft_ms, tiers[n].tpot_ms) for n in SERVICE_TIERS if tiers[n].has_slo}
 
 
 def tier_flags(args) -> tuple[dict[str, float] | None, dict[str, tuple[float | None, float | None]]]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.core.online_fit import OnlineFit
+from pdserve.core.settings import AdmissionSettings, default_of
 from pdserve.core.service_tiers import ServiceTier
 from pdserve.core.step_budget import HEADROOM
 
@@ -122,7 +123,8 @@ class WorkerModel:
 
 
 class Admission:
-    def __init__(self, margin: float = 0.1, max_outstanding: int = 4096, predict: bool = True) -> None:
+    def __init__(self, margin: float = default_of(AdmissionSettings, "admission_margin"),
+                 max_outstanding: int = default_of(AdmissionSettings, "max_outstanding"), predict: bool = True) -> None:
         self.margin, self.max_outstanding, self.predict = margin, max_outstanding, predict
         self.models: dict[str, WorkerModel] = {}
         self.last_ttft_s: float | None = None  # the prediction of the last `check` (None: none made)

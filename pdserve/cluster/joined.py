@@ -24,8 +24,8 @@ import time
 from urllib.parse import urlsplit
 
 from pdserve.cluster.spec import WorkerSpec
-from pdserve.core.decode_cadence import check_cadence
-from pdserve.core.delivery import check_mode
+from pdserve.cluster.wire import Leaving, Left
+from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, default_of
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth
 
@@ -34,11 +34,12 @@ READY_EVERY_S = 2.0  # a joining worker says it is ready again this often until 
 
 
 def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, data_host: str | None = None,
-                drain_timeout_s: float = 30.0, kv_timeout_s: float = 30.0, delivery: str = "scheduled",
-                delivery_backlog_s: float = 2.0, join_timeout_s: float = 30.0, decode_cadence: str = "off"
-                ) -> WorkerSpec:
+                supervision: SupervisionSettings = SupervisionSettings(),
+                delivery: DeliverySettings = DeliverySettings(), cadence: CadenceSettings = CadenceSettings(),
+                join_timeout_s: float = default_of(WorkerSpec, "join_timeout_s")) -> WorkerSpec:
     """The spec of a worker that joins the gateway at `join` (checked here: bad input is a one-line error
-    before the model loads). `engine`: EngineConfig fields, `model` among them."""
+    before the model loads). `engine`: EngineConfig fields, `model` among them. A joined worker takes its
+    delivery order and backlog from `delivery` (its link shares and rate are the spec's defaults)."""
     from pdserve.model.loader import resolve_model_dir
     if role not in ROLES:
         raise InvalidRequestError(f"--role must be prefill, decode or colocated, got {role!r}", param="role")
@@ -46,18 +47,17 @@ def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, 
     if not peer_auth.valid_secret(os.environ.get(peer_auth.ENV, "")):
         raise InvalidRequestError(f"a joining worker proves it belongs to the deployment with its secret: set "
                                   f"{peer_auth.ENV} to the gateway's (64 hex digits)", param="join")
-    if not drain_timeout_s >= 0 or not kv_timeout_s > 0 or not join_timeout_s > 0:
-        raise InvalidRequestError("--drain-timeout-s must be >= 0, --kv-timeout-s and --join-timeout-s positive")
-    check_mode(delivery)
-    check_cadence(decode_cadence)
+    if not join_timeout_s > 0:
+        raise InvalidRequestError("--join-timeout-s must be positive", param="join_timeout_s")
     data_host = data_host or local_address(host, port)
     engine = dict(engine)
     model_dir = str(resolve_model_dir(engine.pop("model", None)))
     return WorkerSpec(name=name or f"{role}-{socket.gethostname()}-{os.getpid()}", role=role, model_dir=model_dir,
                       engine=engine, cmd_addr=zmq_address(data_host, "*"), event_addr=zmq_address(host, port),
-                      transport="tcp", kv_host=data_host, kv_timeout_s=kv_timeout_s, delivery=delivery,
-                      delivery_backlog_s=delivery_backlog_s, joined=True, drain_timeout_s=drain_timeout_s,
-                      join_timeout_s=join_timeout_s, decode_cadence=decode_cadence)
+                      transport="tcp", kv_host=data_host, kv_timeout_s=supervision.kv_timeout_s,
+                      delivery=delivery.delivery, delivery_backlog_s=delivery.delivery_backlog_s, joined=True,
+                      drain_timeout_s=supervision.drain_timeout_s, join_timeout_s=join_timeout_s,
+                      decode_cadence=cadence.decode_cadence)
 
 
 def parse_join(url: str) -> tuple[str, int]:
@@ -124,12 +124,12 @@ class Departure:
         if self.asked_s is None:
             return
         if not self.announced:
-            w.emit({"type": "leaving", "worker": w.spec.name})
+            w.emit(Leaving(w.spec.name))
             self.announced = True
             print(f"pdserve: worker {w.spec.name} leaving: finishing its requests", flush=True)
         timed_out = now - self.asked_s > self.drain_timeout_s
         if (self.released and self._delivered()) or timed_out:
-            w.emit({"type": "left", "worker": w.spec.name, "released": self.released and not timed_out})
+            w.emit(Left(w.spec.name, self.released and not timed_out))
             w.running = False
             print(f"pdserve: worker {w.spec.name} left" + ("" if self.released else
                                                            " (drain timed out: its requests move)"), flush=True)

@@ -1,9 +1,12 @@
-"""What a worker process is told at start (JSON on its command line). No torch here."""
+"""What a worker process is told at start (JSON on its command line). No torch here. The settings a worker
+shares with `pdserve serve` and `pdserve simulate` take their defaults from `pdserve.core.settings`."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+
+from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, shared
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSPORTS = ("shm", "tcp")
@@ -20,15 +23,15 @@ class WorkerSpec:
     transport: str = "shm"
     kv_addr: str = ""  # decode/colocated with shm: the worker binds its KV header socket here
     kv_host: str = "127.0.0.1"  # tcp: the interface the KV receiver binds
-    kv_timeout_s: float = 30.0  # a transfer with no progress for this long fails (lease)
+    kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")  # a transfer with no progress this long fails
     ring_mb: int = 16  # shm ring per (prefill, decode) pair
-    delivery: str = "scheduled"  # prefill: the order of KV on each link (pdserve.core.delivery)
+    delivery: str = shared(DeliverySettings, "delivery")  # prefill: the order of KV on each link
     link_share: dict | None = None  # tier -> bandwidth share under scheduled delivery
     link_bytes_s: float | None = None  # prefill: each link throttled to this (None: unthrottled)
-    delivery_backlog_s: float = 2.0  # prefill: production pauses above this much queued delivery (0: never)
-    decode_cadence: str = "off"  # decode: steady paces its steps' outputs (pdserve.core.decode_cadence)
+    delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")  # prefill: production backpressure
+    decode_cadence: str = shared(CadenceSettings, "decode_cadence")  # decode: steady paces its steps' outputs
     joined: bool = False  # started by `pdserve worker --join`, not by the gateway (`pdserve.cluster.joined`)
-    drain_timeout_s: float = 30.0  # joined: on SIGTERM, the longest it finishes its requests before leaving
+    drain_timeout_s: float = shared(SupervisionSettings, "drain_timeout_s")  # joined: on SIGTERM, before leaving
     join_timeout_s: float = 30.0  # joined: the gateway's welcome must come this soon after its `ready`
 
     def to_json(self) -> str:

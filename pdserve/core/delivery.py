@@ -39,49 +39,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pdserve.core.service_tiers import TIERS
-from pdserve.errors import InvalidRequestError
+from pdserve.core.service_tiers import SERVICE_TIERS
+# the delivery settings' grammar (`--delivery`, `--link-share`) lives with the settings
+from pdserve.core.settings import DEFAULT_SHARES, DeliverySettings, check_mode, default_of
 
-DELIVERY_MODES = ("scheduled", "fifo")
-DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}
 RELAND_S = 0.001  # a prefilled transfer's landing estimate that moved by more than this is reported again
 LANDING_RECHECK_S = 0.05  # while prefilled transfers are in the air, their landings are re-estimated this often
 # "on time": a transfer's KV first consumed within +-5 ms of its predicted consumption (its deadline): the
 # conductor's consumption tails, the simulator's and `pdserve bench`'s predictability shares
 CONSUME_TOLERANCE_S = 0.005
 _EPS = 1e-12
-
-
-def parse_link_share(text: str | None) -> dict[str, float]:
-    """`priority=0.5,default=0.4,flex=0.1` -> shares normalized to sum to 1; tiers not named get none
-    (they still get what the named ones leave unused)."""
-    if not text:
-        return dict(DEFAULT_SHARES)
-    shares: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.strip().partition("=")
-        if not sep or name not in TIERS:
-            raise InvalidRequestError(f"--link-share wants TIER=SHARE[,...] with TIER one of {', '.join(TIERS)}; "
-                                      f"got {part.strip()!r}", param="link_share")
-        try:
-            share = float(value)
-        except ValueError:
-            share = -1.0
-        if not share >= 0.0 or share == float("inf"):
-            raise InvalidRequestError(f"--link-share: {name}'s share must be a number >= 0, got {value!r}",
-                                      param="link_share")
-        shares[name] = share
-    total = sum(shares.values())
-    if total <= 0:
-        raise InvalidRequestError("--link-share: the shares must not all be zero", param="link_share")
-    return {name: share / total for name, share in shares.items()}
-
-
-def check_mode(mode: str) -> str:
-    if mode not in DELIVERY_MODES:
-        raise InvalidRequestError(f"delivery must be one of {', '.join(DELIVERY_MODES)}, got {mode!r}",
-                                  param="delivery")
-    return mode
 
 
 @dataclass(eq=False)
@@ -97,7 +64,8 @@ class Item:
 
 
 class DeliveryPolicy:
-    def __init__(self, mode: str = "scheduled", shares: dict[str, float] | None = None) -> None:
+    def __init__(self, mode: str = default_of(DeliverySettings, "delivery"), shares: dict[str, float] | None = None
+                 ) -> None:
         self.mode = check_mode(mode)
         self.shares = dict(DEFAULT_SHARES if shares is None else shares)
 
@@ -353,7 +321,7 @@ class TokenBucket:
 @dataclass(frozen=True)
 class WaterLevel:
     """Pause production above `high_s` seconds of queued delivery."""
-    high_s: float = 2.0
+    high_s: float = default_of(DeliverySettings, "delivery_backlog_s")
 
     def hold_s(self, queued_bytes: float, rate: float | None) -> float:
         """How long production should wait (0: go on)."""
@@ -365,6 +333,6 @@ class WaterLevel:
 
 def counted_tiers(requests) -> set[str]:
     """The tiers whose queued KV holds back production for these requests: the best one's and above."""
-    best = min((TIERS.index(r.service_tier) if r.service_tier in TIERS else len(TIERS) for r in requests),
+    best = min((SERVICE_TIERS.index(r.service_tier) if r.service_tier in SERVICE_TIERS else len(SERVICE_TIERS) for r in requests),
                default=None)
-    return set() if best is None else set(TIERS[:best + 1])
+    return set() if best is None else set(SERVICE_TIERS[:best + 1])

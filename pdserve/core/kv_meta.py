@@ -33,6 +33,9 @@ class Tier(str, enum.Enum):
     DISK = "disk"
 
 
+STORAGE_TIERS = tuple(t.value for t in Tier)  # where KV lives, top down (service tiers: SERVICE_TIERS)
+
+
 class Stage(str, enum.Enum):
     PREWARM = "prewarm"
     ACTIVE = "active"

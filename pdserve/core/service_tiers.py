@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.errors import InvalidRequestError
 
-TIERS = ("priority", "default", "flex")
+SERVICE_TIERS = ("priority", "default", "flex")  # SLA classes, best first (storage tiers: kv_meta.STORAGE_TIERS)
+TIERS = SERVICE_TIERS  # old name, until cluster/worker.py's import of it (mid-rewrite elsewhere) is committed
 AUTO = "auto"
 BEST_EFFORT_HORIZON_S = 30.0  # an elastic tier without a TTFT SLO orders as if it had this one
 _WEIGHTS = {"priority": 1.0, "default": 1.0, "flex": 0.5}
@@ -58,9 +59,9 @@ def parse_service_tier(spec: str) -> ServiceTier:
     """`NAME:ttft_ms=X,tpot_ms=Y[,share=Z][,weight=W]` -> ServiceTier; InvalidRequestError naming the fault."""
     name, _, rest = str(spec).partition(":")
     name = name.strip()
-    if name not in TIERS:
-        raise InvalidRequestError(f"--service-tier {spec!r}: unknown tier {name!r}; choose from {', '.join(TIERS)}",
-                                  param="service_tier")
+    if name not in SERVICE_TIERS:
+        raise InvalidRequestError(f"--service-tier {spec!r}: unknown tier {name!r}; choose from "
+                                  f"{', '.join(SERVICE_TIERS)}", param="service_tier")
     fields: dict[str, float] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
@@ -91,10 +92,10 @@ def _check_fields(spec: str, name: str, fields: dict[str, float]) -> None:
 
 @dataclass(frozen=True)
 class ServiceTiers:
-    """The configured tiers (every one of `TIERS` exists; unconfigured ones are best effort)."""
+    """The configured tiers (every one of `SERVICE_TIERS` exists; unconfigured ones are best effort)."""
 
     tiers: Mapping[str, ServiceTier] = field(default_factory=lambda: {n: ServiceTier(n, weight=_WEIGHTS[n])
-                                                                       for n in TIERS})
+                                                                       for n in SERVICE_TIERS})
 
     @classmethod
     def from_specs(cls, specs: Iterable[str | ServiceTier] = ()) -> ServiceTiers:
@@ -124,9 +125,9 @@ class ServiceTiers:
         naming the allowed values for anything else."""
         if requested is None or requested == AUTO:
             return key_default or "default"
-        if requested not in TIERS:
-            raise InvalidRequestError(f"unknown service_tier {requested!r}; allowed: {AUTO}, {', '.join(TIERS)}",
-                                      param="service_tier")
+        if requested not in SERVICE_TIERS:
+            raise InvalidRequestError(f"unknown service_tier {requested!r}; allowed: {AUTO}, "
+                                      f"{', '.join(SERVICE_TIERS)}", param="service_tier")
         return requested
 
     def specs(self) -> list[str]:

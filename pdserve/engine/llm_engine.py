@@ -21,6 +21,7 @@ from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.schedule import SchedulerConfig, SchedulerOutput
 from pdserve.core.scheduler import Scheduler
+from pdserve.core.settings import KvTierSettings, default_of
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor
 from pdserve.errors import InvalidRequestError
@@ -51,7 +52,8 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, executor: Executor, scheduler_config: SchedulerConfig, num_kv_blocks: int,
                  tokenizer: Tokenizer | None = None, enable_prefix_caching: bool = True,
-                 eos_token_ids: tuple[int, ...] = (), kv_eviction_policy: str = "lru",
+                 eos_token_ids: tuple[int, ...] = (),
+                 kv_eviction_policy: str = default_of(KvTierSettings, "kv_eviction_policy"),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.executor = executor
         self.tokenizer = tokenizer

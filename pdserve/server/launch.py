@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.core import kv_codecs
-from pdserve.core.decode_cadence import check_cadence
-from pdserve.core.delivery import check_mode, parse_link_share
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, SupervisionSettings,
+                                   parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth
 
@@ -61,22 +61,11 @@ class ServeConfig:
     stream_timeout_s: float = 60.0
     """A streaming client that takes no data for this long (it stopped reading) is cut off and its request
     aborted, so a slow reader holds no growing buffer."""
-    kv_timeout_s: float = 30.0
-    """A KV delivery whose prefill worker sent nothing (not even an `alive` record) for this long lapses: the
-    conductor moves the prompt to another prefill worker, or has the decode worker recompute it."""
-    delivery: str = "scheduled"
-    """KV delivery order on each link: scheduled (by service tier share, earliest predicted consumption
-    first within a tier) or fifo (as produced)."""
-    link_share: str | None = None
-    """Bandwidth shares of the service tiers on a link under --delivery scheduled, e.g.
-    priority=0.5,default=0.4,flex=0.1 (the default); unused share goes to the tiers with demand."""
-    delivery_backlog_s: float = 2.0
-    """Backpressure: a prefill worker produces no more KV while its links would need longer than this to
-    send what is queued (0: never pause)."""
-    decode_cadence: str = "off"
-    """steady: a decode worker sends each step's tokens a steady period after the step began (the recent
-    steps' 99th-percentile time, at most 1.25x the step's own), so every stream's inter-token gaps stay even as
-    requests join and leave its batch; tokens wait up to that long. off: as soon as the step ends (pd mode)."""
+    kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")
+    delivery: str = shared(DeliverySettings, "delivery")
+    link_share: str | None = shared(DeliverySettings, "link_share")
+    delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")
+    decode_cadence: str = shared(CadenceSettings, "decode_cadence")
     prefill_kv_cache_dtype: str | None = None
     """--kv-cache-dtype of the prefill workers only (pd mode); default: --kv-cache-dtype."""
     decode_kv_cache_dtype: str | None = None
@@ -85,19 +74,13 @@ class ServeConfig:
     idle_prewarm: bool = True
     """An idle prefill worker computes the hot prompt prefixes (shared by several recent requests) it lacks,
     so prefix-affine routing can spread their requests (pd mode, --delivery scheduled)."""
-    link_gbps: float | None = None
-    """Throttle each KV link (prefill worker -> decode worker) to this many Gbit/s, to emulate a slower
-    network; default: as fast as the transport goes."""
+    link_gbps: float | None = shared(DeliverySettings, "link_gbps")
     ready_timeout_s: float = 600.0
     """How long to wait for every worker to load its model (at start; a restarted worker not ready by then is
     killed and started again after the next backoff)."""
-    admission: str | None = None
-    """Prediction-based admission: predict (refuse at once, with 429 slo_unattainable, a request whose
-    predicted TTFT or TPOT misses its service tier's SLO) or off; default: predict when any tier has an SLO."""
-    admission_margin: float = 0.1
-    """How far (a fraction of the SLO) a prediction may exceed the SLO before the request is refused."""
-    max_outstanding: int = 4096
-    """Most requests one worker may have in flight; more are refused (429 queue_full), whatever their tier."""
+    admission: str | None = shared(AdmissionSettings, "admission")
+    admission_margin: float = shared(AdmissionSettings, "admission_margin")
+    max_outstanding: int = shared(AdmissionSettings, "max_outstanding")
     max_queue: int | None = None
     """Most requests of one service tier waiting for their first token; more are refused at once with 429
     server_overloaded and Retry-After (default: no bound)."""
@@ -108,9 +91,7 @@ class ServeConfig:
     heartbeat_timeout_s: float = 20.0
     """A ready worker that sent nothing (it reports every 0.25 s) for this long is killed as hung and its
     requests move to the others."""
-    drain_timeout_s: float = 30.0
-    """On SIGTERM or SIGINT: no new connections; the requests in flight finish for at most this long (streams
-    too), then the workers stop."""
+    drain_timeout_s: float = shared(SupervisionSettings, "drain_timeout_s")
     control_port: int | None = None
     """Take workers that join (`pdserve worker --join tcp://HOST:PORT`) on this TCP port: the gateway's event
     socket listens there too, CurveZMQ-authenticated with the deployment secret, which must then be given
@@ -150,28 +131,17 @@ class ServeConfig:
         if self.api_key_tier not in (None, "priority", "default", "flex"):
             raise InvalidRequestError(f"--api-key-tier must be priority, default or flex, got {self.api_key_tier!r}",
                                       param="api_key_tier")
-        if self.admission not in (None, "predict", "off"):
-            raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
         if not self.stream_timeout_s > 0:
             raise InvalidRequestError("--stream-timeout-s must be positive", param="stream_timeout_s")
         if self.max_queue is not None and self.max_queue < 1:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
-        if not self.drain_timeout_s >= 0:
-            raise InvalidRequestError("--drain-timeout-s must be >= 0", param="drain_timeout_s")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
-        if not self.admission_margin >= 0 or self.max_outstanding < 1:
-            raise InvalidRequestError("--admission-margin must be >= 0 and --max-outstanding positive")
-        check_mode(self.delivery)
-        check_cadence(self.decode_cadence)
+        for settings in (DeliverySettings, AdmissionSettings, CadenceSettings, SupervisionSettings):
+            pick(settings, self)
         for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
             if getattr(self, name) is not None:
                 kv_codecs.check(getattr(self, name), name)
-        parse_link_share(self.link_share)
-        if not self.delivery_backlog_s >= 0:
-            raise InvalidRequestError("--delivery-backlog-s must be >= 0", param="delivery_backlog_s")
-        if self.link_gbps is not None and not self.link_gbps > 0:
-            raise InvalidRequestError(f"--link-gbps must be positive, got {self.link_gbps}", param="link_gbps")
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise InvalidRequestError(f"--otlp-endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}",
                                       param="otlp_endpoint")

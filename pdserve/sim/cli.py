@@ -16,6 +16,10 @@ from pathlib import Path
 
 from pdserve.errors import InvalidRequestError
 
+# Old spellings of `pdserve simulate` flags -> the field whose flag (as `pdserve serve`'s) replaced them; they
+# still work and warn.
+DEPRECATED_FLAGS = {"--host-kv-gb": "kv_host_gb", "--disk-kv-gb": "kv_disk_gb"}
+
 # `pdserve bench serve` flags that describe the workload and the report; shared, not redefined.
 WORKLOAD_FLAGS = ("workload", "rate", "rates", "arrival", "cv", "num_requests", "length_scale", "time_scale",
                   "max_requests", "max_input_len", "max_output_len", "block_tokens", "seed", "slo_ttft_ms",
@@ -38,15 +42,15 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    from pdserve.core.settings import AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings
+    from pdserve.flags import add_config_args
+    from pdserve.sim.cluster import SIM_KV_TIERS
     p.add_argument("--model", required=True, help="preset (llama-3-8b, llama-2-70b, llama-3-70b, qwen2.5-7b, "
                    "qwen2.5-32b) or a Hugging Face config.json path")
     p.add_argument("--gpu", default="h100", help="a100-80g | a800 | h100 | h200 | l40s")
     p.add_argument("--time-model", default="roofline", help="roofline | fitted:PATH.json")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="KV cache codec, as `pdserve serve --kv-cache-dtype`: auto (the model's dtype) | fp16 | "
-                        "bf16 | fp8_e4m3 | int8 | int4; sizes the KV pool, link and tier bytes and adds the "
-                        "codec's dequant cost to attention's KV reads")
+    add_config_args(p, CodecSettings)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: what fits)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--prefill-budget", type=int, default=8192, help="token budget per prefill step")
@@ -56,13 +60,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-latency-ms", type=float, default=0.0,
                    help="each gateway <-> worker message (command, reply, token event); measure it on the real "
                         "system, e.g. as benchmarks/bench_fidelity.py does")
-    p.add_argument("--host-kv-gb", type=float, default=512.0,
-                   help="host-memory KV tier per engine, GiB (0: none): the real tier code, sized in blocks as "
-                        "the worker's --kv-host-gb")
-    p.add_argument("--disk-kv-gb", type=float, default=0.0,
-                   help="disk KV tier per engine, GiB (0: none; needs a host tier), as the worker's --kv-disk-gb")
-    p.add_argument("--kv-eviction-policy", default="lru", choices=["lru", "heat"],
-                   help="which cached KV block leaves a full tier first: lru or heat (decayed use count)")
+    add_config_args(p, SIM_KV_TIERS, deprecated=DEPRECATED_FLAGS)
     p.add_argument("--host-link-gb-s", type=float, default=None,
                    help="GPU <-> host copy bandwidth per GPU, GB/s each way (default: the GPU preset's PCIe rate)")
     p.add_argument("--disk-read-gb-s", type=float, default=None,
@@ -73,18 +71,10 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-failure-rate", type=float, default=0.0, help="share of KV transfers that fail")
     p.add_argument("--no-fast-forward", action="store_true", help="step every decode step one by one")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; default: the GPU table's")
-    p.add_argument("--admission", default=None, choices=["predict", "off"],
-                   help="as `pdserve serve --admission`: default predict when any --service-tier has an SLO")
-    p.add_argument("--admission-margin", type=float, default=0.1, help="as `pdserve serve --admission-margin`")
-    p.add_argument("--delivery", default="scheduled", choices=["scheduled", "fifo"],
-                   help="KV order on the links, as `pdserve serve --delivery`: scheduled (tier shares, earliest "
-                        "predicted consumption first) or fifo (equal shares)")
-    p.add_argument("--link-share", default=None, metavar="TIER=SHARE[,...]",
-                   help="tier bandwidth shares under scheduled delivery (default priority=0.5,default=0.4,flex=0.1)")
-    p.add_argument("--decode-cadence", default="off", choices=["off", "steady"],
-                   help="as `pdserve serve`: steady paces decode steps to a steady period (even inter-token gaps)")
-    p.add_argument("--delivery-backlog-s", type=float, default=2.0,
-                   help="as `pdserve serve`: prefill production pauses above this much queued delivery (0: never)")
+    # the simulator has no per-worker request cap: the real Admission's default applies
+    add_config_args(p, AdmissionSettings, skip=frozenset({"max_outstanding"}))
+    add_config_args(p, DeliverySettings)
+    add_config_args(p, CadenceSettings)
     p.add_argument("--idle-prewarm", default=True, action=argparse.BooleanOptionalAction,
                    help="as `pdserve serve --idle-prewarm`: idle prefill engines compute hot prefixes they lack")
     p.add_argument("--role-switching", default="off", choices=["auto", "off"],
@@ -92,8 +82,6 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         "shifts (pd mode; as `pdserve serve --role-switching`)")
     p.add_argument("--role-switch-s", type=float, default=20.0,
                    help="a moved engine is out this long after it drained (weights reloaded)")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="KV link bandwidth per engine, Gbit/s (default: tp x the GPU preset's network bandwidth)")
 
 
 def add_sim_parsers(sub) -> None:
@@ -121,8 +109,8 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
     return ClusterSpec(mode=mode, num_prefill=prefill, num_decode=decode, num_instances=instances, tp=tp,
                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                        prefill_budget=args.prefill_budget, decode_budget=args.decode_budget, routing=args.routing,
-                       link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.host_kv_gb,
-                       disk_kv_gb=args.disk_kv_gb, kv_eviction_policy=args.kv_eviction_policy,
+                       link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.kv_host_gb,
+                       disk_kv_gb=args.kv_disk_gb, kv_eviction_policy=args.kv_eviction_policy,
                        host_link_gb_s=args.host_link_gb_s, disk_read_gb_s=args.disk_read_gb_s,
                        disk_write_gb_s=args.disk_write_gb_s,
                        control_latency_s=args.control_latency_ms * 1e-3,
@@ -199,8 +187,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench.tier_mix import tier_flags
     tier_flags(args)  # bad tier flags fail before any work
     check_kv_cache_dtype(args)
+    spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)  # bad flags: before work
     rates, workloads = _workloads(args)
-    spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)
     label = args.label or (Path(args.output).name if args.output else f"{args.mode} {spec.num_gpus}x{args.gpu}")
     result = run_spec(args, spec, workloads, rates, label)
     print_table(result)
@@ -213,6 +201,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.sim.plan import plan
     check_kv_cache_dtype(args)
+    cluster_spec(args, "pd", 1)  # bad cluster flags fail before any work, in one line
     return plan(args)
 
 

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.routing import make_routing_policy
-from pdserve.core.decode_cadence import DecodeCadence, check_cadence
-from pdserve.core.delivery import DeliveryPolicy, WaterLevel, check_mode, parse_link_share
-from pdserve.core.kv_meta import EVICTION_POLICIES
+from pdserve.core.decode_cadence import DecodeCadence
+from pdserve.core.delivery import DeliveryPolicy, WaterLevel
+from pdserve.core.kv_meta import STORAGE_TIERS
 from pdserve.core.role_planner import RolePlanner
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, KvTierSettings,
+                                   parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
@@ -41,6 +43,9 @@ from pdserve.workloads import Workload
 from pdserve.workloads.prompts import iter_prompt_arrays
 
 MODES = ("pd", "colocated")
+# A modelled GPU node's storage tiers: 512 GiB of host memory per engine, no disk tier unless asked (the real
+# worker's defaults, `KvTierSettings`, fit one small CPU host).
+SIM_KV_TIERS = KvTierSettings(kv_host_gb=512.0, kv_disk_gb=0.0)
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,9 @@ class ClusterSpec:
     routing: str = "prefix-affinity"
     link_latency_s: float = 20e-6
     control_latency_s: float = 0.0  # each gateway <-> worker message (command, reply, token event)
-    host_kv_gb: float = 512.0  # host KV tier per engine, GiB (0: none)
-    disk_kv_gb: float = 0.0  # disk KV tier per engine, GiB (0: none; needs a host tier)
-    kv_eviction_policy: str = "lru"  # lru | heat, in every tier
+    host_kv_gb: float = SIM_KV_TIERS.kv_host_gb  # --kv-host-gb: host KV tier per engine, GiB (0: none)
+    disk_kv_gb: float = SIM_KV_TIERS.kv_disk_gb  # --kv-disk-gb: disk KV tier per engine (0: none; needs a host tier)
+    kv_eviction_policy: str = shared(KvTierSettings, "kv_eviction_policy")  # in every tier
     host_link_gb_s: float | None = None  # per GPU, GB/s each way; None: the GPU preset's
     disk_read_gb_s: float | None = None  # per GPU; None: the GPU preset's
     disk_write_gb_s: float | None = None  # per GPU; None: the GPU preset's
@@ -69,13 +74,13 @@ class ClusterSpec:
     transfer_failure_rate: float = 0.0
     seed: int = 0
     service_tiers: tuple[str, ...] = ()  # `--service-tier` specs, as the server's
-    admission: str | None = None  # predict | off; None: predict when any tier has an SLO (as the server)
-    admission_margin: float = 0.1
-    delivery: str = "scheduled"  # KV order on the links: scheduled | fifo (pdserve.core.delivery)
-    link_share: str | None = None  # `--link-share` spec; None: the default shares
-    link_gbps: float | None = None  # KV link bandwidth per engine, Gbit/s; None: tp x the GPU preset's
-    delivery_backlog_s: float = 2.0  # prefill production pauses above this much queued delivery (0: never)
-    decode_cadence: str = "off"  # steady: decode engines pace their steps (pdserve.core.decode_cadence)
+    admission: str | None = shared(AdmissionSettings, "admission")
+    admission_margin: float = shared(AdmissionSettings, "admission_margin")
+    delivery: str = shared(DeliverySettings, "delivery")
+    link_share: str | None = shared(DeliverySettings, "link_share")
+    link_gbps: float | None = shared(DeliverySettings, "link_gbps")  # per engine; None: tp x the GPU preset's
+    delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")
+    decode_cadence: str = shared(CadenceSettings, "decode_cadence")
     idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.cluster.hot_prefixes)
     role_switching: str = "off"  # auto: the role planner moves engines between prefill and decode (pdserve.sim.roles)
     role_switch_s: float = 20.0  # a moved engine is out this long after it drained (weights reloaded)
@@ -86,21 +91,14 @@ class ClusterSpec:
         counts = (self.num_prefill, self.num_decode) if self.mode == "pd" else (self.num_instances,)
         if min(counts) < 1 or self.tp < 1 or self.block_size < 1:
             raise InvalidRequestError("engine counts, tp and block size must be positive")
-        if not (self.host_kv_gb >= 0 and self.disk_kv_gb >= 0):
-            raise InvalidRequestError("host and disk KV tier sizes must be >= 0")
+        # the shared settings' own checks (pdserve.core.settings), then the simulator's
+        KvTierSettings(self.host_kv_gb, self.disk_kv_gb, self.kv_eviction_policy)
         if self.disk_kv_gb and not self.host_kv_gb:
-            raise InvalidRequestError("a disk KV tier needs a host tier: set host_kv_gb > 0", param="disk_kv_gb")
-        if self.kv_eviction_policy not in EVICTION_POLICIES:
-            raise InvalidRequestError(f"unknown KV eviction policy {self.kv_eviction_policy!r}; choose from "
-                                      f"{sorted(EVICTION_POLICIES)}", param="kv_eviction_policy")
+            raise InvalidRequestError("a disk KV tier needs a host tier: set --kv-host-gb > 0", param="kv_disk_gb")
         ServiceTiers.from_specs(self.service_tiers)  # a bad spec fails here, in one line
-        if self.admission not in (None, "predict", "off"):
-            raise InvalidRequestError(f"admission must be predict or off, got {self.admission!r}", param="admission")
-        check_mode(self.delivery)
-        check_cadence(self.decode_cadence)
-        if not self.delivery_backlog_s >= 0:
-            raise InvalidRequestError("delivery_backlog_s must be >= 0", param="delivery_backlog_s")
-        parse_link_share(self.link_share)
+        AdmissionSettings(admission=self.admission, admission_margin=self.admission_margin)
+        pick(DeliverySettings, self)
+        pick(CadenceSettings, self)
         if self.role_switching not in ("auto", "off"):
             raise InvalidRequestError(f"role_switching must be auto or off, got {self.role_switching!r}",
                                       param="role_switching")
@@ -109,7 +107,7 @@ class ClusterSpec:
                                       param="role_switching")
         if not self.role_switch_s >= 0:
             raise InvalidRequestError("role_switch_s must be >= 0", param="role_switch_s")
-        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s", "link_gbps"):
+        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
@@ -221,22 +219,20 @@ def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSp
                                     getattr(getattr(conductor, "roles", None), "switches", [])])
 
 
-TIERS = ("device", "host", "disk")
-
 
 def kv_tier_stats(e: SimEngine, duration_s: float) -> dict:
     """Per tier: capacity, peak use, prefix-hit tokens, bytes written in and read out; lifecycle stages; the
     tier links' use. From the real engine's `kv_report` (what a real worker's stats carry)."""
     rep = e.engine.kv_report()
     bb = e.block_bytes
-    capacity = {t: rep["capacity"].get(t, 0) for t in TIERS}
+    capacity = {t: rep["capacity"].get(t, 0) for t in STORAGE_TIERS}
     peak = {"device": e.device.peak_blocks, **e.peak_tier_blocks}
     return {"block_bytes": bb, "capacity_blocks": capacity,
             "capacity_bytes": {t: n * bb for t, n in capacity.items()},
-            "peak_bytes": {t: peak[t] * bb for t in TIERS},
-            "hit_tokens": {t: rep["hits"].get(t, 0) for t in TIERS},
-            "bytes_in": {t: rep["bytes_in"].get(t, 0) for t in TIERS},
-            "bytes_out": {t: rep["bytes_out"].get(t, 0) for t in TIERS},
+            "peak_bytes": {t: peak[t] * bb for t in STORAGE_TIERS},
+            "hit_tokens": {t: rep["hits"].get(t, 0) for t in STORAGE_TIERS},
+            "bytes_in": {t: rep["bytes_in"].get(t, 0) for t in STORAGE_TIERS},
+            "bytes_out": {t: rep["bytes_out"].get(t, 0) for t in STORAGE_TIERS},
             "stages": rep["stages"],
             "io": e.kv_io.stats(duration_s) if e.kv_io is not None else None}
 

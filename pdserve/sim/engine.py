@@ -34,6 +34,7 @@ from pdserve.cluster.routing import WorkerLoad
 from pdserve.core.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.settings import KvTierSettings, default_of
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim import fastforward
 from pdserve.sim.events import MESSAGE, EventLoop
@@ -67,7 +68,8 @@ class EngineHooks:
 class SimEngine:
     def __init__(self, name: str, role: str, loop: EventLoop, time_model: TimeModel, config: SchedulerConfig,
                  num_blocks: int, block_size: int, block_bytes: int, tiers: TierSpec | None, hooks: EngineHooks,
-                 fast_forward: bool = True, vocab_size: int = 32000, kv_eviction_policy: str = "lru",
+                 fast_forward: bool = True, vocab_size: int = 32000,
+                 kv_eviction_policy: str = default_of(KvTierSettings, "kv_eviction_policy"),
                  cadence: DecodeCadence | None = None) -> None:
         self.name, self.role, self.loop, self.hooks = name, role, loop, hooks
         self.cadence = cadence  # a decode engine's step cadence (`--decode-cadence steady`)

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from pdserve.bench.metrics import jitter_p99_ms
 from pdserve.bench.report import BenchResult, write_result
+from pdserve.core.kv_meta import STORAGE_TIERS
 from pdserve.sim.cluster import SimRun
 from pdserve.sim.conductor import CONSUME_TOLERANCE_S
 
@@ -81,12 +82,11 @@ def _abs_ms(errors: list) -> dict | None:
     return {"p50": float(np.percentile(e, 50)), "p90": float(np.percentile(e, 90))}
 
 
-TIERS = ("device", "host", "disk")
 LINKS = ("host_link", "disk_read", "disk_write")
 
 
 def _sum(es, key: str) -> dict:
-    return {t: sum(e["kv_tiers"][key][t] for e in es) for t in TIERS}
+    return {t: sum(e["kv_tiers"][key][t] for e in es) for t in STORAGE_TIERS}
 
 
 def _kv(run: SimRun) -> dict:
@@ -116,7 +116,7 @@ def _kv(run: SimRun) -> dict:
 def hit_shares(kv_role: dict) -> dict:
     """Prefix-hit tokens per tier as shares of the role's prompt tokens."""
     n = kv_role["prompt_tokens"]
-    return {t: kv_role["hit_tokens"][t] / n if n else 0.0 for t in TIERS}
+    return {t: kv_role["hit_tokens"][t] / n if n else 0.0 for t in STORAGE_TIERS}
 
 
 def sim_metrics(run: SimRun, num_gpus: int, price_per_gpu_hour: float) -> dict:
@@ -204,7 +204,8 @@ def _tier_table(result: SimResult) -> Table:
     for run in result.runs:
         for role, v in run["sim"]["kv"].items():
             share, busy = hit_shares(v), v["link_busy_fraction"]
-            table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", role, *(_pct(share[t]) for t in TIERS),
+            table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", role,
+                          *(_pct(share[t]) for t in STORAGE_TIERS),
                           f"{_gb(v['host_peak_bytes'])}/{_gb(v['host_capacity_bytes'])}",
                           f"{_gb(v['disk_peak_bytes'])}/{_gb(v['disk_capacity_bytes'])}",
                           "-" if busy is None else _pct(busy["host_link"]),

@@ -1,0 +1,185 @@
+"""Settings shared by `pdserve serve`, `pdserve worker` and `pdserve simulate`: one frozen dataclass per concern
+(delivery, admission, decode cadence, KV storage tiers, KV codec, supervision), each field carrying its default
+and its help. A setting is declared here once: the serve config, the engine config, the worker spec and the
+simulator's cluster spec take their fields from these (`shared`), and every command generates the setting's flag
+from the same field (`pdserve.flags.add_config_args`), so a flag has one name, one default and one help.
+
+Service tiers (SLA classes: priority, default, flex; `pdserve.core.service_tiers.SERVICE_TIERS`) and storage
+tiers (where KV lives: device, host, disk; `KvTierSettings`) are different things; their names say which.
+Pure: no torch; the checks import what they need when they run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, Field, dataclass, field, fields
+
+from pdserve.core.service_tiers import SERVICE_TIERS
+from pdserve.errors import InvalidRequestError
+
+DELIVERY_MODES = ("scheduled", "fifo")
+DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}  # service tier -> link share (`--link-share`)
+
+
+def setting(default, help: str) -> Field:  # noqa: A002 - argparse's word
+    """A slice's field: its default and the help text of its flag."""
+    return field(default=default, metadata={"help": help})
+
+
+def default_of(slice_cls, name: str):
+    """The default of setting `name`, read from its slice (without building one)."""
+    return slice_cls.__dataclass_fields__[name].default
+
+
+def shared(slice_cls, name: str, default=MISSING) -> Field:
+    """A field of a flat config (serve config, engine config, worker spec, cluster spec) that is a slice's
+    setting: the slice's default (or `default`, where a command's default differs) and help."""
+    f = slice_cls.__dataclass_fields__[name]
+    return field(default=f.default if default is MISSING else default, metadata=f.metadata)
+
+
+def pick(slice_cls, config):
+    """The slice of `config` (any object with attributes of the slice's field names); building it checks it."""
+    return slice_cls(**{f.name: getattr(config, f.name) for f in fields(slice_cls)})
+
+
+@dataclass(frozen=True)
+class DeliverySettings:
+    """How KV moves on a link from a prefill worker to a decode worker (`pdserve.core.delivery`)."""
+    delivery: str = setting("scheduled", "KV delivery order on each link: scheduled (by service tier share, "
+                            "earliest predicted consumption first within a tier) or fifo (as produced).")
+    link_share: str | None = setting(None, "Bandwidth shares of the service tiers on a link under --delivery "
+                                     "scheduled, e.g. priority=0.5,default=0.4,flex=0.1 (the default); unused share "
+                                     "goes to the tiers with demand.")
+    delivery_backlog_s: float = setting(2.0, "Backpressure: a prefill worker produces no more KV while its links "
+                                        "would need longer than this to send what is queued (0: never pause).")
+    link_gbps: float | None = setting(None, "Bandwidth of each KV link (prefill -> decode), Gbit/s: serve throttles "
+                                      "each link to it, to emulate a slower network (default: as fast as the "
+                                      "transport goes); simulate gives each engine's port this rate (default: tp x "
+                                      "the GPU preset's network bandwidth).")
+
+    def __post_init__(self) -> None:
+        check_mode(self.delivery)
+        parse_link_share(self.link_share)
+        if not self.delivery_backlog_s >= 0:
+            raise InvalidRequestError("--delivery-backlog-s must be >= 0", param="delivery_backlog_s")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise InvalidRequestError(f"--link-gbps must be positive, got {self.link_gbps}", param="link_gbps")
+
+
+def parse_link_share(text: str | None) -> dict[str, float]:
+    """`priority=0.5,default=0.4,flex=0.1` -> shares normalized to sum to 1; tiers not named get none
+    (they still get what the named ones leave unused)."""
+    if not text:
+        return dict(DEFAULT_SHARES)
+    shares: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in SERVICE_TIERS:
+            raise InvalidRequestError(f"--link-share wants TIER=SHARE[,...] with TIER one of "
+                                      f"{', '.join(SERVICE_TIERS)}; got {part.strip()!r}", param="link_share")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if not share >= 0.0 or share == float("inf"):
+            raise InvalidRequestError(f"--link-share: {name}'s share must be a number >= 0, got {value!r}",
+                                      param="link_share")
+        shares[name] = share
+    total = sum(shares.values())
+    if total <= 0:
+        raise InvalidRequestError("--link-share: the shares must not all be zero", param="link_share")
+    return {name: share / total for name, share in shares.items()}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in DELIVERY_MODES:
+        raise InvalidRequestError(f"delivery must be one of {', '.join(DELIVERY_MODES)}, got {mode!r}",
+                                  param="delivery")
+    return mode
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """Whether the conductor refuses a request it predicts will miss its SLO (`pdserve.cluster.admission`)."""
+    admission: str | None = setting(None, "Prediction-based admission: predict (refuse at once, with 429 "
+                                    "slo_unattainable, a request whose predicted TTFT or TPOT misses its service "
+                                    "tier's SLO) or off; default: predict when any tier has an SLO.")
+    admission_margin: float = setting(0.1, "How far (a fraction of the SLO) a prediction may exceed the SLO before "
+                                      "the request is refused.")
+    max_outstanding: int = setting(4096, "Most requests one worker may have in flight; more are refused (429 "
+                                   "queue_full), whatever their tier.")
+
+    def __post_init__(self) -> None:
+        if self.admission not in (None, "predict", "off"):
+            raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
+        if not self.admission_margin >= 0:
+            raise InvalidRequestError("--admission-margin must be >= 0", param="admission_margin")
+        if self.max_outstanding < 1:
+            raise InvalidRequestError("--max-outstanding must be positive", param="max_outstanding")
+
+
+@dataclass(frozen=True)
+class CadenceSettings:
+    """When a decode worker sends its step's tokens (`pdserve.core.decode_cadence`)."""
+    decode_cadence: str = setting("off", "steady: a decode worker sends each step's tokens a steady period after "
+                                  "the step began (the recent steps' 99th-percentile time, at most 1.25x the step's "
+                                  "own), so every stream's inter-token gaps stay even as requests join and leave its "
+                                  "batch; tokens wait up to that long. off: as soon as the step ends (pd mode).")
+
+    def __post_init__(self) -> None:
+        from pdserve.core.decode_cadence import check_cadence
+        check_cadence(self.decode_cadence)
+
+
+@dataclass(frozen=True)
+class KvTierSettings:
+    """The KV storage tiers below the device pool (`pdserve.core.kv_tiers`). Sizes are per worker (per engine in
+    the simulator, whose defaults are `pdserve.sim.cluster.SIM_KV_TIERS`)."""
+    kv_host_gb: float = setting(4.0, "Host-memory KV tier per worker (simulate: per engine), in GiB (0: none). Full "
+                                "blocks are copied there as they are produced (on a background thread), so a block "
+                                "evicted from the device pool is loaded back instead of recomputed.")
+    kv_disk_gb: float = setting(16.0, "Disk KV tier size per worker, in GiB (serve, worker: with --kv-disk-dir; "
+                                "simulate: per engine, 0 none, needs a host tier).")
+    kv_eviction_policy: str = setting("lru", "Which cached KV block leaves a full tier first: lru or heat (decayed "
+                                      "use count).")
+
+    def __post_init__(self) -> None:
+        from pdserve.core.kv_meta import EVICTION_POLICIES
+        if not self.kv_host_gb >= 0:
+            raise InvalidRequestError(f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", param="kv_host_gb")
+        if not self.kv_disk_gb >= 0:
+            raise InvalidRequestError(f"kv_disk_gb must be >= 0, got {self.kv_disk_gb!r}", param="kv_disk_gb")
+        if self.kv_eviction_policy not in EVICTION_POLICIES:
+            raise InvalidRequestError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from "
+                                      f"{sorted(EVICTION_POLICIES)}", param="kv_eviction_policy")
+
+
+@dataclass(frozen=True)
+class CodecSettings:
+    """How KV is coded in the pool, on the links and in the storage tiers (`pdserve.core.kv_codecs`)."""
+    kv_cache_dtype: str = setting("auto", "KV cache codec: auto (the model dtype), fp16, bf16, fp8_e4m3, int8 or int4 "
+                                  "(scales per token and head, inside each block; the pool, delivery and the host "
+                                  "and disk tiers hold the coded blocks). int4 also keeps each running sequence's "
+                                  "last block in fp16 (a residual window, out of --kv-cache-gb). simulate: sizes the "
+                                  "KV pool, link and tier bytes and adds the codec's dequant cost to attention.")
+
+    def __post_init__(self) -> None:
+        from pdserve.core.kv_codecs import check
+        check(self.kv_cache_dtype)
+
+
+@dataclass(frozen=True)
+class SupervisionSettings:
+    """How long the deployment waits on a transfer or a draining worker before it acts."""
+    kv_timeout_s: float = setting(30.0, "A KV delivery whose prefill worker sent nothing (not even an `alive` "
+                                  "record) for this long lapses: the conductor moves the prompt to another prefill "
+                                  "worker, or has the decode worker recompute it.")
+    drain_timeout_s: float = setting(30.0, "On SIGTERM (or SIGINT): the longest the requests in flight may take to "
+                                     "finish (streams too); serve takes no new connections meanwhile and then stops "
+                                     "the workers; a joined worker then leaves, what is left moving to others.")
+
+    def __post_init__(self) -> None:
+        if not self.kv_timeout_s > 0:
+            raise InvalidRequestError("--kv-timeout-s must be positive", param="kv_timeout_s")
+        if not self.drain_timeout_s >= 0:
+            raise InvalidRequestError("--drain-timeout-s must be >= 0", param="drain_timeout_s")
