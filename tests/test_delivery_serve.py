@@ -36,8 +36,9 @@ async def _complete_all(server: Server, prompts: list[str]) -> list[float]:
 
     async def one(prompt: str) -> float:
         start = time.perf_counter()
-        out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-        assert out.choices[0].text is not None
+        out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"  # served whole
         return time.perf_counter() - start
 
     try:
@@ -57,10 +58,10 @@ def test_a_prompt_queued_longer_than_the_lease_is_delivered_not_recomputed():
         failures = {lab: v for (n, lab), v in server.metrics().items() if n == "pdserve_kv_transfer_failures_total"}
         assert not any(failures.values()), (failures, seconds, server.output()[-6000:])
         assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == QUEUED
-        time.sleep(0.5)  # the workers' stats carry the renewals every 0.25 s
-        assert server.metric("pdserve_kv_lease_renewals_total") > 0
+        # the workers' stats carry the renewals and the link's bytes every 0.25 s
+        assert server.wait_metric("pdserve_kv_lease_renewals_total", lambda v: v > 0) > 0
         link = "prefill-0->decode-0"
-        assert server.metric("pdserve_kv_link_bytes_total", link=link) > 0
+        assert server.wait_metric("pdserve_kv_link_bytes_total", lambda v: v > 0, link=link) > 0
         assert 0 < server.metric("pdserve_kv_link_utilization", link=link) <= 1
         kv = kv_delta(before, scrape(server.url))  # what `pdserve bench serve` reports for a run
         assert kv["delivered"] == QUEUED and kv["failed"] == {} and kv["wasted_bytes"] == {}
@@ -148,8 +149,7 @@ def test_a_hung_prefill_workers_prompt_moves_to_the_other_and_it_is_used_again_o
         link = "prefill-0->decode-0"
         sent_before = server.metric("pdserve_kv_link_bytes_total", link=link)
         assert ask(3)  # both idle again: prefill-0, the first of equals
-        time.sleep(0.6)  # its stats carry the link's bytes
-        assert server.metric("pdserve_kv_link_bytes_total", link=link) > sent_before
+        assert server.wait_metric("pdserve_kv_link_bytes_total", lambda v: v > sent_before, link=link) > sent_before
         assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 5
     finally:
         os.kill(prefill, signal.SIGCONT)
@@ -170,8 +170,7 @@ def test_kv_received_then_dropped_is_counted_as_wasted():
     try:
         asyncio.run(_complete_all(server, [_prompt(0, 100)]))
         assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_checksum") == 1
-        time.sleep(0.5)  # carried by the workers' stats
-        wasted = server.metric("pdserve_kv_wasted_bytes_total", reason="failed_checksum")
+        wasted = server.wait_metric("pdserve_kv_wasted_bytes_total", lambda v: v > 0, reason="failed_checksum")
         assert wasted > 0 and wasted == server.metric("pdserve_kv_wasted_bytes_total")
     finally:
         server.stop()
