@@ -12,13 +12,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
-from serve_util import Server
+from serve_util import Server, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
@@ -41,13 +40,6 @@ async def _stream(c, done: list, name: str, tier: str, max_tokens: int, started:
             if started is not None:
                 started.set()
     done.append(name)
-
-
-def _eventually(read, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := read()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +83,7 @@ def test_priority_takes_its_lent_share_back(colocated):
 
     asyncio.run(main())
     assert done[0] == "urgent"
-    assert _eventually(lambda: colocated.metric("pdserve_preemptions_total", service_tier="default") > before)
+    assert wait_for(lambda: colocated.metric("pdserve_preemptions_total", service_tier="default") > before)
     assert colocated.metric("pdserve_preemptions_total", service_tier="priority") == 0
 
 
@@ -99,18 +91,29 @@ def test_admission_refuses_an_unattainable_slo_with_429_and_serves_best_effort_t
     c = _client(colocated)
     for i in range(10):  # step times for the worker's model (a lone request: pure prefill, then decode steps)
         c.completions.create(model=MODEL, prompt=f"Warm up number {i}", max_tokens=3)
-    time.sleep(1.0)  # its stats (every 0.25 s) reach the gateway
-    with pytest.raises(openai.RateLimitError) as e:
-        c.completions.create(model=MODEL, prompt="Quick one", max_tokens=3, extra_body={"service_tier": "flex"})
-    assert e.value.status_code == 429 and e.value.body["code"] == "slo_unattainable"
-    assert int(e.value.response.headers["retry-after"]) >= 1
+
+    def flex():  # refused once the worker's stats (every 0.25 s) have reached the gateway's admission
+        try:
+            c.completions.create(model=MODEL, prompt="Quick one", max_tokens=3, extra_body={"service_tier": "flex"})
+        except openai.RateLimitError as e:
+            return e
+        return None
+
+    refused = wait_for(flex, lambda e: e is not None, timeout_s=10, every_s=0.1)
+    assert refused is not None, "a 1 ms TTFT SLO was never refused"
+    assert refused.status_code == 429 and refused.body["code"] == "slo_unattainable"
+    assert int(refused.response.headers["retry-after"]) >= 1
     raw = httpx.post(colocated.url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
         "service_tier": "flex"})
     assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"  # before any SSE
-    assert c.completions.create(model=MODEL, prompt="Quick one", max_tokens=3).choices[0].text is not None
-    assert c.completions.create(model=MODEL, prompt="Quick one", max_tokens=3,  # no SLO: best effort, served
-                                extra_body={"service_tier": "priority"}).service_tier == "priority"
+    greedy = dict(model=MODEL, prompt="Quick one", max_tokens=3, temperature=0)
+    default = c.completions.create(**greedy, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 3 and default.choices[0].finish_reason == "length"
+    priority = c.completions.create(**greedy, extra_body={"ignore_eos": True,  # no SLO: best effort, served
+                                                          "service_tier": "priority"})
+    assert priority.service_tier == "priority" and priority.usage.completion_tokens == 3
+    assert priority.choices[0].text == default.choices[0].text  # a tier orders the queue, never the tokens
     assert colocated.metric("pdserve_admission_rejected_total", service_tier="flex", reason="slo_ttft") >= 2
     assert colocated.metric("pdserve_requests_total", service_tier="default") >= 10
     assert colocated.metric("pdserve_time_to_first_token_seconds_count", service_tier="priority") >= 1
@@ -129,8 +132,8 @@ def test_pd_decode_worker_orders_its_queue_by_tier_and_admission_off_serves_all(
         for name, tier in (("flex", "flex"), ("default", "default"), ("priority", "priority")):
             queued.append(asyncio.create_task(_stream(c, order, name, tier, 4)))
             n = len(queued)
-            assert await asyncio.to_thread(_eventually, lambda: server.metric("pdserve_num_requests_waiting",
-                                                                              worker="decode-0") >= n)
+            assert await asyncio.to_thread(wait_for, lambda: server.metric("pdserve_num_requests_waiting",
+                                                                           worker="decode-0") >= n)
         await asyncio.wait_for(asyncio.gather(busy, *queued), 300)
 
     try:
