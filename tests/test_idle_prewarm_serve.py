@@ -39,10 +39,10 @@ def test_an_idle_prefill_worker_warms_a_hot_document_and_then_serves_it_from_cac
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda i: _ask(client, i), range(2, 6)))
         assert all(r.usage.completion_tokens == 8 for r in results)
-        time.sleep(0.6)  # the workers' last stats
-        # some went to prefill-1 and found the document there (all its full blocks)
+        # some went to prefill-1 and found the document there (all its full blocks), in the workers' last stats
         doc_tokens = results[0].usage.prompt_tokens - 16
-        assert server.metric("pdserve_prefix_cache_hit_tokens_total", worker="prefill-1") >= doc_tokens - 16
+        assert server.wait_metric("pdserve_prefix_cache_hit_tokens_total", lambda v: v >= doc_tokens - 16,
+                                  worker="prefill-1") >= doc_tokens - 16
         assert server.metric("pdserve_kv_idle_prewarms_total", **DONE) == 1  # it has the document: no second pass
     finally:
         server.stop()

@@ -6,7 +6,6 @@ priority request finishes first, the flex one completes, and the pause is counte
 from __future__ import annotations
 
 import asyncio
-import time
 
 import openai
 import pytest
@@ -47,8 +46,9 @@ def test_a_priority_arrival_pauses_a_flex_prefill_at_the_next_chunk(transport):
         order, texts = asyncio.run(_run(server.url))
         assert order == ["priority", "flex"]  # without the pause the priority prompt waits for the whole flex one
         assert texts["flex"] and texts["priority"]
-        time.sleep(0.6)  # the workers' stats (every 0.25 s)
-        assert server.metric("pdserve_prefill_yields_total", worker="prefill-0", service_tier="flex") >= 1
+        # the workers' stats (every 0.25 s)
+        assert server.wait_metric("pdserve_prefill_yields_total", lambda v: v >= 1, worker="prefill-0",
+                                  service_tier="flex") >= 1
         assert server.metric("pdserve_preemptions_total") == 0  # paused, not preempted (nothing recomputed)
         assert server.metric("pdserve_kv_transfer_failures_total") == 0
     finally:

@@ -6,7 +6,6 @@ to a link's headroom (counted `capped`), nothing fails, and every output is the 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import openai
 import pytest
@@ -54,9 +53,11 @@ def test_a_backed_up_link_holds_only_its_own_prompts_and_outputs_are_unchanged()
                 await client.close()
 
         assert asyncio.run(run_all()) == reference
-        time.sleep(0.6)  # the workers' stats (every 0.25 s) carry the counts
-        assert server.metric("pdserve_production_paced_total", worker="prefill-0", outcome="capped") > 0
-        assert server.metric("pdserve_production_paced_total", worker="prefill-0", outcome="held") > 0
+        # the workers' stats (every 0.25 s) carry the counts
+        assert server.wait_metric("pdserve_production_paced_total", lambda v: v > 0, worker="prefill-0",
+                                  outcome="capped") > 0
+        assert server.wait_metric("pdserve_production_paced_total", lambda v: v > 0, worker="prefill-0",
+                                  outcome="held") > 0
         assert server.metric("pdserve_kv_transfer_failures_total") == 0
     finally:
         server.stop()
