@@ -598,7 +598,7 @@ def drain(engine: LLMEngine, io: LoopbackIO, max_steps: int = 100) -> None:
 
 def check_quiescent(engine: LLMEngine, io: LoopbackIO) -> None:
     tiers = engine.tiers
-    assert tiers.num_ops_in_flight == 0 and not tiers._loading and not engine.scheduler._pending_loads
+    assert tiers.num_ops_in_flight == 0 and not tiers._loading and not engine.scheduler.has_pending_loads
     assert engine.block_manager.num_used_blocks == 0, "a device block is still held"
     for tier in tiers.tiers():
         assert all(m.busy == 0 for m in tier), f"{tier.tier}: entry left busy"

@@ -1,76 +1,69 @@
-"""A block manager's holds outside a request's own table: a long context's leading blocks moved to a lower
-tier (`start_cold`, `spill`) and prewarm pins (`pin`, `unpin`, `expire_pins`).
+"""Prewarm pins: a finished request's cached blocks kept on the device, under a holder of their own, until a
+deadline or `unpin`, so that the request's follow-up finds them (`Request.pin`).
 
-`BlockHolds` is a part of `pdserve.core.block_manager.KVBlockManager` (a mixin over its state: tables, hashes,
-ref counts, metadata columns), kept apart so each module holds one concept.
+`PrewarmPins` owns the pins (holder -> pinned until, clock seconds). It belongs to a
+`pdserve.core.block_manager.KVBlockManager`, which gives it a narrow view of itself: the metadata columns it
+marks, the registered-blocks mask it reads, and the calls it holds, lists and frees blocks with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pdserve.core.block_hash import BlockHash
+from pdserve.core.kv_columns import MetaColumns
 
 
-class BlockHolds:
-    """Cold heads, spills and prewarm pins of a `KVBlockManager` (see the module docstring)."""
+class PrewarmPins:
+    """Holders that keep blocks on the device until a deadline (see the module docstring)."""
 
-    def num_cold_blocks(self, request_id: str) -> int:
-        return self._cold.get(request_id, 0)
+    def __init__(self, cols: MetaColumns, registered: np.ndarray, block_ids: Callable[[str], Sequence[int]],
+                 hold: Callable[[str, Sequence[int]], None], free: Callable[[str], None]) -> None:
+        self._cols = cols  # `pinned_until_s` and `prewarmed` are written here
+        self._registered = registered  # (read only) block id -> registered in the prefix cache
+        self._block_ids = block_ids  # a request's or holder's block ids
+        self._hold = hold  # a holder takes a reference to blocks (`KVBlockManager.hold`) ...
+        self._free = free  # ... and gives all its references back (`KVBlockManager.free`)
+        self._until_s: dict[str, float] = {}  # holder -> pinned until (clock seconds)
 
-    def start_cold(self, request_id: str, head: Sequence[BlockHash]) -> None:
-        """A request that holds no blocks starts with `head` (the hashes of its first blocks) in a lower tier:
-        its table will begin at logical block len(head)."""
-        if self._tables.get(request_id):
-            raise ValueError(f"{request_id!r} already holds blocks")
-        self._cold[request_id] = len(head)
-        self._hashes[request_id] = list(head)
-
-    def spill(self, request_id: str, count: int) -> None:
-        """Drop the request's `count` oldest device blocks (registered ones: their KV now lives in a lower
-        tier); its table then starts at logical block `num_cold_blocks`. The blocks stay cached here until
-        reused, like any freed block."""
-        table = self._tables[request_id]
-        if count > len(table) or len(self._hashes.get(request_id, ())) < self._cold.get(request_id, 0) + count:
-            raise ValueError(f"{request_id!r}: only registered blocks can leave the device")
-        self._release(table[:count])
-        del table[:count]
-        self._cold[request_id] = self._cold.get(request_id, 0) + count
+    def __len__(self) -> int:
+        return len(self._until_s)
 
     def pin(self, holder: str, request_id: str, until_s: float) -> int:
         """Keep `request_id`'s registered (full, cached) blocks on the device until `until_s` or `unpin`,
         marked as prewarmed; returns how many. Call before the request's blocks are freed."""
-        table = np.asarray(self._tables.get(request_id, [])[:len(self._hashes.get(request_id, ()))], np.int64)
-        ids = table[self._registered[table]]
-        self.hold(holder, ids.tolist())
-        cols = self.cols
+        ids = self._registered_ids(request_id)
+        self._hold(holder, ids.tolist())
+        cols = self._cols
         cols.pinned_until_s[ids] = np.maximum(cols.pinned_until_s[ids], until_s)
         cols.prewarmed[ids] = True
-        self._pins[holder] = until_s
+        self._until_s[holder] = until_s
         return len(ids)
 
     def unpin(self, holder: str) -> bool:
-        if self._pins.pop(holder, None) is None:
+        """Let `holder`'s blocks go (they stay cached until reused); False for an unknown holder."""
+        if self._until_s.pop(holder, None) is None:
             return False
-        ids = np.asarray(self._tables.get(holder, ()), np.int64)
-        self.cols.pinned_until_s[ids[self._registered[ids]]] = 0.0
-        self.free(holder)
+        self._cols.pinned_until_s[self._registered_ids(holder)] = 0.0
+        self._free(holder)
         return True
 
-    def expire_pins(self, now: float) -> list[str]:
-        if not self._pins:
+    def expire(self, now: float) -> list[str]:
+        """Unpin the holders whose deadline is at or before `now`; returns them."""
+        if not self._until_s:
             return []
-        expired = [h for h, until in self._pins.items() if until <= now]
+        expired = [h for h, until in self._until_s.items() if until <= now]
         for holder in expired:
             self.unpin(holder)
         return expired
 
     @property
-    def has_pins(self) -> bool:
-        return bool(self._pins)
+    def num_blocks(self) -> int:
+        """Blocks held by pins (a block pinned twice counts twice)."""
+        return sum(len(self._block_ids(h)) for h in self._until_s)
 
-    @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(self._tables.get(h, ())) for h in self._pins)
+    def _registered_ids(self, owner: str) -> np.ndarray:
+        """`owner`'s blocks registered in the prefix cache (a request's: those of its hashed prefix)."""
+        table = np.asarray(self._block_ids(owner), np.int64)
+        return table[self._registered[table]]

@@ -12,6 +12,9 @@ by another request.
 State is columnar (numpy arrays indexed by block id: reference counts, whether registered, the lifecycle
 metadata in `MetaColumns`), so a request's hundreds of blocks are allocated, registered and freed with a few
 array operations: the simulator replays hours of a cluster on this same code.
+
+A long context's leading blocks may live in a lower tier only (`start_cold`, `spill`): its table then starts
+at logical block `num_cold_blocks`. Prewarm pins are kept by a part, `pdserve.core.block_holds.PrewarmPins`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import NewType
 import numpy as np
 
 from pdserve.core.block_hash import BlockHash, hash_blocks, hash_blocks_array
-from pdserve.core.block_holds import BlockHolds
+from pdserve.core.block_holds import PrewarmPins
 from pdserve.core.kv_columns import MetaColumns, MetaView
 from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
 from pdserve.core.lru_queue import new_queue
@@ -50,7 +53,7 @@ class PrefixHit:
         return len(self.block_ids) * self.block_size
 
 
-class KVBlockManager(BlockHolds):
+class KVBlockManager:
     """Allocates fixed-size KV blocks to requests, with a chained-hash prefix cache.
 
     Invariant: every block is either in the free queue (ref_cnt 0) or held by >= 1 request (ref_cnt > 0).
@@ -87,8 +90,8 @@ class KVBlockManager(BlockHolds):
         # when the request frees its blocks: the registrations held back until then, per request
         self.offload_unit = 1
         self._deferred: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self._pins: dict[str, float] = {}  # prewarm holders -> pinned until (clock seconds)
         self._cold: dict[str, int] = {}  # long contexts: leading blocks a request moved off the device
+        self._pins = PrewarmPins(self.cols, self._registered, self.block_ids, self.hold, self.free)
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -123,6 +126,9 @@ class KVBlockManager(BlockHolds):
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_cold_blocks(self, request_id: str) -> int:
+        return self._cold.get(request_id, 0)
 
     def find_prefix(self, token_ids: Sequence[int], request_id: str | None = None) -> PrefixHit:
         """Longest run of cached full blocks at the start of `token_ids`. Changes no allocation.
@@ -263,6 +269,25 @@ class KVBlockManager(BlockHolds):
             raise ValueError(f"{holder!r} is a request; holders must have ids of their own")
         self._tables.setdefault(holder, []).extend(self._take_refs(block_ids, use=False))
 
+    def start_cold(self, request_id: str, head: Sequence[BlockHash]) -> None:
+        """A request that holds no blocks starts with `head` (the hashes of its first blocks) in a lower tier:
+        its table will begin at logical block len(head)."""
+        if self._tables.get(request_id):
+            raise ValueError(f"{request_id!r} already holds blocks")
+        self._cold[request_id] = len(head)
+        self._hashes[request_id] = list(head)
+
+    def spill(self, request_id: str, count: int) -> None:
+        """Drop the request's `count` oldest device blocks (registered ones: their KV now lives in a lower
+        tier); its table then starts at logical block `num_cold_blocks`. The blocks stay cached here until
+        reused, like any freed block."""
+        table = self._tables[request_id]
+        if count > len(table) or len(self._hashes.get(request_id, ())) < self._cold.get(request_id, 0) + count:
+            raise ValueError(f"{request_id!r}: only registered blocks can leave the device")
+        self._release(table[:count])
+        del table[:count]
+        self._cold[request_id] = self._cold.get(request_id, 0) + count
+
     def _take_refs(self, block_ids: Sequence[BlockId], use: bool = True) -> list[BlockId]:
         """One more reference to each block (off the free queue if it was free); the ids, as a list. `use`:
         a request's prefix hit (counted in the blocks' metadata), not a holder's (a copy or a transfer)."""
@@ -342,6 +367,24 @@ class KVBlockManager(BlockHolds):
         victim = pick_victim(sample, self.eviction, self.clock(), len(sample)) or sample[0]
         self._free.remove(victim.slot)
         return BlockId(victim.slot)
+
+    # ---- prewarm pins (`pdserve.core.block_holds`) -----------------------------------------------------
+    def pin(self, holder: str, request_id: str, until_s: float) -> int:
+        return self._pins.pin(holder, request_id, until_s)
+
+    def unpin(self, holder: str) -> bool:
+        return self._pins.unpin(holder)
+
+    def expire_pins(self, now: float) -> list[str]:
+        return self._pins.expire(now)
+
+    @property
+    def has_pins(self) -> bool:
+        return bool(self._pins)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self._pins.num_blocks
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def meta(self, block_id: BlockId) -> MetaView | None:

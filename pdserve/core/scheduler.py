@@ -13,8 +13,9 @@ gets what is left (`_run`). A prefill worker's chunks are also paced by delivery
 
 Prefill/decode disaggregation uses the same class on both sides. A prefill worker's requests are
 `prefill_only`: they end as FINISHED_PREFILLED once their prompt's KV is computed and the first token
-sampled (no stop checks there). The decode side's reservations for delivered KV are in
-`pdserve.core.kv_reservations`.
+sampled (no stop checks there). A decode worker reserves blocks for KV another worker delivers (`reserve_kv`,
+`kv_delivered`, `kv_failed`): the scheduler does the request's queue side, its part
+`pdserve.core.kv_reservations.KVReservations` the blocks, the host loads and which requests wait for KV.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ _NO_TIER_HIT = TierHit()
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_PREFILLED)
 
 
-class Scheduler(KVReservations):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
                  policy: QueuePolicy | None = None) -> None:
         self.config = config
@@ -56,15 +57,11 @@ class Scheduler(KVReservations):
         self.running: list[Request] = []  # kept sorted by policy key: the last one is preempted first
         self.waiting = WaitingQueue(self.policy)
         self._finished_ids: list[str] = []
-        self._num_reserved = 0  # requests in WAITING_FOR_KV
-        # Host and disk tiers below the block pool (set by the engine when it has them): a prefix hit goes
-        # on through them, and the host blocks it finds are loaded before the step that reads them.
-        self.tiers: TieredKV | None = None
+        self.reservations = KVReservations(block_manager)  # requests waiting for delivered KV
+        self._tiers: TieredKV | None = None  # (see `tiers`)
         self._step_loads: list[KVLoad] = []
-        self._pending_loads: dict[str, list[KVLoad]] = {}  # reservations' loads, emitted by the next steps
-        # A reservation's host hits loaded per step at most, ahead of its KV (None: all in the next step); what
-        # is left when the KV lands is loaded by the step that first reads it (the simulator sets it to what a
-        # decode step's forward hides).
+        # reservations' host hits loaded per step ahead of their KV (`KVReservations.step_loads`; the simulator
+        # sets it to what a decode step's forward hides)
         self.ahead_load_blocks: int | None = None
         self.window: HotWindow | None = None  # long contexts (see `enable_long_context`)
         self.pace: ProductionPace | None = None  # a prefill worker's per-link pacing, set before each step
@@ -91,13 +88,23 @@ class Scheduler(KVReservations):
         """Let a request's context outgrow the device pool: it keeps at most `hot_window_tokens` (rounded to
         blocks, at least 2, at most half the pool) on the device; its older blocks are read from the host
         tier (`pdserve.core.hot_window`). Needs `tiers`."""
-        self.window = HotWindow(self.blocks, self.tiers, hot_window_tokens)
+        self.window = self.reservations.window = HotWindow(self.blocks, self._tiers, hot_window_tokens)
         self.max_model_len = self.window.max_model_len(self.config.max_model_len)
+
+    @property
+    def tiers(self) -> TieredKV | None:
+        """Host and disk tiers below the block pool (set by the engine when it has them): a prefix hit goes on
+        through them, and the host blocks it finds are loaded before the step that reads them."""
+        return self._tiers
+
+    @tiers.setter
+    def tiers(self, tiers: TieredKV | None) -> None:
+        self._tiers = self.reservations.tiers = tiers
 
     @property
     def has_pending_loads(self) -> bool:
         """Host tier hits of reservations wait to be loaded by the next step."""
-        return bool(self._pending_loads)
+        return self.reservations.has_loads
 
     @property
     def num_waiting(self) -> int:
@@ -109,7 +116,7 @@ class Scheduler(KVReservations):
 
     @property
     def num_waiting_for_kv(self) -> int:
-        return self._num_reserved
+        return len(self.reservations)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -136,7 +143,7 @@ class Scheduler(KVReservations):
             for req in yielded:  # counted by tier: let a higher-ranked waiting request take the budget first
                 self.stats.prefill_yields_by_tier[req.service_tier] += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
-        needed, ahead = self._reservation_loads()
+        needed, ahead = self.reservations.step_loads(self.ahead_load_blocks)
         loads, self._step_loads = needed + self._step_loads, []
         return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads), tuple(ahead))
 
@@ -178,7 +185,7 @@ class Scheduler(KVReservations):
         now = self.blocks.clock()
         finished: list[Request] = []
         if scheduled.kv_loads or scheduled.kv_loads_ahead:
-            self.tiers.loads_done(scheduled.kv_loads + scheduled.kv_loads_ahead)
+            self._tiers.loads_done(scheduled.kv_loads + scheduled.kv_loads_ahead)
         for chunk in scheduled.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.is_finished or req.status is RequestStatus.PREEMPTED:
@@ -241,10 +248,43 @@ class Scheduler(KVReservations):
                 ended.append(req)
         return ended
 
+    # ---- KV another worker delivers (`pdserve.core.kv_reservations`) ----------------------------------
+    def reserve_kv(self, request: Request) -> int | None:
+        """Hold blocks for the whole prompt of a request whose KV will be delivered; None when no room now.
+        Returns the number of prompt tokens already in this worker's prefix cache (whole blocks): the sender
+        need not deliver those. Raises like `add_request` for a request that could never be served."""
+        self.check_new(request)
+        self._take_back(request, self.blocks.blocks_needed(request.num_prompt_tokens), self._taken_back)
+        if len(self.running) + len(self.reservations) >= self.config.max_num_seqs:
+            return None
+        hit_tokens = self.reservations.reserve(request)
+        if hit_tokens is not None:
+            self.requests[request.request_id] = request
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
+            self.stats.num_prefix_hit_tokens += hit_tokens
+        return hit_tokens
+
+    def kv_delivered(self, request_id: str, first_token: int | None = None) -> Request:
+        """The prompt's KV is in the reserved blocks. With `first_token` (sampled by the prefill worker) the
+        request decodes from there, or ends if that token stops it (check `is_finished`); without one, only
+        the prompt's uncached tail (the last token; after a restore, more) is computed here, giving the first token."""
+        req = self.reservations.deliver(request_id, first_token)
+        bisect.insort(self.running, req, key=self.policy.sort_key)
+        status = self._stop_status(req) if first_token is not None else None
+        if status is not None:
+            self._finish(req, status)
+        return req
+
+    def kv_failed(self, request_id: str) -> None:
+        """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""
+        req = self.reservations.fail(request_id)
+        self._drop_cold(req)
+        self.waiting.push(req)
+
     # ---- helpers ---------------------------------------------------------------------------------------
     def _take_back(self, head: Request, need_blocks: int, preempted: list[str]) -> None:
         """The guaranteed tier's lent share comes back for `head` (`pdserve.core.tier_share`)."""
-        for victim in self.share.victims(head, need_blocks, self.running, self._num_reserved,
+        for victim in self.share.victims(head, need_blocks, self.running, len(self.reservations),
                                          self.blocks.num_free_blocks, lambda r: len(self.blocks.block_ids(r.request_id))):
             self.running.remove(victim)
             self._preempt(victim)
@@ -329,19 +369,14 @@ class Scheduler(KVReservations):
         return n
 
     def _tier_hit(self, prefix: PrefixHit) -> TierHit:
-        if self.tiers is None:
+        if self._tiers is None:
             return _NO_TIER_HIT
-        return self.tiers.extend(prefix.block_hashes[len(prefix.block_ids):])
+        return self._tiers.extend(prefix.block_hashes[len(prefix.block_ids):])
 
     def _load(self, lower: TierHit, prefix: PrefixHit, ids: list, count: bool) -> list[KVLoad]:
         """Loads of the host hits into the fresh blocks `allocate` appended right after the device hit."""
         first = len(prefix.block_ids)
-        return self.tiers.load(lower.host, ids[first:first + len(lower.host)], count)
-
-    def _drop_pending_loads(self, request_id: str) -> None:
-        loads = self._pending_loads.pop(request_id, None)
-        if loads:
-            self.tiers.loads_done(loads)
+        return self._tiers.load(lower.host, ids[first:first + len(lower.host)], count)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -350,13 +385,13 @@ class Scheduler(KVReservations):
             block_ids=self.blocks.block_ids(req.request_id),
             sample=start + n == req.num_tokens,
             sampling_params=req.sampling_params,
-            cold_slots=self.tiers.cold_slots(req.cold_hashes) if req.cold_hashes else (),
+            cold_slots=self._tiers.cold_slots(req.cold_hashes) if req.cold_hashes else (),
             prompt_targets=tuple(req.prompt_token_ids[start + 1:start + n + 1])
             if req.sampling_params.prompt_logprobs is not None else ())
 
     def _drop_cold(self, req: Request) -> None:
         if req.cold_hashes:
-            self.tiers.release_cold(req.cold_hashes)
+            self._tiers.release_cold(req.cold_hashes)
             req.cold_hashes = []
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
@@ -369,7 +404,7 @@ class Scheduler(KVReservations):
         return None
 
     def _preempt(self, req: Request) -> None:
-        self._drop_pending_loads(req.request_id)  # (a delivered request's host hits not loaded yet)
+        self.reservations.drop_loads(req.request_id)  # (a delivered request's host hits not loaded yet)
         self.blocks.free(req.request_id)
         self._drop_cold(req)
         req.num_computed_tokens = 0
@@ -383,10 +418,10 @@ class Scheduler(KVReservations):
         if req in self.running:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING_FOR_KV:
-            self._num_reserved -= 1
+            self.reservations.cancel(req.request_id)
         elif not req.is_finished:
             self.waiting.ended()
-        self._drop_pending_loads(req.request_id)  # never loaded into blocks freed (and reused) meanwhile
+        self.reservations.drop_loads(req.request_id)  # never loaded into blocks freed (and reused) meanwhile
         req.status = status
         req.finished_s = self.blocks.clock()
         if req.pin is not None and status in _PINNABLE:
