@@ -111,12 +111,8 @@ CONDUCTOR_CORE = "pdserve.cluster.conductor_core"
 CONDUCTOR_PARTS = {f"pdserve.cluster.{m}" for m in ("admission", "routing", "recovery", "membership", "staging",
                                                     "flight_state", "actions", "consumption", "hot_prefixes")}
 GATEWAY_DRIVER = "pdserve.cluster.conductor"  # the conductor over ZeroMQ and asyncio: never the simulator's
-# Known exceptions, each (importer, imported): why. Aim: none; one added here says why and for how long.
-KNOWN_EDGES: dict[tuple[str, str], str] = {
-    ("pdserve.sim.plan", "pdserve.sim.cli"):
-        "plan runs candidates with the simulate CLI's cluster_spec/run_spec; they move to a module below both "
-        "once the flag rework in sim/cli.py under way is committed",
-}
+# Known exceptions, each (importer, imported): why. None today; one added here says why and for how long.
+KNOWN_EDGES: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -104,80 +104,10 @@ def add_sim_parsers(sub) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
-def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, instances: int = 1):
-    from pdserve.sim.cluster import ClusterSpec
-    return ClusterSpec(mode=mode, num_prefill=prefill, num_decode=decode, num_instances=instances, tp=tp,
-                       block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       prefill_budget=args.prefill_budget, decode_budget=args.decode_budget, routing=args.routing,
-                       link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.kv_host_gb,
-                       disk_kv_gb=args.kv_disk_gb, kv_eviction_policy=args.kv_eviction_policy,
-                       host_link_gb_s=args.host_link_gb_s, disk_read_gb_s=args.disk_read_gb_s,
-                       disk_write_gb_s=args.disk_write_gb_s,
-                       control_latency_s=args.control_latency_ms * 1e-3,
-                       fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
-                       transfer_failure_rate=args.transfer_failure_rate, seed=args.seed,
-                       service_tiers=tuple(args.service_tier or ()), admission=args.admission,
-                       admission_margin=args.admission_margin, delivery=args.delivery,
-                       link_share=args.link_share, link_gbps=args.link_gbps,
-                       delivery_backlog_s=args.delivery_backlog_s, decode_cadence=args.decode_cadence,
-                       idle_prewarm=args.idle_prewarm,
-                       role_switching=args.role_switching, role_switch_s=args.role_switch_s)
-
-
-def run_spec(args, spec, workloads: list, rates: list, label: str):
-    """Simulate `spec` on each workload; returns the `SimResult`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from pdserve.bench.tier_mix import tier_flags, workload_tiers
-    from pdserve.sim.cluster import simulate
-    from pdserve.sim.hardware import get_gpu, get_model
-    from pdserve.sim.report import SimResult, add_run
-    from pdserve.sim.timemodel import make_time_model
-
-    model, gpu = get_model(args.model, args.kv_cache_dtype), get_gpu(args.gpu)
-    time_model = make_time_model(args.time_model, model, gpu, spec.tp)
-    price = args.price_per_gpu_hour if args.price_per_gpu_hour is not None else gpu.price_per_hour
-    mix, _ = tier_flags(args)
-    result = SimResult(endpoint="simulator", model=model.name, workload=args.workload, label=label,
-                       service_tiers=list(args.service_tier or ()), tier_mix=mix,
-                       slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                       workload_description=workloads[0].description,
-                       cluster={**vars(spec), "gpu": gpu.name, "num_gpus": spec.num_gpus,
-                                "time_model": args.time_model, **kv_cache_info(model, gpu, spec, time_model)})
-    for i, (rate, wl) in enumerate(zip(rates, workloads)):
-        with Progress(TextColumn(f"{label} rate {rate or '-'}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), disable=args.no_progress) as bar:
-            task = bar.add_task("sim", total=len(wl))
-            run = simulate(wl, spec, model, gpu, time_model, block_tokens=args.block_tokens,
-                           prompt_seed=args.seed + 7919 * i,
-                           progress=lambda n, t: bar.update(task, completed=n),
-                           tiers=workload_tiers(mix, len(wl), args.seed) if mix else None)
-            bar.update(task, completed=len(wl))
-        add_run(result, rate, run, spec.num_gpus, price)
-    return result
-
-
-def kv_cache_info(model, gpu, spec, time_model) -> dict:
-    """What the KV codec makes of the cluster: bytes per token, blocks per engine, the fitted model's scaling."""
-    from pdserve.sim.hardware import kv_pool_blocks
-    info = {"kv_cache_dtype": model.kv_cache_dtype, "kv_bytes_per_token": model.kv_bytes_per_token,
-            "kv_dequant_overhead": model.kv_dequant_overhead,
-            "kv_pool_blocks": spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size,
-                                                                   max_num_seqs=spec.max_num_seqs)}
-    scaling = getattr(time_model, "meta", {}).get("kv_codec_scaling")
-    return {**info, "time_model_kv_scaling": scaling} if scaling else info
-
-
 def check_kv_cache_dtype(args) -> None:
     """A bad --kv-cache-dtype fails before any work, in one line."""
     from pdserve.core.kv_codecs import check
     check(args.kv_cache_dtype)
-
-
-def _workloads(args):
-    from pdserve.bench.cli import _rates, _workload_at
-    rates = _rates(args)
-    return rates, [_workload_at(args, r) for r in rates]
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -185,10 +115,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.sim.report import print_sim_table, write_sim_result
 
     from pdserve.bench.tier_mix import tier_flags
+    from pdserve.sim.runs import cluster_spec, run_spec, workloads_at_rates
     tier_flags(args)  # bad tier flags fail before any work
     check_kv_cache_dtype(args)
     spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)  # bad flags: before work
-    rates, workloads = _workloads(args)
+    rates, workloads = workloads_at_rates(args)
     label = args.label or (Path(args.output).name if args.output else f"{args.mode} {spec.num_gpus}x{args.gpu}")
     result = run_spec(args, spec, workloads, rates, label)
     print_table(result)
@@ -200,6 +131,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.sim.plan import plan
+    from pdserve.sim.runs import cluster_spec
     check_kv_cache_dtype(args)
     cluster_spec(args, "pd", 1)  # bad cluster flags fail before any work, in one line
     return plan(args)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.hardware import get_gpu, get_model, kv_pool_blocks
+from pdserve.sim.runs import cluster_spec, run_spec, workloads_at_rates
 
 
 def candidates(args) -> list[tuple[str, int, int, int]]:
@@ -59,12 +60,11 @@ def planner_split(args, workload, tp: int, engines: int) -> tuple[int, float]:
 
 def plan(args) -> int:
     from pdserve.bench.report import print_table
-    from pdserve.sim.cli import _workloads, cluster_spec, run_spec
     from pdserve.sim.report import print_sim_table, write_sim_result
 
     if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
         raise InvalidRequestError("plan needs --slo-ttft-ms and/or --slo-tpot-ms")
-    rates, workloads = _workloads(args)
+    rates, workloads = workloads_at_rates(args)
     console = Console(width=max(Console().width, 120))
     table = Table(title=f"plan: {args.model} on <= {args.gpus} x {args.gpu}")
     for col in ("mode", "tp", "P", "D/N", "GPUs", "SLO met (worst rate)", "verdict"):
