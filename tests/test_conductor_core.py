@@ -22,8 +22,10 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.recovery import HEARD_S, MAX_RENEW_S
 from pdserve.cluster.conductor import Conductor
+from pdserve.cluster.actions import stale
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import make_routing_policy
+from pdserve.cluster.wire import Abort, KvFailed, Ready, Redirect, Renew, Reserve, from_dict, to_dict
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.server.metrics import Metrics
@@ -76,10 +78,10 @@ def _replay_on_real_conductor(decisions, tmp_path, stage_blocks: dict, stage_max
             pulls[name] = ctx.socket(zmq.PULL)
             pulls[name].bind(f"ipc://{tmp_path}/{name}.cmd")
             conductor.add_worker(name, name.split("-")[0], f"ipc://{tmp_path}/{name}.cmd")
-            conductor.on_event({"type": "ready", "worker": name, "block_size": 16,
+            conductor.on_event(from_dict({"type": "ready", "worker": name, "role": name.split("-")[0], "block_size": 16,
                                 "max_num_batched_tokens": 8192 if name.startswith("prefill") else 2048,
                                 "stage_blocks": stage_blocks.get(name, 0), "stage_max_blocks": stage_max[name],
-                                "kv_capacity_blocks": capacity[name]})
+                                "kv_capacity_blocks": capacity[name]}))
         flights = {}
         for event, args, kwargs, _ in decisions:
             now[0] = _time_of(event, args)
@@ -112,30 +114,35 @@ def _time_of(event: str, args) -> float:
 
 
 async def _feed(conductor: Conductor, event: str, args) -> None:
-    if event == "reserved":
-        rid, xfer, needs, addr, first, _ = args
-        conductor.on_event({"type": "reserved", "rid": rid, "xfer": xfer, "needs_prefill": needs, "kv_addr": addr,
-                            "first_block": first})
-    elif event == "prefilled":
-        conductor.on_event({"type": "prefilled", "rid": args[0], "failed": None, "landing_in_s": args[2]})
-    elif event == "consumed":
-        conductor.on_event({"type": "consumed", "items": [[args[0], args[1]]]})
-    elif event == "token":
-        rid, index, finished, _ = args
-        conductor.on_event({"type": "tokens", "items": [{"rid": rid, "i": index, "t": 7,
-                                                         "fin": "length" if finished else None}]})
-    elif event == "worker_steps":
-        conductor.on_event({"type": "stats", "worker": args[0], "steps": [list(s) for s in args[1]], "running": 0,
-                            "waiting": 0, "blocks_used": 0, "blocks_total": 400, "prompt_tokens": 0,
-                            "prefill_cap": args[2] if len(args) > 2 else None})
-    elif event == "reserve_waiting":
-        conductor.on_event({"type": "reserve_waiting", "rid": args[0], "xfer": args[1]})
-    elif event == "staged":
-        conductor.on_event({"type": "staged", "rid": args[0], "ok": args[1]})
-    elif event == "abort":
+    """The core event the simulator fed its core, as the worker event that makes the gateway feed it."""
+    if event == "abort":
         await conductor.abort(args[0])
     else:
-        raise AssertionError(f"unexpected event {event}")
+        conductor.on_event(from_dict(_worker_event(event, args)))
+
+
+def _worker_event(event: str, args) -> dict:
+    """The worker event (as it travels) that makes the gateway feed its core `event`."""
+    if event == "reserved":
+        rid, xfer, needs, addr, first, _ = args
+        return {"type": "reserved", "rid": rid, "xfer": xfer, "needs_prefill": needs, "kv_addr": addr,
+                "first_block": first}
+    if event == "prefilled":
+        return {"type": "prefilled", "rid": args[0], "failed": None, "landing_in_s": args[2]}
+    if event == "consumed":
+        return {"type": "consumed", "items": [[args[0], args[1]]]}
+    if event == "token":
+        rid, index, finished, _ = args
+        return {"type": "tokens", "items": [{"rid": rid, "i": index, "t": 7, "fin": "length" if finished else None}]}
+    if event == "worker_steps":
+        return {"type": "stats", "worker": args[0], "role": args[0].split("-")[0], "values": {
+            "steps": [list(s) for s in args[1]], "running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 400,
+            "prompt_tokens": 0, "prefill_cap": args[2] if len(args) > 2 else None}}
+    if event == "reserve_waiting":
+        return {"type": "reserve_waiting", "rid": args[0], "xfer": args[1]}
+    if event == "staged":
+        return {"type": "staged", "rid": args[0], "ok": args[1]}
+    raise AssertionError(f"unexpected event {event}")
 
 
 def _plain(value):
@@ -156,7 +163,7 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     for _, _, _, actions in decisions:
         for a in actions:
             if isinstance(a, Send):
-                sent.setdefault(a.worker, []).append(_plain(a.cmd))
+                sent.setdefault(a.worker, []).append(_plain(to_dict(a.cmd)))
             elif isinstance(a, Fail):
                 failed[a.rid] = (a.status, a.code)
             elif isinstance(a, Count):
@@ -196,12 +203,11 @@ def test_core_refuses_with_no_live_worker_and_fails_requests_of_a_dead_decode_wo
     core.add_worker("decode-0", "decode")
     actions = core.arrive("a", list(range(40)), {}, 0.0)
     (send,) = actions
-    assert send == Send("decode-0", {"type": "reserve", "rid": "a", "prompt": list(range(40)), "params": {},
-                                     "priority": 0, "pin": None, "tier": "default", "xfer": "a#0"})
+    assert send == Send("decode-0", Reserve("a", list(range(40)), {}, "a#0", priority=0, pin=None, tier="default"))
     # the prefill worker dies before the reservation is granted: the decode worker recomputes
-    assert Send("decode-0", {"type": "kv_failed", "xfer": "a#0"}) in core.worker_died("prefill-0")
+    assert Send("decode-0", KvFailed("a#0")) in core.worker_died("prefill-0")
     assert core.reserved("a", "a#0", True, "addr", 0) == [Count("fallbacks", (("kind", "no_prefill_worker"),)),
-                                                          Send("decode-0", {"type": "kv_failed", "xfer": "a#0"})]
+                                                          Send("decode-0", KvFailed("a#0"))]
     died = core.worker_died("decode-0")
     assert [a for a in died if isinstance(a, Fail)] == [Fail("a", 503, "worker decode-0 died while serving this "
                                                               "request and no live worker is left to move it "
@@ -224,9 +230,9 @@ def test_a_dead_decode_workers_request_moves_with_its_outputs_and_goes_on_number
     died = core.worker_died("decode-0", 5.0)
     assert Count("requests_migrated", (("reason", "worker_died"), ("source", "recompute"))) in died
     (reserve,) = [a for a in died if isinstance(a, Send)]
-    assert reserve.worker == "decode-1" and reserve.cmd["prompt"] == list(range(40)) + [7, 8, 9]
-    assert reserve.cmd["params"] == {"max_tokens": 7, "grammar": "g", "grammar_replay": 3}  # (outputs in prompt)
-    assert reserve.cmd["xfer"] == "a#1"
+    assert reserve.worker == "decode-1" and reserve.cmd.prompt == list(range(40)) + [7, 8, 9]
+    assert reserve.cmd.params == {"max_tokens": 7, "grammar": "g", "grammar_replay": 3}  # (outputs in prompt)
+    assert reserve.cmd.xfer == "a#1"
     f = core.flights["a"]
     assert f.prefill == "prefill-0" and f.first_token_s == 0.3 and f.num_tokens == 3
     assert core.workers["decode-0"].outstanding == 0 and core.backlog["decode-0"].decoding == 0
@@ -282,18 +288,18 @@ def test_a_dead_decode_workers_checkpointed_request_moves_with_a_restore_of_its_
     died = core.worker_died("decode-0", 30.0)
     assert Count("requests_migrated", (("reason", "worker_died"), ("source", "checkpoint"))) in died
     (reserve,) = [a for a in died if isinstance(a, Send)]
-    assert reserve.worker == "decode-1" and reserve.cmd["restore"] == {"peer": "decode-0", "tokens": 56}
-    assert reserve.cmd["prompt"] == list(range(40)) + [100 + i for i in range(20)]
+    assert reserve.worker == "decode-1" and reserve.cmd.restore == {"peer": "decode-0", "tokens": 56}
+    assert reserve.cmd.prompt == list(range(40)) + [100 + i for i in range(20)]
     f = core.flights["a"]
     assert f.checkpoint == 0 and f.restore == {"peer": "decode-0", "tokens": 56}
     # the decode worker has every token but the checkpoint's tail: no prefill is dispatched
-    assert core.reserved("a", reserve.cmd["xfer"], False, "addr-1", 3, 30.1) == []
+    assert core.reserved("a", reserve.cmd.xfer, False, "addr-1", 3, 30.1) == []
     assert core.workers["prefill-0"].outstanding == 0
     # without a newer checkpoint, a second move restores from the first dead worker's files again
     core.token("a", 20, False, 31.0, 120)
     core.add_worker("decode-2", "decode")
     (again,) = [a for a in core.worker_died("decode-1", 32.0) if isinstance(a, Send)]
-    assert again.worker == "decode-2" and again.cmd["restore"] == {"peer": "decode-0", "tokens": 56}
+    assert again.worker == "decode-2" and again.cmd.restore == {"peer": "decode-0", "tokens": 56}
 
 
 def test_with_no_live_worker_a_moved_request_waits_for_the_restarted_one_unless_its_client_left():
@@ -305,8 +311,8 @@ def test_with_no_live_worker_a_moved_request_waits_for_the_restarted_one_unless_
     died = core.worker_died("colocated-0", 1.0, restarting=True)
     assert not [a for a in died if isinstance(a, Fail)] and [o.rid for o in core.orphans] == ["a", "b"]
     assert core.abort("b") == [] and [o.rid for o in core.orphans] == ["a"]  # its client left meanwhile
-    (generate,) = core.worker_ready("colocated-0", {})
-    assert generate.cmd["prompt"] == [1, 2, 3, 7] and generate.cmd["params"] == {"max_tokens": 4}
+    (generate,) = core.worker_ready("colocated-0", Ready("colocated-0", "colocated"))
+    assert generate.cmd.prompt == [1, 2, 3, 7] and generate.cmd.params == {"max_tokens": 4}
     assert core.orphans == [] and core.waiting == {"default": 1}
     core.worker_died("colocated-0", 2.0)  # and it stays dead this time: nothing waits for it
     assert core.orphans == [] and core.flights == {}
@@ -330,12 +336,12 @@ def test_a_tiers_waiting_queue_is_bounded_and_a_first_token_makes_room():
     refused = core.arrive("c", [1, 2], {"max_tokens": 4}, 0.0)
     (fail,) = [a for a in refused if isinstance(a, Fail)]
     assert (fail.status, fail.code, fail.retry_after_s) == (429, "server_overloaded", 1.0)
-    assert core.arrive("f", [1, 2], {"max_tokens": 4}, 0.0, tier="flex")[0].cmd["type"] == "generate"
+    assert core.arrive("f", [1, 2], {"max_tokens": 4}, 0.0, tier="flex")[0].cmd.kind == "generate"
     # a sibling of an admitted request (n > 1) is admitted with it, full queue or not, on its workers
-    assert core.arrive("b-1", [1, 2], {"max_tokens": 4}, 0.0, follow=("colocated-0",))[0].cmd["type"] == "generate"
+    assert core.arrive("b-1", [1, 2], {"max_tokens": 4}, 0.0, follow=("colocated-0",))[0].cmd.kind == "generate"
     core.abort("b-1")
     core.token("a", 0, False, 0.1, 5)  # a is running now: one waits
-    assert core.arrive("c", [1, 2], {"max_tokens": 4}, 0.2)[0].cmd["type"] == "generate"
+    assert core.arrive("c", [1, 2], {"max_tokens": 4}, 0.2)[0].cmd.kind == "generate"
     core.abort("b")
     core.token("a", 3, True, 0.3, 6)
     assert core.waiting == {"default": 1, "flex": 1}
@@ -362,9 +368,9 @@ def test_an_abort_reaches_the_prefill_worker_while_it_prefills_and_not_after():
         core.arrive(rid, list(range(40)), {}, 0.0)
         core.reserved(rid, f"{rid}#{'ab'.index(rid)}", True, "addr", 0)
     core.prefilled("b", 0.5)
-    assert core.abort("a") == [Send("decode-0", {"type": "abort", "rid": "a"}),
-                               Send("prefill-0", {"type": "abort", "rid": "a"})]
-    assert core.abort("b") == [Send("decode-0", {"type": "abort", "rid": "b"})]
+    assert core.abort("a") == [Send("decode-0", Abort("a")),
+                               Send("prefill-0", Abort("a"))]
+    assert core.abort("b") == [Send("decode-0", Abort("b"))]
     assert core.abort("b") == [] and all(w.outstanding == 0 for w in core.workers.values())
 
 
@@ -389,27 +395,27 @@ def test_a_dead_prefill_workers_prompts_move_to_another_prefill_worker():
     prompt = list(range(40))
     core.arrive("a", prompt, {}, 0.0)  # reserved and dispatched to prefill-0
     (dispatch,) = core.reserved("a", "a#0", True, "addr", 1, 0.1)
-    assert dispatch.worker == "prefill-0" and dispatch.cmd["xfer"] == "a#0" and dispatch.cmd["first_block"] == 1
+    assert dispatch.worker == "prefill-0" and dispatch.cmd.xfer == "a#0" and dispatch.cmd.first_block == 1
     core.arrive("b", list(range(100, 140)), {}, 0.2)  # routed to prefill-1, not reserved yet
     assert core.flights["b"].prefill == "prefill-1"
     actions = core.worker_died("prefill-0", 0.3)
     # a: a new transfer into the same reserved blocks, from prefill-1; counted
     assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
-    redirect = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "redirect"]
+    redirect = [a for a in actions if isinstance(a, Send) and a.cmd.kind == "redirect"]
     new = core.flights["a"].xfer
-    assert redirect == [Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": new})]
+    assert redirect == [Send("decode-0", Redirect("a#0", new))]
     # prefill-1 is sent the prompt once the decode worker expects the new transfer (its `reserved`)
-    assert not [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "prefill"]
-    assert core.reserved("a", "a#0", True, "addr", 1, 0.31) == []  # the old transfer's: stale
+    assert not [a for a in actions if isinstance(a, Send) and a.cmd.kind == "prefill"]
+    assert core.reserved("a", "a#0", True, "addr", 1, 0.31) == stale("reserved")  # the old transfer's: counted
     (prefill,) = core.reserved("a", new, True, "addr", 1, 0.32)
-    assert prefill.worker == "prefill-1" and prefill.cmd["type"] == "prefill" and prefill.cmd["xfer"] == new != "a#0"
-    assert prefill.cmd["dest"] == "addr" and prefill.cmd["first_block"] == 1
+    assert prefill.worker == "prefill-1" and prefill.cmd.kind == "prefill" and prefill.cmd.xfer == new != "a#0"
+    assert prefill.cmd.dest == "addr" and prefill.cmd.first_block == 1
     assert core.backlog["prefill-0"].tokens == {0: 0, 1: 0} and core.workers["prefill-1"].outstanding == 2
     # the last prefill worker dies: nowhere to move them, the decode worker recomputes both
     actions = core.worker_died("prefill-1", 0.4)
     assert actions.count(Count("kv_recovery", (("choice", "recompute"),))) == 2
-    assert {a.cmd["xfer"] for a in actions if isinstance(a, Send)} == {core.flights["a"].xfer, "b#1"}
-    assert all(a.cmd["type"] == "kv_failed" for a in actions if isinstance(a, Send))
+    assert {a.cmd.xfer for a in actions if isinstance(a, Send)} == {core.flights["a"].xfer, "b#1"}
+    assert all(a.cmd.kind == "kv_failed" for a in actions if isinstance(a, Send))
 
 
 def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it_reports_again():
@@ -418,15 +424,16 @@ def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it
         core.add_worker(name, role)
     core.arrive("a", list(range(40)), {}, 0.0)
     core.reserved("a", "a#0", True, "addr", 0, 0.1)  # dispatched to prefill-0, which then goes silent
-    assert core.transfer_outcome("a", "held", "stale#9", 2.0) == []  # not its current transfer: nothing
+    # not its current transfer: nothing but a count
+    assert core.transfer_outcome("a", "held", "stale#9", 2.0) == stale("transfer")
     actions = core.transfer_outcome("a", "held", "a#0", 2.1)
     assert Count("kv_leases_lapsed", (("worker", "prefill-0"),)) in actions
-    assert Send("prefill-0", {"type": "abort", "rid": "a"}) in actions
+    assert Send("prefill-0", Abort("a")) in actions
     assert Count("kv_recovery", (("choice", "redispatch"),)) in actions
     new = core.flights["a"].xfer
-    assert Send("decode-0", {"type": "redirect", "old": "a#0", "xfer": new}) in actions
+    assert Send("decode-0", Redirect("a#0", new)) in actions
     (prefill,) = core.reserved("a", new, True, "addr", 0, 2.15)  # the decode worker expects it now
-    assert prefill.worker == "prefill-1" and prefill.cmd["xfer"] == new
+    assert prefill.worker == "prefill-1" and prefill.cmd.xfer == new
     # stalled: routing passes prefill-0 by, even when prefill-1 is busier
     core.arrive("b", list(range(100, 140)), {}, 2.2)
     assert core.flights["b"].prefill == "prefill-1"
@@ -436,7 +443,7 @@ def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it
     # prefilled, yet the KV never arrived whole: only the decode worker can recompute it
     core.prefilled("a", 3.1)
     actions = core.transfer_outcome("a", "held", new, 5.0)
-    assert actions == [Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", {"type": "kv_failed", "xfer": new})]
+    assert actions == [Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", KvFailed(new))]
 
 
 def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time():
@@ -447,7 +454,7 @@ def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time()
         core.add_worker(name, role)
     core.arrive("a", list(range(40)), {}, 0.0)
     core.reserved("a", "a#0", True, "addr", 0, 0.1)  # dispatched to prefill-0
-    renew = [Count("kv_lease_extensions", (("worker", "prefill-0"),)), Send("decode-0", {"type": "renew", "xfer": "a#0"})]
+    renew = [Count("kv_lease_extensions", (("worker", "prefill-0"),)), Send("decode-0", Renew("a#0"))]
     for t in (2.0, 3.0, 2.0 + MAX_RENEW_S):
         core.workers["prefill-0"].heard_s = t - HEARD_S  # its heartbeat, a moment before the lapse
         assert core.transfer_outcome("a", "held", "a#0", t) == renew
@@ -466,7 +473,7 @@ def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time()
     core.workers["prefill-1"].heard_s = 126.5
     new = core.flights["a"].xfer
     assert core.transfer_outcome("a", "held", new, 127.0) == [
-        Count("kv_lease_extensions", (("worker", "prefill-1"),)), Send("decode-0", {"type": "renew", "xfer": new})]
+        Count("kv_lease_extensions", (("worker", "prefill-1"),)), Send("decode-0", Renew(new))]
     core.worker_steps("prefill-1", [])  # it reports again: usable
     core.arrive("c", list(range(200, 240)), {}, 128.0)
     core.reserved("c", "c#3", True, "addr", 0, 128.1)
@@ -474,7 +481,7 @@ def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time()
     core.prefilled("c", 129.0, failed=True)  # its worker gave up sending: heard, yet nothing more will come
     core.workers["prefill-1"].heard_s = 130.5
     assert core.transfer_outcome("c", "held", "c#3", 131.0) == [
-        Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", {"type": "kv_failed", "xfer": "c#3"})]
+        Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", KvFailed("c#3"))]
 
 
 def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_prediction():
@@ -485,7 +492,7 @@ def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_predict
     core.reserved("a", "a#0", True, "addr", 0, 0.1)
     core.prefilled("a", 1.0, 0.5)  # its last chunk leaves in 0.5 s: predicted consumed at 1.5
     assert core.relanded("a", 1.2, 0.8) == [Count("kv_prediction_refinements", (("service_tier", "default"),))]
-    assert core.relanded("nobody", 1.2, 0.8) == []
+    assert core.relanded("nobody", 1.2, 0.8) == stale("relanded")
     errors = {o.metric: o.value for o in core.consumed("a", 2.003)}
     assert errors == pytest.approx({"kv_consumption_error": 0.003, "kv_consumption_error_at_prefilled": 0.503})
 
@@ -497,8 +504,8 @@ def test_a_renewed_transfer_lapsing_again_is_one_failure_in_the_metrics():
     event = {"type": "transfer", "rid": "r", "xfer": "r#0", "outcome": "held", "state": "failed_timeout",
              "bytes": 0, "seconds": 1.0, "worker": "decode-0"}
     for lapses in (1, 2, 3):
-        metrics.observe_transfer({**event, "lapses": lapses})
-    metrics.observe_transfer({**event, "outcome": "recompute", "lapses": 3})
+        metrics.observe_transfer(from_dict({**event, "lapses": lapses}))
+    metrics.observe_transfer(from_dict({**event, "outcome": "recompute", "lapses": 3}))
     got = metrics.registry.get_sample_value
     assert got("pdserve_kv_transfer_failures_total", {"reason": "failed_timeout", "outcome": "held"}) == 1
     assert got("pdserve_kv_transfer_failures_total", {"reason": "failed_timeout", "outcome": "recompute"}) == 1

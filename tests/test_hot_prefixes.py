@@ -8,9 +8,11 @@ from array import array
 import numpy as np
 
 from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.actions import stale
 from pdserve.cluster.conductor_core import ConductorCore, Count, Send
 from pdserve.cluster.hot_prefixes import HALF_LIFE_S, MAX_HOT, DecayedCounts, HotPrefixes
 from pdserve.cluster.routing import WorkerLoad, make_routing_policy
+from pdserve.cluster.wire import Ready
 from pdserve.core.block_hash import hash_blocks
 from pdserve.sim.cluster import ClusterSpec, build
 from pdserve.sim.events import MESSAGE
@@ -65,8 +67,8 @@ def _core() -> ConductorCore:
     core = ConductorCore("pd", make_routing_policy("prefix-affinity"))
     for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
         core.add_worker(name, role)
-        core.worker_ready(name, {"block_size": BS, "stage_blocks": 64 if role == "prefill" else 0,
-                                 "stage_max_blocks": 64})
+        core.worker_ready(name, Ready(name, role, block_size=BS, stage_blocks=64 if role == "prefill" else 0,
+                                      stage_max_blocks=64))
     return core
 
 
@@ -84,11 +86,11 @@ def test_an_idle_prefill_worker_warms_the_hot_prefix_and_routing_then_spreads_it
     _serve(core, "a", 0.5)
     actions = core.arrive("b", _prompt(2), {}, 1.0)  # affinity: prefill-0 again; the prefix is hot now
     assert core.flights["b"].prefill == "prefill-0"
-    (warm,) = [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "warm"]
-    assert warm.worker == "prefill-1" and warm.cmd["prompt"] == SHARED
+    (warm,) = [a for a in actions if isinstance(a, Send) and a.cmd.kind == "warm"]
+    assert warm.worker == "prefill-1" and warm.cmd.prompt == SHARED
     # one pass at a time: the next arrival does not start another
-    assert not [a for a in core.arrive("c", _prompt(3), {}, 1.1) if isinstance(a, Send) and a.cmd["type"] == "warm"]
-    done = core.staged(warm.cmd["rid"], True, 2.0)
+    assert not [a for a in core.arrive("c", _prompt(3), {}, 1.1) if isinstance(a, Send) and a.cmd.kind == "warm"]
+    done = core.staged(warm.cmd.rid, True, 2.0)
     assert Count("kv_idle_prewarms", (("worker", "prefill-1"), ("outcome", "done"))) in done
     assert core.workers["prefill-1"].prefix_blocks(hash_blocks(_prompt(4), BS)) == 4
     # with prefill-0 busy (b and c), the next request sharing the prefix goes to prefill-1, cache and all
@@ -101,25 +103,26 @@ def test_no_warm_pass_while_work_is_routed_there_without_staging_room_or_when_of
     core = ConductorCore("pd", make_routing_policy("prefix-affinity"), idle_prewarm=False)
     for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
         core.add_worker(name, role)
-        core.worker_ready(name, {"block_size": BS, "stage_blocks": 64, "stage_max_blocks": 64})
+        core.worker_ready(name, Ready(name, "prefill", block_size=BS, stage_blocks=64, stage_max_blocks=64))
     for i in range(4):
         actions = core.arrive(f"r{i}", _prompt(i), {}, float(i))
-        assert not [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "warm"]
+        assert not [a for a in actions if isinstance(a, Send) and a.cmd.kind == "warm"]
     core = _core()
-    core.worker_ready("prefill-1", {"block_size": BS, "stage_blocks": 0})  # --delivery fifo: no staging room
+    # --delivery fifo: no staging room
+    core.worker_ready("prefill-1", Ready("prefill-1", "prefill", block_size=BS, stage_blocks=0))
     for i in range(4):
         actions = core.arrive(f"r{i}", _prompt(i), {}, float(i))
-        assert not [a for a in actions if isinstance(a, Send) and a.cmd["type"] == "warm"]
+        assert not [a for a in actions if isinstance(a, Send) and a.cmd.kind == "warm"]
 
 
 def test_a_warm_pass_on_a_dying_worker_is_forgotten():
     core = _core()
     core.arrive("a", _prompt(1), {}, 0.0)
     _serve(core, "a", 0.5)
-    (warm,) = [a for a in core.arrive("b", _prompt(2), {}, 1.0) if isinstance(a, Send) and a.cmd["type"] == "warm"]
+    (warm,) = [a for a in core.arrive("b", _prompt(2), {}, 1.0) if isinstance(a, Send) and a.cmd.kind == "warm"]
     core.worker_died("prefill-1", 1.5)
     assert not core.hot.warming and "prefill-1" not in core.stage.staging
-    assert core.staged(warm.cmd["rid"], True, 2.0) == []  # a late report changes nothing
+    assert core.staged(warm.cmd.rid, True, 2.0) == stale("staged")  # a late report changes nothing: counted
 
 
 def test_the_simulator_warms_hot_prefixes_with_the_same_core():
@@ -165,7 +168,7 @@ def test_counts_that_decayed_to_nothing_are_forgotten_so_steady_load_keeps_the_t
 def test_a_worker_remembers_no_more_block_hashes_than_its_kv_capacity():
     core = ConductorCore("pd", make_routing_policy("prefix-affinity"))
     load = core.add_worker("decode-0", "decode")
-    core.worker_ready("decode-0", {"block_size": BS, "kv_capacity_blocks": 8})
+    core.worker_ready("decode-0", Ready("decode-0", "decode", block_size=BS, kv_capacity_blocks=8))
     assert load.max_recent_blocks == 8
     for t in range(20):
         load.remember(hash_blocks([t * 1000 + k for k in range(2 * BS)], BS))

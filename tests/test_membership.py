@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pdserve.cluster.conductor_core import ConductorCore, Count, Send
 from pdserve.cluster.routing import make_routing_policy
+from pdserve.cluster.wire import Ready
 
 PARAMS = {"max_tokens": 8}
 
@@ -14,18 +15,18 @@ def _core() -> ConductorCore:
     core = ConductorCore("pd", make_routing_policy("least-loaded"), idle_prewarm=False)
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         core.add_worker(name, role)
-        core.worker_ready(name, {"block_size": 16})
+        core.worker_ready(name, Ready(name, role, block_size=16))
     return core
 
 
 def _decode_of(actions: list) -> str:
-    return next(a.worker for a in actions if isinstance(a, Send) and a.cmd["type"] == "reserve")
+    return next(a.worker for a in actions if isinstance(a, Send) and a.cmd.kind == "reserve")
 
 
 def test_a_joined_worker_is_routed_to_and_a_leaving_one_is_passed_by_until_released():
     core = _core()
     assert core.worker_joined("decode-j", "decode") == [Count("workers_joined", (("role", "decode"),))]
-    core.worker_ready("decode-j", {"block_size": 16})
+    core.worker_ready("decode-j", Ready("decode-j", "decode", block_size=16))
     first = _decode_of(core.arrive("r0", list(range(40)), PARAMS, 0.0))
     second = _decode_of(core.arrive("r1", list(range(100, 140)), PARAMS, 0.1))
     assert {first, second} == {"decode-0", "decode-j"}  # least-loaded spreads over both
@@ -47,7 +48,7 @@ def test_a_joined_worker_is_routed_to_and_a_leaving_one_is_passed_by_until_relea
 def test_a_worker_that_leaves_early_hands_its_requests_to_the_others():
     core = _core()
     core.worker_joined("decode-j", "decode")
-    core.worker_ready("decode-j", {"block_size": 16})
+    core.worker_ready("decode-j", Ready("decode-j", "decode", block_size=16))
     core.workers["decode-0"].outstanding = 100  # least-loaded sends the next request to decode-j
     assert _decode_of(core.arrive("r0", list(range(40)), PARAMS, 0.0)) == "decode-j"
     core.token("r0", 0, False, 0.5, 7)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.wire import Abort, KvFailed, Reserve
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.pd import DecodeSide
@@ -32,13 +33,8 @@ A = [11 + 3 * i for i in range(10)]
 PROMPTS = {"a": A, "b": [500 + 7 * i for i in range(13)], "c": [900 + i for i in range(9)], "d": A[:8] + [77]}
 
 
-def _cmd(kind: str, rid: str, **extra) -> dict:
-    return {"type": kind, "rid": rid, **extra}
-
-
-def _reserve(rid: str) -> dict:
-    return _cmd("reserve", rid, prompt=PROMPTS[rid], params=params_dict(PARAMS), priority=0, pin=None,
-                tier="default", xfer=f"{rid}#0")
+def _reserve(rid: str) -> Reserve:
+    return Reserve(rid, PROMPTS[rid], params_dict(PARAMS), f"{rid}#0")
 
 
 class FakePort:
@@ -73,15 +69,15 @@ class Real:
                                hold_lapsed=True)
         self.decisions: list[tuple] = []
 
-    def command(self, cmd: dict) -> None:
-        kind, rid = cmd["type"], cmd.get("rid")
-        if kind == "reserve":
-            self.side.reserve(rid, cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"], cmd["priority"])
-        elif kind == "abort":
-            self.engine.abort([rid])
-            self.side.abort(rid)
-        elif kind == "kv_failed":
-            self.side.peer_failed(cmd["xfer"])
+    def command(self, cmd) -> None:
+        """As `pdserve.cluster.worker.Worker._handle` does on a decode worker."""
+        if isinstance(cmd, Reserve):
+            self.side.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority)
+        elif isinstance(cmd, Abort):
+            self.engine.abort([cmd.rid])
+            self.side.abort(cmd.rid)
+        elif isinstance(cmd, KvFailed):
+            self.side.peer_failed(cmd.xfer)
 
     def deliver(self, rid: str) -> None:
         inbound = self.side.inbound.get(f"{rid}#0")
@@ -132,7 +128,7 @@ class Sim:
             f.decode = self.engine
             self.conductor.flights[rid] = f
 
-    def command(self, cmd: dict) -> None:
+    def command(self, cmd) -> None:
         self.conductor._command(self.engine, cmd)  # noqa: SLF001 - the core's Send, without the core
 
     def deliver(self, rid: str) -> None:
@@ -179,11 +175,11 @@ def test_the_real_worker_and_the_simulator_make_the_same_decisions(real):
         both("command", _reserve(rid))
     both("deliver", "a")
     real.lapse("b")
-    both("command", {"type": "kv_failed", "xfer": "b#0"})
-    both("command", _cmd("abort", "a"))
+    both("command", KvFailed("b#0"))
+    both("command", Abort("a"))
     both("deliver", "c")
-    both("command", _cmd("abort", "b"))
-    both("command", _cmd("abort", "c"))
+    both("command", Abort("b"))
+    both("command", Abort("c"))
     both("command", _reserve("d"))
 
     real_outcomes = [d for d in real.decisions if d[0] in ("delivered", "recompute")]

@@ -18,6 +18,7 @@ import zmq.asyncio
 from pdserve.cluster.conductor import Conductor
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.cluster.wire import Abort, from_dict
 from pdserve.core.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
@@ -99,9 +100,11 @@ def make_worker(tiny_llama_dir, tmp_path):
     sink.close(linger=0)
 
 
-def _cmd(kind: str, rid: str, priority: int, **extra) -> dict:
-    return {"type": kind, "rid": rid, "prompt": [5, 6, 7, 8, 9], "params": {"max_tokens": 4},
-            "xfer": f"{rid}#0", "priority": priority, **extra}
+def _cmd(kind: str, rid: str, priority: int, **extra):
+    """A command as it comes off the wire."""
+    transfer = {"xfer": f"{rid}#0"} if kind in ("reserve", "prefill") else {}
+    return from_dict({"type": kind, "rid": rid, "prompt": [5, 6, 7, 8, 9], "params": {"max_tokens": 4},
+                      "priority": priority, **transfer, **extra})
 
 
 def test_decode_worker_grants_reservations_in_priority_order(make_worker):
@@ -111,14 +114,14 @@ def test_decode_worker_grants_reservations_in_priority_order(make_worker):
     worker._handle(_cmd("reserve", "low", 5))
     worker._handle(_cmd("reserve", "urgent", -1))
     assert worker.decode.try_reserve() == []  # the one slot is taken
-    worker._handle({"type": "abort", "rid": "first"})
+    worker._handle(Abort("first"))
     granted = [g.reservation.request for g in worker.decode.try_reserve()]
     assert [(r.request_id, r.priority) for r in granted] == [("urgent", -1)]
 
 
 def test_prefill_and_colocated_workers_queue_by_priority(make_worker):
     prefill = make_worker("prefill")
-    prefill._handle(_cmd("prefill", "p", -2, dest="tcp://127.0.0.1:1", first_block=0))
+    prefill._handle(_cmd("prefill", "p", -2, dest="tcp://127.0.0.1:1", link="decode-0", first_block=0))
     assert prefill.engine.scheduler.requests["p"].priority == -2
     colocated = make_worker("colocated")
     colocated._handle(_cmd("generate", "g", 4))

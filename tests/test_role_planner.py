@@ -4,6 +4,7 @@ conductor core's decision (`plan_roles`), the same code the gateway drives."""
 
 from __future__ import annotations
 
+from pdserve.cluster.wire import Ready
 from pdserve.core.role_planner import RoleLoad, RolePlanner, best_split, utilization
 from pdserve.sim.cluster import ClusterSpec, simulate
 from pdserve.sim.hardware import get_gpu, get_model
@@ -169,7 +170,7 @@ def test_the_core_reports_each_completed_move_as_it_measured_it():
     core.roles.started("prefill", 100.0)
     started = core.worker_joined("prefill-1", "prefill", 104.0, loaded=False)
     assert not any(isinstance(a, Observe) for a in started) and core.switching == ["prefill"]
-    ready = core.worker_ready("prefill-1", {}, 118.0)
+    ready = core.worker_ready("prefill-1", Ready("prefill-1", "prefill"), 118.0)
     assert Observe("role_move_seconds", (("role", "prefill"),), 18.0) in ready and core.switching == []
     # one that dies for good before it serves calls its move off (a reversal need not wait for it)
     core.switching.append("decode")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Send:
     worker: str
-    cmd: dict
+    cmd: object  # a command (`pdserve.cluster.wire`)
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,12 @@ class Fail:
 class Count:
     metric: str
     labels: tuple = ()  # ((name, value), ...)
+
+
+def stale(event: str) -> list:
+    """An event for a request the core no longer tracks (it ended, or moved) or for a transfer it replaced:
+    nothing to do but count it (`pdserve_conductor_stale_events_total{event}`)."""
+    return [Count("conductor_stale_events", (("event", event),))]
 
 
 @dataclass(frozen=True)

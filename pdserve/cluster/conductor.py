@@ -2,7 +2,7 @@
 
 Every decision (route, admit or reject, reserve then dispatch the prefill, react to a dead worker or a failed
 delivery) is the core's (`pdserve.cluster.conductor_core`), the same code the simulator drives. This module
-only does the I/O: it turns worker events (msgpack over the event socket) into core events, carries out the
+only does the I/O: it turns worker events (`pdserve.cluster.wire` messages over the event socket) into core events, carries out the
 core's actions (a command to a worker's socket, an error into a request's stream, a metric), and streams
 token events into each request's queue.
 """
@@ -15,14 +15,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgpack
 import zmq
 import zmq.asyncio
 
 from pdserve.cluster.admission import Admission
-from pdserve.cluster.actions import Level, Switch
+from pdserve.cluster.actions import Level, Switch, stale
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
+from pdserve.cluster.wire import (Beat, Checkpointed, Consumed, Error, Leave, Leaving, Left, PeerGone, Prefilled, Ready,
+                                  Refused, Relanded, Release, Reserved, ReserveWaiting, Staged, Stats, Tokens,
+                                  Transfer, Unpin, Welcome, WireError, to_dict)
+from pdserve.cluster.wire_codec import pack, unpack
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.transfer.zmq_auth import Refusals, secure_client
@@ -74,7 +77,8 @@ class Conductor:
         self.flights: dict[str, Flight] = {}
         self.refusals = Refusals(event_socket)  # events from outside the deployment (`zmq_auth`)
         self._refused = 0
-        self.join_check: Callable[[dict], str | None] | None = None  # why a joining worker is refused, if it is
+        self.join_check: Callable[[Ready], str | None] | None = None  # why a joining worker is refused, if it is
+        self._stale_logged: set[tuple] = set()  # kinds of stale events logged once
         self.switching: dict[str, str] = {}  # worker -> the role its replacement takes (role switching)
 
     @property
@@ -107,15 +111,15 @@ class Conductor:
         return all(w.info for w in self.workers.values() if not w.joined)
 
     # ---- membership: workers that join and leave (`pdserve.cluster.membership`) --------------------------
-    def _join(self, event: dict) -> bool:
+    def _join(self, event: Ready) -> bool:
         """A `ready` event from a worker this gateway did not start: take it in, or tell it why not."""
-        name, role, cmd_addr = event["worker"], event.get("role", ""), event["cmd_addr"]
+        name, role, cmd_addr = event.worker, event.role, event.cmd_addr
         known = self.workers.get(name)
         if self.join_check is None:  # still starting: the worker says it is ready again shortly
             return False
         if known is not None and known.joined and known.load.alive and known.info.get("cmd_addr") == cmd_addr:
             return True  # it said so again before our welcome reached it
-        if known is not None and known.joined and known.load.alive and event.get("replaces"):
+        if known is not None and known.joined and known.load.alive and event.replaces:
             self.worker_died(name)  # restarted (by Ray): the dead process is still registered
         why = self.join_check(event)
         if why is None and known is not None and (known.load.alive or not known.joined):
@@ -125,14 +129,14 @@ class Conductor:
                 self.metrics.joins_refused.inc()
             sock = self._connect(cmd_addr)
             sock.setsockopt(zmq.LINGER, 2000)
-            sock.send(msgpack.packb({"type": "refused", "message": why}))
+            sock.send(pack(Refused(why)))
             sock.close()
             return False
         if known is not None:
             known.socket.close(linger=0)
         actions = self.core.worker_joined(name, role, self.clock())
         self.workers[name] = WorkerHandle(self.core.workers[name], self._connect(cmd_addr), joined=True)
-        self._send(name, {"type": "welcome"})
+        self._send(name, Welcome())
         self._act(actions)
         return True
 
@@ -152,7 +156,7 @@ class Conductor:
         names = [n for n in self.core.drained() if not self.workers[n].released]
         for name in names:
             self.workers[name].released = True
-            self._send(name, {"type": "release"})
+            self._send(name, Release())
         return names
 
     def worker_left(self, name: str, drained: bool) -> None:
@@ -167,7 +171,7 @@ class Conductor:
         if addr:
             for w in self.role("prefill"):
                 if w.name != name:
-                    self._send(w.name, {"type": "peer_gone", "addr": addr})
+                    self._send(w.name, PeerGone(addr))
         if left is None:
             self._act(self.core.worker_died(name, self.clock(), reason, restarting))
         else:
@@ -198,7 +202,7 @@ class Conductor:
 
     async def unpin(self, pin_id: str, workers: list[str]) -> None:
         for name in workers:
-            self._send(name, {"type": "unpin", "id": pin_id})
+            self._send(name, Unpin(pin_id))
 
     async def abort(self, rid: str) -> None:
         self.flights.pop(rid, None)
@@ -214,20 +218,28 @@ class Conductor:
                 if flight is not None:
                     flight.events.put_nowait(action.event)
                     self._traced(flight, None, action.message)
-            elif isinstance(action, Count) and self.metrics:
-                self.metrics.count(action.metric, action.labels)
+            elif isinstance(action, Count):
+                self._count(action)
             elif isinstance(action, Observe) and self.metrics:
                 self.metrics.observe(action.metric, action.labels, action.value, action.weight)
             elif isinstance(action, Level) and self.metrics:
                 getattr(self.metrics, action.metric).labels(**dict(action.labels)).set(action.value)
             elif isinstance(action, Switch):  # it drains and leaves; the supervisor starts its replacement
                 self.switching[action.worker] = action.role
-                self._send(action.worker, {"type": "leave"})
+                self._send(action.worker, Leave())
 
-    def _send(self, name: str, cmd: dict) -> None:
+    def _send(self, name: str, cmd) -> None:
         worker = self.workers[name]
         if worker.load.alive:
-            worker.socket.send(msgpack.packb(cmd), zmq.NOBLOCK)
+            worker.socket.send(pack(cmd), zmq.NOBLOCK)
+
+    def _count(self, action: Count) -> None:
+        if action.metric == "conductor_stale_events" and action.labels not in self._stale_logged:
+            self._stale_logged.add(action.labels)  # the first of each kind is logged; all are counted
+            log.info("a worker event for a request or transfer that is no longer live (%s); such events are "
+                     "counted in pdserve_conductor_stale_events_total", dict(action.labels)["event"])
+        if self.metrics:
+            self.metrics.count(action.metric, action.labels)
 
     def _traced(self, flight: Flight, state, error: str | None = None) -> None:
         """Request `flight` ended (`state`: the core's record of it; None once the core let it go): its spans,
@@ -248,9 +260,10 @@ class Conductor:
 
     # ---- events -----------------------------------------------------------------------------------------
     async def run_events(self) -> None:
-        """Read and apply worker events until the socket closes. A message that does not decode, or an event
-        that fails, is logged and counted (`pdserve_fallbacks_total{kind="bad_event"}`) and the next one read:
-        a reader that died here would leave the gateway serving HTTP while no token reached any request."""
+        """Read and apply worker events until the socket closes. A message that does not decode is logged and
+        counted (`pdserve_fallbacks_total{kind="bad_event"}`); an event whose handling fails is logged and
+        counted apart (`kind="event_failed"`: a bug here, not a bad worker); either way the next one is read: a
+        reader that died here would leave the gateway serving HTTP while no token reached any request."""
         while not self.events.closed:
             try:
                 raw = await self.events.recv()
@@ -261,81 +274,96 @@ class Conductor:
                 await asyncio.sleep(0.01)  # (not a busy loop if it keeps failing)
                 continue
             try:
-                self.on_event(msgpack.unpackb(raw))
-            except Exception:  # noqa: BLE001 - one bad event must not stop the gateway
-                log.exception("a worker event (%d bytes) failed: %r", len(raw), raw[:120])
-                if self.metrics:
-                    self.metrics.fallbacks.labels(kind="bad_event").inc()
+                event = unpack(raw)
+            except WireError as e:
+                log.warning("a worker event (%d bytes) does not decode: %s: %r", len(raw), e, raw[:120])
+                self._fallback("bad_event")
+                continue
+            try:
+                self.on_event(event)
+            except Exception:  # noqa: BLE001 - one failed event must not stop the gateway
+                log.exception("handling a worker event failed: %r", event)
+                self._fallback("event_failed")
 
-    def on_event(self, event: dict) -> None:
-        kind, now, core = event["type"], self.clock(), self.core
-        if kind == "tokens":
-            for item in event["items"]:
-                state = core.flights.get(item["rid"])
-                if state is None or state.decode != event.get("worker", state.decode):
-                    continue  # ended, or from a worker it has moved away from (one that died)
-                item["i"] += state.offset  # numbered over its whole output, across moves
-                flight = self.flights.get(item["rid"])
-                if flight is not None:
-                    flight.events.put_nowait(item)
-                    if item["fin"]:
-                        self.flights.pop(item["rid"], None)
-                self._act(core.token(item["rid"], item["i"], bool(item["fin"]), now, item["t"]))
-                if item["fin"] and flight is not None:
-                    self._traced(flight, state)
-        elif kind == "reserved":
-            self._act(core.reserved(event["rid"], event["xfer"], event["needs_prefill"], event["kv_addr"],
-                                    event["first_block"], now))
-        elif kind == "consumed":  # at: the decode worker's monotonic clock (one host: the gateway's too)
-            for rid, at in event["items"]:
+    def _fallback(self, kind: str) -> None:
+        if self.metrics:
+            self.metrics.fallbacks.labels(kind=kind).inc()
+
+    def on_event(self, event) -> None:
+        """One worker event (`pdserve.cluster.wire`)."""
+        now, core = self.clock(), self.core
+        if isinstance(event, Tokens):
+            self._tokens(event, now)
+        elif isinstance(event, Reserved):
+            self._act(core.reserved(event.rid, event.xfer, event.needs_prefill, event.kv_addr, event.first_block,
+                                    now))
+        elif isinstance(event, Consumed):  # at: the decode worker's monotonic clock (one host: the gateway's too)
+            for rid, at in event.items:
                 self._act(core.consumed(rid, at))
-        elif kind == "prefilled":
+        elif isinstance(event, Prefilled):
             if self.metrics:
                 self.metrics.observe_prefill(event)
-            self._act(core.prefilled(event["rid"], now, event.get("landing_in_s"), bool(event.get("failed"))))
-        elif kind == "relanded":
-            for rid, landing_in_s in event["items"]:
+            self._act(core.prefilled(event.rid, now, event.landing_in_s, bool(event.failed)))
+        elif isinstance(event, Relanded):
+            for rid, landing_in_s in event.items:
                 self._act(core.relanded(rid, now, landing_in_s))
-        elif kind == "reserve_waiting":
-            self._act(core.reserve_waiting(event["rid"], event["xfer"], now))
-        elif kind == "staged":
-            self._act(core.staged(event["rid"], event["ok"], now))
-        elif kind == "transfer":
+        elif isinstance(event, ReserveWaiting):
+            self._act(core.reserve_waiting(event.rid, event.xfer, now))
+        elif isinstance(event, Staged):
+            self._act(core.staged(event.rid, event.ok, now))
+        elif isinstance(event, Transfer):
             if self.metrics:
                 self.metrics.observe_transfer(event)
-            self._act(core.transfer_outcome(event["rid"], event["outcome"], event.get("xfer", ""), now))
-        elif kind == "error":
-            flight = self.flights.pop(event.get("rid"), None)
+            self._act(core.transfer_outcome(event.rid, event.outcome, event.xfer, now))
+        elif isinstance(event, Error):
+            flight = self.flights.pop(event.rid, None)
             if flight is not None:
-                flight.events.put_nowait(event)
-                self._traced(flight, None, event.get("message", "worker error"))
-            self._act(core.worker_error(event.get("rid")))
+                flight.events.put_nowait(to_dict(event))
+                self._traced(flight, None, event.message)
+            self._act(core.worker_error(event.rid))
         else:
-            self._on_worker_event(kind, event)
+            self._on_worker_event(event)
 
-    def _on_worker_event(self, kind: str, event: dict) -> None:
-        if kind == "ready" and event.get("cmd_addr") and not self._join(event):
+    def _tokens(self, event: Tokens, now: float) -> None:
+        for item in event.items:
+            state = self.core.flights.get(item["rid"])
+            if state is None or state.decode != (event.worker or state.decode):
+                # ended, or from a worker it has moved away from (one that died)
+                self._act(stale("tokens"))
+                continue
+            item["i"] += state.offset  # numbered over its whole output, across moves
+            flight = self.flights.get(item["rid"])
+            if flight is not None:
+                flight.events.put_nowait(item)
+                if item["fin"]:
+                    self.flights.pop(item["rid"], None)
+            self._act(self.core.token(item["rid"], item["i"], bool(item["fin"]), now, item["t"]))
+            if item["fin"] and flight is not None:
+                self._traced(flight, state)
+
+    def _on_worker_event(self, event) -> None:
+        if isinstance(event, Ready) and event.cmd_addr and not self._join(event):
             return
-        worker = self.workers.get(event["worker"])
+        worker = self.workers.get(event.worker)
         if worker is None:  # a joining worker that was refused (its heartbeats until it exits)
             return
         worker.last_seen = worker.load.heard_s = self.clock()
-        if kind == "beat":
-            worker.loop_age_s = event["loop_age_s"]
-        elif kind == "checkpointed":
-            for rid, tokens in event["items"]:
+        if isinstance(event, Beat):
+            worker.loop_age_s = event.loop_age_s
+        elif isinstance(event, Checkpointed):
+            for rid, tokens in event.items:
                 self._act(self.core.checkpointed(rid, worker.name, tokens))
-        elif kind == "ready":
-            worker.info = event
+        elif isinstance(event, Ready):
+            worker.info = {k: v for k, v in to_dict(event).items() if k != "type"}
             self._act(self.core.worker_ready(worker.name, event, self.clock()))
-        elif kind == "leaving":
+        elif isinstance(event, Leaving):
             self._act(self.core.worker_leaving(worker.name))
-        elif kind == "left":
+        elif isinstance(event, Left):
             if worker.load.alive:
-                self.worker_left(worker.name, bool(event.get("released")))
-        elif kind == "stats":
-            worker.stats = event
-            self.core.worker_steps(worker.name, event.get("steps"), event.get("prefill_cap"))
+                self.worker_left(worker.name, event.released)
+        elif isinstance(event, Stats):
+            stats = worker.stats = {"worker": event.worker, "role": event.role, **event.values}
+            self.core.worker_steps(worker.name, stats.get("steps"), stats.get("prefill_cap"))
             if self.metrics:
-                self.metrics.observe_worker_stats(event)
+                self.metrics.observe_worker_stats(stats)
                 self.metrics.observe_backlog(self.core.backlog)

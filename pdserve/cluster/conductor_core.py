@@ -28,7 +28,7 @@ simulated time. What it decides:
 * take **workers that join** the running deployment, and let workers **leave** without losing a request
   (drain, release, hand off: `pdserve.cluster.membership`).
 
-Actions (`pdserve.cluster.actions`): `Send(worker, cmd)` (a command message), `Fail(rid, ...)` (end the
+Actions (`pdserve.cluster.actions`): `Send(worker, cmd)` (a command: `pdserve.cluster.wire`), `Fail(rid, ...)` (end the
 request with an error the client sees), `Count(metric, labels)` (a counted event for the metrics),
 `Observe(metric, labels, value, weight)` (a value for a histogram, `weight` times: admission's predicted TTFT,
 consumption errors).
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 
-from pdserve.cluster.actions import Count, Fail, Observe, Send
+from pdserve.cluster.actions import Count, Fail, Observe, Send, stale
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.flight_state import Backlog, FlightState
@@ -47,6 +47,7 @@ from pdserve.cluster.membership import MembershipEvents
 from pdserve.cluster.recovery import RecoveryEvents
 from pdserve.cluster.routing import AFFINITY_BLOCKS, MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
 from pdserve.cluster.staging import StagePlan, StagingEvents
+from pdserve.cluster.wire import Abort, Generate, KvFailed, Prefill, Ready, Reserve
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
 
@@ -86,7 +87,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def role(self, role: str) -> list[WorkerLoad]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def worker_ready(self, name: str, info: dict, now: float | None = None) -> list:
+    def worker_ready(self, name: str, info: Ready, now: float | None = None) -> list:
         """Its `ready` event: at start, or once restarted after a death (it takes work again, from scratch); a
         replacement's completes its role move."""
         moved = self._move_done(self.arriving.pop(name), now) if name in self.arriving else []
@@ -95,13 +96,13 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
             load.alive, load.stalled, load.outstanding = True, False, 0
             load.recent_blocks.clear()
             self.backlog[name] = Backlog()
-        self.block_size = info.get("block_size", self.block_size)
-        self.batch_room[name] = (info.get("max_num_seqs", 256), info.get("num_blocks", 0) * self.block_size)
-        if info.get("kv_capacity_blocks"):  # what it no longer holds need not be remembered
-            load.max_recent_blocks = min(info["kv_capacity_blocks"], MAX_RECENT_BLOCKS)
+        self.block_size = info.block_size
+        self.batch_room[name] = (info.max_num_seqs, info.num_blocks * self.block_size)
+        if info.kv_capacity_blocks:  # what it no longer holds need not be remembered
+            load.max_recent_blocks = min(info.kv_capacity_blocks, MAX_RECENT_BLOCKS)
         self.stage.worker_ready(name, info)
         if self.admission is not None:
-            self.admission.model(name).budget = info.get("max_num_batched_tokens", 2048)
+            self.admission.model(name).budget = info.max_num_batched_tokens
         return moved + (self._adopt_orphans() if self.orphans else [])
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
@@ -178,13 +179,13 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         first.remember(hashes)
         restore = {"restore": f.restore} if f.restore else {}
         if self.mode == "colocated":
-            return [Send(first.name, {"type": "generate", **self._request_fields(f), **restore})]
+            return [Send(first.name, Generate(**self._request_fields(f), **restore))]
         f.xfer = f"{f.rid}#{next(self._xfers)}"
         if second is not None:
             f.prefill = second.name
             second.outstanding += 1
             second.remember(hashes)
-        return [Send(first.name, {"type": "reserve", **self._request_fields(f), "xfer": f.xfer, **restore})]
+        return [Send(first.name, Reserve(**self._request_fields(f), xfer=f.xfer, **restore))]
 
     def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
                ) -> Rejection | None:
@@ -222,28 +223,28 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
             return []
         workers = [w for w in (f.decode, f.prefill) if w is not None]  # before `_finish` lets the prefill go
         self._finish(f)
-        return [Send(w, {"type": "abort", "rid": rid}) for w in workers]
+        return [Send(w, Abort(rid)) for w in workers]
 
     # ---- worker events ----------------------------------------------------------------------------------
     def reserved(self, rid: str, xfer: str, needs_prefill: bool, kv_addr: str, first_block: int,
                  now: float = 0.0) -> list:
         f = self.flights.get(rid)
         if f is None or f.xfer != xfer:
-            return []
+            return stale("reserved")
         if not needs_prefill:
             self._prefill_done(f)
             return []
         if f.prefill is None or not self.workers[f.prefill].alive:
             self._prefill_done(f)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
-                    Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+                    Send(f.decode, KvFailed(f.xfer))]
         f.kv_addr, f.first_block = kv_addr, first_block
         if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
             return self._recover(f)
         deadline = self._predict_dispatch(f, first_block, now)
-        return [Send(f.prefill, {"type": "prefill", **self._request_fields(f), "dest": kv_addr, "link": f.decode,
-                                 "xfer": f.xfer, "first_block": first_block,
-                                 "deadline_in_s": None if deadline is None else deadline - now})]
+        return [Send(f.prefill, Prefill(**self._request_fields(f), dest=kv_addr, link=f.decode, xfer=f.xfer,
+                                        first_block=first_block,
+                                        deadline_in_s=None if deadline is None else deadline - now))]
 
     def _predict_dispatch(self, f: FlightState, first_block: int, now: float) -> float | None:
         """Ahead of it at the prefill worker: the prompts dispatched there before it and not yet prefilled
@@ -264,7 +265,7 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         `failed`: it gave up on the delivery (its sender will send nothing more: no lease is renewed for it)."""
         f = self.flights.get(rid)
         if f is None:
-            return []
+            return stale("prefilled")
         prefill = f.prefill or f.prefilled_by  # (reported again, a delivery given up later: who prefilled it)
         if not f.started:  # (a report that comes after the first token leaves the timeline the token set)
             f.prefilled_s, f.prefilled_by = now, prefill
@@ -278,7 +279,9 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         """The prefill worker's link re-estimated when this prefilled transfer's last chunk leaves (another
         transfer became due there and shares the link): the consumption prediction is refined again."""
         f = self.flights.get(rid)
-        if f is None or f.prediction is None or f.prediction.landed_s is None:
+        if f is None:
+            return stale("relanded")
+        if f.prediction is None or f.prediction.landed_s is None:
             return []
         self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
         return [Count("kv_prediction_refinements", (("service_tier", f.tier),))]
@@ -286,7 +289,9 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def consumed(self, rid: str, at_s: float) -> list:
         """The decode worker's first step reading this request's delivered KV started at `at_s`."""
         f = self.flights.get(rid)
-        p = None if f is None else f.prediction
+        if f is None:
+            return stale("consumed")
+        p = f.prediction
         if p is None:
             return []
         f.prediction = None  # checked once
@@ -301,19 +306,23 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         """A transfer ended badly on the decode worker: `recompute` (it recomputes the prompt) or `held` (its
         lease lapsed; it holds the blocks for this core's choice, `_lease_lapsed`)."""
         f = self.flights.get(rid)
+        if f is None or (xfer and f.xfer != xfer):
+            return stale("transfer")  # ended (its abort frees the blocks), or moved to another transfer
         if outcome == "held":
             return self._lease_lapsed(f, xfer, now)
-        if outcome != "recompute" or f is None or f.prefill is None:
+        if outcome != "recompute" or f.prefill is None:
             return []
         prefill = f.prefill
         self._prefill_done(f)  # its work is moot now: the decode worker recomputes
-        return [Send(prefill, {"type": "abort", "rid": rid})]
+        return [Send(prefill, Abort(rid))]
 
     def token(self, rid: str, index: int, finished: bool, now: float, token_id: int | None = None) -> list:
         """The request's token `index` (counted over its whole output, across moves) came out; `token_id`:
         which one (kept so the request can move if its worker dies; a simulator reports only some)."""
         f = self.flights.get(rid)
-        if f is None or index < f.num_tokens:
+        if f is None:
+            return stale("tokens")
+        if index < f.num_tokens:
             return []  # a duplicate (a simulator may report only some tokens: the first and the last)
         if token_id is not None and index == len(f.outputs):
             f.outputs.append(token_id)

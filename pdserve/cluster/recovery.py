@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdserve.cluster.actions import Count, Fail, Send
+from pdserve.cluster.actions import Count, Fail, Send, stale
 from pdserve.cluster.routing import AFFINITY_BLOCKS
+from pdserve.cluster.wire import Abort, KvFailed, Redirect, Renew
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.online_fit import MIN_SAMPLES
 
@@ -54,7 +55,7 @@ class RecoveryEvents:
         dead, prefill = f.decode, f.prefill
         if len(f.outputs) < f.num_tokens:
             return self._fail(f, 503, f"worker {dead} died while serving this request", "worker_died")
-        actions = [Send(prefill, {"type": "abort", "rid": f.rid})] if prefill not in (None, dead) else []
+        actions = [Send(prefill, Abort(f.rid))] if prefill not in (None, dead) else []
         self._finish(f)
         restore = {"peer": dead, "tokens": f.checkpoint} if f.checkpoint else f.restore  # (an earlier one's)
         moved = dataclasses.replace(
@@ -80,7 +81,9 @@ class RecoveryEvents:
         """`worker` has the KV of the first `tokens` tokens of `rid` (prompt + outputs) on disk
         (`pdserve.engine.checkpoints`): should it die, the request resumes from there."""
         f = self.flights.get(rid)
-        if f is not None and f.decode == worker and tokens > f.checkpoint:
+        if f is None or f.decode != worker:
+            return stale("checkpointed")  # ended, or moved off `worker`
+        if tokens > f.checkpoint:
             f.checkpoint = tokens
             return [Count("kv_checkpoints", (("worker", worker),))]
         return []
@@ -120,7 +123,7 @@ class RecoveryEvents:
                 other = None  # recomputing is predicted faster
         if other is None:
             return [Count("kv_recovery", (("choice", "recompute"),)),
-                    Send(f.decode, {"type": "kv_failed", "xfer": f.xfer})]
+                    Send(f.decode, KvFailed(f.xfer))]
         f.prefill, f.dispatched_s = other.name, None
         other.outstanding += 1
         f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
@@ -129,7 +132,7 @@ class RecoveryEvents:
         if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker,
             # sent once the decode worker expects it (its `reserved` for the new id dispatches the prompt)
             old, f.xfer, f.lapsed_s, f.gave_up = f.xfer, f"{f.rid}#{next(self._xfers)}", None, False
-            actions.append(Send(f.decode, {"type": "redirect", "old": old, "xfer": f.xfer}))
+            actions.append(Send(f.decode, Redirect(old, f.xfer)))
         return actions
 
     def _lease_lapsed(self, f, xfer: str, now: float) -> list:
@@ -137,18 +140,16 @@ class RecoveryEvents:
         stopped, unreachable) it is stalled, routing passes it by until it reports again, and the prompt moves
         to another prefill worker unless recomputing on the decode worker is predicted faster or none is left
         (`_recover`)."""
-        if f is None or f.xfer != xfer:
-            return []  # ended (its abort frees the blocks) or already moved
         sender = None if f.gave_up else self.workers.get(f.prefill or f.prefilled_by or "")
         if f.lapsed_s is None:
             f.lapsed_s = now
         if (sender is not None and sender.alive and sender.heard_s is not None and now - sender.heard_s <= HEARD_S
                 and now - f.lapsed_s <= MAX_RENEW_S):  # busy, not hung: what it sends meanwhile still lands
             return [Count("kv_lease_extensions", (("worker", sender.name),)),
-                    Send(f.decode, {"type": "renew", "xfer": xfer})]
+                    Send(f.decode, Renew(xfer))]
         if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
-            return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, {"type": "kv_failed", "xfer": xfer})]
+            return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, KvFailed(xfer))]
         stalled = self.workers[f.prefill]
         stalled.stalled = True
-        return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, {"type": "abort", "rid": f.rid})]
+        return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, Abort(f.rid))]
                 + self._recover(f))

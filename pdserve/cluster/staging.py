@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdserve.cluster.actions import Count, Send
+from pdserve.cluster.actions import Count, Send, stale
+from pdserve.cluster.wire import Ready, Stage, Warm
 from pdserve.core.service_tiers import ServiceTiers
 
 
@@ -25,9 +26,9 @@ class StagePlan:
         self.max_blocks: dict[str, int] = {}  # prefill worker -> the longest prompt (blocks) it reuses whole
         self.staging: dict[str, str] = {}  # prefill worker -> the request it is staging now
 
-    def worker_ready(self, name: str, info: dict) -> None:
-        self.blocks[name] = info.get("stage_blocks", 0)
-        self.max_blocks[name] = info.get("stage_max_blocks", self.blocks[name])
+    def worker_ready(self, name: str, info: Ready) -> None:
+        self.blocks[name] = info.stage_blocks
+        self.max_blocks[name] = self.blocks[name] if info.stage_max_blocks is None else info.stage_max_blocks
 
     @property
     def any_room(self) -> bool:
@@ -67,7 +68,7 @@ class StagingEvents:
         """The decode worker has no room for this request's blocks now: its prefill worker may stage it."""
         f = self.flights.get(rid)
         if f is None or f.xfer != xfer:
-            return []
+            return stale("reserve_waiting")
         f.waiting_room = True
         return self._stage_next(f.prefill, now)
 
@@ -77,7 +78,9 @@ class StagingEvents:
         if self.hot is not None and rid in self.hot.warming:
             return self._warmed(rid, ok, now)
         f = self.flights.get(rid)
-        if f is None or f.staged != "staging" or f.prefill is None:
+        if f is None:
+            return stale("staged")
+        if f.staged != "staging" or f.prefill is None:
             return []  # (no prefill needed after all: its decode worker found the prompt cached)
         self.stage.done(f.prefill, rid)
         f.staged = "staged" if ok else ""
@@ -99,7 +102,7 @@ class StagingEvents:
         if f is None:
             return self._warm(prefill, now)
         return [Count("kv_staged", (("service_tier", f.tier),)),
-                Send(prefill, {"type": "stage", **self._request_fields(f)})]
+                Send(prefill, Stage(**self._request_fields(f)))]
 
     # ---- idle prewarm: hot prefixes computed ahead on an idle prefill worker -------------------------------
     def _warm(self, prefill: str, now: float) -> list:
@@ -115,7 +118,7 @@ class StagingEvents:
         rid = f"warm-{next(self._warms)}"
         self.hot.start(rid, prefill, p)
         self.stage.staging[prefill] = rid
-        return [Send(prefill, {"type": "warm", "rid": rid, "prompt": p.tokens})]
+        return [Send(prefill, Warm(rid, p.tokens))]
 
     def _warmed(self, rid: str, ok: bool, now: float) -> list:
         prefill, p = self.hot.end(rid)

@@ -2,9 +2,11 @@
 
     python -m pdserve.cluster.worker '<WorkerSpec JSON>'
 
-Commands (gateway -> worker, msgpack dicts with "type"): generate, prefill, reserve, abort, kv_failed,
-redirect, renew, unpin, shutdown. Events (worker -> gateway): ready, reserved, prefilled, consumed, tokens, error,
-transfer, checkpointed, stats (and, from a thread of their own, beat). The loop never blocks while it has
+Commands (gateway -> worker) and events (worker -> gateway) are `pdserve.cluster.wire` messages, packed by
+`pdserve.cluster.wire_codec`: commands generate, reserve, prefill, stage, warm, abort, kv_failed, redirect,
+renew, unpin, peer_gone, shutdown (and for a joined worker welcome, release, leave, refused); events ready,
+reserved, reserve_waiting, prefilled, staged, consumed, relanded, tokens, error, transfer, checkpointed, stats,
+leaving, left (and, from a thread of their own, beat). The loop never blocks while it has
 work: it drains commands and KV messages, grants reservations, settles transfers, runs one engine step and
 reports; idle, it waits on its sockets for at most 20 ms.
 """
@@ -19,15 +21,18 @@ import threading
 import time
 import traceback
 
-import msgpack
 import zmq
 
 from pdserve.cluster.joined import Departure
 from pdserve.cluster.spec import WorkerSpec
+from pdserve.cluster.wire import (Abort, Beat, Checkpointed, Error, Generate, KvFailed, Leave, PeerGone, Prefill, Ready,
+                                  Redirect, Refused, Relanded, Release, Renew, Reserve, Shutdown, Stage, Stats, Unpin,
+                                  Warm, Welcome, WireError)
+from pdserve.cluster.wire_codec import pack, unpack
 from pdserve.cluster.worker_reports import WorkerReports
 from pdserve.cluster.worker_stats import step_shape, worker_stats
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.service_tiers import TIERS
+from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.core.decode_cadence import DecodeCadence
 from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks
@@ -97,6 +102,7 @@ class Worker(WorkerReports):
             self.poller.register(self.decode.receiver.wakeup, zmq.POLLIN)  # shm doorbells
         self.running = True
         self.exit_code = 0
+        self.bad_commands = 0  # commands that did not decode (reported in stats)
         self.departure = Departure(self, spec.drain_timeout_s, spec.join_timeout_s, welcomed=not spec.joined)
         self.loop_s = time.monotonic()  # the main loop's last pass (the heartbeat thread reports its age)
         self._recheck_s = 0.0  # when prefilled transfers' landings are next looked at
@@ -107,19 +113,18 @@ class Worker(WorkerReports):
         self.step_log: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
         self.cadence = DecodeCadence() if spec.role == "decode" and spec.decode_cadence == "steady" else None
 
-    def emit(self, event: dict) -> None:
-        self.events.send(msgpack.packb(event))
+    def emit(self, event) -> None:
+        self.events.send(pack(event))
 
     def serve(self) -> None:
         info = self.executor.info
-        self.ready_event = {"type": "ready", "worker": self.spec.name, "role": self.spec.role, "pid": os.getpid(),
-                   "kv_addr": self.decode.receiver.address if self.decode else "",
-                   "num_blocks": info.num_kv_blocks, "block_size": info.block_size,
-                   "kv_capacity_blocks": capacity_blocks(self.engine.block_manager, self.engine.tiers),
-                   "max_model_len": self.engine.scheduler.max_model_len,
-                   "max_num_batched_tokens": self.engine.scheduler.config.max_num_batched_tokens,
-                   "max_num_seqs": self.engine.scheduler.config.max_num_seqs,
-                   **self._stage_capacity(), **self._join_fields()}
+        sched = self.engine.scheduler
+        self.ready_event = Ready(
+            self.spec.name, self.spec.role, pid=os.getpid(), kv_addr=self.decode.receiver.address if self.decode else "",
+            num_blocks=info.num_kv_blocks, block_size=info.block_size,
+            kv_capacity_blocks=capacity_blocks(self.engine.block_manager, self.engine.tiers),
+            max_model_len=sched.max_model_len, max_num_batched_tokens=sched.config.max_num_batched_tokens,
+            max_num_seqs=sched.config.max_num_seqs, **self._stage_capacity(), **self._join_fields())
         self.emit(self.ready_event)
         while self.running:
             sched = self.engine.scheduler
@@ -166,7 +171,7 @@ class Worker(WorkerReports):
     def _relanded(self) -> None:
         moved = self.prefill.relanded()
         if moved:
-            self.emit({"type": "relanded", "items": [[rid, landing_in_s] for rid, landing_in_s in moved]})
+            self.emit(Relanded([[rid, landing_in_s] for rid, landing_in_s in moved]))
 
     def _recheck_landings(self) -> None:
         """Every LANDING_RECHECK_S while prefilled transfers are in the air: those whose landing moved as their
@@ -182,8 +187,7 @@ class Worker(WorkerReports):
         if not self.spec.joined:
             return {}
         from pdserve.model.config import model_fingerprint
-        return {"cmd_addr": self.cmd_addr, "model": model_fingerprint(self.spec.model_dir),
-                **({"replaces": True} if self.replaces else {})}
+        return {"cmd_addr": self.cmd_addr, "model": model_fingerprint(self.spec.model_dir), "replaces": self.replaces}
 
     def _stage_capacity(self) -> dict:
         scheduled = self.prefill is not None and self.prefill.outbox.policy.scheduled
@@ -212,67 +216,77 @@ class Worker(WorkerReports):
     def _drain_commands(self) -> None:
         while True:
             try:
-                cmd = msgpack.unpackb(self.cmds.recv(zmq.NOBLOCK))
+                raw = self.cmds.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
+                cmd = unpack(raw)
+            except WireError as e:  # (only the gateway sends here, CurveZMQ-authenticated: a version mismatch)
+                self.bad_commands += 1
+                print(f"pdserve: a command that does not decode was dropped: {e}", file=sys.stderr, flush=True)
+                continue
+            try:
                 self._handle(cmd)
             except PdserveError as e:
-                self.emit({"type": "error", "rid": cmd.get("rid"), "status": e.status_code, "message": str(e),
-                           "etype": e.error_type, "code": e.code, "param": e.param})
+                self.emit(Error(getattr(cmd, "rid", None), e.status_code, str(e), e.error_type, e.code, e.param))
 
-    def _handle(self, cmd: dict) -> None:
-        kind = cmd["type"]
-        if kind == "shutdown":
-            self.running = False
-        elif kind in ("welcome", "release"):
-            setattr(self.departure, "welcomed" if kind == "welcome" else "released", True)
-        elif kind == "leave":  # the conductor moves it to another role (role switching): drain, then go
-            self.departure.ask()
-        elif kind == "refused":  # a joining worker the gateway did not take
-            print(f"pdserve: the gateway refused this worker: {cmd.get('message')}", file=sys.stderr, flush=True)
-            self.running, self.exit_code = False, 2
-        elif kind == "abort":
-            self.engine.abort([cmd["rid"]])
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, (Shutdown, Welcome, Release, Leave, Refused)):
+            self._membership(cmd)
+        elif isinstance(cmd, Abort):
+            self.engine.abort([cmd.rid])
             if self.decode is not None:
-                self.decode.abort(cmd["rid"])
+                self.decode.abort(cmd.rid)
             if self.prefill is not None:
-                self.prefill.finish(cmd["rid"], prefilled=False)
-                self.prefill.drop_stage(cmd["rid"])
-        elif kind == "generate":
-            restore = cmd.get("restore")
-            if restore and self.decode.checkpoints is not None:
-                # the adopted blocks are found as prefix hits below; what is missing is computed here, counted
-                tokens = restore["tokens"]
-                adopted = self.decode.checkpoints.adopt(restore["peer"], cmd["prompt"][:tokens])
-                self.decode.stats.checkpoint_fallbacks += adopted < tokens
-            req = self.engine.make_request(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]),
-                                           cmd.get("priority", 0), pin=_pin(cmd), service_tier=_tier(cmd))
-            self.engine.scheduler.add_request(req)
-        elif kind == "prefill":
-            self.prefill.add(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["dest"],
-                             cmd["xfer"], cmd["first_block"], cmd.get("priority", 0), _pin(cmd), _tier(cmd),
-                             link=cmd.get("link"), deadline_in_s=cmd.get("deadline_in_s"))
-        elif kind == "stage":
-            self.prefill.stage(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd.get("priority", 0),
-                               _tier(cmd))
-        elif kind == "warm":
-            self.prefill.warm(cmd["rid"], cmd["prompt"])
-        elif kind == "reserve":
-            self.decode.reserve(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), cmd["xfer"],
-                                cmd.get("priority", 0), _pin(cmd), _tier(cmd), cmd.get("restore"))
-        elif kind == "unpin":
-            self.engine.block_manager.unpin(f"prewarm:{cmd['id']}")
-        elif kind == "kv_failed":
-            self.decode.peer_failed(cmd["xfer"])
-        elif kind == "renew":  # its sender was heard: busy, not hung
-            self.decode.renew(cmd["xfer"])
-        elif kind == "redirect":  # expected anew: now the conductor sends the prompt to its new prefill worker
-            inbound = self.decode.redirect(cmd["old"], cmd["xfer"])
+                self.prefill.finish(cmd.rid, prefilled=False)
+                self.prefill.drop_stage(cmd.rid)
+        elif isinstance(cmd, Generate):
+            self._generate(cmd)
+        elif isinstance(cmd, Prefill):
+            self.prefill.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
+                             cmd.priority, _pin(cmd.pin), _tier(cmd.tier), link=cmd.link,
+                             deadline_in_s=cmd.deadline_in_s)
+        elif isinstance(cmd, Stage):
+            self.prefill.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))
+        elif isinstance(cmd, Warm):
+            self.prefill.warm(cmd.rid, cmd.prompt)
+        elif isinstance(cmd, Reserve):
+            self.decode.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority,
+                                _pin(cmd.pin), _tier(cmd.tier), cmd.restore)
+        elif isinstance(cmd, Unpin):
+            self.engine.block_manager.unpin(f"prewarm:{cmd.id}")
+        elif isinstance(cmd, KvFailed):
+            self.decode.peer_failed(cmd.xfer)
+        elif isinstance(cmd, Renew):  # its sender was heard: busy, not hung
+            self.decode.renew(cmd.xfer)
+        elif isinstance(cmd, Redirect):  # expected anew: now the conductor sends the prompt to its new prefill worker
+            inbound = self.decode.redirect(cmd.old, cmd.xfer)
             if inbound is not None:
                 self._reserved(inbound.request_id, inbound.xfer, inbound.first_block, True)
-        elif kind == "peer_gone" and self.prefill is not None:
-            self.prefill.peer_gone(cmd["addr"])
+        elif isinstance(cmd, PeerGone) and self.prefill is not None:
+            self.prefill.peer_gone(cmd.addr)
+
+    def _membership(self, cmd) -> None:
+        if isinstance(cmd, Shutdown):
+            self.running = False
+        elif isinstance(cmd, (Welcome, Release)):
+            setattr(self.departure, "welcomed" if isinstance(cmd, Welcome) else "released", True)
+        elif isinstance(cmd, Leave):  # the conductor moves it to another role (role switching): drain, then go
+            self.departure.ask()
+        else:  # refused: a joining worker the gateway did not take
+            print(f"pdserve: the gateway refused this worker: {cmd.message}", file=sys.stderr, flush=True)
+            self.running, self.exit_code = False, 2
+
+    def _generate(self, cmd: Generate) -> None:
+        restore = cmd.restore
+        if restore and self.decode.checkpoints is not None:
+            # the adopted blocks are found as prefix hits below; what is missing is computed here, counted
+            tokens = restore["tokens"]
+            adopted = self.decode.checkpoints.adopt(restore["peer"], cmd.prompt[:tokens])
+            self.decode.stats.checkpoint_fallbacks += adopted < tokens
+        req = self.engine.make_request(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority,
+                                       pin=_pin(cmd.pin), service_tier=_tier(cmd.tier))
+        self.engine.scheduler.add_request(req)
 
     def _log_step(self, seconds: float) -> None:
         """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
@@ -289,10 +303,10 @@ class Worker(WorkerReports):
         self.step_log = []
         checkpoints = self.decode and self.decode.checkpoints
         if checkpoints and checkpoints.every and (due := checkpoints.due()):
-            self.emit({"type": "checkpointed", "worker": self.spec.name, "items": due})
+            self.emit(Checkpointed(self.spec.name, due))
 
-    def stats(self) -> dict:
-        return worker_stats(self)
+    def stats(self) -> Stats:
+        return Stats(self.spec.name, self.spec.role, worker_stats(self))
 
     def _beat(self) -> None:
         """Heartbeat, from its own thread and socket: the process is alive (a stopped or swapped-out one sends
@@ -305,15 +319,14 @@ class Worker(WorkerReports):
         sock.connect(self.spec.event_addr)
         while self.running:
             try:
-                sock.send(msgpack.packb({"type": "beat", "worker": self.spec.name,
-                                         "loop_age_s": time.monotonic() - self.loop_s}), zmq.NOBLOCK)
+                sock.send(pack(Beat(self.spec.name, time.monotonic() - self.loop_s)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             time.sleep(HEARTBEAT_S)
         sock.close()
 
     def close(self) -> None:
-        self.emit(dict(self.stats(), type="stats"))
+        self.emit(self.stats())
         for side in (self.prefill and self.prefill.sender, self.decode and self.decode.receiver):
             if side is not None:
                 side.close()
@@ -337,14 +350,13 @@ def _long_context(spec: WorkerSpec) -> bool:
     return spec.role != "decode" or pick_device(spec.engine.get("device", "auto")).type == "cpu"
 
 
-def _pin(cmd: dict) -> tuple[str, float] | None:
-    pin = cmd.get("pin")
+def _pin(pin) -> tuple[str, float] | None:
     return None if pin is None else (str(pin[0]), float(pin[1]))
 
 
-def _tier(cmd: dict) -> str:
-    tier = cmd.get("tier") or "default"
-    if tier not in TIERS:
+def _tier(tier: str | None) -> str:
+    tier = tier or "default"
+    if tier not in SERVICE_TIERS:
         raise InvalidRequestError(f"unknown service tier {tier!r}", param="service_tier")
     return tier
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.cluster.wire import Consumed, Prefilled, Reserved, ReserveWaiting, Staged, Tokens, Transfer
 from pdserve.core.decode_cadence import plain_decode
 
 
@@ -18,8 +19,7 @@ class WorkerReports:
     # ---- decode side ------------------------------------------------------------------------------------
     def _reserved(self, rid: str, xfer: str, first_block: int, needs_prefill: bool) -> None:
         """Blocks are reserved and, with `needs_prefill`, the transfer `xfer` expected: its sender may start."""
-        self.emit({"type": "reserved", "rid": rid, "xfer": xfer, "first_block": first_block,
-                   "kv_addr": self.decode.receiver.address, "needs_prefill": needs_prefill})
+        self.emit(Reserved(rid, xfer, first_block, self.decode.receiver.address, needs_prefill))
 
     def _decode_bookkeeping(self) -> None:
         self.decode.receive(0)
@@ -27,18 +27,16 @@ class WorkerReports:
             res = g.reservation
             self._reserved(res.request.request_id, res.xfer, g.first_block, g.needs_prefill)
         for rid, xfer in self.decode.newly_waiting():
-            self.emit({"type": "reserve_waiting", "rid": rid, "xfer": xfer})
+            self.emit(ReserveWaiting(rid, xfer))
         for inbound, outcome, req in self.decode.settle():
-            self.emit({"type": "transfer", "rid": inbound.request_id, "xfer": inbound.xfer, "outcome": outcome,
-                       "state": inbound.state.value, "bytes": inbound.num_bytes,
-                       "seconds": time.monotonic() - inbound.started_s, "worker": self.spec.name,
-                       "lapses": inbound.lapses})
+            self.emit(Transfer(inbound.request_id, inbound.xfer, outcome, inbound.state.value, inbound.num_bytes,
+                               time.monotonic() - inbound.started_s, self.spec.name, inbound.lapses))
             if req is not None and inbound.first_token is not None:  # the prefill worker's first token
-                self.emit({"type": "tokens", "worker": self.spec.name, "items": [{
-                    "rid": req.request_id, "i": 0, "t": inbound.first_token,
-                    "fin": req.status.finish_reason if req.is_finished else None,
-                    "cached": req.num_cached_prompt_tokens, "queue_s": _diff(req.scheduled_s, req.arrival_s),
-                    "prefill_s": None, **(inbound.logprobs or {})}]})
+                self.emit(Tokens([{"rid": req.request_id, "i": 0, "t": inbound.first_token,
+                                   "fin": req.status.finish_reason if req.is_finished else None,
+                                   "cached": req.num_cached_prompt_tokens,
+                                   "queue_s": _diff(req.scheduled_s, req.arrival_s), "prefill_s": None,
+                                   **(inbound.logprobs or {})}], self.spec.name))
 
     def _hold(self, scheduled, start: float, seconds: float) -> None:
         """--decode-cadence steady: hold a step (begun at `start`, perf_counter; `seconds` long) until its period
@@ -57,7 +55,7 @@ class WorkerReports:
         its consumption prediction against it). Before the step's tokens: a request may end with them."""
         rids = self.decode.consumed(self.engine.last_scheduled)
         if rids:
-            self.emit({"type": "consumed", "items": [[rid, began] for rid in rids]})
+            self.emit(Consumed([[rid, began] for rid in rids]))
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def _report(self, outputs) -> None:
@@ -66,16 +64,15 @@ class WorkerReports:
             if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
                 staged = self.prefill.stage_ended(out.request_id, out.finish_reason == "prefilled")
                 if staged is not None:
-                    self.emit({"type": "staged", "rid": staged, "ok": out.finish_reason == "prefilled"})
+                    self.emit(Staged(staged, out.finish_reason == "prefilled"))
                     continue
                 self.prefill.drop_stage(out.request_id, out.num_cached_tokens)
                 landing = self.prefill.landing_in_s(out.request_id)
                 failed = self.prefill.finish(out.request_id, prefilled=out.finish_reason == "prefilled",
                                              first_token=out.token_ids[-1] if out.token_ids else None,
                                              logprobs=_logprobs(out) or None)
-                self.emit({"type": "prefilled", "rid": out.request_id, "failed": failed, "landing_in_s": landing,
-                           "queue_s": _diff(out.scheduled_s, out.arrival_s),
-                           "prefill_s": _diff(out.prefilled_s, out.scheduled_s)})
+                self.emit(Prefilled(out.request_id, failed, landing, _diff(out.scheduled_s, out.arrival_s),
+                                    _diff(out.prefilled_s, out.scheduled_s)))
                 self._relanded()  # the others due on its link now share it with this one
                 continue
             item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
@@ -86,14 +83,14 @@ class WorkerReports:
                             prefill_s=_diff(out.prefilled_s, out.scheduled_s))
             items.append(item)
         if items:
-            self.emit({"type": "tokens", "worker": self.spec.name, "items": items})
+            self.emit(Tokens(items, self.spec.name))
 
     def _cancel_failed_deliveries(self) -> None:
         for rid in self.prefill.failed_requests():
             self.engine.abort([rid])
             self.prefill.drop_stage(rid)
             failed = self.prefill.finish(rid, prefilled=False)
-            self.emit({"type": "prefilled", "rid": rid, "failed": failed, "queue_s": None, "prefill_s": None})
+            self.emit(Prefilled(rid, failed))
 
 
 def _logprobs(out) -> dict:

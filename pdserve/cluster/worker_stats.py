@@ -17,12 +17,11 @@ def step_shape(scheduled) -> list:
 
 
 def worker_stats(w) -> dict:
-    """A worker's `stats` event: its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
+    """A worker's `stats` event's values (`pdserve.cluster.wire.Stats`): its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
     from pdserve.core import native
     from pdserve.model import kernels
     sched, blocks = w.engine.scheduler, w.engine.block_manager
-    out = {"type": "stats", "worker": w.spec.name, "role": w.spec.role,
-           "running": sched.num_running, "waiting": sched.num_waiting,
+    out = {"running": sched.num_running, "waiting": sched.num_waiting,
            "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
            "blocks_total": blocks.num_blocks, "prompt_tokens": sched.stats.num_prompt_tokens,
            "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens,
@@ -37,7 +36,7 @@ def worker_stats(w) -> dict:
            "rejected_connections": {"control": w.cmd_refusals.count(),
                                     **(w.decode.receiver.rejected_connections if w.decode else {})},
            "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
-           "capped_steps": sched.step_budget.num_capped_steps,
+           "capped_steps": sched.step_budget.num_capped_steps, "bad_commands": w.bad_commands,
            "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
     if w.prefill is not None:
         box = w.prefill.outbox

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from pdserve.errors import InvalidRequestError
 
 SERVICE_TIERS = ("priority", "default", "flex")  # SLA classes, best first (storage tiers: kv_meta.STORAGE_TIERS)
-TIERS = SERVICE_TIERS  # old name, until cluster/worker.py's import of it (mid-rewrite elsewhere) is committed
 AUTO = "auto"
 BEST_EFFORT_HORIZON_S = 30.0  # an elastic tier without a TTFT SLO orders as if it had this one
 _WEIGHTS = {"priority": 1.0, "default": 1.0, "flex": 0.5}

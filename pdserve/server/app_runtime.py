@@ -6,13 +6,14 @@ import asyncio
 import time
 from pathlib import Path
 
-import msgpack
 import uvicorn
 import zmq
 import zmq.asyncio
 
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.conductor import Conductor
+from pdserve.cluster.wire import Shutdown
+from pdserve.cluster.wire_codec import pack
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.cluster.routing import make_routing_policy
 from pdserve.errors import PdserveError
@@ -79,7 +80,7 @@ async def run_gateway(cfg, procs, model_dir: str, stop: asyncio.Event | None = N
     finally:
         for w in conductor.workers.values():
             if w.joined and w.load.alive:  # a worker that joined stops with the deployment it joined
-                w.socket.send(msgpack.packb({"type": "shutdown"}))
+                w.socket.send(pack(Shutdown()))
                 w.socket.close(linger=1000)
         event_task.cancel()
         for w in conductor.workers.values():

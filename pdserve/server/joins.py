@@ -20,13 +20,13 @@ class JoinPolicy:
     model: str  # the gateway's model fingerprint
     block_size: int
 
-    def check(self, event: dict) -> str | None:
-        """Why the worker whose `ready` event this is may not join (None: it may)."""
-        role = event.get("role")
+    def check(self, event) -> str | None:
+        """Why the worker whose `ready` event (`pdserve.cluster.wire.Ready`) this is may not join (None: it may)."""
+        role = event.role
         if role not in ROLES[self.mode]:
             return f"a {self.mode} deployment takes {' or '.join(ROLES[self.mode])} workers, not {role!r}"
-        if event.get("model") != self.model:
+        if event.model != self.model:
             return "it serves another model than this deployment's (config.json or tokenizer.json differ)"
-        if event.get("block_size") != self.block_size:
-            return f"its KV block size is {event.get('block_size')}, this deployment's {self.block_size}"
+        if event.block_size != self.block_size:
+            return f"its KV block size is {event.block_size}, this deployment's {self.block_size}"
         return None

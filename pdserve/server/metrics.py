@@ -150,6 +150,10 @@ class Metrics:
                                         "computed ahead (outcome: done or dropped)", ["worker", "outcome"],
                                         registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.conductor_stale_events = Counter(
+            "pdserve_conductor_stale_events", "Worker events the conductor had nothing to do with: for a request "
+            "it no longer tracks (ended, or moved off that worker) or a transfer it replaced, by event type",
+            ["event"], registry=r)
         self.production_paused = Counter("pdserve_production_paused_seconds", "Time a prefill worker produced no "
                                          "KV although it had prompts, because its links had more queued than "
                                          "--delivery-backlog-s of sending (backpressure)", ["worker"], registry=r)
@@ -222,6 +226,7 @@ class Metrics:
             self._inc_total(self.capped_steps, (w, "capped"), s.get("capped_steps", 0), worker=w)
             self._inc_total(self.fallbacks, (w, "step_budget_cold_start"), s.get("step_budget_cold_starts", 0),
                             kind="step_budget_cold_start")
+        self._inc_total(self.fallbacks, (w, "bad_command"), s.get("bad_commands", 0), kind="bad_command")
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.prompt_computed, (w, "computed"), s.get("prompt_tokens_computed", 0), worker=w)
         self._inc_total(self.fallbacks, (w, "grammar_error"), s.get("grammar_errors", 0), kind="grammar_error")
@@ -320,11 +325,12 @@ class Metrics:
             for rank, name in ((0, "guaranteed"), (1, "elastic")):
                 self.backlog.labels(worker=worker, tier_class=name).set(b.tokens[rank])
 
-    def observe_prefill(self, e: dict) -> None:
-        if e.get("queue_s") is not None:
-            self.queue.labels(worker_role="prefill").observe(e["queue_s"])
-        if e.get("prefill_s") is not None:
-            self.prefill.labels(worker_role="prefill").observe(e["prefill_s"])
+    def observe_prefill(self, e) -> None:
+        """A `prefilled` event (`pdserve.cluster.wire.Prefilled`)."""
+        if e.queue_s is not None:
+            self.queue.labels(worker_role="prefill").observe(e.queue_s)
+        if e.prefill_s is not None:
+            self.prefill.labels(worker_role="prefill").observe(e.prefill_s)
 
     def observe_first_token(self, item: dict, role: str) -> None:
         if item.get("queue_s") is not None:
@@ -332,9 +338,10 @@ class Metrics:
         if item.get("prefill_s") is not None:
             self.prefill.labels(worker_role=role).observe(item["prefill_s"])
 
-    def observe_transfer(self, e: dict) -> None:
-        if e["outcome"] == "held" and e.get("lapses", 1) > 1:
+    def observe_transfer(self, e) -> None:
+        """A `transfer` event (`pdserve.cluster.wire.Transfer`)."""
+        if e.outcome == "held" and e.lapses > 1:
             return  # a renewed lease lapsing again: its transfer's failure is counted (and timed) once
-        self.kv_transfer_time.labels(outcome=e["outcome"]).observe(e["seconds"])
-        if e["outcome"] != "delivered":
-            self.kv_transfer_failures.labels(reason=e["state"], outcome=e["outcome"]).inc()
+        self.kv_transfer_time.labels(outcome=e.outcome).observe(e.seconds)
+        if e.outcome != "delivered":
+            self.kv_transfer_failures.labels(reason=e.state, outcome=e.outcome).inc()

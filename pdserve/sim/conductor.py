@@ -34,6 +34,7 @@ from pdserve.cluster.admission import Admission
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
+from pdserve.cluster.wire import Abort, Generate, KvFailed, Prefill, Ready, Reserve, Stage, Warm
 from pdserve.core.decode_books import DecodeBooks
 from pdserve.core.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict
@@ -91,10 +92,11 @@ class SimConductor(KVPush, EngineHooks):
 
     def _register(self, e: SimEngine) -> None:
         self.by_name[e.name] = e
-        self.core.worker_ready(e.name, {"block_size": self.block_size, "max_num_seqs": e.scheduler.config.max_num_seqs,
-                                        "max_num_batched_tokens": e.scheduler.config.max_num_batched_tokens,
-                                        "num_blocks": e.scheduler.blocks.num_blocks,
-                                        **engine_capacity(e, self.links.policy.scheduled)})
+        config = e.scheduler.config
+        self.core.worker_ready(e.name, Ready(e.name, e.role, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
+                                             max_num_batched_tokens=config.max_num_batched_tokens,
+                                             num_blocks=e.scheduler.blocks.num_blocks,
+                                             **engine_capacity(e, self.links.policy.scheduled)))
         self.ports[e.name] = self.links.link(e.name, self.port_bw)
         if e.role == "decode":
             # A request that ended at the gateway is dropped from the reservations at once (its abort is
@@ -154,29 +156,30 @@ class SimConductor(KVPush, EngineHooks):
                 rec.error = f"HTTP {action.status}: {action.message}"
                 rec.end_s, rec.rejected = self.loop.now, action.status == 429
 
-    def _command(self, engine: SimEngine, cmd: dict) -> None:
-        """What a worker does with a command (as `pdserve.cluster.worker.Worker._handle`)."""
-        kind, rid = cmd["type"], cmd.get("rid")
-        f = self.flights.get(rid)
-        if kind == "generate":
+    def _command(self, engine: SimEngine, cmd) -> None:
+        """What a worker does with a command (as `pdserve.cluster.worker.Worker._handle`), a control message's
+        way later (the prefill: after the decode worker's reply to the gateway and the gateway's command)."""
+        f = self.flights.get(getattr(cmd, "rid", None))
+        if isinstance(cmd, Generate):
             engine.post(lambda: self._add(engine, f, self._request(cmd)), self.control_s)
-        elif kind == "reserve":
+        elif isinstance(cmd, Reserve):
             engine.post(lambda: self._reserve(engine, f, cmd), self.control_s)
-        elif kind == "prefill":
-            if cmd.get("deadline_in_s") is not None:
-                f.deadline_s = self.loop.now + cmd["deadline_in_s"]
-            # the decode worker's reply to the gateway, then the gateway's command to the prefill worker
+        elif isinstance(cmd, Prefill):
+            if cmd.deadline_in_s is not None:
+                f.deadline_s = self.loop.now + cmd.deadline_in_s
             engine.post(lambda: self.staging.add_prefill(
-                engine, rid, lambda: self._add(engine, f, self._request(cmd, prefill_only=True))),
+                engine, cmd.rid, lambda: self._add(engine, f, self._request(cmd, prefill_only=True))),
                 self.links.latency_s + 2 * self.control_s)
-        elif kind == "stage":
+        elif isinstance(cmd, Stage):
             engine.post(lambda: self.staging.stage(engine, self._request(cmd, prefill_only=True)), self.control_s)
-        elif kind == "warm":
-            engine.post(lambda: self.staging.warm(engine, rid, cmd["prompt"], self.loop.now), self.control_s)
-        elif kind == "abort":
-            engine.post(lambda: self._abort(engine, rid), self.control_s)
-        elif kind == "kv_failed":
-            engine.post(lambda: self._kv_failed(engine, cmd["xfer"]), self.control_s)
+        elif isinstance(cmd, Warm):
+            engine.post(lambda: self.staging.warm(engine, cmd.rid, cmd.prompt, self.loop.now), self.control_s)
+        elif isinstance(cmd, Abort):
+            engine.post(lambda: self._abort(engine, cmd.rid), self.control_s)
+        elif isinstance(cmd, KvFailed):
+            engine.post(lambda: self._kv_failed(engine, cmd.xfer), self.control_s)
+        else:  # the simulator models no lease lapses (renew, redirect) and no pins (unpin)
+            self.counts[("sim_ignored_commands", (("command", cmd.kind),))] += 1
 
     def _kv_failed(self, engine: SimEngine, xfer: str) -> None:
         """The conductor says this KV will not come: the prompt is recomputed here."""
@@ -191,22 +194,21 @@ class SimConductor(KVPush, EngineHooks):
         if books is not None:
             books.abort(rid)
 
-    def _reserve(self, engine: SimEngine, f: Flight, cmd: dict) -> None:
+    def _reserve(self, engine: SimEngine, f: Flight, cmd: Reserve) -> None:
         """The decode worker makes the request when the reservation reaches it and queues it in its books."""
         if not f.finished:
-            f.xfer, self.xfers[cmd["xfer"]] = cmd["xfer"], cmd["rid"]
+            f.xfer, self.xfers[cmd.xfer] = cmd.xfer, cmd.rid
         try:
-            self.books[engine.name].reserve(self._request(cmd), cmd["xfer"])
+            self.books[engine.name].reserve(self._request(cmd), cmd.xfer)
         except PdserveError as e:
             if not f.finished:
                 self._fail(f, str(e))
 
-    def _request(self, cmd: dict, prefill_only: bool = False) -> SimRequest:
+    def _request(self, cmd, prefill_only: bool = False) -> SimRequest:
         """A command's request, as a worker makes it (`LLMEngine.make_request`), stamped with the simulated
         time it reaches its worker (the real worker stamps its own clock)."""
-        return SimRequest(cmd["rid"], cmd["prompt"], SamplingParams(**cmd["params"]), arrival_s=self.loop.now,
-                          priority=cmd.get("priority", 0), prefill_only=prefill_only,
-                          service_tier=cmd.get("tier") or "default")
+        return SimRequest(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), arrival_s=self.loop.now,
+                          priority=cmd.priority, prefill_only=prefill_only, service_tier=cmd.tier or "default")
 
     def _add(self, engine: SimEngine, f: Flight, req: SimRequest) -> None:
         if f.finished:
