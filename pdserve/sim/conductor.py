@@ -42,15 +42,15 @@ from pdserve.core.service_tiers import ServiceTiers
 from pdserve.errors import PdserveError
 from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
 from pdserve.sim.flight import Flight, Lifecycle
-from pdserve.sim.kv_push import KVPush
-from pdserve.sim.link import LandingWatch, LinkModel
+from pdserve.sim.kv_push import SimKVPath
+from pdserve.sim.link import LinkModel
 from pdserve.sim.staging import SimStaging, engine_capacity
 from pdserve.sim.timemodel import StepShape
 
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
 
 
-class SimConductor(KVPush, EngineHooks):
+class SimConductor(EngineHooks):
     def __init__(self, mode: str, policy: RoutingPolicy, links: LinkModel, block_size: int, block_bytes: int,
                  failure_rate: float = 0.0, ttft_timeout_s: float | None = None, seed: int = 0,
                  control_latency_s: float = 0.0, tiers: ServiceTiers | None = None,
@@ -64,8 +64,7 @@ class SimConductor(KVPush, EngineHooks):
         self.observe_steps = admission is not None and (admission.predict or mode == "pd")
         self.control_s = control_latency_s  # one gateway <-> worker message
         self.loop = links.loop
-        self.block_size, self.block_bytes = block_size, block_bytes
-        self.water = water or WaterLevel()
+        self.block_size = block_size
         self.failure_rate, self.ttft_timeout_s = failure_rate, ttft_timeout_s
         self._rng = random.Random(seed)
         self.flights: dict[str, Flight] = {}
@@ -74,13 +73,13 @@ class SimConductor(KVPush, EngineHooks):
         self.life = Lifecycle()
         self.num_finished = 0
         self.staging = SimStaging(self.life)
-        self.landings = LandingWatch(links)
-        self._rechecking: set[str] = set()  # prefill engines whose landings are rechecked periodically
+        self.kv = SimKVPath(links, water or WaterLevel(), self.life, block_size, block_bytes, control_latency_s,
+                            self._report, self._landed)
 
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
         self.engines, self.port_bw = engines, port_bw
-        self.by_name, self.ports, self.ready = {}, {}, {}
+        self.by_name, self.ready = {}, {}
         for e in [e for es in engines.values() for e in es]:
             e.load = self.core.add_worker(e.name, e.role, e.load)
             self._register(e)
@@ -97,7 +96,7 @@ class SimConductor(KVPush, EngineHooks):
                                              max_num_batched_tokens=config.max_num_batched_tokens,
                                              num_blocks=e.scheduler.blocks.num_blocks,
                                              **engine_capacity(e, self.links.policy.scheduled)))
-        self.ports[e.name] = self.links.link(e.name, self.port_bw)
+        self.kv.add_port(e.name, self.port_bw)
         if e.role == "decode":
             # A request that ended at the gateway is dropped from the reservations at once (its abort is
             # still on its way to the engine).
@@ -223,6 +222,18 @@ class SimConductor(KVPush, EngineHooks):
         books = self.books.get(engine.name)
         return books is not None and bool(books.pending)
 
+    def hold_production_s(self, engine: SimEngine) -> float:
+        return self.kv.hold_production_s(engine, self.flights.get) if engine.role == "prefill" else 0.0
+
+    def _report(self, event: str, *args) -> None:
+        """A core event from the KV path: its actions carried out."""
+        self._act(self._core(event, *args))
+
+    def _landed(self, f: Flight, delay_s: float) -> None:
+        """`f`'s transfer is complete: its decode engine settles it at its next boundary."""
+        d = f.decode
+        d.post(lambda: self.ready[d.name].append(f), delay_s)
+
     def before_step(self, engine: SimEngine) -> None:
         if engine.role != "decode":
             return
@@ -267,7 +278,7 @@ class SimConductor(KVPush, EngineHooks):
             for chunk in scheduled.chunks:
                 f = self.flights.get(chunk.request_id)
                 if f is not None and not f.finished:
-                    self._push(engine, f, chunk.start_pos + chunk.num_tokens, duration_s)
+                    self.kv.push(engine, f, chunk.start_pos + chunk.num_tokens, duration_s)
         elif engine.role == "decode" and self.books[engine.name].unread:
             self._read(engine, (chunk.request_id for chunk in scheduled.chunks), start_s)
 
@@ -283,13 +294,8 @@ class SimConductor(KVPush, EngineHooks):
                 continue
             if out.finish_reason == "prefilled":
                 self.staging.done(engine, f.rid)
-                f.prefilled = True
                 f.first_token = out.token_ids[-1] if out.token_ids else None
-                f.in_air = [fl for fl in f.in_air if fl in self.links.flows]
-                landing = self.links.eta(f.in_air) if f.in_air else 0.0  # the prefill worker's link's estimate
-                self._act(self._core("prefilled", f.rid, end_s + self.control_s, landing - self.control_s))
-                self._reland(engine, f, landing, end_s)
-                self._maybe_done(f, self.links.latency_s)
+                self.kv.prefilled(engine, f, end_s)
                 continue
             self._token(engine, f, out.token_ids, out.finished, end_s)
 
@@ -320,7 +326,7 @@ class SimConductor(KVPush, EngineHooks):
         for rid in self.books[engine.name].consumed(rids):
             f = self.flights.get(rid)
             if f is not None:
-                self._consumed(f, start_s)
+                self.kv.consumed(f, start_s)
 
     # ---- endings ----------------------------------------------------------------------------------------
     def _finish(self, f: Flight) -> None:

@@ -1,31 +1,47 @@
-"""The simulated KV path of a prompt, a mixin of `pdserve.sim.conductor.SimConductor`: the prefill engine's
-backpressure (paced per link, as the real prefill worker), the layer-by-layer push of each prefill step's new
-blocks over the link model, landings and their re-estimates while in the air, and the decode step that first
-consumes delivered KV.
+"""The simulated KV path of a prompt, owned by `SimKVPath`: the prefill engine's backpressure (paced per link,
+as the real prefill worker), the push of each prefill step's new blocks over the link model (the blocks
+`pdserve.core.push_range` says, as the real prefill worker sends), landings and their re-estimates while in
+the air, and the bytes and blocks the decode step that first reads delivered KV consumes.
 
-Uses the conductor's `flights`, `links`, `ports`, `water`, `landings`, `ready`, `life`, `loop`, `block_size`,
-`block_bytes`, `control_s`, `_rechecking`, `_act` and `_core`.
+It owns every engine's network port and the landing watch; it sees the link model, the event loop, the
+lifecycle counters, and two callbacks of its conductor: `report(event, *args)` (a core event, whose actions
+the conductor carries out) and `landed(flight, delay_s)` (the transfer is complete: its decode engine settles
+it, `delay_s` later).
 """
 
 from __future__ import annotations
 
-from pdserve.core.delivery import LANDING_RECHECK_S
+from collections.abc import Callable
+
+from pdserve.core.delivery import LANDING_RECHECK_S, WaterLevel
 from pdserve.core.production_pace import ProductionPace
 from pdserve.core.push_range import push_range
 from pdserve.sim.engine import SimEngine
-from pdserve.sim.flight import Flight
+from pdserve.sim.flight import Flight, Lifecycle
+from pdserve.sim.link import LandingWatch, LinkModel
 
 
-class KVPush:
-    def hold_production_s(self, engine: SimEngine) -> float:
+class SimKVPath:
+    def __init__(self, links: LinkModel, water: WaterLevel, life: Lifecycle, block_size: int, block_bytes: int,
+                 control_s: float, report: Callable[..., None], landed: Callable[[Flight, float], None]) -> None:
+        self.links, self.loop, self.water, self.life = links, links.loop, water, life
+        self.block_size, self.block_bytes, self.control_s = block_size, block_bytes, control_s
+        self.report, self.landed = report, landed
+        self.ports: dict = {}  # engine -> its network port (`LinkModel.link`)
+        self.landings = LandingWatch(links)
+        self._rechecking: set[str] = set()  # prefill engines whose landings are rechecked periodically
+
+    def add_port(self, engine: str, bandwidth: float) -> None:
+        self.ports[engine] = self.links.link(engine, bandwidth)
+
+    # ---- production ------------------------------------------------------------------------------------------
+    def hold_production_s(self, engine: SimEngine, flight_of: Callable[[str], Flight | None]) -> float:
         """As the real prefill worker: its next step is paced per link (`pdserve.core.production_pace`), here
         the pair of ports a prompt's KV crosses; no step while every prompt's pair is backed up."""
-        if engine.role != "prefill":
-            return 0.0
         egress = self.ports[engine.name]
 
         def link_of(rid: str) -> str | None:
-            f = self.flights.get(rid)
+            f = flight_of(rid)
             return None if f is None or f.decode is None else f.decode.name
 
         def backlog(dest: str, tiers: set[str]) -> list[tuple[float, float]]:
@@ -37,7 +53,9 @@ class KVPush:
         self.life.production_paused_s += pace.hold_s
         return pace.hold_s
 
-    def _push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
+    # ---- delivery --------------------------------------------------------------------------------------------
+    def push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
+        """A prefill step of `duration_s` computed `f`'s prompt up to token `end`: its new blocks go."""
         span = push_range(f.next_block, end, len(f.prompt), self.block_size, self.links.policy.scheduled)
         if span.num_blocks:
             nbytes = span.num_blocks * self.block_bytes
@@ -52,24 +70,35 @@ class KVPush:
             f.flows += 1
             sent: list = []  # the flow, whose bytes grow with the chunks that join it
             flow = self.links.start(ports, nbytes, duration_s,
-                                    lambda: self._landed(f, sent[0].nbytes if sent else nbytes), f.tier, f.deadline_s)
+                                    lambda: self._arrived(f, sent[0].nbytes if sent else nbytes), f.tier, f.deadline_s)
             if flow is not None:
                 sent.append(flow)
                 f.in_air.append(flow)
         f.next_block = span.next_block
 
-    def _landed(self, f: Flight, nbytes: float) -> None:
+    def _arrived(self, f: Flight, nbytes: float) -> None:
         f.flows -= 1
         f.delivered += nbytes
         self.life.bytes_delivered += nbytes
-        self._maybe_done(f, 0.0)
+        self.maybe_done(f, 0.0)
 
-    def _maybe_done(self, f: Flight, delay_s: float) -> None:
+    def maybe_done(self, f: Flight, delay_s: float) -> None:
+        """Prefilled and every flow landed: the transfer is complete (once)."""
         if f.prefilled and f.flows == 0 and not f.done_sent and not f.finished:
             f.done_sent = True
-            d = f.decode
-            d.post(lambda: self.ready[d.name].append(f), delay_s)
+            self.landed(f, delay_s)
 
+    def prefilled(self, engine: SimEngine, f: Flight, now: float) -> None:
+        """`f`'s prompt is prefilled on `engine` (its first token sampled): the core hears when its KV lands
+        (the prefill worker's link's estimate); the others' estimates that moved are reported again."""
+        f.prefilled = True
+        f.in_air = [fl for fl in f.in_air if fl in self.links.flows]
+        landing = self.links.eta(f.in_air) if f.in_air else 0.0
+        self.report("prefilled", f.rid, now + self.control_s, landing - self.control_s)
+        self._reland(engine, f, landing, now)
+        self.maybe_done(f, self.links.latency_s)
+
+    # ---- landing estimates -----------------------------------------------------------------------------------
     def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:
         """As the real prefill worker (`PrefillSide.relanded`): `f` became due on this engine's link; the
         other prefilled transfers in the air there whose landing estimate moved are reported again — and
@@ -87,7 +116,7 @@ class KVPush:
 
     def _relanded(self, moved: list[tuple[str, float]], now: float) -> None:
         for rid, eta in moved:
-            self._act(self._core("relanded", rid, now + self.control_s, eta - self.control_s))
+            self.report("relanded", rid, now + self.control_s, eta - self.control_s)
 
     def _recheck(self, name: str) -> None:
         """As the real prefill worker's loop: every LANDING_RECHECK_S while its prefilled transfers are in the
@@ -99,8 +128,10 @@ class KVPush:
         else:
             self._rechecking.discard(name)
 
-    def _consumed(self, f: Flight, start_s: float) -> None:
+    # ---- consumption -----------------------------------------------------------------------------------------
+    def consumed(self, f: Flight, start_s: float) -> None:
+        """The decode step beginning at `start_s` read `f`'s delivered KV first (superseded bytes never)."""
         blocks = round((f.delivered - f.superseded) / self.block_bytes)
         self.life.bytes_consumed += f.delivered - f.superseded
         self.life.blocks_consumed += blocks
-        self._act(self._core("consumed", f.rid, start_s))
+        self.report("consumed", f.rid, start_s)
