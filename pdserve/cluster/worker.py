@@ -26,14 +26,14 @@ import zmq
 from pdserve.cluster.joined import Departure
 from pdserve.cluster.spec import WorkerSpec
 from pdserve.cluster.wire import (Abort, Beat, Checkpointed, Error, Generate, KvFailed, Leave, PeerGone, Prefill, Ready,
-                                  Redirect, Refused, Relanded, Release, Renew, Reserve, Shutdown, Stage, Stats, Unpin,
-                                  Warm, Welcome, WireError)
+                                  Redirect, Refused, Release, Renew, Reserve, Shutdown, Stage, Stats, Unpin, Warm,
+                                  Welcome, WireError)
 from pdserve.cluster.wire_codec import pack, unpack
 from pdserve.cluster.worker_reports import WorkerReports
 from pdserve.cluster.worker_stats import step_shape, worker_stats
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import SERVICE_TIERS
-from pdserve.core.decode_cadence import DecodeCadence
+from pdserve.core.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import stage_capacity
@@ -54,7 +54,7 @@ def _die_with_parent() -> None:
         pass
 
 
-class Worker(WorkerReports):
+class Worker:
     replaces = False  # a joining worker restarted under its name (Ray): its dead self is replaced at once
     def __init__(self, spec: WorkerSpec) -> None:
         from pdserve.engine.pd import DecodeSide, PrefillSide
@@ -112,6 +112,7 @@ class Worker(WorkerReports):
         self._idle_step = False
         self.step_log: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
         self.cadence = DecodeCadence() if spec.role == "decode" and spec.decode_cadence == "steady" else None
+        self.reports = WorkerReports(self.emit, spec.name, self.engine, self.prefill, self.decode)
 
     def emit(self, event) -> None:
         self.events.send(pack(event))
@@ -134,14 +135,14 @@ class Worker(WorkerReports):
             self._drain_commands()
             self.engine.poll_kv()
             if self.decode is not None:
-                self._decode_bookkeeping()
+                self.reports.decode_bookkeeping()
             if self._has_work(sched) and not self._held():
                 self._step()
             if self.prefill is not None:
                 self.prefill.pump()
                 self._recheck_landings()
                 self.prefill.keepalive()
-                self._cancel_failed_deliveries()
+                self.reports.cancel_failed_deliveries()
                 self.prefill.release_lent()
             self._maybe_stats()
             self.loop_s = time.monotonic()
@@ -165,13 +166,20 @@ class Worker(WorkerReports):
         if self.cadence is not None and scheduled.chunks:  # its tokens go out at the cadence's period
             self._hold(scheduled, start, seconds)
         if self.decode is not None:
-            self._report_consumed(began)
-        self._report(outputs)
+            self.reports.consumed(began)
+        self.reports.outputs(outputs)
 
-    def _relanded(self) -> None:
-        moved = self.prefill.relanded()
-        if moved:
-            self.emit(Relanded([[rid, landing_in_s] for rid, landing_in_s in moved]))
+    def _hold(self, scheduled, start: float, seconds: float) -> None:
+        """--decode-cadence steady: hold a step (begun at `start`, perf_counter; `seconds` long) until its period
+        is up, serving commands and delivered KV meanwhile (`pdserve.core.decode_cadence`)."""
+        sched = self.engine.scheduler
+        until = start + self.cadence.pace(start, seconds, plain_decode(scheduled),
+                                          sched.step_budget.tightest_tpot_s(sched.running))
+        while self.running and (left := until - time.perf_counter()) > 0:
+            self.poller.poll(max(1, int(left * 1000)) if left >= 0.001 else 0)
+            self._drain_commands()
+            self.engine.poll_kv()
+            self.reports.decode_bookkeeping()
 
     def _recheck_landings(self) -> None:
         """Every LANDING_RECHECK_S while prefilled transfers are in the air: those whose landing moved as their
@@ -180,7 +188,7 @@ class Worker(WorkerReports):
         now = time.monotonic()
         if self.prefill.landings and now >= self._recheck_s:
             self._recheck_s = now + LANDING_RECHECK_S
-            self._relanded()
+            self.reports.relanded()
 
     def _join_fields(self) -> dict:
         """What a joining worker's `ready` adds: where the gateway sends it commands, which model it serves."""
@@ -262,7 +270,7 @@ class Worker(WorkerReports):
         elif isinstance(cmd, Redirect):  # expected anew: now the conductor sends the prompt to its new prefill worker
             inbound = self.decode.redirect(cmd.old, cmd.xfer)
             if inbound is not None:
-                self._reserved(inbound.request_id, inbound.xfer, inbound.first_block, True)
+                self.reports.reserved(inbound.request_id, inbound.xfer, inbound.first_block, True)
         elif isinstance(cmd, PeerGone) and self.prefill is not None:
             self.prefill.peer_gone(cmd.addr)
 

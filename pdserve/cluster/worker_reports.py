@@ -1,56 +1,50 @@
-"""What a worker reports to the gateway after each pass of its loop (a mixin of
+"""What a worker reports to the gateway after each pass of its loop (`WorkerReports`, a part of
 `pdserve.cluster.worker.Worker`): on a decode worker, reservations granted (`reserved`) or left waiting,
 transfers settled and the step that first read delivered KV (`consumed`); on every worker, the tokens its step
-made; on a prefill worker, the prompts it prefilled, staged or gave up on (`prefilled`, `staged`).
+made; on a prefill worker, the prompts it prefilled, staged or gave up on (`prefilled`, `staged`) and the
+landings that moved (`relanded`).
 
-Uses the worker's `emit`, `spec`, `engine`, `prefill` (`PrefillSide` or None), `decode` (`DecodeSide` or None)
-and `_relanded`.
+It sees the worker's engine, its prefill and decode sides (`PrefillSide` / `DecodeSide`, or None) and a
+function that sends one event.
 """
 
 from __future__ import annotations
 
 import time
 
-from pdserve.cluster.wire import Consumed, Prefilled, Reserved, ReserveWaiting, Staged, Tokens, Transfer
-from pdserve.core.decode_cadence import plain_decode
+from collections.abc import Callable
+
+from pdserve.cluster.wire import Consumed, Prefilled, Relanded, Reserved, ReserveWaiting, Staged, Tokens, Transfer
 
 
 class WorkerReports:
+    def __init__(self, emit: Callable[[object], None], name: str, engine, prefill, decode) -> None:
+        self.emit, self.name, self.engine, self.prefill, self.decode = emit, name, engine, prefill, decode
+
     # ---- decode side ------------------------------------------------------------------------------------
-    def _reserved(self, rid: str, xfer: str, first_block: int, needs_prefill: bool) -> None:
+    def reserved(self, rid: str, xfer: str, first_block: int, needs_prefill: bool) -> None:
         """Blocks are reserved and, with `needs_prefill`, the transfer `xfer` expected: its sender may start."""
         self.emit(Reserved(rid, xfer, first_block, self.decode.receiver.address, needs_prefill))
 
-    def _decode_bookkeeping(self) -> None:
+    def decode_bookkeeping(self) -> None:
+        """Take what arrived; grant reservations, report those left waiting, settle ended transfers."""
         self.decode.receive(0)
         for g in self.decode.try_reserve():
             res = g.reservation
-            self._reserved(res.request.request_id, res.xfer, g.first_block, g.needs_prefill)
+            self.reserved(res.request.request_id, res.xfer, g.first_block, g.needs_prefill)
         for rid, xfer in self.decode.newly_waiting():
             self.emit(ReserveWaiting(rid, xfer))
         for inbound, outcome, req in self.decode.settle():
             self.emit(Transfer(inbound.request_id, inbound.xfer, outcome, inbound.state.value, inbound.num_bytes,
-                               time.monotonic() - inbound.started_s, self.spec.name, inbound.lapses))
+                               time.monotonic() - inbound.started_s, self.name, inbound.lapses))
             if req is not None and inbound.first_token is not None:  # the prefill worker's first token
                 self.emit(Tokens([{"rid": req.request_id, "i": 0, "t": inbound.first_token,
                                    "fin": req.status.finish_reason if req.is_finished else None,
                                    "cached": req.num_cached_prompt_tokens,
                                    "queue_s": _diff(req.scheduled_s, req.arrival_s), "prefill_s": None,
-                                   **(inbound.logprobs or {})}], self.spec.name))
+                                   **(inbound.logprobs or {})}], self.name))
 
-    def _hold(self, scheduled, start: float, seconds: float) -> None:
-        """--decode-cadence steady: hold a step (begun at `start`, perf_counter; `seconds` long) until its period
-        is up, serving commands and delivered KV meanwhile (`pdserve.core.decode_cadence`)."""
-        sched = self.engine.scheduler
-        until = start + self.cadence.pace(start, seconds, plain_decode(scheduled),
-                                          sched.step_budget.tightest_tpot_s(sched.running))
-        while self.running and (left := until - time.perf_counter()) > 0:
-            self.poller.poll(max(1, int(left * 1000)) if left >= 0.001 else 0)
-            self._drain_commands()
-            self.engine.poll_kv()
-            self._decode_bookkeeping()
-
-    def _report_consumed(self, began: float) -> None:
+    def consumed(self, began: float) -> None:
         """The step that just ran read delivered KV for the first time: when it began (the conductor checks
         its consumption prediction against it). Before the step's tokens: a request may end with them."""
         rids = self.decode.consumed(self.engine.last_scheduled)
@@ -58,7 +52,7 @@ class WorkerReports:
             self.emit(Consumed([[rid, began] for rid in rids]))
 
     # ---- outputs ----------------------------------------------------------------------------------------
-    def _report(self, outputs) -> None:
+    def outputs(self, outputs) -> None:
         items = []
         for out in outputs:
             if self.prefill is not None:  # a prefill worker's requests end prefilled (or aborted)
@@ -73,7 +67,7 @@ class WorkerReports:
                                              logprobs=_logprobs(out) or None)
                 self.emit(Prefilled(out.request_id, failed, landing, _diff(out.scheduled_s, out.arrival_s),
                                     _diff(out.prefilled_s, out.scheduled_s)))
-                self._relanded()  # the others due on its link now share it with this one
+                self.relanded()  # the others due on its link now share it with this one
                 continue
             item = {"rid": out.request_id, "i": len(out.token_ids) - 1, "t": out.token_ids[-1],
                     "fin": out.finish_reason if out.finished else None, "cached": out.num_cached_tokens,
@@ -83,9 +77,15 @@ class WorkerReports:
                             prefill_s=_diff(out.prefilled_s, out.scheduled_s))
             items.append(item)
         if items:
-            self.emit(Tokens(items, self.spec.name))
+            self.emit(Tokens(items, self.name))
 
-    def _cancel_failed_deliveries(self) -> None:
+    def relanded(self) -> None:
+        """Prefilled transfers whose landing estimate moved (`PrefillSide.relanded`)."""
+        moved = self.prefill.relanded()
+        if moved:
+            self.emit(Relanded([[rid, landing_in_s] for rid, landing_in_s in moved]))
+
+    def cancel_failed_deliveries(self) -> None:
         for rid in self.prefill.failed_requests():
             self.engine.abort([rid])
             self.prefill.drop_stage(rid)
