@@ -15,7 +15,9 @@ import time
 import pytest
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.wire import Abort, KvFailed, Reserve
+from pdserve.cluster.commands import REQUEST_COMMANDS, carry_out
+from pdserve.cluster.wire import KINDS, Abort, Command, KvFailed, Reserve
+from pdserve.cluster.worker_commands import WorkerCommands
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.pd import DecodeSide
@@ -25,6 +27,7 @@ from pdserve.sim.cluster import ClusterSpec, build
 from pdserve.sim.flight import Flight
 from pdserve.sim.hardware import get_gpu, get_model
 from pdserve.sim.timemodel import RooflineTimeModel
+from pdserve.sim.worker_commands import SimCommands
 from pdserve.transfer.base import Received
 
 BLOCK, SEQS, FIRST_TOKEN = 4, 2, 5
@@ -70,14 +73,8 @@ class Real:
         self.decisions: list[tuple] = []
 
     def command(self, cmd) -> None:
-        """As `pdserve.cluster.worker.Worker._handle` does on a decode worker."""
-        if isinstance(cmd, Reserve):
-            self.side.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority)
-        elif isinstance(cmd, Abort):
-            self.engine.abort([cmd.rid])
-            self.side.abort(cmd.rid)
-        elif isinstance(cmd, KvFailed):
-            self.side.peer_failed(cmd.xfer)
+        """The real worker's command code (`pdserve.cluster.worker_commands`), on a decode worker."""
+        carry_out(cmd, WorkerCommands(self.engine, None, self.side, reports=None))
 
     def deliver(self, rid: str) -> None:
         inbound = self.side.inbound.get(f"{rid}#0")
@@ -193,3 +190,10 @@ def test_the_real_worker_and_the_simulator_make_the_same_decisions(real):
         assert real_state == sim_state
     assert states[4][0]["b"] == "DECODING"  # recomputed there after the lapse
     assert states[-1][0] == {"d": "DECODING"}
+
+
+def test_the_real_and_the_simulated_worker_each_carry_out_every_request_command():
+    membership = {"shutdown", "welcome", "release", "leave", "refused"}  # a worker process's, not a request's
+    assert {c.kind for c in REQUEST_COMMANDS} == {kind for kind, cls in KINDS.items() if cls in Command} - membership
+    for target in (WorkerCommands, SimCommands):
+        assert [c.kind for c in REQUEST_COMMANDS if not callable(getattr(target, c.kind, None))] == [], target

@@ -25,19 +25,18 @@ import zmq
 
 from pdserve.cluster.joined import Departure
 from pdserve.cluster.spec import WorkerSpec
-from pdserve.cluster.wire import (Abort, Beat, Checkpointed, Error, Generate, KvFailed, Leave, PeerGone, Prefill, Ready,
-                                  Redirect, Refused, Release, Renew, Reserve, Shutdown, Stage, Stats, Unpin, Warm,
-                                  Welcome, WireError)
+from pdserve.cluster.commands import carry_out
+from pdserve.cluster.wire import (Beat, Checkpointed, Error, Leave, Ready, Refused, Release, Shutdown, Stats, Welcome,
+                                  WireError)
 from pdserve.cluster.wire_codec import pack, unpack
+from pdserve.cluster.worker_commands import WorkerCommands
 from pdserve.cluster.worker_reports import WorkerReports
 from pdserve.cluster.worker_stats import step_shape, worker_stats
-from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.core.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import stage_capacity
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import PdserveError
 from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 
 STATS_INTERVAL_S = 0.25
@@ -113,6 +112,7 @@ class Worker:
         self.step_log: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
         self.cadence = DecodeCadence() if spec.role == "decode" and spec.decode_cadence == "steady" else None
         self.reports = WorkerReports(self.emit, spec.name, self.engine, self.prefill, self.decode)
+        self.commands = WorkerCommands(self.engine, self.prefill, self.decode, self.reports)
 
     def emit(self, event) -> None:
         self.events.send(pack(event))
@@ -241,38 +241,8 @@ class Worker:
     def _handle(self, cmd) -> None:
         if isinstance(cmd, (Shutdown, Welcome, Release, Leave, Refused)):
             self._membership(cmd)
-        elif isinstance(cmd, Abort):
-            self.engine.abort([cmd.rid])
-            if self.decode is not None:
-                self.decode.abort(cmd.rid)
-            if self.prefill is not None:
-                self.prefill.finish(cmd.rid, prefilled=False)
-                self.prefill.drop_stage(cmd.rid)
-        elif isinstance(cmd, Generate):
-            self._generate(cmd)
-        elif isinstance(cmd, Prefill):
-            self.prefill.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
-                             cmd.priority, _pin(cmd.pin), _tier(cmd.tier), link=cmd.link,
-                             deadline_in_s=cmd.deadline_in_s)
-        elif isinstance(cmd, Stage):
-            self.prefill.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))
-        elif isinstance(cmd, Warm):
-            self.prefill.warm(cmd.rid, cmd.prompt)
-        elif isinstance(cmd, Reserve):
-            self.decode.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority,
-                                _pin(cmd.pin), _tier(cmd.tier), cmd.restore)
-        elif isinstance(cmd, Unpin):
-            self.engine.block_manager.unpin(f"prewarm:{cmd.id}")
-        elif isinstance(cmd, KvFailed):
-            self.decode.peer_failed(cmd.xfer)
-        elif isinstance(cmd, Renew):  # its sender was heard: busy, not hung
-            self.decode.renew(cmd.xfer)
-        elif isinstance(cmd, Redirect):  # expected anew: now the conductor sends the prompt to its new prefill worker
-            inbound = self.decode.redirect(cmd.old, cmd.xfer)
-            if inbound is not None:
-                self.reports.reserved(inbound.request_id, inbound.xfer, inbound.first_block, True)
-        elif isinstance(cmd, PeerGone) and self.prefill is not None:
-            self.prefill.peer_gone(cmd.addr)
+        else:
+            carry_out(cmd, self.commands)
 
     def _membership(self, cmd) -> None:
         if isinstance(cmd, Shutdown):
@@ -284,17 +254,6 @@ class Worker:
         else:  # refused: a joining worker the gateway did not take
             print(f"pdserve: the gateway refused this worker: {cmd.message}", file=sys.stderr, flush=True)
             self.running, self.exit_code = False, 2
-
-    def _generate(self, cmd: Generate) -> None:
-        restore = cmd.restore
-        if restore and self.decode.checkpoints is not None:
-            # the adopted blocks are found as prefix hits below; what is missing is computed here, counted
-            tokens = restore["tokens"]
-            adopted = self.decode.checkpoints.adopt(restore["peer"], cmd.prompt[:tokens])
-            self.decode.stats.checkpoint_fallbacks += adopted < tokens
-        req = self.engine.make_request(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority,
-                                       pin=_pin(cmd.pin), service_tier=_tier(cmd.tier))
-        self.engine.scheduler.add_request(req)
 
     def _log_step(self, seconds: float) -> None:
         """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
@@ -356,17 +315,6 @@ def _long_context(spec: WorkerSpec) -> bool:
     memory (its long prompts' heads are received straight into the host tier; CPU pools only)."""
     from pdserve.engine.model_executor import pick_device
     return spec.role != "decode" or pick_device(spec.engine.get("device", "auto")).type == "cpu"
-
-
-def _pin(pin) -> tuple[str, float] | None:
-    return None if pin is None else (str(pin[0]), float(pin[1]))
-
-
-def _tier(tier: str | None) -> str:
-    tier = tier or "default"
-    if tier not in SERVICE_TIERS:
-        raise InvalidRequestError(f"unknown service tier {tier!r}", param="service_tier")
-    return tier
 
 
 def main(argv: list[str] | None = None) -> int:

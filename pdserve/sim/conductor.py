@@ -34,18 +34,19 @@ from pdserve.cluster.admission import Admission
 from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
 from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.cluster.routing import RoutingPolicy
-from pdserve.cluster.wire import Abort, Generate, KvFailed, Prefill, Ready, Reserve, Stage, Warm
+from pdserve.cluster.commands import carry_out
+from pdserve.cluster.wire import Ready
 from pdserve.core.decode_books import DecodeBooks
 from pdserve.core.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.errors import PdserveError
-from pdserve.sim.engine import EngineHooks, SimEngine, SimRequest
+from pdserve.sim.engine import EngineHooks, SimEngine
 from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.kv_push import SimKVPath
 from pdserve.sim.link import LinkModel
 from pdserve.sim.staging import SimStaging, engine_capacity
 from pdserve.sim.timemodel import StepShape
+from pdserve.sim.worker_commands import SimCommands
 
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
 
@@ -79,7 +80,7 @@ class SimConductor(EngineHooks):
     def attach(self, engines: dict[str, list[SimEngine]], port_bw: float) -> None:
         """Take the engines (they were built with this conductor as their hooks), one port each."""
         self.engines, self.port_bw = engines, port_bw
-        self.by_name, self.ready = {}, {}
+        self.by_name, self.ready, self.commands = {}, {}, {}
         for e in [e for es in engines.values() for e in es]:
             e.load = self.core.add_worker(e.name, e.role, e.load)
             self._register(e)
@@ -91,6 +92,7 @@ class SimConductor(EngineHooks):
 
     def _register(self, e: SimEngine) -> None:
         self.by_name[e.name] = e
+        self.commands[e.name] = SimCommands(self, e)
         config = e.scheduler.config
         self.core.worker_ready(e.name, Ready(e.name, e.role, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
                                              max_num_batched_tokens=config.max_num_batched_tokens,
@@ -156,66 +158,8 @@ class SimConductor(EngineHooks):
                 rec.end_s, rec.rejected = self.loop.now, action.status == 429
 
     def _command(self, engine: SimEngine, cmd) -> None:
-        """What a worker does with a command (as `pdserve.cluster.worker.Worker._handle`), a control message's
-        way later (the prefill: after the decode worker's reply to the gateway and the gateway's command)."""
-        f = self.flights.get(getattr(cmd, "rid", None))
-        if isinstance(cmd, Generate):
-            engine.post(lambda: self._add(engine, f, self._request(cmd)), self.control_s)
-        elif isinstance(cmd, Reserve):
-            engine.post(lambda: self._reserve(engine, f, cmd), self.control_s)
-        elif isinstance(cmd, Prefill):
-            if cmd.deadline_in_s is not None:
-                f.deadline_s = self.loop.now + cmd.deadline_in_s
-            engine.post(lambda: self.staging.add_prefill(
-                engine, cmd.rid, lambda: self._add(engine, f, self._request(cmd, prefill_only=True))),
-                self.links.latency_s + 2 * self.control_s)
-        elif isinstance(cmd, Stage):
-            engine.post(lambda: self.staging.stage(engine, self._request(cmd, prefill_only=True)), self.control_s)
-        elif isinstance(cmd, Warm):
-            engine.post(lambda: self.staging.warm(engine, cmd.rid, cmd.prompt, self.loop.now), self.control_s)
-        elif isinstance(cmd, Abort):
-            engine.post(lambda: self._abort(engine, cmd.rid), self.control_s)
-        elif isinstance(cmd, KvFailed):
-            engine.post(lambda: self._kv_failed(engine, cmd.xfer), self.control_s)
-        else:  # the simulator models no lease lapses (renew, redirect) and no pins (unpin)
-            self.counts[("sim_ignored_commands", (("command", cmd.kind),))] += 1
-
-    def _kv_failed(self, engine: SimEngine, xfer: str) -> None:
-        """The conductor says this KV will not come: the prompt is recomputed here."""
-        req = engine.scheduler.requests.get(self.xfers.get(xfer))
-        if req is not None and req.status.name == "WAITING_FOR_KV":
-            engine.scheduler.kv_failed(req.request_id)
-
-    def _abort(self, engine: SimEngine, rid: str) -> None:
-        engine.engine.abort([rid])
-        self.staging.abort(engine, rid)
-        books = self.books.get(engine.name)
-        if books is not None:
-            books.abort(rid)
-
-    def _reserve(self, engine: SimEngine, f: Flight, cmd: Reserve) -> None:
-        """The decode worker makes the request when the reservation reaches it and queues it in its books."""
-        if not f.finished:
-            f.xfer, self.xfers[cmd.xfer] = cmd.xfer, cmd.rid
-        try:
-            self.books[engine.name].reserve(self._request(cmd), cmd.xfer)
-        except PdserveError as e:
-            if not f.finished:
-                self._fail(f, str(e))
-
-    def _request(self, cmd, prefill_only: bool = False) -> SimRequest:
-        """A command's request, as a worker makes it (`LLMEngine.make_request`), stamped with the simulated
-        time it reaches its worker (the real worker stamps its own clock)."""
-        return SimRequest(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), arrival_s=self.loop.now,
-                          priority=cmd.priority, prefill_only=prefill_only, service_tier=cmd.tier or "default")
-
-    def _add(self, engine: SimEngine, f: Flight, req: SimRequest) -> None:
-        if f.finished:
-            return
-        try:
-            engine.scheduler.add_request(req)
-        except PdserveError as e:
-            self._fail(f, str(e))
+        """What a worker does with a command (`pdserve.sim.worker_commands`)."""
+        carry_out(cmd, self.commands[engine.name])
 
     # ---- decode side: reservations and settlement (before each decode step) ------------------------------
     def has_pending(self, engine: SimEngine) -> bool:
@@ -338,7 +282,7 @@ class SimConductor(EngineHooks):
         self.xfers.pop(f.xfer, None)
         self.num_finished += 1
 
-    def _fail(self, f: Flight, message: str) -> None:
+    def fail(self, f: Flight, message: str) -> None:
         f.record.error = message
         f.record.end_s = self.loop.now
         self._abort_everywhere(f)
@@ -347,7 +291,7 @@ class SimConductor(EngineHooks):
         if f.finished or f.record.first_token_s is not None:
             return
         self.life.aborted += 1
-        self._fail(f, f"aborted: no first token within {self.ttft_timeout_s} s")
+        self.fail(f, f"aborted: no first token within {self.ttft_timeout_s} s")
 
     def _abort_everywhere(self, f: Flight) -> None:
         self._act(self._core("abort", f.rid))
