@@ -23,7 +23,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.core.schedule import ScheduledChunk
 from pdserve.model import kernels
-from pdserve.model.attention import _decode_attention
+from pdserve.model.attention_torch import decode_attention as _decode_attention
 from pdserve.model.hugepages import lazy_zeros
 from pdserve.model.input_batch import CacheLayout, build_input_batch
 

@@ -27,7 +27,7 @@ import math
 import torch
 
 from pdserve.core import kv_codecs
-from pdserve.model import attention as A
+from pdserve.model.attention_torch import TorchAttention
 from pdserve.model import kernels
 
 BS = 16
@@ -63,16 +63,15 @@ def patch(variant: str, seed: int) -> None:
     kv_codecs.CODECS["int4"] = dataclasses.replace(kv_codecs.CODECS["int4"], residual=False)
     kernels.usable_coded = lambda codec, *tensors: False  # the torch path: coded and exact k, v side by side
     exact_kv, calls = {}, [0]
-    write = A._rope_write_coded
+    write = TorchAttention.write_kv
 
-    def rope_write_coded(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads, num_kv, codec, exact=None):
-        rows: list = []
-        q, k, v = write(qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads, num_kv, codec, rows)
+    def write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads, num_kv, codec):
+        q, k, v, rows = write(self, qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads, num_kv, codec)
         t, d = qkv.shape[0], codec.head_dim
         exact_kv["k"], exact_kv["v"] = (r.view(num_kv, t, d).transpose(0, 1) for r in rows)
-        return q, k, v
+        return q, k, v, rows
 
-    def prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, cold=None, codec=None, own=None):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, chunk, scale, layer, exact):
         assert chunk.kv_rows is None, "a window split into chunks: raise --max-num-batched-tokens"
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         ke, ve = exact_kv["k"][rows], exact_kv["v"][rows]
@@ -92,7 +91,7 @@ def patch(variant: str, seed: int) -> None:
             out = out * (1 + 1e-6 * noise)
         return out
 
-    A._rope_write_coded, A._prefill_attention = rope_write_coded, prefill_attention
+    TorchAttention.write_kv, TorchAttention.prefill = write_kv, prefill  # the backend the kernels hand calls to
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.schedule import ScheduledChunk
 from pdserve.model import kernels
-from pdserve.model.attention import _decode_attention, paged_attention, rope_write_kv
+from pdserve.model.attention import default_backend, paged_attention
+from pdserve.model.attention_torch import decode_attention as _decode_attention
 from pdserve.model.input_batch import CacheLayout, build_input_batch
 from pdserve.model.rope import RotaryEmbedding
 
@@ -75,7 +76,8 @@ def test_rope_write_kv_is_bit_exact(num_heads, num_kv, head_dim):
     for use_kernels in (True, False):
         cache = torch.zeros(2, num_kv, num_blocks, block_size, head_dim)
         with kernels.disabled() if not use_kernels else contextlib.nullcontext():
-            q, k, v = rope_write_kv(qkv, cos, sin, cache[0], cache[1], slot_rows, num_heads, num_kv)
+            q, k, v, _ = default_backend().write_kv(qkv, cos, sin, cache[0], cache[1], slot_rows, num_heads,
+                                                    num_kv, None)
         results.append((q, k, v, cache))
     for a, b in zip(*results):
         assert torch.equal(a, b)

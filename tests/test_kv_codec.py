@@ -14,7 +14,8 @@ from pdserve.core import kv_codecs
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.codec import KVCodec
 from pdserve.model import kernels
-from pdserve.model.attention import _decode_attention, paged_attention
+from pdserve.model.attention import paged_attention
+from pdserve.model.attention_torch import decode_attention as _decode_attention
 from test_kernels import decode_batch
 
 CODED = ["fp16", "bf16", "fp8_e4m3", "int8", "int4"]

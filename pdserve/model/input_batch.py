@@ -8,7 +8,7 @@ import torch
 
 from pdserve.core.schedule import ScheduledChunk
 from pdserve.model import residual_attention
-from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.attention_backend import AttentionMetadata, PrefillChunk
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.errors import UnsupportedModelError
 from pdserve.model import kernels
-from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write
+from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write, select_backend
 from pdserve.model.config import ModelConfig
 from pdserve.model.hugepages import Arena
 from pdserve.model.linear import Linear, mkl_packing_available
@@ -40,8 +40,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int) -> None:
+                 device: torch.device, max_positions: int, attention: str = "auto") -> None:
         self.config = config
+        self.attention = select_backend(attention, device)  # `pdserve.model.attention`: chosen once, here
         self.dtype = dtype
         self.device = device
         self.scale = config.head_dim ** -0.5
@@ -83,10 +84,11 @@ class LlamaModel:
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             # CPU fp32: compiled kernels for everything but the four matmuls (counted torch fallback else)
             h = kernels.add_rms_norm(x, None, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v, exact = rope_write(layer.qkv(h), cos, sin, cache, meta, cfg.num_heads, cfg.num_kv_heads, i)
+            q, k, v, exact = rope_write(layer.qkv(h), cos, sin, cache, meta, cfg.num_heads, cfg.num_kv_heads, i,
+                                        self.attention)
             if layer_done is not None:
                 layer_done(i)
-            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, i, exact))
+            attn = layer.o(paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, i, exact, self.attention))
             h = kernels.add_rms_norm(x, attn, layer.mlp_norm, cfg.rms_norm_eps)  # x += attn, in place
             x.add_(layer.down(kernels.silu_mul(layer.gate_up(h))))
         return rms_norm(x, self.norm, cfg.rms_norm_eps)

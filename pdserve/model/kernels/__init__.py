@@ -90,6 +90,12 @@ def _ready(supported: bool, what: str, tensors) -> bool:
     return False
 
 
+def count_fallback(reason: str) -> None:
+    """Counts one fallback to torch decided outside this module (an attention backend chosen for a device
+    the kernels do not serve)."""
+    _count_fallback(reason)
+
+
 def _count_fallback(reason: str | None) -> None:
     global _fallbacks, _reason, _warned
     _fallbacks += 1
