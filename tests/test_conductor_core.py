@@ -178,7 +178,7 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
     assert kinds["reserve_waiting"] > 0 and kinds["staged"] > 0
     assert any(c["type"] == "stage" for cmds in sent.values() for c in cmds)
     capacity = {name: load.max_recent_blocks for name, load in sim.core.workers.items()}
-    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.stage.blocks, sim.core.stage.max_blocks,
+    got, errors, metrics = _replay_on_real_conductor(decisions, tmp_path, sim.core.staging.plan.blocks, sim.core.staging.plan.max_blocks,
                                                      capacity)
     for name in got:
         assert got[name] == sent.get(name, []), name
@@ -309,13 +309,13 @@ def test_with_no_live_worker_a_moved_request_waits_for_the_restarted_one_unless_
         core.arrive(rid, [1, 2, 3], {"max_tokens": 5}, 0.0)
         core.token(rid, 0, False, 0.1, 7)
     died = core.worker_died("colocated-0", 1.0, restarting=True)
-    assert not [a for a in died if isinstance(a, Fail)] and [o.rid for o in core.orphans] == ["a", "b"]
-    assert core.abort("b") == [] and [o.rid for o in core.orphans] == ["a"]  # its client left meanwhile
+    assert not [a for a in died if isinstance(a, Fail)] and [o.rid for o in core.recovery.orphans] == ["a", "b"]
+    assert core.abort("b") == [] and [o.rid for o in core.recovery.orphans] == ["a"]  # its client left meanwhile
     (generate,) = core.worker_ready("colocated-0", Ready("colocated-0", "colocated"))
     assert generate.cmd.prompt == [1, 2, 3, 7] and generate.cmd.params == {"max_tokens": 4}
-    assert core.orphans == [] and core.waiting == {"default": 1}
+    assert core.recovery.orphans == [] and core.books.waiting == {"default": 1}
     core.worker_died("colocated-0", 2.0)  # and it stays dead this time: nothing waits for it
-    assert core.orphans == [] and core.flights == {}
+    assert core.recovery.orphans == [] and core.flights == {}
 
 
 def test_a_request_whose_streamed_tokens_are_unknown_fails_explicitly_when_its_worker_dies():
@@ -344,7 +344,7 @@ def test_a_tiers_waiting_queue_is_bounded_and_a_first_token_makes_room():
     assert core.arrive("c", [1, 2], {"max_tokens": 4}, 0.2)[0].cmd.kind == "generate"
     core.abort("b")
     core.token("a", 3, True, 0.3, 6)
-    assert core.waiting == {"default": 1, "flex": 1}
+    assert core.books.waiting == {"default": 1, "flex": 1}
 
 
 def test_core_counts_slo_attainment_per_tier():

@@ -121,7 +121,7 @@ def test_a_warm_pass_on_a_dying_worker_is_forgotten():
     _serve(core, "a", 0.5)
     (warm,) = [a for a in core.arrive("b", _prompt(2), {}, 1.0) if isinstance(a, Send) and a.cmd.kind == "warm"]
     core.worker_died("prefill-1", 1.5)
-    assert not core.hot.warming and "prefill-1" not in core.stage.staging
+    assert not core.staging.hot.warming and "prefill-1" not in core.staging.plan.staging
     assert core.staged(warm.cmd.rid, True, 2.0) == stale("staged")  # a late report changes nothing: counted
 
 

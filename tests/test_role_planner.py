@@ -124,7 +124,7 @@ def test_a_prefill_worker_without_a_fit_counts_for_its_observed_rate():
     for tokens, seconds in ((1500, 6.0), (2048, 8.0), (548, 2.0)):  # 3 steps: no fit (it needs 8)
         m.observe(tokens, tokens * tokens, 0, 0, seconds)
     assert m.prefill_s(2048) is None
-    prefill, _ = core._role_capacity([core.workers["prefill-0"]], [core.workers["decode-0"]])
+    prefill, _ = core.membership.role_capacity([core.workers["prefill-0"]], [core.workers["decode-0"]])
     assert prefill == (1500 + 2048 + 548) / 16.0
     m.observe(1500, 1500 * 1500, 0, 0, 6.0)  # ... and none from a single step
     assert core.admission.model("other").observed_prefill_rate() is None
@@ -160,20 +160,20 @@ def test_the_core_reports_each_completed_move_as_it_measured_it():
     from pdserve.cluster.conductor_core import ConductorCore
     from pdserve.cluster.routing import LeastLoaded
     core = ConductorCore("pd", LeastLoaded(), admission=Admission(), role_planner=RolePlanner())
-    core.switching.append("decode")
+    core.membership.switching.append("decode")
     core.roles.started("decode", 10.0)
     actions = core.worker_joined("decode-1", "decode", 42.5)  # a worker that joins is loaded: the move is done
     assert Observe("role_move_seconds", (("role", "decode"),), 32.5) in actions
-    assert core.switching == [] and core.roles.move_s == 26.25
+    assert core.membership.switching == [] and core.roles.move_s == 26.25
     # a replacement the gateway starts is still loading its model: the move completes at its `ready`
-    core.switching.append("prefill")
+    core.membership.switching.append("prefill")
     core.roles.started("prefill", 100.0)
     started = core.worker_joined("prefill-1", "prefill", 104.0, loaded=False)
-    assert not any(isinstance(a, Observe) for a in started) and core.switching == ["prefill"]
+    assert not any(isinstance(a, Observe) for a in started) and core.membership.switching == ["prefill"]
     ready = core.worker_ready("prefill-1", Ready("prefill-1", "prefill"), 118.0)
-    assert Observe("role_move_seconds", (("role", "prefill"),), 18.0) in ready and core.switching == []
+    assert Observe("role_move_seconds", (("role", "prefill"),), 18.0) in ready and core.membership.switching == []
     # one that dies for good before it serves calls its move off (a reversal need not wait for it)
-    core.switching.append("decode")
+    core.membership.switching.append("decode")
     core.worker_joined("decode-2", "decode", 200.0, loaded=False)
     core.worker_died("decode-2", 205.0, "exited", restarting=False)
-    assert core.switching == [] and core.arriving == {}
+    assert core.membership.switching == [] and core.membership.arriving == {}

@@ -28,6 +28,10 @@ simulated time. What it decides:
 * take **workers that join** the running deployment, and let workers **leave** without losing a request
   (drain, release, hand off: `pdserve.cluster.membership`).
 
+The core composes parts that own their state and see only `Books` (`pdserve.cluster.books`: the flights,
+workers and backlog, and the moves that keep their counts) and what else each needs: `Staging`, `Recovery`,
+`Membership`. The drivers call the core's event methods; the core hands each event to the part it concerns.
+
 Actions (`pdserve.cluster.actions`): `Send(worker, cmd)` (a command: `pdserve.cluster.wire`), `Fail(rid, ...)` (end the
 request with an error the client sees), `Count(metric, labels)` (a counted event for the metrics),
 `Observe(metric, labels, value, weight)` (a value for a histogram, `weight` times: admission's predicted TTFT,
@@ -36,74 +40,86 @@ consumption errors).
 
 from __future__ import annotations
 
-import itertools
-
 from pdserve.cluster.actions import Count, Fail, Observe, Send, stale
 from pdserve.cluster.admission import Admission, Rejection
+from pdserve.cluster.books import Books
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
 from pdserve.cluster.flight_state import Backlog, FlightState
 from pdserve.cluster.hot_prefixes import HotPrefixes
-from pdserve.cluster.membership import MembershipEvents
-from pdserve.cluster.recovery import RecoveryEvents
-from pdserve.cluster.routing import AFFINITY_BLOCKS, MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
-from pdserve.cluster.staging import StagePlan, StagingEvents
-from pdserve.cluster.wire import Abort, Generate, KvFailed, Prefill, Ready, Reserve
-from pdserve.core.block_hash import hash_blocks
+from pdserve.cluster.membership import Membership
+from pdserve.cluster.recovery import Recovery
+from pdserve.cluster.routing import MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
+from pdserve.cluster.staging import StagePlan, Staging
+from pdserve.cluster.wire import Abort, KvFailed, Prefill, Ready
 from pdserve.core.service_tiers import ServiceTiers
 
 __all__ = ["Backlog", "ConductorCore", "Count", "Fail", "FlightState", "Observe", "Send"]
 
 
-class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
+class ConductorCore:
+    """Composes its parts, each owning its own state: `books` (the flights, workers, backlog and the moves
+    that keep their counts: `pdserve.cluster.books`), `staging`, `recovery` and `membership`; each part sees
+    `books` and what else it needs, never the core. The drivers call the core's event methods only."""
+
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
                  admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True,
                  max_queue: int | None = None, role_planner=None) -> None:
-        self.mode, self.policy = mode, policy
-        self.roles = role_planner  # --role-switching auto: a `pdserve.core.role_planner.RolePlanner`
-        self.batch_room: dict[str, tuple[int, int]] = {}  # worker -> (max_num_seqs, KV pool tokens)
-        self.switching: list[str] = []  # roles a moving worker's replacement will take (role switching)
-        self.arriving: dict[str, str] = {}  # replacements started and loading -> their role (their move is on)
         self.tiers = tiers or ServiceTiers()
         self.admission = admission
-        self.block_size = block_size
-        self.workers: dict[str, WorkerLoad] = {}
-        self.backlog: dict[str, Backlog] = {}
-        self.flights: dict[str, FlightState] = {}
         self.consumption = ConsumptionPredictor(admission)
-        self._xfers = itertools.count()
-        self.stage = StagePlan(self.tiers)
-        self.hot = HotPrefixes() if idle_prewarm and mode == "pd" else None
-        self.orphans: list[FlightState] = []  # moved off a dead worker, waiting for one to be ready
         self.max_queue = max_queue  # most requests of one tier waiting for their first token (None: no bound)
-        self.waiting: dict[str, int] = {}  # tier -> requests placed that have not streamed a token yet
-        self._warms = itertools.count()
+        plan = StagePlan(self.tiers)
+        self.books = Books(mode, policy, self.tiers, block_size, plan.done)
+        self.staging = Staging(self.books, plan, HotPrefixes() if idle_prewarm and mode == "pd" else None)
+        self.recovery = Recovery(self.books, admission)
+        # --role-switching auto: a `pdserve.core.role_planner.RolePlanner` (the drivers may set `roles` later)
+        self.membership = Membership(self.books, admission, role_planner)
+
+    # ---- what the drivers read ------------------------------------------------------------------------------
+    @property
+    def flights(self) -> dict[str, FlightState]:
+        return self.books.flights
+
+    @property
+    def workers(self) -> dict[str, WorkerLoad]:
+        return self.books.workers
+
+    @property
+    def backlog(self) -> dict[str, Backlog]:
+        return self.books.backlog
+
+    @property
+    def block_size(self) -> int:
+        return self.books.block_size
+
+    @property
+    def roles(self):
+        return self.membership.roles
+
+    @roles.setter
+    def roles(self, planner) -> None:
+        self.membership.roles = planner
 
     # ---- workers ----------------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
-        self.workers[name] = load or WorkerLoad(name, role)
-        self.backlog[name] = Backlog()
-        return self.workers[name]
-
-    def role(self, role: str) -> list[WorkerLoad]:
-        return [w for w in self.workers.values() if w.role == role]
+        return self.books.add_worker(name, role, load)
 
     def worker_ready(self, name: str, info: Ready, now: float | None = None) -> list:
         """Its `ready` event: at start, or once restarted after a death (it takes work again, from scratch); a
         replacement's completes its role move."""
-        moved = self._move_done(self.arriving.pop(name), now) if name in self.arriving else []
+        moved = self.membership.worker_ready(name, info, now)
         load = self.workers[name]
         if not load.alive:
             load.alive, load.stalled, load.outstanding = True, False, 0
             load.recent_blocks.clear()
             self.backlog[name] = Backlog()
-        self.block_size = info.block_size
-        self.batch_room[name] = (info.max_num_seqs, info.num_blocks * self.block_size)
+        self.books.block_size = info.block_size
         if info.kv_capacity_blocks:  # what it no longer holds need not be remembered
             load.max_recent_blocks = min(info.kv_capacity_blocks, MAX_RECENT_BLOCKS)
-        self.stage.worker_ready(name, info)
+        self.staging.worker_ready(name, info)
         if self.admission is not None:
             self.admission.model(name).budget = info.max_num_batched_tokens
-        return moved + (self._adopt_orphans() if self.orphans else [])
+        return moved + (self.recovery.adopt_orphans() if self.recovery.orphans else [])
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
         """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];
@@ -119,7 +135,29 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def worker_died(self, name: str, now: float = 0.0, reason: str = "worker_died", restarting: bool = False
                     ) -> list:
         """`restarting`: it is being started again (its requests may wait for it when no other can take them)."""
-        return [Count("worker_deaths", (("worker", name),))] + self._worker_gone(name, now, reason, restarting)
+        return [Count("worker_deaths", (("worker", name),))] + self._worker_gone(name, reason, restarting)
+
+    def worker_joined(self, name: str, role: str, now: float | None = None, loaded: bool = True) -> list:
+        return self.membership.worker_joined(name, role, now, loaded)
+
+    def worker_leaving(self, name: str) -> list:
+        return self.membership.worker_leaving(name)
+
+    def drained(self) -> list[str]:
+        return self.membership.drained()
+
+    def worker_left(self, name: str, now: float, drained: bool) -> list:
+        return self.membership.worker_left(name, drained) + self._worker_gone(name, "worker_left", False)
+
+    def plan_roles(self, now: float, movable=None) -> list:
+        return self.membership.plan_roles(now, movable)
+
+    def _worker_gone(self, name: str, reason: str, restarting: bool) -> list:
+        """A worker is gone (died, hung, left): its requests and prompts move to the others."""
+        self.workers[name].alive = False
+        self.membership.worker_gone(name, restarting)
+        self.staging.worker_gone(name)
+        return self.recovery.worker_gone(name, reason, restarting)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
@@ -130,12 +168,12 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f = FlightState(rid, prompt, params, tier, now, priority, pin)
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
-        hashes = HashRun(hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size))
-        first, second = self._follow(follow) or self._route(hashes)
+        hashes = HashRun(self.books.affinity(prompt))
+        first, second = self._follow(follow) or self.books.route(hashes)
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
-        if not follow and self.max_queue is not None and self.waiting.get(tier, 0) >= self.max_queue:
+        if not follow and self.max_queue is not None and self.books.waiting.get(tier, 0) >= self.max_queue:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "server_overloaded"))),
                     Fail(rid, 429, f"the {tier} tier's queue is full ({self.max_queue} requests waiting); "
                          "try again later", "server_overloaded", 1.0)]
@@ -147,45 +185,13 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         if rejection is not None:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
                            Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
-        actions = seen + self._place(f, first, second, hashes)
-        if self.hot is not None and self.stage.any_room:  # (no worker could ever warm what it counts)
-            self.hot.observe(hashes, prompt, self.block_size, now)
-            for w in self.role("prefill"):
-                actions += self._warm(w.name, now)
-        return actions
-
-    def _route(self, hashes) -> tuple[WorkerLoad | None, WorkerLoad | None]:
-        """(the decode or colocated worker, the prefill worker in PD mode)."""
-        first = self._pick("colocated" if self.mode == "colocated" else "decode", hashes)
-        return first, self._pick("prefill", hashes) if self.mode == "pd" and first is not None else None
+        return seen + self.books.place(f, first, second, hashes) + self.staging.arrived(hashes, prompt, now)
 
     def _follow(self, names: tuple) -> tuple[WorkerLoad, WorkerLoad | None] | None:
         loads = [self.workers.get(n) for n in names]
         if not loads or any(w is None or not w.usable for w in loads):
             return None
         return loads[0], loads[1] if len(loads) > 1 else None
-
-    def _place(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes) -> list:
-        """Start `f` on the workers chosen for it: generate (colocated), or reserve blocks on `first` for the
-        prompt `second` will prefill (PD)."""
-        self.flights[f.rid] = f
-        self.waiting[f.tier] = self.waiting.get(f.tier, 0) + 1
-        f.decode = first.name
-        producer = second if second is not None else first
-        prompt = f.resumed_prompt
-        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)  # not cached
-        self.backlog[producer.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
-        first.outstanding += 1
-        first.remember(hashes)
-        restore = {"restore": f.restore} if f.restore else {}
-        if self.mode == "colocated":
-            return [Send(first.name, Generate(**self._request_fields(f), **restore))]
-        f.xfer = f"{f.rid}#{next(self._xfers)}"
-        if second is not None:
-            f.prefill = second.name
-            second.outstanding += 1
-            second.remember(hashes)
-        return [Send(first.name, Reserve(**self._request_fields(f), xfer=f.xfer, **restore))]
 
     def _admit(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes, now: float
                ) -> Rejection | None:
@@ -203,26 +209,14 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
     def _predicts(self, tier: str) -> bool:
         return self.admission is not None and self.admission.predict and self.tiers[tier].ttft_ms is not None
 
-    def _request_fields(self, f: FlightState) -> dict:
-        params = f.params
-        if f.offset:
-            params = {**params, "max_tokens": params["max_tokens"] - f.offset}
-            if params.get("grammar"):  # (its matcher takes the outputs it moved with first)
-                params["grammar_replay"] = f.offset
-        return {"rid": f.rid, "prompt": f.resumed_prompt, "params": params, "priority": f.priority, "pin": f.pin,
-                "tier": f.tier}
-
-    def _pick(self, role: str, hashes) -> WorkerLoad | None:
-        return self.policy.pick(self.role(role), hashes)
-
     def abort(self, rid: str) -> list:
         """The client is gone (or a stop string ended it): stop it everywhere."""
         f = self.flights.get(rid)
         if f is None:
-            self.orphans = [o for o in self.orphans if o.rid != rid]  # (it was waiting for a worker)
+            self.recovery.forget(rid)  # (it was waiting for a worker)
             return []
-        workers = [w for w in (f.decode, f.prefill) if w is not None]  # before `_finish` lets the prefill go
-        self._finish(f)
+        workers = [w for w in (f.decode, f.prefill) if w is not None]  # before `finish` lets the prefill go
+        self.books.finish(f)
         return [Send(w, Abort(rid)) for w in workers]
 
     # ---- worker events ----------------------------------------------------------------------------------
@@ -232,19 +226,22 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         if f is None or f.xfer != xfer:
             return stale("reserved")
         if not needs_prefill:
-            self._prefill_done(f)
+            self.books.release_prefill(f)
             return []
         if f.prefill is None or not self.workers[f.prefill].alive:
-            self._prefill_done(f)
+            self.books.release_prefill(f)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
                     Send(f.decode, KvFailed(f.xfer))]
         f.kv_addr, f.first_block = kv_addr, first_block
         if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
-            return self._recover(f)
+            return self.recovery.prefill_gone(f)
         deadline = self._predict_dispatch(f, first_block, now)
-        return [Send(f.prefill, Prefill(**self._request_fields(f), dest=kv_addr, link=f.decode, xfer=f.xfer,
+        return [Send(f.prefill, Prefill(**f.request_fields(), dest=kv_addr, link=f.decode, xfer=f.xfer,
                                         first_block=first_block,
                                         deadline_in_s=None if deadline is None else deadline - now))]
+
+    def reserve_waiting(self, rid: str, xfer: str, now: float = 0.0) -> list:
+        return self.staging.reserve_waiting(rid, xfer, now)
 
     def _predict_dispatch(self, f: FlightState, first_block: int, now: float) -> float | None:
         """Ahead of it at the prefill worker: the prompts dispatched there before it and not yet prefilled
@@ -270,10 +267,13 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         if not f.started:  # (a report that comes after the first token leaves the timeline the token set)
             f.prefilled_s, f.prefilled_by = now, prefill
         f.gave_up = failed
-        self._prefill_done(f)
+        self.books.release_prefill(f)
         if f.prediction is not None:
             self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
-        return self._stage_next(prefill, now)
+        return self.staging.next(prefill, now)
+
+    def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
+        return self.staging.staged(rid, ok, now)
 
     def relanded(self, rid: str, now: float, landing_in_s: float) -> list:
         """The prefill worker's link re-estimated when this prefilled transfer's last chunk leaves (another
@@ -304,16 +304,16 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
 
     def transfer_outcome(self, rid: str, outcome: str, xfer: str = "", now: float = 0.0) -> list:
         """A transfer ended badly on the decode worker: `recompute` (it recomputes the prompt) or `held` (its
-        lease lapsed; it holds the blocks for this core's choice, `_lease_lapsed`)."""
+        lease lapsed; it holds the blocks for this core's choice, `Recovery.lease_lapsed`)."""
         f = self.flights.get(rid)
         if f is None or (xfer and f.xfer != xfer):
             return stale("transfer")  # ended (its abort frees the blocks), or moved to another transfer
         if outcome == "held":
-            return self._lease_lapsed(f, xfer, now)
+            return self.recovery.lease_lapsed(f, xfer, now)
         if outcome != "recompute" or f.prefill is None:
             return []
         prefill = f.prefill
-        self._prefill_done(f)  # its work is moot now: the decode worker recomputes
+        self.books.release_prefill(f)  # its work is moot now: the decode worker recomputes
         return [Send(prefill, Abort(rid))]
 
     def token(self, rid: str, index: int, finished: bool, now: float, token_id: int | None = None) -> list:
@@ -329,22 +329,25 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         f.num_tokens = index + 1
         if not f.started:  # the first token from where it runs now
             f.started = True
-            self.waiting[f.tier] -= 1
+            self.books.waiting[f.tier] -= 1
             f.first_token_s = f.first_token_s or now
             if f.prefilled_s is not None and self.admission is not None:
                 self.admission.observe_delivery(f.decode, now - f.prefilled_s)
             elif f.prefilled_s is None and f.prefill is not None and f.dispatched_s is not None:
                 # its KV came before its prefill worker's report (separate processes): prefilled by now
                 f.prefilled_s, f.prefilled_by = now, f.prefill
-            self._prefill_done(f)
+            self.books.release_prefill(f)
             self.backlog[f.decode].decoding += 1
         f.last_token_s = now
         if not finished:
             return []
         if self.roles is not None:
             self.roles.finished(f.params.get("max_tokens") or 0, f.num_tokens)
-        self._finish(f)
+        self.books.finish(f)
         return [Count("slo_attained", (("service_tier", f.tier),))] if self._attained(f) else []
+
+    def checkpointed(self, rid: str, worker: str, tokens: int) -> list:
+        return self.recovery.checkpointed(rid, worker, tokens)
 
     def worker_error(self, rid: str) -> list:
         """A worker reported an error for this request: the caller ends its stream with it; abort the rest."""
@@ -356,30 +359,3 @@ class ConductorCore(StagingEvents, RecoveryEvents, MembershipEvents):
         ttft_ms = (f.first_token_s - f.arrival_s) * 1000.0
         tpot_ms = (f.last_token_s - f.first_token_s) * 1000.0 / max(f.num_tokens - 1, 1)
         return (tier.ttft_ms is None or ttft_ms <= tier.ttft_ms) and (tier.tpot_ms is None or tpot_ms <= tier.tpot_ms)
-
-    def _prefill_done(self, f: FlightState) -> None:
-        self.stage.done(f.prefill, f.rid)  # (its stage pass is moot, or folded into the prefill)
-        if f.queued_tokens:
-            producer = f.prefill or f.decode
-            rank = self.tiers[f.tier].rank
-            self.backlog[producer].tokens[rank] -= f.queued_tokens
-            if f.dispatched_s is not None:
-                self.backlog[producer].dispatched[rank] -= f.queued_tokens
-            f.queued_tokens = 0
-        if f.prefill is not None:
-            self.workers[f.prefill].outstanding -= 1
-            f.prefill = None
-
-    def _finish(self, f: FlightState) -> None:
-        if self.flights.pop(f.rid, None) is None:
-            return
-        self._prefill_done(f)
-        if f.started:
-            self.backlog[f.decode].decoding -= 1
-        else:
-            self.waiting[f.tier] -= 1
-        self.workers[f.decode].outstanding -= 1
-
-    def _fail(self, f: FlightState, status: int, message: str, code: str) -> list:
-        self._finish(f)
-        return [Fail(f.rid, status, message, code)]

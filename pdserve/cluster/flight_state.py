@@ -45,6 +45,17 @@ class FlightState:
         """What it computes where it runs now: the prompt, and the outputs streamed before it moved there."""
         return self.prompt + self.outputs[:self.offset] if self.offset else self.prompt
 
+    def request_fields(self) -> dict:
+        """The fields of the commands that carry it (generate, reserve, prefill, stage: `pdserve.cluster.wire`):
+        its prompt where it runs now, and what is left of its tokens."""
+        params = self.params
+        if self.offset:
+            params = {**params, "max_tokens": params["max_tokens"] - self.offset}
+            if params.get("grammar"):  # (its matcher takes the outputs it moved with first)
+                params["grammar_replay"] = self.offset
+        return {"rid": self.rid, "prompt": self.resumed_prompt, "params": params, "priority": self.priority,
+                "pin": self.pin, "tier": self.tier}
+
 
 @dataclass
 class Backlog:

@@ -12,24 +12,39 @@ are moved (`pdserve.cluster.recovery`): nothing is lost either way.
 Role switching (`--role-switching auto`, `plan_roles`) uses the same steps: the planner
 (`pdserve.core.role_planner`) picks a role that needs one more worker; the least busy worker of the other role
 drains (`Switch`), and once drained the driver replaces it with a worker of the new role, which joins.
+
+`Membership` owns the moves under way and the role planner; it sees the core's `Books`
+(`pdserve.cluster.books`) and admission's step models. The core calls it, and moves a gone worker's requests
+(`pdserve.cluster.recovery`).
 """
 
 from __future__ import annotations
 
 from pdserve.cluster.actions import Count, Level, Observe, Switch
-from pdserve.core.role_planner import role_utilization
+from pdserve.cluster.admission import Admission
+from pdserve.cluster.books import Books
+from pdserve.cluster.wire import Ready
+from pdserve.core.role_planner import RolePlanner, role_utilization
 
 
-class MembershipEvents:
-    """Mixed into `ConductorCore` (which provides `workers`, `flights`, `hot`, `stage`, `orphans`,
-    `add_worker`, `_migrate`, `_recover`, `_route`, `_fail_orphans`)."""
+class Membership:
+    """The conductor core's membership part. Owns the role moves under way (`switching`: the roles moving
+    workers' replacements will take; `arriving`: replacements started and loading -> their role), each
+    worker's batch room (from its `ready`) and the role planner (`roles`, None unless `--role-switching
+    auto`); sees the core's `Books` (workers, flights, backlog) and admission's step models."""
+
+    def __init__(self, books: Books, admission: Admission | None, roles: RolePlanner | None = None) -> None:
+        self.books, self.admission, self.roles = books, admission, roles
+        self.batch_room: dict[str, tuple[int, int]] = {}  # worker -> (max_num_seqs, KV pool tokens)
+        self.switching: list[str] = []
+        self.arriving: dict[str, str] = {}
 
     def worker_joined(self, name: str, role: str, now: float | None = None, loaded: bool = True) -> list:
         """A worker registered while the deployment runs (a name that left before may come back). One that
         takes a moving worker's place completes the move once it serves: now if it joined `loaded` (a worker
         that joins says so once its model is loaded), else at its `ready` (a replacement the gateway just
         started); the planner counts its cooldown, and learns what the move took, from then."""
-        self.add_worker(name, role)
+        self.books.add_worker(name, role)
         actions: list = [Count("workers_joined", (("role", role),))]
         if role in self.switching and name not in self.arriving:
             if loaded:
@@ -37,6 +52,11 @@ class MembershipEvents:
             else:
                 self.arriving[name] = role
         return actions
+
+    def worker_ready(self, name: str, info: Ready, now: float | None) -> list:
+        """Its `ready`: its batch room is known; a replacement's completes its role move."""
+        self.batch_room[name] = (info.max_num_seqs, info.num_blocks * info.block_size)
+        return self._move_done(self.arriving.pop(name), now) if name in self.arriving else []
 
     def _move_done(self, role: str, now: float | None) -> list:
         self.switching.remove(role)
@@ -48,32 +68,37 @@ class MembershipEvents:
         """It will leave: no new work goes there; what it has, it finishes — except prompts routed to a prefill
         worker and not dispatched there yet (their decode worker has not reserved their blocks): those move to
         another prefill worker now rather than hold the leaving one."""
-        self.workers[name].leaving = True
-        for f in self.flights.values():
+        books = self.books
+        books.workers[name].leaving = True
+        for f in books.flights.values():
             if f.prefill == name and f.dispatched_s is None and not f.staged:
-                other = self._pick("prefill", ())
+                other = books.pick("prefill", ())
                 if other is None:
                     break
-                rank = self.tiers[f.tier].rank
-                self.backlog[name].tokens[rank] -= f.queued_tokens
-                self.backlog[other.name].tokens[rank] += f.queued_tokens
-                self.workers[name].outstanding -= 1
+                rank = books.tiers[f.tier].rank
+                books.backlog[name].tokens[rank] -= f.queued_tokens
+                books.backlog[other.name].tokens[rank] += f.queued_tokens
+                books.workers[name].outstanding -= 1
                 other.outstanding += 1
                 f.prefill = other.name
         return []
 
     def drained(self) -> list[str]:
         """Leaving workers with nothing left that the conductor routed to them: they may go."""
-        busy = {w for f in self.flights.values() for w in (f.decode, f.prefill)}
-        return [name for name, load in self.workers.items()
+        busy = {w for f in self.books.flights.values() for w in (f.decode, f.prefill)}
+        return [name for name, load in self.books.workers.items()
                 if load.leaving and load.alive and load.outstanding <= 0 and name not in busy]
 
-    def worker_left(self, name: str, now: float, drained: bool) -> list:
+    def worker_left(self, name: str, drained: bool) -> list:
         """It is gone: released once drained, or early (its drain timed out; whatever it still had moves to
-        the others as from a dead worker)."""
-        load = self.workers[name]
-        return [Count("workers_left", (("role", load.role), ("how", "drained" if drained else "handed_off")))
-                ] + self._worker_gone(name, now, "worker_left", restarting=False)
+        the others as from a dead worker: the core's `worker_gone`)."""
+        how = "drained" if drained else "handed_off"
+        return [Count("workers_left", (("role", self.books.workers[name].role), ("how", how)))]
+
+    def worker_gone(self, name: str, restarting: bool) -> None:
+        """A replacement that never served (died, and is not started again): its move is off."""
+        if not restarting and name in self.arriving:
+            self.switching.remove(self.arriving.pop(name))
 
     def plan_roles(self, now: float, movable=None) -> list:
         """--role-switching auto, called every few seconds: move one worker between prefill and decode when the
@@ -81,15 +106,16 @@ class MembershipEvents:
         that worker, default all). Workers under way to a role count in it; while moves are under way, only
         another one the same way may start (each held on its own: a load that shifted far is followed by
         several moves at once, a reversal waits for them to end and for the cooldown)."""
-        if self.roles is None or self.mode != "pd":
+        books = self.books
+        if self.roles is None or books.mode != "pd":
             return []
-        usable = {r: [w for w in self.workers.values() if w.role == r and w.usable] for r in ("prefill", "decode")}
+        usable = {r: [w for w in books.workers.values() if w.role == r and w.usable] for r in ("prefill", "decode")}
         share = self.roles.output_share
-        backlog = (sum(sum(b.tokens.values()) for b in self.backlog.values()),
-                   sum(max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in self.flights.values()))
+        outputs_left = (max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in books.flights.values())
+        backlog = (sum(sum(b.tokens.values()) for b in books.backlog.values()), sum(outputs_left))
         counts = {r: len(usable[r]) + self.switching.count(r) for r in usable}
         to = self.roles.decide(now, counts["prefill"], counts["decode"],
-                               *self._role_capacity(usable["prefill"], usable["decode"]), backlog)
+                               *self.role_capacity(usable["prefill"], usable["decode"]), backlog)
         seen = _levels(self.roles.view, counts)
         if to is None or any(r != to for r in self.switching):
             return seen
@@ -103,7 +129,7 @@ class MembershipEvents:
         self.switching.append(to)
         return seen + [Switch(name, to), Count("role_switches", (("role", to),))]
 
-    def _role_capacity(self, prefill: list, decode: list) -> tuple[float | None, float | None]:
+    def role_capacity(self, prefill: list, decode: list) -> tuple[float | None, float | None]:
         """(prompt tokens/s of one prefill worker, output tokens/s of one decode worker), from their step-time
         fits (admission's models); None until they have some. A decode worker's rate is at the batch its
         sequences and KV allow, or the largest batch whose step meets the tightest TPOT SLO if that is smaller
@@ -111,7 +137,7 @@ class MembershipEvents:
         than `MIN_SAMPLES` steps: a minute for a slow CPU worker) counts for its observed prompt tokens/s."""
         if self.admission is None:
             return None, None
-        slo = min((t.tpot_ms / 1000.0 for t in self.tiers.tiers.values() if t.tpot_ms is not None),
+        slo = min((t.tpot_ms / 1000.0 for t in self.books.tiers.tiers.values() if t.tpot_ms is not None),
                   default=None)
         rates_p, rates_d = [], []
         for w in prefill:
@@ -129,24 +155,6 @@ class MembershipEvents:
                 rates_d.append(batch / t)
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return mean(rates_p), mean(rates_d)
-
-    def _worker_gone(self, name: str, now: float, reason: str, restarting: bool) -> list:
-        """A worker is gone (died, hung, left): its requests and prompts move to the others."""
-        load = self.workers[name]
-        load.alive = False
-        actions: list = []
-        if not restarting and name in self.arriving:  # a replacement that never served: its move is off
-            self.switching.remove(self.arriving.pop(name))
-        for rid in self.hot.worker_gone(name) if self.hot is not None else ():
-            self.stage.done(name, rid)
-        for f in list(self.flights.values()):
-            if f.decode == name:
-                actions += self._migrate(f, reason, restarting)
-            elif f.prefill == name:
-                actions += self._recover(f)
-        if self.orphans and not restarting and self._route(())[0] is None:
-            actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
-        return actions
 
 
 def _levels(load, counts: dict) -> list:

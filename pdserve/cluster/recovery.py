@@ -1,6 +1,6 @@
 """When a worker dies or hangs: its requests and prompts go on elsewhere, with nothing lost or changed.
 
-**A dead prefill worker** (`_recover`), or one whose transfer's lease lapsed (`_lease_lapsed`: alive but
+**A dead prefill worker** (`prefill_gone`), or one whose transfer's lease lapsed (`lease_lapsed`: alive but
 silent, so it is marked stalled until it reports again): its prompts move to another usable prefill worker
 (`redirect`: the decode worker keeps its reserved blocks and expects the KV under a new transfer id; its
 `reserved` for that id sends the prompt to the new worker, which so never sends before it is expected),
@@ -10,7 +10,7 @@ heartbeat thread beats while its loop is busy: a long step of another prompt, a 
 decode worker, which kept the transfer live, is told to `renew` its lease, for up to `MAX_RENEW_S` after
 its first lapse (`kv_lease_extensions{worker}`); a stopped or frozen process is heard from no more.
 
-**A dead decode (or colocated) worker** (`_migrate`): the conductor core keeps every token each request has
+**A dead decode (or colocated) worker** (`decode_gone`): the conductor core keeps every token each request has
 streamed (`FlightState.outputs`). When its decode worker dies, the request moves: it is routed again (no
 admission: it was admitted once, and a refusal now would lose it) and placed on a live worker as if it had
 just arrived with the prompt + the outputs so far as its prompt and what is left of `max_tokens`
@@ -25,10 +25,10 @@ taking it adopts those blocks from the dead one's disk folder and computes only 
 worker. Counted: `requests_migrated{reason, source}` (`source`: `checkpoint` or `recompute`). With no live
 worker to take it, or when the driver cannot tell which tokens were streamed (a simulator reports only some),
 the request ends with an explicit 503, unless its worker is being restarted: then it waits for a worker to be
-ready (`orphans`; `ConductorCore.worker_ready`), and fails only if none will be.
+ready (`orphans`, placed by `adopt_orphans` when the core hears a `ready`), and fails only if none will be.
 
-A mixin of `ConductorCore`, whose state and helpers it uses (`flights`, `workers`, `backlog`, `admission`,
-`block_size`, `_route`, `_place`, `_pick`, `_prefill_done`, `_finish`, `_fail`).
+`Recovery` owns the orphans; it sees the core's `Books` (`pdserve.cluster.books`: the flights, workers and
+backlog, routing, and the moves that keep their counts) and admission's step models.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.cluster.actions import Count, Fail, Send, stale
-from pdserve.cluster.routing import AFFINITY_BLOCKS
+from pdserve.cluster.admission import Admission
+from pdserve.cluster.books import Books
+from pdserve.cluster.flight_state import FlightState
 from pdserve.cluster.wire import Abort, KvFailed, Redirect, Renew
-from pdserve.core.block_hash import hash_blocks
 from pdserve.core.online_fit import MIN_SAMPLES
 
 HEARD_S = 1.0  # a worker heard from this recently (two heartbeats) is running, however busy its loop
@@ -48,15 +49,36 @@ HEARD_S = 1.0  # a worker heard from this recently (two heartbeats) is running, 
 MAX_RENEW_S = 120.0
 
 
-class RecoveryEvents:
-    def _migrate(self, f, reason: str, restarting: bool = False) -> list:
+class Recovery:
+    """The conductor core's recovery part. Owns the requests waiting for a worker (`orphans`); sees the core's
+    `Books` (its flights, workers, backlog, routing and the moves that keep their counts) and admission's
+    step models (to predict where a prompt is computed sooner)."""
+
+    def __init__(self, books: Books, admission: Admission | None) -> None:
+        self.books, self.admission = books, admission
+        self.orphans: list[FlightState] = []  # moved off a dead worker, waiting for one to be ready
+
+    def worker_gone(self, name: str, reason: str, restarting: bool) -> list:
+        """Worker `name` is gone (died, hung, left; `restarting`: it is being started again): its requests and
+        prompts move to the others."""
+        actions: list = []
+        for f in list(self.books.flights.values()):
+            if f.decode == name:
+                actions += self.decode_gone(f, reason, restarting)
+            elif f.prefill == name:
+                actions += self.prefill_gone(f)
+        if self.orphans and not restarting and self.books.route(())[0] is None:
+            actions += self._fail_orphans()  # no worker that could take them is alive, and this one stays dead
+        return actions
+
+    def decode_gone(self, f: FlightState, reason: str, restarting: bool = False) -> list:
         """Move `f` off its dead decode worker; `restarting`: that worker is being started again, so with no
-        live worker to take it now the request waits for one (`orphans`, placed by `_adopt_orphans`)."""
+        live worker to take it now the request waits for one (`orphans`, placed by `adopt_orphans`)."""
         dead, prefill = f.decode, f.prefill
         if len(f.outputs) < f.num_tokens:
-            return self._fail(f, 503, f"worker {dead} died while serving this request", "worker_died")
+            return self.books.fail(f, 503, f"worker {dead} died while serving this request", "worker_died")
         actions = [Send(prefill, Abort(f.rid))] if prefill not in (None, dead) else []
-        self._finish(f)
+        self.books.finish(f)
         restore = {"peer": dead, "tokens": f.checkpoint} if f.checkpoint else f.restore  # (an earlier one's)
         moved = dataclasses.replace(
             f, decode=None, prefill=None, xfer="", queued_tokens=0, dispatched_s=None, prefilled_s=None,
@@ -64,13 +86,12 @@ class RecoveryEvents:
             started=False, outputs=list(f.outputs), checkpoint=0, restore=restore,
             # the client has had the prompt's logprobs with the first token: not computed again
             params={k: v for k, v in f.params.items() if k != "prompt_logprobs"} if f.outputs else f.params)
-        prompt = moved.resumed_prompt
-        hashes = hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+        hashes = self.books.affinity(moved.resumed_prompt)
         source = "checkpoint" if restore else "recompute"
         actions.append(Count("requests_migrated", (("reason", reason), ("source", source))))
-        first, second = self._route(hashes)
+        first, second = self.books.route(hashes)
         if first is not None:  # (with no live prefill worker, the decode worker recomputes: `reserved`)
-            return actions + self._place(moved, first, second, hashes)
+            return actions + self.books.place(moved, first, second, hashes)
         if restarting:
             self.orphans.append(moved)
             return actions
@@ -80,7 +101,7 @@ class RecoveryEvents:
     def checkpointed(self, rid: str, worker: str, tokens: int) -> list:
         """`worker` has the KV of the first `tokens` tokens of `rid` (prompt + outputs) on disk
         (`pdserve.engine.checkpoints`): should it die, the request resumes from there."""
-        f = self.flights.get(rid)
+        f = self.books.flights.get(rid)
         if f is None or f.decode != worker:
             return stale("checkpointed")  # ended, or moved off `worker`
         if tokens > f.checkpoint:
@@ -88,17 +109,21 @@ class RecoveryEvents:
             return [Count("kv_checkpoints", (("worker", worker),))]
         return []
 
-    def _adopt_orphans(self) -> list:
+    def adopt_orphans(self) -> list:
         """A worker is ready (again): the requests waiting for one are placed."""
         actions, waiting, self.orphans = [], self.orphans, []
         for f in waiting:
-            hashes = hash_blocks(f.resumed_prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-            first, second = self._route(hashes)
+            hashes = self.books.affinity(f.resumed_prompt)
+            first, second = self.books.route(hashes)
             if first is None:
                 self.orphans.append(f)
             else:
-                actions += self._place(f, first, second, hashes)
+                actions += self.books.place(f, first, second, hashes)
         return actions
+
+    def forget(self, rid: str) -> None:
+        """`rid`, waiting for a worker, was aborted (its client left)."""
+        self.orphans = [o for o in self.orphans if o.rid != rid]
 
     def _fail_orphans(self) -> list:
         """No worker that could take them is coming back."""
@@ -106,16 +131,17 @@ class RecoveryEvents:
         return [Fail(f.rid, 503, "its worker died and no live worker is left to move it to", "worker_died")
                 for f in waiting]
 
-    def _recover(self, f) -> list:
+    def prefill_gone(self, f: FlightState) -> list:
         """Its prefill worker died or stalled: move the prompt to another usable prefill worker, unless none is
         left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
-        self._prefill_done(f)
+        books = self.books
+        books.release_prefill(f)
         f.staged = ""  # what it staged died with it
-        hashes = hash_blocks(f.resumed_prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
-        other = self._pick("prefill", hashes)
+        hashes = books.affinity(f.resumed_prompt)
+        other = books.pick("prefill", hashes)
         tokens = len(f.resumed_prompt)
         if other is not None and self.admission is not None:
-            there = self.admission.predict_ttft_s(other.name, f.decode, tokens, sum(self.backlog[other.name]
+            there = self.admission.predict_ttft_s(other.name, f.decode, tokens, sum(books.backlog[other.name]
                                                   .dispatched.values()), 0, 0)
             decode = self.admission.model(f.decode)  # its fit knows prefill only if it ran some
             here = decode.prefill_s(tokens) if decode.prefill_steps() >= MIN_SAMPLES else None
@@ -126,21 +152,21 @@ class RecoveryEvents:
                     Send(f.decode, KvFailed(f.xfer))]
         f.prefill, f.dispatched_s = other.name, None
         other.outstanding += 1
-        f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * self.block_size, 1)
-        self.backlog[other.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
+        f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * books.block_size, 1)
+        books.backlog[other.name].tokens[books.tiers[f.tier].rank] += f.queued_tokens
         actions: list = [Count("kv_recovery", (("choice", "redispatch"),))]
         if f.kv_addr is not None:  # its blocks are reserved: a new transfer into them, from the new worker,
             # sent once the decode worker expects it (its `reserved` for the new id dispatches the prompt)
-            old, f.xfer, f.lapsed_s, f.gave_up = f.xfer, f"{f.rid}#{next(self._xfers)}", None, False
+            old, f.xfer, f.lapsed_s, f.gave_up = f.xfer, books.new_xfer(f.rid), None, False
             actions.append(Send(f.decode, Redirect(old, f.xfer)))
         return actions
 
-    def _lease_lapsed(self, f, xfer: str, now: float) -> list:
+    def lease_lapsed(self, f: FlightState, xfer: str, now: float) -> list:
         """Its prefill worker sent nothing for the lease: heard lately (busy), the lease is renewed; else (hung,
         stopped, unreachable) it is stalled, routing passes it by until it reports again, and the prompt moves
         to another prefill worker unless recomputing on the decode worker is predicted faster or none is left
-        (`_recover`)."""
-        sender = None if f.gave_up else self.workers.get(f.prefill or f.prefilled_by or "")
+        (`prefill_gone`)."""
+        sender = None if f.gave_up else self.books.workers.get(f.prefill or f.prefilled_by or "")
         if f.lapsed_s is None:
             f.lapsed_s = now
         if (sender is not None and sender.alive and sender.heard_s is not None and now - sender.heard_s <= HEARD_S
@@ -149,7 +175,7 @@ class RecoveryEvents:
                     Send(f.decode, Renew(xfer))]
         if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
             return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, KvFailed(xfer))]
-        stalled = self.workers[f.prefill]
+        stalled = self.books.workers[f.prefill]
         stalled.stalled = True
         return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, Abort(f.rid))]
-                + self._recover(f))
+                + self.prefill_gone(f))

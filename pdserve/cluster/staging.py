@@ -1,21 +1,25 @@
 """Which prompt an idle prefill worker computes ahead while its decode worker has no room (staging).
 
-The conductor core (`ConductorCore.reserve_waiting`, `staged`, `_stage_next`) asks `StagePlan.pick` when a
-prefill worker may have become idle. A prefill worker advertises in its `ready` event how many blocks of staged
+The conductor core's staging part (`Staging`: `reserve_waiting`, `staged`, `next`) asks `StagePlan.pick` when
+a prefill worker may have become idle. A prefill worker advertises in its `ready` event how many blocks of staged
 KV it can keep (`stage_blocks`: its host tier, else half its pool; 0 under `--delivery fifo`: no staging) and
 the longest prompt it can reuse whole (`stage_max_blocks`: a long-context worker reuses at most its hot window).
 One stage pass at a time per worker; the first waiting prompt in (tier rank, arrival) order whose decode worker
 had no room; only while what the worker keeps staged (staged, not yet reserved) and this prompt fit. With no
 prompt to stage and nothing routed to it, the worker warms a hot prefix it lacks instead (idle prewarm,
-`pdserve.cluster.hot_prefixes`). The events (`StagingEvents`) are a mixin of `ConductorCore`.
+`pdserve.cluster.hot_prefixes`). `Staging` owns the plan and the hot prefixes; it sees the core's `Books`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
+from pdserve.cluster import wire
 from pdserve.cluster.actions import Count, Send, stale
-from pdserve.cluster.wire import Ready, Stage, Warm
+from pdserve.cluster.books import Books
+from pdserve.cluster.hot_prefixes import HotPrefixes
+from pdserve.cluster.wire import Ready
 from pdserve.core.service_tiers import ServiceTiers
 
 
@@ -58,75 +62,98 @@ class StagePlan:
             del self.staging[prefill]
 
 
-class StagingEvents:
-    """The conductor core's staging and idle-prewarm events (a mixin of `ConductorCore`, whose state it uses:
-    `flights`, `workers`, `backlog`, `tiers`, `block_size`, `stage` (a `StagePlan`) and `hot` (a
-    `pdserve.cluster.hot_prefixes.HotPrefixes`, None when idle prewarm is off))."""
+class Staging:
+    """The conductor core's staging and idle-prewarm part. Owns the `StagePlan` (which stage pass runs where),
+    the hot prefixes (`HotPrefixes`, None when idle prewarm is off) and the warm pass ids; sees the core's
+    `Books` (its flights, workers and backlog)."""
+
+    def __init__(self, books: Books, plan: StagePlan, hot: HotPrefixes | None) -> None:
+        self.books, self.plan, self.hot = books, plan, hot
+        self._warms = itertools.count()
+
+    def worker_ready(self, name: str, info: Ready) -> None:
+        self.plan.worker_ready(name, info)
+
+    def arrived(self, hashes, prompt: list, now: float) -> list:
+        """A request was placed: its prefix is counted (`HotPrefixes.observe`), and an idle prefill worker may
+        warm a prefix that became hot."""
+        if self.hot is None or not self.plan.any_room:  # (no worker could ever warm what it counts)
+            return []
+        self.hot.observe(hashes, prompt, self.books.block_size, now)
+        actions: list = []
+        for w in self.books.role("prefill"):
+            actions += self._warm(w.name, now)
+        return actions
+
+    def worker_gone(self, name: str) -> None:
+        """Its warm passes died with it (its stage passes end as its flights move: `Books.release_prefill`)."""
+        for rid in self.hot.worker_gone(name) if self.hot is not None else ():
+            self.plan.done(name, rid)
 
     # ---- staging: prompts computed ahead while their decode worker has no room ----------------------------
     def reserve_waiting(self, rid: str, xfer: str, now: float = 0.0) -> list:
         """The decode worker has no room for this request's blocks now: its prefill worker may stage it."""
-        f = self.flights.get(rid)
+        f = self.books.flights.get(rid)
         if f is None or f.xfer != xfer:
             return stale("reserve_waiting")
         f.waiting_room = True
-        return self._stage_next(f.prefill, now)
+        return self.next(f.prefill, now)
 
     def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
         """The prefill worker finished (or dropped) its stage pass of `rid`: only the prompt's last token is
         left to compute when it is dispatched."""
         if self.hot is not None and rid in self.hot.warming:
             return self._warmed(rid, ok, now)
-        f = self.flights.get(rid)
+        f = self.books.flights.get(rid)
         if f is None:
             return stale("staged")
         if f.staged != "staging" or f.prefill is None:
             return []  # (no prefill needed after all: its decode worker found the prompt cached)
-        self.stage.done(f.prefill, rid)
+        self.plan.done(f.prefill, rid)
         f.staged = "staged" if ok else ""
         if ok and f.queued_tokens > 1:
-            backlog, rank, left = self.backlog[f.prefill], self.tiers[f.tier].rank, f.queued_tokens - 1
+            backlog, rank, left = self.books.backlog[f.prefill], self.books.tiers[f.tier].rank, f.queued_tokens - 1
             backlog.tokens[rank] -= left
             if f.dispatched_s is not None:
                 backlog.dispatched[rank] -= left
             f.queued_tokens = 1
-        return self._stage_next(f.prefill, now)
+        return self.next(f.prefill, now)
 
-    def _stage_next(self, prefill: str | None, now: float = 0.0) -> list:
+    def next(self, prefill: str | None, now: float = 0.0) -> list:
         """An idle prefill worker (nothing dispatched, nothing staging) may stage a waiting prompt
         (`StagePlan`), else warm a hot prefix it lacks."""
-        if (not self.stage.may_stage(prefill) or not self.workers[prefill].usable
-                or any(self.backlog[prefill].dispatched.values())):
+        if (not self.plan.may_stage(prefill) or not self.books.workers[prefill].usable
+                or any(self.books.backlog[prefill].dispatched.values())):
             return []
-        f = self.stage.pick(prefill, self.flights.values(), self.block_size)
+        f = self.plan.pick(prefill, self.books.flights.values(), self.books.block_size)
         if f is None:
             return self._warm(prefill, now)
         return [Count("kv_staged", (("service_tier", f.tier),)),
-                Send(prefill, Stage(**self._request_fields(f)))]
+                Send(prefill, wire.Stage(**f.request_fields()))]
 
     # ---- idle prewarm: hot prefixes computed ahead on an idle prefill worker -------------------------------
     def _warm(self, prefill: str, now: float) -> list:
         """A prefill worker with nothing routed to it waiting and no stage pass computes the hot prefix it
         lacks that is worth the most (`pdserve.cluster.hot_prefixes`)."""
-        if (self.hot is None or not self.stage.may_stage(prefill) or not self.workers[prefill].usable
-                or any(self.backlog[prefill].tokens.values())):
+        if (self.hot is None or not self.plan.may_stage(prefill) or not self.books.workers[prefill].usable
+                or any(self.books.backlog[prefill].tokens.values())):
             return []
-        room = min(self.stage.blocks[prefill], self.stage.max_blocks[prefill])
-        p = self.hot.pick(self.workers[prefill], room, now)
+        room = min(self.plan.blocks[prefill], self.plan.max_blocks[prefill])
+        p = self.hot.pick(self.books.workers[prefill], room, now)
         if p is None:
             return []
         rid = f"warm-{next(self._warms)}"
         self.hot.start(rid, prefill, p)
-        self.stage.staging[prefill] = rid
-        return [Send(prefill, Warm(rid, p.tokens))]
+        self.plan.staging[prefill] = rid
+        return [Send(prefill, wire.Warm(rid, p.tokens))]
 
     def _warmed(self, rid: str, ok: bool, now: float) -> list:
         prefill, p = self.hot.end(rid)
-        self.stage.done(prefill, rid)
+        self.plan.done(prefill, rid)
         if ok:
-            self.workers[prefill].remember(p.hashes)  # routing counts its prefix as cached there now
+            self.books.workers[prefill].remember(p.hashes)  # routing counts its prefix as cached there now
         return ([Count("kv_idle_prewarms", (("worker", prefill), ("outcome", "done" if ok else "dropped")))]
-                + self._stage_next(prefill, now))
+                + self.next(prefill, now))
 
 
 def _blocks(f, block_size: int) -> int:

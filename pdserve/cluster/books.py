@@ -1,0 +1,115 @@
+"""The conductor core's books: every request in flight, every worker's load, and the moves that keep the
+counts between them consistent.
+
+`Books` owns the tables the core's parts share — `flights` (rid -> `FlightState`), `workers` (name ->
+`WorkerLoad`), `backlog` (name -> `Backlog`), `waiting` (tier -> requests placed that have not streamed a
+token yet) — and the only code that moves a request's counts between workers: `place` (a request routed to
+its workers: outstanding, backlog, remembered prefixes; the first command it needs), `release_prefill` (its
+prefill worker's part is over: backlog and outstanding given back) and `finish` (it ended). The core
+(`pdserve.cluster.conductor_core`) and its parts (`staging`, `recovery`, `membership`) read the tables and
+call these moves; none of them adjusts another's counts by hand. Pure bookkeeping: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from pdserve.cluster.actions import Fail, Send
+from pdserve.cluster.flight_state import Backlog, FlightState
+from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.cluster.wire import Generate, Reserve
+from pdserve.core.block_hash import hash_blocks
+from pdserve.core.service_tiers import ServiceTiers
+
+
+class Books:
+    def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers, block_size: int,
+                 prefill_released: Callable[[str | None, str], None]) -> None:
+        """`prefill_released(prefill, rid)`: told whenever `rid` lets go of its prefill worker (a stage pass of
+        it running there is moot: `pdserve.cluster.staging.StagePlan.done`)."""
+        self.mode, self.policy, self.tiers = mode, policy, tiers
+        self.block_size = block_size  # (set from the workers' `ready`)
+        self.flights: dict[str, FlightState] = {}
+        self.workers: dict[str, WorkerLoad] = {}
+        self.backlog: dict[str, Backlog] = {}
+        self.waiting: dict[str, int] = {}
+        self._prefill_released = prefill_released
+        self._xfers = itertools.count()
+
+    # ---- workers and routing ------------------------------------------------------------------------------
+    def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
+        self.workers[name] = load or WorkerLoad(name, role)
+        self.backlog[name] = Backlog()
+        return self.workers[name]
+
+    def role(self, role: str) -> list[WorkerLoad]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def pick(self, role: str, hashes) -> WorkerLoad | None:
+        return self.policy.pick(self.role(role), hashes)
+
+    def route(self, hashes) -> tuple[WorkerLoad | None, WorkerLoad | None]:
+        """(the decode or colocated worker, the prefill worker in PD mode)."""
+        first = self.pick("colocated" if self.mode == "colocated" else "decode", hashes)
+        return first, self.pick("prefill", hashes) if self.mode == "pd" and first is not None else None
+
+    def affinity(self, prompt: list) -> list:
+        """The block hashes of `prompt`'s head that routing matches against the workers' remembered prefixes."""
+        return hash_blocks(prompt[:AFFINITY_BLOCKS * self.block_size], self.block_size)
+
+    def new_xfer(self, rid: str) -> str:
+        return f"{rid}#{next(self._xfers)}"
+
+    # ---- a request's counts -------------------------------------------------------------------------------
+    def place(self, f: FlightState, first: WorkerLoad, second: WorkerLoad | None, hashes) -> list:
+        """Start `f` on the workers chosen for it: generate (colocated), or reserve blocks on `first` for the
+        prompt `second` will prefill (PD)."""
+        self.flights[f.rid] = f
+        self.waiting[f.tier] = self.waiting.get(f.tier, 0) + 1
+        f.decode = first.name
+        producer = second if second is not None else first
+        prompt = f.resumed_prompt
+        f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)  # not cached
+        self.backlog[producer.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
+        first.outstanding += 1
+        first.remember(hashes)
+        restore = {"restore": f.restore} if f.restore else {}
+        if self.mode == "colocated":
+            return [Send(first.name, Generate(**f.request_fields(), **restore))]
+        f.xfer = self.new_xfer(f.rid)
+        if second is not None:
+            f.prefill = second.name
+            second.outstanding += 1
+            second.remember(hashes)
+        return [Send(first.name, Reserve(**f.request_fields(), xfer=f.xfer, **restore))]
+
+    def release_prefill(self, f: FlightState) -> None:
+        """`f`'s prompt no longer waits for its prefill worker (prefilled, recomputed or cached on its decode
+        worker, moved, ended): what it added to that worker's backlog and outstanding count is given back."""
+        self._prefill_released(f.prefill, f.rid)
+        if f.queued_tokens:
+            producer = f.prefill or f.decode
+            rank = self.tiers[f.tier].rank
+            self.backlog[producer].tokens[rank] -= f.queued_tokens
+            if f.dispatched_s is not None:
+                self.backlog[producer].dispatched[rank] -= f.queued_tokens
+            f.queued_tokens = 0
+        if f.prefill is not None:
+            self.workers[f.prefill].outstanding -= 1
+            f.prefill = None
+
+    def finish(self, f: FlightState) -> None:
+        """`f` ended (finished, aborted, failed, or moved: a copy goes on); a second call does nothing."""
+        if self.flights.pop(f.rid, None) is None:
+            return
+        self.release_prefill(f)
+        if f.started:
+            self.backlog[f.decode].decoding -= 1
+        else:
+            self.waiting[f.tier] -= 1
+        self.workers[f.decode].outstanding -= 1
+
+    def fail(self, f: FlightState, status: int, message: str, code: str) -> list:
+        self.finish(f)
+        return [Fail(f.rid, status, message, code)]
