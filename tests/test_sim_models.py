@@ -35,11 +35,11 @@ def test_gpu_and_model_tables():
         assert get_model(name).num_params > 5e9
     assert 68e9 < get_model("llama-3-70b").num_params < 72e9
     assert get_model("llama-3-70b").kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
-    hf = model_from_hf_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                               "intermediate_size": 128, "vocab_size": 100})
+    tiny = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
+    hf = model_from_hf_config(tiny)
     assert hf.num_kv_heads == 4 and hf.kv_bytes_per_token == 2 * 2 * 4 * 16 * 2  # bf16 unless the config says
-    fp32 = model_from_hf_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                 "intermediate_size": 128, "vocab_size": 100, "torch_dtype": "float32"})
+    fp32 = model_from_hf_config({**tiny, "torch_dtype": "float32"})
     assert fp32.kv_bytes_per_token == 2 * hf.kv_bytes_per_token  # the embedded model's KV, fp32 on CPU
     with pytest.raises(InvalidRequestError, match="does not fit on 1 x h100; raise --tp") as e:
         kv_pool_blocks(get_model("llama-3-70b"), get_gpu("h100"), 1, 16)

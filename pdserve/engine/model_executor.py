@@ -1,4 +1,5 @@
-"""The real executor: a Llama-family model, its KV block pool and the sampler, on one device."""
+"""The real executor: the model its architecture names (`pdserve.model.registry`), its KV block pool and the
+sampler, on one device."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
 from pdserve.model import logprobs
 from pdserve.model.grammar import GrammarMasks
-from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_safetensors_dir, resolve_dtype
+from pdserve.model.registry import model_class
 from pdserve.model.sampler import Sampler
 
 
@@ -55,8 +56,8 @@ class ModelExecutor:
         self.block_size = config.block_size
         self.vocab_size = model_config.vocab_size
         max_len = config.max_model_len or model_config.max_position_embeddings
-        self.model = LlamaModel(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
-                                max_positions=max_len)
+        model = model_class(model_config.architecture)  # `pdserve.model.registry`: LlamaModel for every family today
+        self.model = model(model_config, load_safetensors_dir(model_dir), self.dtype, self.device, max_positions=max_len)
         self.codec = KVCodec(config.kv_cache_dtype, model_config.head_dim, self.dtype)
         # a codec's residual window (int4: each running sequence's last block in fp16) comes out of the budget
         self.residual = ResidualWindow(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,

@@ -7,13 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import ModelNotFoundError, UnsupportedModelError
-
-# HF architecture name -> family. All share the Llama decoder; they differ in biases and defaults.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from pdserve.model.registry import architecture_of
 
 
 @dataclass(frozen=True)
@@ -36,6 +30,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    architecture: str = "LlamaForCausalLM"  # its entry in `pdserve.model.registry`: the class that runs it
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -51,12 +46,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; pdserve runs "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = architecture_of(cfg)  # the registry's entry (an unknown architecture: one line)
+        family = arch.family
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("Llama models with mlp_bias=true are not supported")
         heads = cfg["num_attention_heads"]
@@ -75,7 +66,7 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or attention_bias, o_bias=family == "llama" and attention_bias,
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"))
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), architecture=arch.name)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

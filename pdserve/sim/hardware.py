@@ -5,9 +5,10 @@ network bandwidth) with an efficiency factor per GPU: the share of peak compute 
 bandwidth (`mbu`) a good serving engine reaches. The KV tiers below the device pool move bytes over the
 GPU's host link and the node's NVMe drives (`host_link_bw`, `disk_read_bw`, `disk_write_bw`; sources and
 assumptions next to the table). Prices are indicative on-demand cloud rates in USD per GPU-hour; pass your
-own with `--price-per-gpu-hour`. Model presets hold only what the time model needs; any Hugging Face
-`config.json` path works too. A model's `kv_cache_dtype` (`pdserve.core.kv_codecs`, `auto` = the weights'
-dtype) sizes its KV bytes per token, hence the device pool, the KV link and the host/disk tier blocks.
+own with `--price-per-gpu-hour`. Model presets hold only what the time model needs; a Hugging Face
+`config.json` path works too, of an architecture the engine runs (`pdserve.model.registry`). A model's
+`kv_cache_dtype` (`pdserve.core.kv_codecs`, `auto` = the weights' dtype) sizes its KV bytes per token, hence
+the device pool, the KV link and the host/disk tier blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from pdserve.core import kv_codecs
 from pdserve.errors import InvalidRequestError
+from pdserve.model.config import ModelConfig
 
 GB = 1e9
 
@@ -77,6 +79,15 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         kv_codecs.token_bytes(self.kv_cache_dtype, self.hd, self.dtype_bytes)  # a bad name or head size: one line
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, name: str) -> ModelSpec:
+        """What the time model needs of a model the engine runs (`ModelConfig`, of an architecture in
+        `pdserve.model.registry`)."""
+        return cls(name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                   config.intermediate_size, config.vocab_size, head_dim=config.head_dim,
+                   tied_embeddings=config.tie_word_embeddings, dtype_bytes=_DTYPE_BYTES.get(config.torch_dtype, 2),
+                   max_model_len=config.max_position_embeddings)
 
     @property
     def hd(self) -> int:
@@ -143,15 +154,15 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_d
 
 
 def model_from_hf_config(cfg: dict, name: str = "hf-model") -> ModelSpec:
+    """A config.json read as the engine reads it (`ModelConfig.from_hf_dict`: an architecture the model registry
+    does not hold is a one-line error). Where it is silent the simulator assumes a GPU deployment's bf16 weights
+    and 131072 positions (the engine: fp32 on CPU, 2048)."""
     try:
-        heads = cfg["num_attention_heads"]
-        return ModelSpec(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
-                         cfg.get("num_key_value_heads", heads), cfg["intermediate_size"], cfg["vocab_size"],
-                         head_dim=cfg.get("head_dim") or 0, tied_embeddings=bool(cfg.get("tie_word_embeddings")),
-                         max_model_len=cfg.get("max_position_embeddings", 131072),
-                         dtype_bytes=_DTYPE_BYTES.get(cfg.get("torch_dtype"), 2))
+        config = ModelConfig.from_hf_dict(cfg)
     except KeyError as e:
         raise InvalidRequestError(f"config.json of {name} lacks {e.args[0]}", param="model") from None
+    return replace(ModelSpec.from_config(config, name), dtype_bytes=_DTYPE_BYTES.get(cfg.get("torch_dtype"), 2),
+                   max_model_len=cfg.get("max_position_embeddings", 131072))
 
 
 def kv_pool_blocks(model: ModelSpec, gpu: GPUSpec, tp: int, block_size: int, mem_util: float = 0.9,
