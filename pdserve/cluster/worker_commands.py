@@ -15,50 +15,51 @@ class WorkerCommands:
     def __init__(self, engine, prefill, decode, reports) -> None:
         """`prefill` / `decode`: the worker's sides (None where its role has none); `reports`: its
         `WorkerReports` (a redirected transfer is reported reserved again)."""
-        self.engine, self.prefill, self.decode, self.reports = engine, prefill, decode, reports
+        # (named apart from the commands: `prefill` is a command, `self.prefill_side` the side that runs it)
+        self.engine, self.prefill_side, self.decode_side, self.reports = engine, prefill, decode, reports
 
     def generate(self, cmd: Generate) -> None:
         restore = cmd.restore
-        if restore and self.decode.checkpoints is not None:
+        if restore and self.decode_side.checkpoints is not None:
             # the adopted blocks are found as prefix hits below; what is missing is computed here, counted
             tokens = restore["tokens"]
-            adopted = self.decode.checkpoints.adopt(restore["peer"], cmd.prompt[:tokens])
-            self.decode.stats.checkpoint_fallbacks += adopted < tokens
+            adopted = self.decode_side.checkpoints.adopt(restore["peer"], cmd.prompt[:tokens])
+            self.decode_side.stats.checkpoint_fallbacks += adopted < tokens
         req = self.engine.make_request(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority,
                                        pin=_pin(cmd.pin), service_tier=_tier(cmd.tier))
         self.engine.scheduler.add_request(req)
 
     def reserve(self, cmd: Reserve) -> None:
-        self.decode.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority,
+        self.decode_side.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority,
                             _pin(cmd.pin), _tier(cmd.tier), cmd.restore)
 
     def prefill(self, cmd: Prefill) -> None:
-        self.prefill.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
+        self.prefill_side.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
                          cmd.priority, _pin(cmd.pin), _tier(cmd.tier), link=cmd.link, deadline_in_s=cmd.deadline_in_s)
 
     def stage(self, cmd: Stage) -> None:
-        self.prefill.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))
+        self.prefill_side.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))
 
     def warm(self, cmd: Warm) -> None:
-        self.prefill.warm(cmd.rid, cmd.prompt)
+        self.prefill_side.warm(cmd.rid, cmd.prompt)
 
     def abort(self, cmd: Abort) -> None:
         self.engine.abort([cmd.rid])
-        if self.decode is not None:
-            self.decode.abort(cmd.rid)
-        if self.prefill is not None:
-            self.prefill.finish(cmd.rid, prefilled=False)
-            self.prefill.drop_stage(cmd.rid)
+        if self.decode_side is not None:
+            self.decode_side.abort(cmd.rid)
+        if self.prefill_side is not None:
+            self.prefill_side.finish(cmd.rid, prefilled=False)
+            self.prefill_side.drop_stage(cmd.rid)
 
     def kv_failed(self, cmd: KvFailed) -> None:
-        self.decode.peer_failed(cmd.xfer)
+        self.decode_side.peer_failed(cmd.xfer)
 
     def renew(self, cmd: Renew) -> None:  # its sender was heard: busy, not hung
-        self.decode.renew(cmd.xfer)
+        self.decode_side.renew(cmd.xfer)
 
     def redirect(self, cmd: Redirect) -> None:
         """Expected anew: once reported reserved, the conductor sends the prompt to its new prefill worker."""
-        inbound = self.decode.redirect(cmd.old, cmd.xfer)
+        inbound = self.decode_side.redirect(cmd.old, cmd.xfer)
         if inbound is not None:
             self.reports.reserved(inbound.request_id, inbound.xfer, inbound.first_block, True)
 
@@ -66,8 +67,8 @@ class WorkerCommands:
         self.engine.block_manager.unpin(f"prewarm:{cmd.id}")
 
     def peer_gone(self, cmd: PeerGone) -> None:
-        if self.prefill is not None:
-            self.prefill.peer_gone(cmd.addr)
+        if self.prefill_side is not None:
+            self.prefill_side.peer_gone(cmd.addr)
 
 
 def _pin(pin) -> tuple[str, float] | None:
