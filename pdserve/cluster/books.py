@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable
 
 from pdserve.cluster.actions import Fail, Send
-from pdserve.cluster.flight_state import Backlog, FlightState
+from pdserve.cluster.flight_state import Backlog, FlightState, Stage
 from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.cluster.wire import Generate, Reserve
 from pdserve.core.block_hash import hash_blocks
@@ -76,8 +76,10 @@ class Books:
         first.remember(hashes)
         restore = {"restore": f.restore} if f.restore else {}
         if self.mode == "colocated":
+            f.advance(Stage.LOCAL_PREFILL)
             return [Send(first.name, Generate(**f.request_fields(), **restore))]
         f.xfer = self.new_xfer(f.rid)
+        f.advance(Stage.RESERVING)
         if second is not None:
             f.prefill = second.name
             second.outstanding += 1
@@ -104,11 +106,12 @@ class Books:
         if self.flights.pop(f.rid, None) is None:
             return
         self.release_prefill(f)
-        if f.started:
+        if f.stage is Stage.DECODING:
             self.backlog[f.decode].decoding -= 1
         else:
             self.waiting[f.tier] -= 1
         self.workers[f.decode].outstanding -= 1
+        f.advance(Stage.ENDED)
 
     def fail(self, f: FlightState, status: int, message: str, code: str) -> list:
         self.finish(f)

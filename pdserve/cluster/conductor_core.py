@@ -44,7 +44,7 @@ from pdserve.cluster.actions import Count, Fail, Observe, Send, stale
 from pdserve.cluster.admission import Admission, Rejection
 from pdserve.cluster.books import Books
 from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
-from pdserve.cluster.flight_state import Backlog, FlightState
+from pdserve.cluster.flight_state import Backlog, FlightState, Stage
 from pdserve.cluster.hot_prefixes import HotPrefixes
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.recovery import Recovery
@@ -225,17 +225,20 @@ class ConductorCore:
         f = self.flights.get(rid)
         if f is None or f.xfer != xfer:
             return stale("reserved")
-        if not needs_prefill:
+        if not needs_prefill:  # its decode worker has the prompt cached
             self.books.release_prefill(f)
+            f.advance(Stage.LOCAL_PREFILL)
             return []
         if f.prefill is None or not self.workers[f.prefill].alive:
             self.books.release_prefill(f)
+            f.advance(Stage.LOCAL_PREFILL)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
                     Send(f.decode, KvFailed(f.xfer))]
         f.kv_addr, f.first_block = kv_addr, first_block
         if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
             return self.recovery.prefill_gone(f)
         deadline = self._predict_dispatch(f, first_block, now)
+        f.advance(Stage.DISPATCHED)
         return [Send(f.prefill, Prefill(**f.request_fields(), dest=kv_addr, link=f.decode, xfer=f.xfer,
                                         first_block=first_block,
                                         deadline_in_s=None if deadline is None else deadline - now))]
@@ -264,10 +267,12 @@ class ConductorCore:
         if f is None:
             return stale("prefilled")
         prefill = f.prefill or f.prefilled_by  # (reported again, a delivery given up later: who prefilled it)
-        if not f.started:  # (a report that comes after the first token leaves the timeline the token set)
+        if f.stage is not Stage.DECODING:  # (a report after the first token leaves the timeline the token set)
             f.prefilled_s, f.prefilled_by = now, prefill
         f.gave_up = failed
         self.books.release_prefill(f)
+        if f.stage not in (Stage.LOCAL_PREFILL, Stage.DECODING):  # (else its decode worker took over)
+            f.advance(Stage.PREFILLED)
         if f.prediction is not None:
             self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
         return self.staging.next(prefill, now)
@@ -314,6 +319,7 @@ class ConductorCore:
             return []
         prefill = f.prefill
         self.books.release_prefill(f)  # its work is moot now: the decode worker recomputes
+        f.advance(Stage.LOCAL_PREFILL)
         return [Send(prefill, Abort(rid))]
 
     def token(self, rid: str, index: int, finished: bool, now: float, token_id: int | None = None) -> list:
@@ -327,8 +333,7 @@ class ConductorCore:
         if token_id is not None and index == len(f.outputs):
             f.outputs.append(token_id)
         f.num_tokens = index + 1
-        if not f.started:  # the first token from where it runs now
-            f.started = True
+        if f.stage is not Stage.DECODING:  # the first token from where it runs now
             self.books.waiting[f.tier] -= 1
             f.first_token_s = f.first_token_s or now
             if f.prefilled_s is not None and self.admission is not None:
@@ -337,6 +342,7 @@ class ConductorCore:
                 # its KV came before its prefill worker's report (separate processes): prefilled by now
                 f.prefilled_s, f.prefilled_by = now, f.prefill
             self.books.release_prefill(f)
+            f.advance(Stage.DECODING)
             self.backlog[f.decode].decoding += 1
         f.last_token_s = now
         if not finished:

@@ -1,11 +1,70 @@
-"""What the conductor core keeps per request (`FlightState`: where it runs, its transfer, its tokens so far)
-and per worker (`Backlog`: its queue as the conductor sees it)."""
+"""What the conductor core keeps per request (`FlightState`: its stage, where it runs, its transfer, its tokens
+so far) and per worker (`Backlog`: its queue as the conductor sees it).
+
+A request's stage (`Stage`) changes only by `FlightState.advance`, along `TRANSITIONS`; a move the table
+lacks raises `IllegalTransition`. The usual course, PD mode:
+
+    NEW -> RESERVING -> DISPATCHED -> PREFILLED -> DECODING -> ENDED
+
+with a detour while its decode worker has no room (RESERVING -> WAITING_ROOM [-> STAGING -> STAGED] ->
+DISPATCHED); colocated, and in PD whenever the decode worker computes the prompt itself: NEW -> LOCAL_PREFILL
+-> DECODING -> ENDED. A dead or hung prefill worker sends a prompt back (to RESERVING once its blocks are
+reserved, else it waits on); a dead decode worker ENDs the request and a copy goes on from NEW (ORPHANED
+while no worker can take it). Some moves come from races between two workers' events: a prompt moved off a
+prefill worker (back to RESERVING) may still be reported prefilled by it, or stream its first token from KV
+it had sent. Staying in a stage is no move (an event repeated). Timestamps (`dispatched_s`, `prefilled_s`,
+...) stay data: the stage says where the request is, not when it got there.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pdserve.cluster.consumption import Prediction
+
+
+class Stage(enum.Enum):
+    NEW = "new"  # admitted, not placed yet (or the copy of a request moving off a dead worker)
+    RESERVING = "reserving"  # its decode worker is asked to reserve KV blocks (`Reserve`, or `Redirect`)
+    WAITING_ROOM = "waiting_room"  # its decode worker has no room for its blocks yet (`reserve_waiting`)
+    STAGING = "staging"  # meanwhile its idle prefill worker computes it ahead (`pdserve.cluster.staging`)
+    STAGED = "staged"  # computed ahead: once dispatched, only its last token is left to compute
+    DISPATCHED = "dispatched"  # blocks reserved; its prefill worker computes it and sends the KV (`Prefill`)
+    PREFILLED = "prefilled"  # its prefill worker reported the prompt done; the KV is on its way
+    LOCAL_PREFILL = "local_prefill"  # its decode (colocated) worker computes the prompt itself, or has it cached
+    DECODING = "decoding"  # its first token came from where it runs now
+    ORPHANED = "orphaned"  # a moved copy waiting for a worker to be ready (its own is being restarted)
+    ENDED = "ended"  # finished, aborted, failed, or moved off a dead worker
+
+
+TRANSITIONS: dict[Stage, frozenset[Stage]] = {
+    Stage.NEW: frozenset({Stage.RESERVING, Stage.LOCAL_PREFILL, Stage.ORPHANED}),
+    Stage.ORPHANED: frozenset({Stage.RESERVING, Stage.LOCAL_PREFILL, Stage.ENDED}),
+    # (-> PREFILLED, DECODING: redirected, but the prefill worker it left had got there)
+    Stage.RESERVING: frozenset({Stage.WAITING_ROOM, Stage.DISPATCHED, Stage.LOCAL_PREFILL, Stage.PREFILLED,
+                                Stage.DECODING, Stage.ENDED}),
+    # (-> RESERVING: its blocks were reserved just as its prefill worker hung: redirected)
+    Stage.WAITING_ROOM: frozenset({Stage.STAGING, Stage.DISPATCHED, Stage.LOCAL_PREFILL, Stage.RESERVING,
+                                   Stage.ENDED}),
+    # (-> WAITING_ROOM: its pass was dropped, or its prefill worker died and another one takes the prompt)
+    Stage.STAGING: frozenset({Stage.STAGED, Stage.WAITING_ROOM, Stage.DISPATCHED, Stage.LOCAL_PREFILL,
+                              Stage.RESERVING, Stage.ENDED}),
+    Stage.STAGED: frozenset({Stage.DISPATCHED, Stage.WAITING_ROOM, Stage.LOCAL_PREFILL, Stage.RESERVING,
+                             Stage.ENDED}),
+    # (-> DECODING: its KV landed before its prefill worker's report; -> RESERVING: that worker died or hung;
+    # -> LOCAL_PREFILL: the transfer failed and the decode worker recomputes)
+    Stage.DISPATCHED: frozenset({Stage.PREFILLED, Stage.LOCAL_PREFILL, Stage.RESERVING, Stage.DECODING,
+                                 Stage.ENDED}),
+    Stage.PREFILLED: frozenset({Stage.LOCAL_PREFILL, Stage.DECODING, Stage.ENDED}),  # (LOCAL: KV never came whole)
+    Stage.LOCAL_PREFILL: frozenset({Stage.DECODING, Stage.ENDED}),
+    Stage.DECODING: frozenset({Stage.ENDED}),
+    Stage.ENDED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was asked to move between stages that its lifecycle does not join (`TRANSITIONS`)."""
 
 
 @dataclass
@@ -24,21 +83,30 @@ class FlightState:
     dispatched_s: float | None = None  # PD: when its prefill command went out
     prefilled_s: float | None = None  # PD: when the prefill worker reported the prompt done
     prefilled_by: str | None = None  # PD: that prefill worker
-    lapsed_s: float | None = None  # PD: when its transfer's lease first lapsed (`_lease_lapsed`)
-    gave_up: bool = False  # PD: its prefill worker gave up on delivering its KV (`prefilled` failed)
+    lapsed_s: float | None = None  # PD: when its transfer's lease first lapsed (`Recovery.lease_lapsed`)
+    gave_up: bool = False  # PD: its prefill worker's latest report gave up on delivering its KV (`prefilled`)
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
     prediction: Prediction | None = None  # PD: of its KV's first consumption
     kv_addr: str | None = None  # PD: where its reserved blocks take KV (known once reserved)
     first_block: int = 0
-    waiting_room: bool = False  # PD: its decode worker had no room for its blocks when asked
-    staged: str = ""  # PD: "staging" (computed ahead on its prefill worker) -> "staged" (done there)
     outputs: list = field(default_factory=list)  # the token ids streamed so far (all of them, across moves)
     offset: int = 0  # of them, streamed before it moved to where it runs now (its prompt there: + these)
-    started: bool = False  # where it runs now has streamed its first token
     checkpoint: int = 0  # tokens (of prompt + outputs) whose KV its decode worker reported on disk
     restore: dict | None = None  # {peer, tokens}: it moved off dead `peer`, whose checkpoint it resumes from
+    _stage: Stage = field(default=Stage.NEW, init=False)  # (a copy made by `dataclasses.replace` starts NEW)
+
+    @property
+    def stage(self) -> Stage:
+        return self._stage
+
+    def advance(self, new: Stage) -> None:
+        """Move to stage `new` (staying where it is is no move); `IllegalTransition` if `TRANSITIONS` has no
+        such move."""
+        if new is not self._stage and new not in TRANSITIONS[self._stage]:
+            raise IllegalTransition(f"request {self.rid}: no move from {self._stage.name} to {new.name}")
+        self._stage = new
 
     @property
     def resumed_prompt(self) -> list:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from pdserve.cluster.actions import Count, Level, Observe, Switch
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.books import Books
+from pdserve.cluster.flight_state import Stage
 from pdserve.cluster.wire import Ready
 from pdserve.core.role_planner import RolePlanner, role_utilization
 
@@ -71,7 +72,7 @@ class Membership:
         books = self.books
         books.workers[name].leaving = True
         for f in books.flights.values():
-            if f.prefill == name and f.dispatched_s is None and not f.staged:
+            if f.prefill == name and f.stage in (Stage.RESERVING, Stage.WAITING_ROOM):
                 other = books.pick("prefill", ())
                 if other is None:
                     break
@@ -111,7 +112,8 @@ class Membership:
             return []
         usable = {r: [w for w in books.workers.values() if w.role == r and w.usable] for r in ("prefill", "decode")}
         share = self.roles.output_share
-        outputs_left = (max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0) for f in books.flights.values())
+        outputs_left = (max((f.params.get("max_tokens") or 0) * share - f.num_tokens, 0)
+                        for f in books.flights.values())
         backlog = (sum(sum(b.tokens.values()) for b in books.backlog.values()), sum(outputs_left))
         counts = {r: len(usable[r]) + self.switching.count(r) for r in usable}
         to = self.roles.decide(now, counts["prefill"], counts["decode"],

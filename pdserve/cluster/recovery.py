@@ -38,7 +38,7 @@ import dataclasses
 from pdserve.cluster.actions import Count, Fail, Send, stale
 from pdserve.cluster.admission import Admission
 from pdserve.cluster.books import Books
-from pdserve.cluster.flight_state import FlightState
+from pdserve.cluster.flight_state import FlightState, Stage
 from pdserve.cluster.wire import Abort, KvFailed, Redirect, Renew
 from pdserve.core.online_fit import MIN_SAMPLES
 
@@ -82,8 +82,8 @@ class Recovery:
         restore = {"peer": dead, "tokens": f.checkpoint} if f.checkpoint else f.restore  # (an earlier one's)
         moved = dataclasses.replace(
             f, decode=None, prefill=None, xfer="", queued_tokens=0, dispatched_s=None, prefilled_s=None,
-            prediction=None, kv_addr=None, first_block=0, waiting_room=False, staged="", offset=len(f.outputs),
-            started=False, outputs=list(f.outputs), checkpoint=0, restore=restore,
+            prediction=None, kv_addr=None, first_block=0, offset=len(f.outputs),
+            outputs=list(f.outputs), checkpoint=0, restore=restore,
             # the client has had the prompt's logprobs with the first token: not computed again
             params={k: v for k, v in f.params.items() if k != "prompt_logprobs"} if f.outputs else f.params)
         hashes = self.books.affinity(moved.resumed_prompt)
@@ -93,6 +93,7 @@ class Recovery:
         if first is not None:  # (with no live prefill worker, the decode worker recomputes: `reserved`)
             return actions + self.books.place(moved, first, second, hashes)
         if restarting:
+            moved.advance(Stage.ORPHANED)
             self.orphans.append(moved)
             return actions
         return actions[:-1] + [Fail(f.rid, 503, f"worker {dead} died while serving this request and no live "
@@ -123,11 +124,16 @@ class Recovery:
 
     def forget(self, rid: str) -> None:
         """`rid`, waiting for a worker, was aborted (its client left)."""
+        for f in self.orphans:
+            if f.rid == rid:
+                f.advance(Stage.ENDED)
         self.orphans = [o for o in self.orphans if o.rid != rid]
 
     def _fail_orphans(self) -> list:
         """No worker that could take them is coming back."""
         waiting, self.orphans = self.orphans, []
+        for f in waiting:
+            f.advance(Stage.ENDED)
         return [Fail(f.rid, 503, "its worker died and no live worker is left to move it to", "worker_died")
                 for f in waiting]
 
@@ -136,7 +142,6 @@ class Recovery:
         left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
         books = self.books
         books.release_prefill(f)
-        f.staged = ""  # what it staged died with it
         hashes = books.affinity(f.resumed_prompt)
         other = books.pick("prefill", hashes)
         tokens = len(f.resumed_prompt)
@@ -148,6 +153,7 @@ class Recovery:
             if there is not None and here is not None and here < there:
                 other = None  # recomputing is predicted faster
         if other is None:
+            f.advance(Stage.LOCAL_PREFILL)
             return [Count("kv_recovery", (("choice", "recompute"),)),
                     Send(f.decode, KvFailed(f.xfer))]
         f.prefill, f.dispatched_s = other.name, None
@@ -159,6 +165,9 @@ class Recovery:
             # sent once the decode worker expects it (its `reserved` for the new id dispatches the prompt)
             old, f.xfer, f.lapsed_s, f.gave_up = f.xfer, books.new_xfer(f.rid), None, False
             actions.append(Send(f.decode, Redirect(old, f.xfer)))
+            f.advance(Stage.RESERVING)
+        elif f.stage in (Stage.STAGING, Stage.STAGED):  # what it staged died with it
+            f.advance(Stage.WAITING_ROOM)
         return actions
 
     def lease_lapsed(self, f: FlightState, xfer: str, now: float) -> list:
@@ -174,6 +183,7 @@ class Recovery:
             return [Count("kv_lease_extensions", (("worker", sender.name),)),
                     Send(f.decode, Renew(xfer))]
         if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
+            f.advance(Stage.LOCAL_PREFILL)
             return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, KvFailed(xfer))]
         stalled = self.books.workers[f.prefill]
         stalled.stalled = True

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pdserve.cluster import wire
 from pdserve.cluster.actions import Count, Send, stale
 from pdserve.cluster.books import Books
+from pdserve.cluster.flight_state import Stage
 from pdserve.cluster.hot_prefixes import HotPrefixes
 from pdserve.cluster.wire import Ready
 from pdserve.core.service_tiers import ServiceTiers
@@ -43,18 +44,23 @@ class StagePlan:
         return prefill is not None and bool(self.blocks.get(prefill)) and prefill not in self.staging
 
     def pick(self, prefill: str, flights: Iterable, block_size: int):
-        """The flight `prefill` should stage now (marked "staging"), or None."""
-        mine = [f for f in flights if f.prefill == prefill and f.kv_addr is None]
-        kept = sum(_blocks(f, block_size) for f in mine if f.staged)
-        waiting = [f for f in mine if f.waiting_room and not f.staged
+        """The flight `prefill` should stage now (moved to STAGING), or None."""
+        mine = [f for f in flights if f.prefill == prefill and f.kv_addr is None]  # (blocks not reserved yet)
+        kept = sum(_blocks(f, block_size) for f in mine if f.stage in (Stage.STAGING, Stage.STAGED))
+        waiting = [f for f in mine if f.stage is Stage.WAITING_ROOM
                    and _blocks(f, block_size) <= self.max_blocks[prefill]]
         if not waiting:
             return None
         f = min(waiting, key=lambda g: (self.tiers[g.tier].rank, g.arrival_s))
         if kept + _blocks(f, block_size) > self.blocks[prefill]:
             return None
-        f.staged, self.staging[prefill] = "staging", f.rid
+        f.advance(Stage.STAGING)
+        self.staging[prefill] = f.rid
         return f
+
+    def running(self, prefill: str | None, rid: str) -> bool:
+        """A stage pass of `rid` runs on `prefill` (one that began there; it may have been dispatched since)."""
+        return prefill is not None and self.staging.get(prefill) == rid
 
     def done(self, prefill: str | None, rid: str) -> None:
         """`rid`'s stage pass on `prefill` ended, or is moot."""
@@ -96,7 +102,8 @@ class Staging:
         f = self.books.flights.get(rid)
         if f is None or f.xfer != xfer:
             return stale("reserve_waiting")
-        f.waiting_room = True
+        if f.stage is Stage.RESERVING:  # (elsewhere: a repeat, or it is no longer waiting for blocks)
+            f.advance(Stage.WAITING_ROOM)
         return self.next(f.prefill, now)
 
     def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
@@ -107,10 +114,11 @@ class Staging:
         f = self.books.flights.get(rid)
         if f is None:
             return stale("staged")
-        if f.staged != "staging" or f.prefill is None:
+        if not self.plan.running(f.prefill, rid):
             return []  # (no prefill needed after all: its decode worker found the prompt cached)
         self.plan.done(f.prefill, rid)
-        f.staged = "staged" if ok else ""
+        if f.stage is Stage.STAGING:  # (else dispatched meanwhile: its prefill takes what was staged)
+            f.advance(Stage.STAGED if ok else Stage.WAITING_ROOM)
         if ok and f.queued_tokens > 1:
             backlog, rank, left = self.books.backlog[f.prefill], self.books.tiers[f.tier].rank, f.queued_tokens - 1
             backlog.tokens[rank] -= left
