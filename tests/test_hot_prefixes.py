@@ -1,5 +1,5 @@
 """Idle prewarm: hot prefixes counted by the conductor core and computed ahead on an idle prefill worker
-(`pdserve.cluster.hot_prefixes`, `ConductorCore._warm`), and the same in the simulator."""
+(`pdserve.cluster.hot_prefixes`, `pdserve.cluster.staging.Staging`), and the same in the simulator."""
 
 from __future__ import annotations
 

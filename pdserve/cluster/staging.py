@@ -64,7 +64,7 @@ class StagePlan:
 
     def done(self, prefill: str | None, rid: str) -> None:
         """`rid`'s stage pass on `prefill` ended, or is moot."""
-        if prefill is not None and self.staging.get(prefill) == rid:
+        if self.running(prefill, rid):
             del self.staging[prefill]
 
 
@@ -115,7 +115,7 @@ class Staging:
         if f is None:
             return stale("staged")
         if not self.plan.running(f.prefill, rid):
-            return []  # (no prefill needed after all: its decode worker found the prompt cached)
+            return []  # (moot: its prompt was found cached on its decode worker, recomputed there, or moved)
         self.plan.done(f.prefill, rid)
         if f.stage is Stage.STAGING:  # (else dispatched meanwhile: its prefill takes what was staged)
             f.advance(Stage.STAGED if ok else Stage.WAITING_ROOM)
