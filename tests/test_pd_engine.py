@@ -18,7 +18,7 @@ from pdserve.core.kv_meta import Tier
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.pd import DecodeSide, PrefillSide
 from pdserve.engine.worker_engine import build_engine_at
-from pdserve.transfer import make_receiver, make_sender
+from pdserve.transfer import capabilities, make_receiver, make_sender
 from pdserve.transfer.base import FaultInjector
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -51,7 +51,7 @@ class Pair:
     def __init__(self, model_dir, transport, tmp_path, prefill_kw=None, decode_kw=None, timeout_s=10.0,
                  faults=None, by_reference=True):
         # Like the workers: a prefill pool in shared memory, so shm chunks go by reference.
-        self.p_engine = _engine(model_dir, shared_kv=by_reference and transport in ("shm", "auto"),
+        self.p_engine = _engine(model_dir, shared_kv=by_reference and capabilities(transport).zero_copy,
                                 **(prefill_kw or {}))
         self.d_engine = _engine(model_dir, **(decode_kw or {}))
         sender = make_sender(transport, ring_mb=1, timeout_s=2.0)

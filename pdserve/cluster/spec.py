@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, shared
 
 ROLES = ("prefill", "decode", "colocated")
-TRANSPORTS = ("shm", "tcp")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks
 from pdserve.core.stage_passes import stage_capacity
 from pdserve.errors import PdserveError
+from pdserve.transfer import capabilities as transport_capabilities
 from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 
 STATS_INTERVAL_S = 0.25
@@ -71,9 +72,9 @@ class Worker:
         self.events.setsockopt(zmq.LINGER, 1000)
         secure_client(self.events)
         self.events.connect(spec.event_addr)
-        # A prefill worker's KV pool in shared memory: a decode worker on this host reads delivered blocks
-        # straight from it (shm transport).
-        shared_kv = spec.role == "prefill" and spec.transport in ("shm", "auto")
+        # A prefill worker's KV pool in shared memory when its transport sends by reference: a decode worker on
+        # this host reads delivered blocks straight from it (shm, auto).
+        shared_kv = spec.role == "prefill" and transport_capabilities(spec.transport).zero_copy
         self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name,
                                                            long_context=_long_context(spec))
         layers = self.executor.kv_pool.layers

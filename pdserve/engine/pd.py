@@ -97,7 +97,7 @@ class PrefillSide:
         codec = getattr(engine.executor, "codec", None)  # named in each chunk: a receiver of another transcodes
         self.kv_format = None if codec is None else codec.format
         pool = getattr(engine.executor, "kv_pool", None)
-        if getattr(pool, "handle", None) and hasattr(sender, "share_source"):
+        if getattr(pool, "handle", None) and sender.capabilities.zero_copy:
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
@@ -187,7 +187,7 @@ class PrefillSide:
         # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt;
         # smaller while the link is congested (`Outbox.chunk_blocks`).
         one = chunk_nbytes(tensor, 1)
-        most = max(1, getattr(self.sender, "max_chunk_bytes", 1 << 62) // one)
+        most = max(1, self.sender.max_chunk_bytes // one)
         per_chunk = self.outbox.chunk_blocks(out.link, one, most)
         for i in range(0, len(block_ids), per_chunk):
             ids = block_ids[i:i + per_chunk]

@@ -21,6 +21,7 @@ from pdserve.core import kv_codecs
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, SupervisionSettings,
                                    parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
+from pdserve import transfer
 from pdserve.transfer import peer_auth
 
 
@@ -122,9 +123,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
             raise InvalidRequestError(f"--mode must be pd or colocated, got {self.mode!r}", param="mode")
-        if self.transport not in ("shm", "tcp", "auto"):
-            raise InvalidRequestError(f"--transport must be shm, tcp or auto, got {self.transport!r}",
-                                      param="transport")
+        transfer.check(self.transport)
         for name in ("prefill", "decode", "instances", "max_body_bytes"):
             if getattr(self, name) < (0 if name == "prefill" or self._decode_may_join(name) else 1):
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive", param=name)
@@ -175,8 +174,9 @@ class ServeConfig:
             raise InvalidRequestError(f"--control-port needs the deployment secret that joining workers prove: set "
                                       f"{peer_auth.ENV} (64 hex digits, e.g. `openssl rand -hex 32`)",
                                       param="control_port")
-        if self.mode == "pd" and self.transport == "shm":
-            raise InvalidRequestError("--control-port in pd mode needs --transport tcp or auto: workers that join "
+        if self.mode == "pd" and not transfer.capabilities(self.transport).cross_host:
+            across = " or ".join(n for n in transfer.names() if transfer.capabilities(n).cross_host)
+            raise InvalidRequestError(f"--control-port in pd mode needs --transport {across}: workers that join "
                                       "deliver KV over tcp", param="control_port")
 
 

@@ -129,8 +129,22 @@ def copy_into(views: list[memoryview], sources: list[memoryview]) -> int:
     return digest.intdigest()
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do, declared by its sender class (`capabilities`), read instead of probing."""
+
+    zero_copy: bool  # given the KV pool's shared memory (`share_source`), sends chunks in it by reference
+    cross_host: bool  # reaches a receiver on another host
+
+    @staticmethod
+    def of_any(every: list[Capabilities]) -> Capabilities:
+        """What a sender over several transports can do: what any of them can."""
+        return Capabilities(any(c.zero_copy for c in every), any(c.cross_host for c in every))
+
+
 class KVSender(Protocol):
-    max_chunk_bytes: int
+    capabilities: Capabilities
+    max_chunk_bytes: int  # callers split payloads to at most this (shm: a quarter of its ring)
 
     def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
         """Send a chunk whose payload is the concatenation of `pieces` (views into the KV pool): checksum

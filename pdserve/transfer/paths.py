@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.transfer.base import KVReceiver, KVSender, Place, Received, TransferError, scratch_place
+from pdserve.transfer.base import Capabilities, KVReceiver, KVSender, Place, Received, TransferError, scratch_place
 
 PROBE_TRANSFERS = 2
 REPROBE_EVERY = 32
@@ -103,6 +103,7 @@ class PathSender:
         self.senders = senders
         self.chooser = chooser or PathChooser()
         self.max_chunk_bytes = min(s.max_chunk_bytes for s in senders.values())
+        self.capabilities = Capabilities.of_any([s.capabilities for s in senders.values()])
         self._routes: dict[str, dict[str, str]] = {}  # dest -> path -> address
         self._xfers: OrderedDict = OrderedDict()  # transfer id -> its path, until its done or fail
         self.transfers: Counter = Counter()  # path -> transfers started on it
@@ -110,7 +111,7 @@ class PathSender:
 
     def share_source(self, handle, buffer) -> None:
         for s in self.senders.values():
-            if hasattr(s, "share_source"):
+            if s.capabilities.zero_copy:
                 s.share_source(handle, buffer)
 
     def _route(self, dest: str) -> dict[str, str]:

@@ -37,8 +37,8 @@ import numpy as np
 import zmq
 
 from pdserve.paging import Populating
-from pdserve.transfer.base import (PREFIX, FaultInjector, Place, Received, TransferError, checksum, copy_into,
-                                   decode_record, encode_meta, scratch_place)
+from pdserve.transfer.base import (PREFIX, Capabilities, FaultInjector, Place, Received, TransferError, checksum,
+                                   copy_into, decode_record, encode_meta, scratch_place)
 from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
 
 _META = 128  # tail and waiting at 0 and 8 (the receiver's line), head at 64 (the sender's line)
@@ -95,6 +95,8 @@ class _Ring:
 
 
 class ShmSender:
+    capabilities = Capabilities(zero_copy=True, cross_host=False)
+
     def __init__(self, ring_bytes: int = 16 << 20, timeout_s: float = 10.0, ctx: zmq.Context | None = None,
                  faults: FaultInjector | None = None) -> None:
         self._ctx = ctx or zmq.Context.instance()

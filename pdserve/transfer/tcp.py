@@ -20,8 +20,8 @@ import socket
 import struct
 import time
 
-from pdserve.transfer.base import (FaultInjector, Place, Received, TransferError, checksum, decode_record,
-                                   encode_meta, scratch_place)
+from pdserve.transfer.base import (Capabilities, FaultInjector, Place, Received, TransferError, checksum,
+                                   decode_record, encode_meta, scratch_place)
 from pdserve.transfer.peer_auth import HELLO, HelloCheck, hello
 
 PREFIX = struct.Struct("<IIQ")
@@ -41,6 +41,8 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class TcpSender:
+    capabilities = Capabilities(zero_copy=False, cross_host=True)
+
     def __init__(self, timeout_s: float = 10.0, faults: FaultInjector | None = None,
                  secret: bytes | None = None) -> None:
         self._timeout_s = timeout_s
