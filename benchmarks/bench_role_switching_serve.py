@@ -86,8 +86,8 @@ def peak_rss_gb(pid: int) -> dict[str, float]:
     out = {}
     for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
-            cmd = proc.cmdline()  # a worker: python -m pdserve.cluster.worker SPEC_JSON
-            name = json.loads(cmd[-1])["name"] if "pdserve.cluster.worker" in cmd else "gateway"
+            cmd = proc.cmdline()  # a worker: python -m pdserve.worker.worker SPEC_JSON
+            name = json.loads(cmd[-1])["name"] if "pdserve.worker.worker" in cmd else "gateway"
             peak = next(int(line.split()[1]) for line in open(f"/proc/{proc.pid}/status") if line.startswith("VmHWM"))
         except (psutil.Error, OSError, StopIteration, ValueError, KeyError):
             continue

@@ -71,19 +71,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pdserve.cluster.joined import worker_spec
+    from pdserve.worker.joined import worker_spec
     from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, pick
     spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
                        data_host=args.data_host, supervision=pick(SupervisionSettings, args),
                        delivery=DeliverySettings(delivery=args.delivery, delivery_backlog_s=args.delivery_backlog_s),
                        cadence=pick(CadenceSettings, args),
                        join_timeout_s=args.join_timeout_s)
-    from pdserve.cluster.worker import run
+    from pdserve.worker.worker import run
     return run(spec)
 
 
 def _add_worker_parser(sub) -> None:
-    from pdserve.cluster.spec import WorkerSpec
+    from pdserve.worker.spec import WorkerSpec
     from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, default_of
     w = sub.add_parser("worker", help="start a worker that joins a running pdserve serve (its --control-port)")
     w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])

@@ -1,4 +1,4 @@
-"""Prediction-based admission (`pdserve.cluster.admission`) as a pure object: workers' step times with known
+"""Prediction-based admission (`pdserve.conductor.admission`) as a pure object: workers' step times with known
 coefficients go in, and its TTFT and TPOT predictions, hand-computed from those coefficients, come out; each
 rejection reason (slo_ttft, slo_tpot, queue_full) and the margin that changes a decision."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.admission import Admission
+from pdserve.conductor.admission import Admission
 from pdserve.core.service_tiers import ServiceTier
 
 # prefill worker "p": a step of n prompt tokens made of prompts of about m tokens takes

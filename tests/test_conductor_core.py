@@ -2,7 +2,7 @@
 
 The simulator runs a PD cluster (2 prefill + 2 decode engines) with service tiers, SLOs and admission, and
 records every event it fed the `ConductorCore` with the actions it got back. The same event sequence is then
-fed to the real gateway conductor (`cluster/conductor.py`) over real ZeroMQ sockets, on a clock that reads
+fed to the real gateway conductor (`server/conductor_driver.py`) over real ZeroMQ sockets, on a clock that reads
 the recorded times: every command each worker socket receives, every request refused or failed, and the
 counted metrics must be what the simulator's core decided.
 """
@@ -19,13 +19,13 @@ import zmq
 import zmq.asyncio
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.recovery import HEARD_S, MAX_RENEW_S
-from pdserve.cluster.conductor import Conductor
-from pdserve.cluster.actions import stale
-from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
-from pdserve.cluster.routing import make_routing_policy
-from pdserve.cluster.wire import Abort, KvFailed, Ready, Redirect, Renew, Reserve, from_dict, to_dict
+from pdserve.conductor.admission import Admission
+from pdserve.conductor.recovery import HEARD_S, MAX_RENEW_S
+from pdserve.server.conductor_driver import Conductor
+from pdserve.conductor.actions import stale
+from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe, Send
+from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.wire import Abort, KvFailed, Ready, Redirect, Renew, Reserve, from_dict, to_dict
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.server.metrics import Metrics

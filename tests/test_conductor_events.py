@@ -10,8 +10,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from pdserve.cluster.conductor import Conductor
-from pdserve.cluster.routing import make_routing_policy
+from pdserve.server.conductor_driver import Conductor
+from pdserve.conductor.routing import make_routing_policy
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.server.metrics import Metrics
 

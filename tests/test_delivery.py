@@ -362,7 +362,7 @@ def test_simulated_backpressure_pauses_production_and_loses_nothing():
 
 
 def test_the_consumption_tail_is_learnt_per_tier_once_a_tier_has_samples_of_its_own():
-    from pdserve.cluster.consumption import TIER_SAMPLES, ConsumptionPredictor, Prediction
+    from pdserve.conductor.consumption import TIER_SAMPLES, ConsumptionPredictor, Prediction
     pred = ConsumptionPredictor(None)
 
     def transfer(tier: str, wait_s: float) -> Prediction:
@@ -391,7 +391,7 @@ def test_the_tail_taken_is_where_most_recent_tails_fall_within_the_tolerance():
     """A busy decode worker's tails spread over its ~7 ms step; transfers that land on it idle wait 0. With
     about as many idle as busy ones the median (0.75 ms) is within 5 ms of 88% of them; the densest window's centre
     of all of them."""
-    from pdserve.cluster.consumption import CONSUME_TOLERANCE_S, densest_centre
+    from pdserve.conductor.consumption import CONSUME_TOLERANCE_S, densest_centre
     tails = [0.0] * 12 + [0.0005 * i for i in range(1, 15)]  # 0 ms x 12, then 0.5 .. 7 ms
     centre = densest_centre(tails, CONSUME_TOLERANCE_S)
 

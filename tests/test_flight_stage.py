@@ -1,4 +1,4 @@
-"""A request's stage in the conductor core (`pdserve.cluster.flight_state.Stage`): every move its table allows
+"""A request's stage in the conductor core (`pdserve.conductor.flight_state.Stage`): every move its table allows
 (`TRANSITIONS`) is reached by the core's own flows, one event from a request in the stage it starts from, and
 a move the table does not allow raises."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.conductor_core import ConductorCore
-from pdserve.cluster.flight_state import TRANSITIONS, FlightState, IllegalTransition, Stage
-from pdserve.cluster.routing import make_routing_policy
-from pdserve.cluster.wire import Ready
+from pdserve.conductor.conductor_core import ConductorCore
+from pdserve.conductor.flight_state import TRANSITIONS, FlightState, IllegalTransition, Stage
+from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.wire import Ready
 
 BS = 16
 PROMPT = list(range(100, 140))  # 3 blocks

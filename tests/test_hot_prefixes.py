@@ -1,5 +1,5 @@
 """Idle prewarm: hot prefixes counted by the conductor core and computed ahead on an idle prefill worker
-(`pdserve.cluster.hot_prefixes`, `pdserve.cluster.staging.Staging`), and the same in the simulator."""
+(`pdserve.conductor.hot_prefixes`, `pdserve.conductor.staging.Staging`), and the same in the simulator."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from array import array
 import numpy as np
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.actions import stale
-from pdserve.cluster.conductor_core import ConductorCore, Count, Send
-from pdserve.cluster.hot_prefixes import HALF_LIFE_S, MAX_HOT, DecayedCounts, HotPrefixes
-from pdserve.cluster.routing import WorkerLoad, make_routing_policy
-from pdserve.cluster.wire import Ready
+from pdserve.conductor.actions import stale
+from pdserve.conductor.conductor_core import ConductorCore, Count, Send
+from pdserve.conductor.hot_prefixes import HALF_LIFE_S, MAX_HOT, DecayedCounts, HotPrefixes
+from pdserve.conductor.routing import WorkerLoad, make_routing_policy
+from pdserve.conductor.wire import Ready
 from pdserve.core.block_hash import hash_blocks
 from pdserve.sim.cluster import ClusterSpec, build
 from pdserve.sim.events import MESSAGE

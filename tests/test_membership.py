@@ -1,12 +1,12 @@
-"""The conductor core's part of workers joining and leaving (`pdserve.cluster.membership`), sans I/O: a worker
+"""The conductor core's part of workers joining and leaving (`pdserve.conductor.membership`), sans I/O: a worker
 that joins is routed to; one that is leaving is passed by, released only once nothing routed there is left;
 one that leaves early hands what it had to the others."""
 
 from __future__ import annotations
 
-from pdserve.cluster.conductor_core import ConductorCore, Count, Send
-from pdserve.cluster.routing import make_routing_policy
-from pdserve.cluster.wire import Ready
+from pdserve.conductor.conductor_core import ConductorCore, Count, Send
+from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.wire import Ready
 
 PARAMS = {"max_tokens": 8}
 

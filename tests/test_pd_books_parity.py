@@ -15,9 +15,9 @@ import time
 import pytest
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.commands import REQUEST_COMMANDS, carry_out
-from pdserve.cluster.wire import KINDS, Abort, Command, KvFailed, Reserve
-from pdserve.cluster.worker_commands import WorkerCommands
+from pdserve.conductor.commands import REQUEST_COMMANDS, carry_out
+from pdserve.conductor.wire import KINDS, Abort, Command, KvFailed, Reserve
+from pdserve.worker.worker_commands import WorkerCommands
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.pd import DecodeSide
@@ -61,7 +61,7 @@ class FakePort:
 
 
 class Real:
-    """The real decode worker's side, as `pdserve.cluster.worker` drives it."""
+    """The real decode worker's side, as `pdserve.worker.worker` drives it."""
 
     def __init__(self, model_dir, lease_s: float) -> None:
         cfg = EngineConfig(block_size=BLOCK, num_kv_blocks=256, num_threads=1, max_num_batched_tokens=64,
@@ -73,7 +73,7 @@ class Real:
         self.decisions: list[tuple] = []
 
     def command(self, cmd) -> None:
-        """The real worker's command code (`pdserve.cluster.worker_commands`), on a decode worker."""
+        """The real worker's command code (`pdserve.worker.worker_commands`), on a decode worker."""
         carry_out(cmd, WorkerCommands(self.engine, None, self.side, reports=None))
 
     def deliver(self, rid: str) -> None:

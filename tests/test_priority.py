@@ -15,10 +15,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.cluster.conductor import Conductor
-from pdserve.cluster.routing import make_routing_policy
-from pdserve.cluster.spec import WorkerSpec
-from pdserve.cluster.wire import Abort, from_dict
+from pdserve.server.conductor_driver import Conductor
+from pdserve.conductor.routing import make_routing_policy
+from pdserve.worker.spec import WorkerSpec
+from pdserve.conductor.wire import Abort, from_dict
 from pdserve.core.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
@@ -79,7 +79,7 @@ def test_conductor_commands_carry_priority_in_colocated_mode(tmp_path):
 
 @pytest.fixture
 def make_worker(tiny_llama_dir, tmp_path):
-    from pdserve.cluster.worker import Worker
+    from pdserve.worker.worker import Worker
 
     ctx = zmq.Context.instance()
     sink = ctx.socket(zmq.PULL)  # the gateway's event socket: lets the workers' events go somewhere

@@ -4,7 +4,7 @@ conductor core's decision (`plan_roles`), the same code the gateway drives."""
 
 from __future__ import annotations
 
-from pdserve.cluster.wire import Ready
+from pdserve.conductor.wire import Ready
 from pdserve.core.role_planner import RoleLoad, RolePlanner, best_split, utilization
 from pdserve.sim.cluster import ClusterSpec, simulate
 from pdserve.sim.hardware import get_gpu, get_model
@@ -114,9 +114,9 @@ def test_a_noisy_low_rate_is_not_multiplied_by_the_horizon():
 
 
 def test_a_prefill_worker_without_a_fit_counts_for_its_observed_rate():
-    from pdserve.cluster.admission import Admission
-    from pdserve.cluster.conductor_core import ConductorCore
-    from pdserve.cluster.routing import LeastLoaded
+    from pdserve.conductor.admission import Admission
+    from pdserve.conductor.conductor_core import ConductorCore
+    from pdserve.conductor.routing import LeastLoaded
     core = ConductorCore("pd", LeastLoaded(), admission=Admission(), role_planner=RolePlanner())
     core.add_worker("prefill-0", "prefill")
     core.add_worker("decode-0", "decode")
@@ -155,10 +155,10 @@ def test_a_move_is_weighed_with_what_it_costs_and_its_cost_is_measured():
 
 
 def test_the_core_reports_each_completed_move_as_it_measured_it():
-    from pdserve.cluster.actions import Observe
-    from pdserve.cluster.admission import Admission
-    from pdserve.cluster.conductor_core import ConductorCore
-    from pdserve.cluster.routing import LeastLoaded
+    from pdserve.conductor.actions import Observe
+    from pdserve.conductor.admission import Admission
+    from pdserve.conductor.conductor_core import ConductorCore
+    from pdserve.conductor.routing import LeastLoaded
     core = ConductorCore("pd", LeastLoaded(), admission=Admission(), role_planner=RolePlanner())
     core.membership.switching.append("decode")
     core.roles.started("decode", 10.0)

@@ -10,9 +10,9 @@ import inspect
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.joined import worker_spec
-from pdserve.cluster.spec import WorkerSpec
+from pdserve.conductor.admission import Admission
+from pdserve.worker.joined import worker_spec
+from pdserve.worker.spec import WorkerSpec
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
                                    KvTierSettings, SupervisionSettings, default_of)

@@ -117,7 +117,7 @@ def test_fast_forward_equals_stepping(mode, blocks, wake):
     step, ff = runs
     assert _records(step) == _records(ff)
     # consumption errors are recorded when a fast-forward run closes, so in another order: same values
-    # The consumption tail the conductor learns (`pdserve.cluster.consumption`) hears of a fast-forward
+    # The consumption tail the conductor learns (`pdserve.conductor.consumption`) hears of a fast-forward
     # window's consumptions when the window closes, so its later refined predictions may differ slightly
     # (they order nothing: a prefilled transfer's rest is due now either way); everything else is identical.
     learnt = ("errors_s", "dispatch_errors_s", "blocks_on_time", "blocks_on_time_at_dispatch",

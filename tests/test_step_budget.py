@@ -140,7 +140,7 @@ def test_the_simulator_caps_steps_by_the_same_code():
 
 
 def test_admission_predicts_tpot_within_the_step_budget():
-    from pdserve.cluster.admission import WorkerModel
+    from pdserve.conductor.admission import WorkerModel
     model = WorkerModel()
     for i in range(32):  # a colocated worker busy with prefill: most of its time goes to prompt chunks
         pt = 200 + 10 * (i % 7)
@@ -197,7 +197,7 @@ def test_a_ttft_slo_bounds_every_step_and_the_cold_start_uses_seconds_per_token(
 def test_admission_never_predicts_a_step_faster_than_the_fastest_one_seen():
     # steps whose time the context explains better than a fixed cost: the fit's intercept comes out negative
     # and is dropped, so a tiny prompt alone would be predicted at next to nothing
-    from pdserve.cluster.admission import WorkerModel
+    from pdserve.conductor.admission import WorkerModel
     model = WorkerModel()
     for i in range(32):
         model.observe(0, 0, 1, 100 + 50 * i, 0.010 + 0.0001 * (50 * i) - 0.004)

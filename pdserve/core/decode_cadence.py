@@ -25,7 +25,7 @@ recompute) are paced like any other but do not set the period. Until `MIN_SAMPLE
 (a worker that sat idle), nothing is held.
 
 One copy for both clocks: the real decode worker holds a step's outputs until `started + pace(...)` (its inbox
-served meanwhile, `pdserve.cluster.worker`); the simulator's decode engine ends the step there
+served meanwhile, `pdserve.worker.worker`); the simulator's decode engine ends the step there
 (`pdserve.sim.engine`, and its fast-forward windows step by step with a copy, `trial`).
 """
 

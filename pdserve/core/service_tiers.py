@@ -10,7 +10,7 @@ Three tiers, as in OpenAI's API:
   `BEST_EFFORT_HORIZON_S` without one) and `weight` is the tier's weight (default 1, flex 0.5: flex yields
   first). A request's key is fixed when it arrives, yet the order is the order of SLO slack: the request
   whose deadline is nearest (least slack left, longest queued relative to its SLO) goes first. Load and
-  transfer progress enter through admission (`pdserve.cluster.admission`): a request whose predicted TTFT
+  transfer progress enter through admission (`pdserve.conductor.admission`): a request whose predicted TTFT
   or TPOT misses its SLO under the current load is refused before it queues.
 
 A tier without an SLO is best effort: admission never refuses it by prediction (only a full queue does).

@@ -100,7 +100,7 @@ def check_mode(mode: str) -> str:
 
 @dataclass(frozen=True)
 class AdmissionSettings:
-    """Whether the conductor refuses a request it predicts will miss its SLO (`pdserve.cluster.admission`)."""
+    """Whether the conductor refuses a request it predicts will miss its SLO (`pdserve.conductor.admission`)."""
     admission: str | None = setting(None, "Prediction-based admission: predict (refuse at once, with 429 "
                                     "slo_unattainable, a request whose predicted TTFT or TPOT misses its service "
                                     "tier's SLO) or off; default: predict when any tier has an SLO.")

@@ -1,7 +1,7 @@
 """A prefill worker's stage passes: prompts computed ahead while their decode worker has no room.
 
 One copy for the real prefill worker (`pdserve.engine.pd.PrefillSide`) and the simulated prefill engine
-(`pdserve.sim.staging`); which prompt to stage is the conductor core's decision (`pdserve.cluster.staging`).
+(`pdserve.sim.staging`); which prompt to stage is the conductor core's decision (`pdserve.conductor.staging`).
 A stage pass is a prefill-only request `<rid>@stage` ranked after every real prefill of its tier (arrival at
 infinity: real work pauses it at a chunk boundary), with no transfer. When it ends, its prompt's host entries
 are pinned (`pin_staged`, at most `STAGE_PIN_S`) until the real prefill has run. The real prefill
@@ -56,7 +56,7 @@ class StagePasses:
         self.scheduler.add_request(request)
 
     def warm(self, request: Request) -> None:
-        """A hot prefix computed ahead for no request in particular (`pdserve.cluster.hot_prefixes`): a stage
+        """A hot prefix computed ahead for no request in particular (`pdserve.conductor.hot_prefixes`): a stage
         pass whose KV is left to the prefix cache and the host tier (nothing pinned, nothing waits for it)."""
         self.warming.add(request.request_id)
         self.stage(request)

@@ -7,7 +7,7 @@ running request's leading blocks that are on disk are its checkpoint, in files t
 each time that number grew by `every` tokens (`--kv-checkpoint-tokens`) since the last report.
 
 **Restoring one.** When the worker dies, the conductor moves each request with a checkpoint to another worker
-with `restore: {peer, tokens}` (`pdserve.cluster.recovery`). That worker `adopt`s the dead peer's files of
+with `restore: {peer, tokens}` (`pdserve.conductor.recovery`). That worker `adopt`s the dead peer's files of
 the request's first `tokens` tokens: each is hard-linked into its own disk folder and indexed in its disk tier,
 in chain order, up to the first one missing. The request then finds them as prefix hits like any other
 (prefetched disk -> host -> device); the worker computes the rest itself (at most about `every` tokens, the

@@ -127,7 +127,7 @@ class PrefillSide:
                                                    service_tier=service_tier))
 
     def warm(self, request_id: str, prompt: list[int]) -> None:
-        """Compute a hot prefix ahead, for no request in particular (`pdserve.cluster.hot_prefixes`)."""
+        """Compute a hot prefix ahead, for no request in particular (`pdserve.conductor.hot_prefixes`)."""
         self.stages.warm(self.engine.make_request(request_id, prompt, WARM_PARAMS, WARM_PRIORITY,
                                                   prefill_only=True, service_tier=WARM_TIER))
 

@@ -10,12 +10,12 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.conductor import Conductor
-from pdserve.cluster.wire import Shutdown
-from pdserve.cluster.wire_codec import pack
+from pdserve.conductor.admission import Admission
+from pdserve.server.conductor_driver import Conductor
+from pdserve.conductor.wire import Shutdown
+from pdserve.worker.wire_codec import pack
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.cluster.routing import make_routing_policy
+from pdserve.conductor.routing import make_routing_policy
 from pdserve.errors import PdserveError
 from pdserve.model.config import ModelConfig, model_fingerprint
 from pdserve.server.api import BodyLimit, SendTimeout, create_app

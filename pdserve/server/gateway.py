@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.cluster.conductor import Conductor, Flight
+from pdserve.server.conductor_driver import Conductor, Flight
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError, PdserveError, check_ttl

@@ -21,7 +21,7 @@ class JoinPolicy:
     block_size: int
 
     def check(self, event) -> str | None:
-        """Why the worker whose `ready` event (`pdserve.cluster.wire.Ready`) this is may not join (None: it may)."""
+        """Why the worker whose `ready` event (`pdserve.conductor.wire.Ready`) this is may not join (None: it may)."""
         role = event.role
         if role not in ROLES[self.mode]:
             return f"a {self.mode} deployment takes {' or '.join(ROLES[self.mode])} workers, not {role!r}"

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from pdserve.cluster.spec import WorkerSpec
+from pdserve.worker.spec import WorkerSpec
 from pdserve.core import kv_codecs
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, SupervisionSettings,
                                    parse_link_share, pick, shared)
@@ -145,7 +145,7 @@ class ServeConfig:
             raise InvalidRequestError(f"--otlp-endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}",
                                       param="otlp_endpoint")
         if self.cluster is not None:
-            from pdserve.cluster.ray_workers import parse_cluster
+            from pdserve.worker.ray_workers import parse_cluster
             parse_cluster(self.cluster)
         self._check_control()
         if self.role_switching not in ("auto", "off"):
@@ -239,7 +239,7 @@ class WorkerProcesses:
         for spec in self.specs:
             log = open(self.run_dir / f"{spec.name}.log", "wb")  # noqa: SIM115 - the child owns it
             self.procs[spec.name] = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()], stdout=log,
+                [sys.executable, "-m", "pdserve.worker.worker", spec.to_json()], stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
             log.close()
 
@@ -247,7 +247,7 @@ class WorkerProcesses:
         """Start worker `name` again (its log goes on in the same file)."""
         spec = next(s for s in self.specs if s.name == name)
         log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.worker", spec.to_json()],
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pdserve.worker.worker", spec.to_json()],
                                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=self.env)
         log.close()

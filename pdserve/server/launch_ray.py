@@ -3,7 +3,7 @@
 The `pdserve serve` process is only the Ray driver: it connects to the cluster (RAY_ADDRESS, else a new local
 one; or the cluster whose GCS is at ADDRESS) and places the gateway as a Ray actor (`GatewayActor`) on its own
 node, the one whose --host/--port clients reach; the gateway places the workers as actors
-(`pdserve.cluster.ray_workers`). Ray owns them as it owns everything: the workers by the gateway, the gateway by
+(`pdserve.worker.ray_workers`). Ray owns them as it owns everything: the workers by the gateway, the gateway by
 the driver. When the driver ends, the deployment ends with it; when the gateway's process dies, Ray starts it
 again on the same node (up to --max-restarts; none with --no-restart-workers) and the new gateway places a
 new set of workers (the old ones end with the gateway that owned them; requests in flight on the dead gateway
@@ -22,8 +22,8 @@ import tempfile
 import uuid
 from dataclasses import replace
 
-from pdserve.cluster.joined import zmq_address
-from pdserve.cluster.ray_workers import NAMESPACE, RayWorkers, parse_cluster
+from pdserve.worker.joined import zmq_address
+from pdserve.worker.ray_workers import NAMESPACE, RayWorkers, parse_cluster
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.transfer import peer_auth
 

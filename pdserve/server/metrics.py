@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LINK_WINDOW_S = 10.0  # the window of pdserve_kv_link_utilization
 
-# actual - predicted first consumption: "on time" is within +-5 ms (pdserve.cluster.consumption)
+# actual - predicted first consumption: "on time" is within +-5 ms (pdserve.conductor.consumption)
 _ERROR_BUCKETS = (-10.0, -1.0, -0.25, -0.1, -0.05, -0.025, -0.005, 0.005, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -326,7 +326,7 @@ class Metrics:
                 self.backlog.labels(worker=worker, tier_class=name).set(b.tokens[rank])
 
     def observe_prefill(self, e) -> None:
-        """A `prefilled` event (`pdserve.cluster.wire.Prefilled`)."""
+        """A `prefilled` event (`pdserve.conductor.wire.Prefilled`)."""
         if e.queue_s is not None:
             self.queue.labels(worker_role="prefill").observe(e.queue_s)
         if e.prefill_s is not None:
@@ -339,7 +339,7 @@ class Metrics:
             self.prefill.labels(worker_role=role).observe(item["prefill_s"])
 
     def observe_transfer(self, e) -> None:
-        """A `transfer` event (`pdserve.cluster.wire.Transfer`)."""
+        """A `transfer` event (`pdserve.conductor.wire.Transfer`)."""
         if e.outcome == "held" and e.lapses > 1:
             return  # a renewed lease lapsing again: its transfer's failure is counted (and timed) once
         self.kv_transfer_time.labels(outcome=e.outcome).observe(e.seconds)

@@ -3,7 +3,7 @@
 Every 0.2 s the supervisor looks at each worker process:
 
 * a process that ended is **dead**: the conductor hears of it (`Conductor.worker_died`: the prefill workers
-  forget it, its requests move to live workers, `pdserve.cluster.recovery`, its prompts to another prefill
+  forget it, its requests move to live workers, `pdserve.conductor.recovery`, its prompts to another prefill
   worker) and, with `--restart-workers` (the default), it is started again after a backoff (1 s, doubling per
   restart of that worker, at most 30 s), at most `--max-restarts` times;
 * a **ready** worker is taken for hung when for `--heartbeat-timeout-s` it sent no heartbeat (a thread of its

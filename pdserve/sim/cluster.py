@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.routing import make_routing_policy
+from pdserve.conductor.admission import Admission
+from pdserve.conductor.routing import make_routing_policy
 from pdserve.core.decode_cadence import DecodeCadence
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.kv_meta import STORAGE_TIERS
@@ -81,7 +81,7 @@ class ClusterSpec:
     link_gbps: float | None = shared(DeliverySettings, "link_gbps")  # per engine; None: tp x the GPU preset's
     delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")
     decode_cadence: str = shared(CadenceSettings, "decode_cadence")
-    idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.cluster.hot_prefixes)
+    idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.conductor.hot_prefixes)
     role_switching: str = "off"  # auto: the role planner moves engines between prefill and decode (pdserve.sim.roles)
     role_switch_s: float = 20.0  # a moved engine is out this long after it drained (weights reloaded)
 

@@ -1,14 +1,14 @@
 """The simulated cluster around the conductor: the real `ConductorCore` decides, on simulated time.
 
 Every conductor decision (route, admit or reject, dispatch the prefill once blocks are reserved, abort) is
-made by `pdserve.cluster.conductor_core.ConductorCore`, the same object the gateway drives; this module
+made by `pdserve.conductor.conductor_core.ConductorCore`, the same object the gateway drives; this module
 carries out its actions on simulated workers and models what the real workers do with them:
 * colocated: `generate` — the worker runs the whole request;
 * pd: `reserve` — the decode worker queues a reservation in its books (`pdserve.core.decode_books`, the
   real decode worker's); at a step boundary the books grant reservations in order while blocks last and
   the worker reports `reserved` to
   the core, whose `prefill` command puts the prompt on the prefill worker as a `prefill_only` request (as
-  `PrefillSide.add`), its predicted consumption (the core's, `pdserve.cluster.consumption`) the deadline of its
+  `PrefillSide.add`), its predicted consumption (the core's, `pdserve.conductor.consumption`) the deadline of its
   flows on the links (`--delivery`). Each prefill step pushes the chunk's new blocks over the link while it computes
   (a partly filled block goes again, complete, with the next chunk, as `on_layer` does); the last one
   samples the first token. When the prefill is done and every flow has landed, the decode worker settles
@@ -30,12 +30,12 @@ import random
 from collections import Counter
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
-from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
-from pdserve.cluster.routing import RoutingPolicy
-from pdserve.cluster.commands import carry_out
-from pdserve.cluster.wire import Ready
+from pdserve.conductor.admission import Admission
+from pdserve.conductor.consumption import CONSUME_TOLERANCE_S
+from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe, Send
+from pdserve.conductor.routing import RoutingPolicy
+from pdserve.conductor.commands import carry_out
+from pdserve.conductor.wire import Ready
 from pdserve.core.decode_books import DecodeBooks
 from pdserve.core.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict

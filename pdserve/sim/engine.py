@@ -30,7 +30,7 @@ import itertools
 from array import array
 from collections.abc import Callable
 
-from pdserve.cluster.routing import WorkerLoad
+from pdserve.conductor.routing import WorkerLoad
 from pdserve.core.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.request import Request
 from pdserve.core.schedule import SchedulerConfig

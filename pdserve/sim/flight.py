@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.cluster.consumption import CONSUME_TOLERANCE_S
+from pdserve.conductor.consumption import CONSUME_TOLERANCE_S
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.engine import SimEngine
 

@@ -1,5 +1,5 @@
 """`pdserve simulate --role-switching auto`: the conductor core's role planner moving engines between prefill and
-decode in simulated time, as the gateway moves workers (`pdserve.cluster.membership.plan_roles`).
+decode in simulated time, as the gateway moves workers (`pdserve.conductor.membership.plan_roles`).
 
 Every `interval_s` the core plans (`plan_roles`); a `Switch` marks an engine leaving (routing passes it by).
 Once the core finds it drained, the engine is gone (`worker_left`) and, `switch_s` later (a restarted worker
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.cluster.actions import Switch
+from pdserve.conductor.actions import Switch
 from pdserve.sim.events import MESSAGE
 
 

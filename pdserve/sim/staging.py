@@ -1,7 +1,7 @@
 """Staging in the simulator: each prefill engine runs its stage passes with the real worker's code
 (`pdserve.core.stage_passes.StagePasses`, as `pdserve.engine.pd.PrefillSide` does) and advertises the same
 capacity (`stage_capacity`). The decisions (when, which prompt) are the conductor core's
-(`pdserve.cluster.staging.Staging.next`)."""
+(`pdserve.conductor.staging.Staging.next`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What a simulated worker does with each command for a request or a transfer (`pdserve.cluster.commands`,
-the real worker's `pdserve.cluster.worker_commands`): the request is made from the command's fields and
+"""What a simulated worker does with each command for a request or a transfer (`pdserve.conductor.commands`,
+the real worker's `pdserve.worker.worker_commands`): the request is made from the command's fields and
 reaches the engine a control message's way later (a prefill: after the decode worker's reply to the gateway and
 the gateway's command), at the engine's next step boundary. The simulator models no lease lapses and no
 prewarm pins: `renew`, `redirect`, `unpin` and `peer_gone` are counted (`sim_ignored_commands`), not carried out.
@@ -7,7 +7,7 @@ prewarm pins: `renew`, `redirect`, `unpin` and `peer_gone` are counted (`sim_ign
 
 from __future__ import annotations
 
-from pdserve.cluster.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
+from pdserve.conductor.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
                                   Unpin, Warm)
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import PdserveError

@@ -1,5 +1,5 @@
 """What a worker reports to the gateway after each pass of its loop (`WorkerReports`, a part of
-`pdserve.cluster.worker.Worker`): on a decode worker, reservations granted (`reserved`) or left waiting,
+`pdserve.worker.worker.Worker`): on a decode worker, reservations granted (`reserved`) or left waiting,
 transfers settled and the step that first read delivered KV (`consumed`); on every worker, the tokens its step
 made; on a prefill worker, the prompts it prefilled, staged or gave up on (`prefilled`, `staged`) and the
 landings that moved (`relanded`).
@@ -14,7 +14,7 @@ import time
 
 from collections.abc import Callable
 
-from pdserve.cluster.wire import Consumed, Prefilled, Relanded, Reserved, ReserveWaiting, Staged, Tokens, Transfer
+from pdserve.conductor.wire import Consumed, Prefilled, Relanded, Reserved, ReserveWaiting, Staged, Tokens, Transfer
 
 
 class WorkerReports:

@@ -23,8 +23,8 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-from pdserve.cluster.spec import WorkerSpec
-from pdserve.cluster.wire import Leaving, Left
+from pdserve.worker.spec import WorkerSpec
+from pdserve.conductor.wire import Leaving, Left
 from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, default_of
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth

@@ -1,9 +1,9 @@
 """A worker process: one engine loop in a prefill, decode or colocated role, driven over ZeroMQ.
 
-    python -m pdserve.cluster.worker '<WorkerSpec JSON>'
+    python -m pdserve.worker.worker '<WorkerSpec JSON>'
 
-Commands (gateway -> worker) and events (worker -> gateway) are `pdserve.cluster.wire` messages, packed by
-`pdserve.cluster.wire_codec`: commands generate, reserve, prefill, stage, warm, abort, kv_failed, redirect,
+Commands (gateway -> worker) and events (worker -> gateway) are `pdserve.conductor.wire` messages, packed by
+`pdserve.worker.wire_codec`: commands generate, reserve, prefill, stage, warm, abort, kv_failed, redirect,
 renew, unpin, peer_gone, shutdown (and for a joined worker welcome, release, leave, refused); events ready,
 reserved, reserve_waiting, prefilled, staged, consumed, relanded, tokens, error, transfer, checkpointed, stats,
 leaving, left (and, from a thread of their own, beat). The loop never blocks while it has
@@ -23,15 +23,15 @@ import traceback
 
 import zmq
 
-from pdserve.cluster.joined import Departure
-from pdserve.cluster.spec import WorkerSpec
-from pdserve.cluster.commands import carry_out
-from pdserve.cluster.wire import (Beat, Checkpointed, Error, Leave, Ready, Refused, Release, Shutdown, Stats, Welcome,
+from pdserve.worker.joined import Departure
+from pdserve.worker.spec import WorkerSpec
+from pdserve.conductor.commands import carry_out
+from pdserve.conductor.wire import (Beat, Checkpointed, Error, Leave, Ready, Refused, Release, Shutdown, Stats, Welcome,
                                   WireError)
-from pdserve.cluster.wire_codec import pack, unpack
-from pdserve.cluster.worker_commands import WorkerCommands
-from pdserve.cluster.worker_reports import WorkerReports
-from pdserve.cluster.worker_stats import step_shape, worker_stats
+from pdserve.worker.wire_codec import pack, unpack
+from pdserve.worker.worker_commands import WorkerCommands
+from pdserve.worker.worker_reports import WorkerReports
+from pdserve.worker.worker_stats import step_shape, worker_stats
 from pdserve.core.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.delivery import LANDING_RECHECK_S
 from pdserve.core.kv_tiers import capacity_blocks

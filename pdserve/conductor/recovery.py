@@ -27,7 +27,7 @@ worker to take it, or when the driver cannot tell which tokens were streamed (a 
 the request ends with an explicit 503, unless its worker is being restarted: then it waits for a worker to be
 ready (`orphans`, placed by `adopt_orphans` when the core hears a `ready`), and fails only if none will be.
 
-`Recovery` owns the orphans; it sees the core's `Books` (`pdserve.cluster.books`: the flights, workers and
+`Recovery` owns the orphans; it sees the core's `Books` (`pdserve.conductor.books`: the flights, workers and
 backlog, routing, and the moves that keep their counts) and admission's step models.
 """
 
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdserve.cluster.actions import Count, Fail, Send, stale
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.books import Books
-from pdserve.cluster.flight_state import FlightState, Stage
-from pdserve.cluster.wire import Abort, KvFailed, Redirect, Renew
+from pdserve.conductor.actions import Count, Fail, Send, stale
+from pdserve.conductor.admission import Admission
+from pdserve.conductor.books import Books
+from pdserve.conductor.flight_state import FlightState, Stage
+from pdserve.conductor.wire import Abort, KvFailed, Redirect, Renew
 from pdserve.core.online_fit import MIN_SAMPLES
 
 HEARD_S = 1.0  # a worker heard from this recently (two heartbeats) is running, however busy its loop

@@ -1,10 +1,10 @@
-"""The control plane's messages on the sockets: `pdserve.cluster.wire` messages as msgpack maps."""
+"""The control plane's messages on the sockets: `pdserve.conductor.wire` messages as msgpack maps."""
 
 from __future__ import annotations
 
 import msgpack
 
-from pdserve.cluster.wire import WireError, from_dict, to_dict
+from pdserve.conductor.wire import WireError, from_dict, to_dict
 
 
 def pack(msg) -> bytes:

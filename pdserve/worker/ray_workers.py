@@ -3,7 +3,7 @@
 The gateway (itself a Ray actor on the node whose HTTP port clients reach, `pdserve.server.launch_ray`)
 places one actor per worker (`WorkerActor`), spread over the cluster's nodes, each asking for its torch threads
 as CPUs and, when the cluster has GPUs, one GPU. An actor resolves the model on its own node, binds its sockets
-on its node's address, and joins the gateway as `pdserve worker --join` does (`pdserve.cluster.joined`): the
+on its node's address, and joins the gateway as `pdserve worker --join` does (`pdserve.worker.joined`): the
 gateway's control socket on its node's address, the deployment secret handed to the actors in their Ray
 runtime environment, KV between nodes over tcp. The gateway finds its workers through Ray (named actors in
 the namespace `pdserve`, one name prefix per deployment); Ray restarts an actor whose process died (up to
@@ -20,8 +20,8 @@ import threading
 import uuid
 from dataclasses import replace
 
-from pdserve.cluster.joined import zmq_address
-from pdserve.cluster.spec import WorkerSpec
+from pdserve.worker.joined import zmq_address
+from pdserve.worker.spec import WorkerSpec
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.transfer import peer_auth
 
@@ -35,7 +35,7 @@ class WorkerActor:
     def __init__(self, spec_json: str, model: str | None) -> None:
         import ray
 
-        from pdserve.cluster.worker import Worker
+        from pdserve.worker.worker import Worker
         from pdserve.model.loader import resolve_model_dir
         here = ray.util.get_node_ip_address()
         spec = WorkerSpec.from_json(spec_json)
@@ -47,7 +47,7 @@ class WorkerActor:
         threading.Thread(target=self._serve, name="pdserve-worker", daemon=True).start()
 
     def _serve(self) -> None:
-        from pdserve.cluster.worker import serve_until_done
+        from pdserve.worker.worker import serve_until_done
         if serve_until_done(self.worker) not in (0, 2):
             os._exit(1)  # crashed: Ray starts the actor again, and it joins again
 

@@ -1,15 +1,15 @@
 """The conductor's decisions, sans I/O: events in, actions out; one copy for the gateway and the simulator.
 
-No asyncio, sockets or wall clock here (the caller passes `now`). The gateway (`cluster/conductor.py`) drives
+No asyncio, sockets or wall clock here (the caller passes `now`). The gateway (`server/conductor_driver.py`) drives
 it with ZeroMQ events and the real clock; the simulator (`sim/conductor.py`) with its event loop and
 simulated time. What it decides:
 
 * **route** a request (the routing policy over `WorkerLoad`s: outstanding counts, remembered prefixes);
 * **admit or reject** it: no live worker (503), a full queue or a predicted SLO miss (429 with Retry-After,
-  `pdserve.cluster.admission`);
+  `pdserve.conductor.admission`);
 * in PD mode, ask the decode worker to **reserve** KV blocks, then **dispatch** the prefill to the prefill
   worker once they are reserved (or not at all, when the decode worker has every prompt token but the last);
-* react to **failures** (`pdserve.cluster.recovery`): a dead decode worker's requests move to a live one
+* react to **failures** (`pdserve.conductor.recovery`): a dead decode worker's requests move to a live one
   with their outputs so far (nothing lost, no token changed); a dead prefill worker's prompts move to another
   prefill worker unless recomputing on the decode worker is predicted faster or none is left; a transfer
   whose lease lapsed is held by its decode worker: renewed while its prefill worker's process is heard (busy,
@@ -17,22 +17,22 @@ simulated time. What it decides:
   aborts the moot prefill;
 * track each request's TTFT and TPOT against its service tier's SLO (`Count("slo_attained")`);
 * **stage** prompts while their decode worker has no room (PD, `--delivery scheduled`): an idle prefill
-  worker computes a waiting prompt ahead (`stage`; which one: `pdserve.cluster.staging`); its KV stays in
+  worker computes a waiting prompt ahead (`stage`; which one: `pdserve.conductor.staging`); its KV stays in
   that worker's prefix cache and host tier (no device blocks held, no transfer open), and the prefill
   dispatched once blocks are reserved finds it there and only sends it (`Count("kv_staged")`); with no
   prompt to stage, an idle prefill worker **prewarms** the hot prefix it lacks (`warm`, idle prewarm:
-  `pdserve.cluster.hot_prefixes`), so prefix-affine routing can spread that prefix's requests;
-* **predict when a transfer's KV will first be consumed** (`pdserve.cluster.consumption`) at dispatch, send
+  `pdserve.conductor.hot_prefixes`), so prefix-affine routing can spread that prefix's requests;
+* **predict when a transfer's KV will first be consumed** (`pdserve.conductor.consumption`) at dispatch, send
   it with the prefill as the transfer's delivery deadline, refine it when the prompt is prefilled, and check
   it when the decode worker reports the consuming step (`Observe("kv_consumption_error")`, per block);
 * take **workers that join** the running deployment, and let workers **leave** without losing a request
-  (drain, release, hand off: `pdserve.cluster.membership`).
+  (drain, release, hand off: `pdserve.conductor.membership`).
 
-The core composes parts that own their state and see only `Books` (`pdserve.cluster.books`: the flights,
+The core composes parts that own their state and see only `Books` (`pdserve.conductor.books`: the flights,
 workers and backlog, and the moves that keep their counts) and what else each needs: `Staging`, `Recovery`,
 `Membership`. The drivers call the core's event methods; the core hands each event to the part it concerns.
 
-Actions (`pdserve.cluster.actions`): `Send(worker, cmd)` (a command: `pdserve.cluster.wire`), `Fail(rid, ...)` (end the
+Actions (`pdserve.conductor.actions`): `Send(worker, cmd)` (a command: `pdserve.conductor.wire`), `Fail(rid, ...)` (end the
 request with an error the client sees), `Count(metric, labels)` (a counted event for the metrics),
 `Observe(metric, labels, value, weight)` (a value for a histogram, `weight` times: admission's predicted TTFT,
 consumption errors).
@@ -40,17 +40,17 @@ consumption errors).
 
 from __future__ import annotations
 
-from pdserve.cluster.actions import Count, Fail, Observe, Send, stale
-from pdserve.cluster.admission import Admission, Rejection
-from pdserve.cluster.books import Books
-from pdserve.cluster.consumption import ConsumptionPredictor, Prediction
-from pdserve.cluster.flight_state import Backlog, FlightState, Stage
-from pdserve.cluster.hot_prefixes import HotPrefixes
-from pdserve.cluster.membership import Membership
-from pdserve.cluster.recovery import Recovery
-from pdserve.cluster.routing import MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
-from pdserve.cluster.staging import StagePlan, Staging
-from pdserve.cluster.wire import Abort, KvFailed, Prefill, Ready
+from pdserve.conductor.actions import Count, Fail, Observe, Send, stale
+from pdserve.conductor.admission import Admission, Rejection
+from pdserve.conductor.books import Books
+from pdserve.conductor.consumption import ConsumptionPredictor, Prediction
+from pdserve.conductor.flight_state import Backlog, FlightState, Stage
+from pdserve.conductor.hot_prefixes import HotPrefixes
+from pdserve.conductor.membership import Membership
+from pdserve.conductor.recovery import Recovery
+from pdserve.conductor.routing import MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
+from pdserve.conductor.staging import StagePlan, Staging
+from pdserve.conductor.wire import Abort, KvFailed, Prefill, Ready
 from pdserve.core.service_tiers import ServiceTiers
 
 __all__ = ["Backlog", "ConductorCore", "Count", "Fail", "FlightState", "Observe", "Send"]
@@ -58,7 +58,7 @@ __all__ = ["Backlog", "ConductorCore", "Count", "Fail", "FlightState", "Observe"
 
 class ConductorCore:
     """Composes its parts, each owning its own state: `books` (the flights, workers, backlog and the moves
-    that keep their counts: `pdserve.cluster.books`), `staging`, `recovery` and `membership`; each part sees
+    that keep their counts: `pdserve.conductor.books`), `staging`, `recovery` and `membership`; each part sees
     `books` and what else it needs, never the core. The drivers call the core's event methods only."""
 
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,

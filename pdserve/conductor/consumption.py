@@ -1,7 +1,7 @@
 """When will a transfer's KV first be consumed? The conductor's prediction, refined as the transfer advances.
 
 One copy for both clocks: the gateway's and the simulator's `ConductorCore` both call it, over the same
-fitted step-time models admission keeps (`pdserve.cluster.admission.WorkerModel`, learnt from the workers'
+fitted step-time models admission keeps (`pdserve.conductor.admission.WorkerModel`, learnt from the workers'
 live steps). A transfer's KV is first consumed by the decode step that starts once it has landed, which is
 about when the request's first token reaches the gateway (the decode worker emits the prefill worker's
 first token when it settles the transfer, then steps).
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.cluster.admission import Admission
+from pdserve.conductor.admission import Admission
 from pdserve.core.delivery import CONSUME_TOLERANCE_S
 
 TAIL_SAMPLES = 64

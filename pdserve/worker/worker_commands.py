@@ -1,10 +1,10 @@
-"""What the real worker does with each command for a request or a transfer (`pdserve.cluster.commands`): it
+"""What the real worker does with each command for a request or a transfer (`pdserve.conductor.commands`): it
 makes the request from the command's fields (`LLMEngine.make_request`) and hands it to its engine, its
 prefill side (`PrefillSide`) or its decode side (`DecodeSide`)."""
 
 from __future__ import annotations
 
-from pdserve.cluster.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
+from pdserve.conductor.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
                                   Unpin, Warm)
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import SERVICE_TIERS

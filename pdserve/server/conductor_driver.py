@@ -1,8 +1,8 @@
 """The conductor in the gateway: drives the sans-I/O `ConductorCore` with ZeroMQ and the wall clock.
 
 Every decision (route, admit or reject, reserve then dispatch the prefill, react to a dead worker or a failed
-delivery) is the core's (`pdserve.cluster.conductor_core`), the same code the simulator drives. This module
-only does the I/O: it turns worker events (`pdserve.cluster.wire` messages over the event socket) into core events, carries out the
+delivery) is the core's (`pdserve.conductor.conductor_core`), the same code the simulator drives. This module
+only does the I/O: it turns worker events (`pdserve.conductor.wire` messages over the event socket) into core events, carries out the
 core's actions (a command to a worker's socket, an error into a request's stream, a metric), and streams
 token events into each request's queue.
 """
@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.actions import Level, Switch, stale
-from pdserve.cluster.conductor_core import ConductorCore, Count, Fail, Observe, Send
-from pdserve.cluster.routing import RoutingPolicy, WorkerLoad
-from pdserve.cluster.wire import (Beat, Checkpointed, Consumed, Error, Leave, Leaving, Left, PeerGone, Prefilled, Ready,
+from pdserve.conductor.admission import Admission
+from pdserve.conductor.actions import Level, Switch, stale
+from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe, Send
+from pdserve.conductor.routing import RoutingPolicy, WorkerLoad
+from pdserve.conductor.wire import (Beat, Checkpointed, Consumed, Error, Leave, Leaving, Left, PeerGone, Prefilled, Ready,
                                   Refused, Relanded, Release, Reserved, ReserveWaiting, Staged, Stats, Tokens,
                                   Transfer, Unpin, Welcome, WireError, to_dict)
-from pdserve.cluster.wire_codec import pack, unpack
+from pdserve.worker.wire_codec import pack, unpack
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.transfer.zmq_auth import Refusals, secure_client
@@ -110,7 +110,7 @@ class Conductor:
     def ready(self) -> bool:
         return all(w.info for w in self.workers.values() if not w.joined)
 
-    # ---- membership: workers that join and leave (`pdserve.cluster.membership`) --------------------------
+    # ---- membership: workers that join and leave (`pdserve.conductor.membership`) --------------------------
     def _join(self, event: Ready) -> bool:
         """A `ready` event from a worker this gateway did not start: take it in, or tell it why not."""
         name, role, cmd_addr = event.worker, event.role, event.cmd_addr
@@ -166,7 +166,7 @@ class Conductor:
                     left: bool | None = None) -> None:
         """A worker process ended (or was killed as hung; `left`: it left, drained or not). The prefill
         workers forget a dead decode worker first (its rings, connections, lent blocks: nothing of it is
-        reused), then the core moves its requests and its prompts (`pdserve.cluster.recovery`)."""
+        reused), then the core moves its requests and its prompts (`pdserve.conductor.recovery`)."""
         addr = self.workers[name].info.get("kv_addr")
         if addr:
             for w in self.role("prefill"):
@@ -290,7 +290,7 @@ class Conductor:
             self.metrics.fallbacks.labels(kind=kind).inc()
 
     def on_event(self, event) -> None:
-        """One worker event (`pdserve.cluster.wire`)."""
+        """One worker event (`pdserve.conductor.wire`)."""
         now, core = self.clock(), self.core
         if isinstance(event, Tokens):
             self._tokens(event, now)

@@ -6,7 +6,7 @@ counts between them consistent.
 token yet) — and the only code that moves a request's counts between workers: `place` (a request routed to
 its workers: outstanding, backlog, remembered prefixes; the first command it needs), `release_prefill` (its
 prefill worker's part is over: backlog and outstanding given back) and `finish` (it ended). The core
-(`pdserve.cluster.conductor_core`) and its parts (`staging`, `recovery`, `membership`) read the tables and
+(`pdserve.conductor.conductor_core`) and its parts (`staging`, `recovery`, `membership`) read the tables and
 call these moves; none of them adjusts another's counts by hand. Pure bookkeeping: no I/O, no clock.
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from pdserve.cluster.actions import Fail, Send
-from pdserve.cluster.flight_state import Backlog, FlightState, Stage
-from pdserve.cluster.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
-from pdserve.cluster.wire import Generate, Reserve
+from pdserve.conductor.actions import Fail, Send
+from pdserve.conductor.flight_state import Backlog, FlightState, Stage
+from pdserve.conductor.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.conductor.wire import Generate, Reserve
 from pdserve.core.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
 
@@ -27,7 +27,7 @@ class Books:
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers, block_size: int,
                  prefill_released: Callable[[str | None, str], None]) -> None:
         """`prefill_released(prefill, rid)`: told whenever `rid` lets go of its prefill worker (a stage pass of
-        it running there is moot: `pdserve.cluster.staging.StagePlan.done`)."""
+        it running there is moot: `pdserve.conductor.staging.StagePlan.done`)."""
         self.mode, self.policy, self.tiers = mode, policy, tiers
         self.block_size = block_size  # (set from the workers' `ready`)
         self.flights: dict[str, FlightState] = {}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.cluster.routing import HashRun
+from pdserve.conductor.routing import HashRun
 from pdserve.core.u64map import new_map
 
 HOT_COUNT = 1.5  # decayed count of requests that makes a prefix hot: two within a half-life

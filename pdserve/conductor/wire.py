@@ -2,7 +2,7 @@
 (worker -> gateway), and the one mapping to and from the plain dicts they travel as.
 
 The conductor core makes commands (`Send(worker, Reserve(...))`); the gateway's driver, a worker process and
-the simulator carry them out and read events through this module alone (`pdserve.cluster.wire_codec` packs
+the simulator carry them out and read events through this module alone (`pdserve.worker.wire_codec` packs
 them with msgpack on the sockets). A message that does not decode (not a dict, an unknown type, a required
 field missing, a field no message of its type has) raises `WireError`: only those are bad events.
 
@@ -263,7 +263,7 @@ class Checkpointed:
 class Stats:
     worker: str
     role: str
-    values: dict = field(default_factory=dict)  # `pdserve.cluster.worker_stats.worker_stats`
+    values: dict = field(default_factory=dict)  # `pdserve.worker.worker_stats.worker_stats`
 
 
 @message("beat")

@@ -7,24 +7,24 @@ finishes what it holds: the requests decoding there, the prompts routed there (t
 nothing the conductor routed there is left (`drained`), the gateway releases it; the worker sends what its
 links still queue and says it left (`worker_left`). A worker that leaves early (its drain timed out) or is
 lost (silent past the heartbeat timeout) hands what it still had to the others as a dead worker's requests
-are moved (`pdserve.cluster.recovery`): nothing is lost either way.
+are moved (`pdserve.conductor.recovery`): nothing is lost either way.
 
 Role switching (`--role-switching auto`, `plan_roles`) uses the same steps: the planner
 (`pdserve.core.role_planner`) picks a role that needs one more worker; the least busy worker of the other role
 drains (`Switch`), and once drained the driver replaces it with a worker of the new role, which joins.
 
 `Membership` owns the moves under way and the role planner; it sees the core's `Books`
-(`pdserve.cluster.books`) and admission's step models. The core calls it, and moves a gone worker's requests
-(`pdserve.cluster.recovery`).
+(`pdserve.conductor.books`) and admission's step models. The core calls it, and moves a gone worker's requests
+(`pdserve.conductor.recovery`).
 """
 
 from __future__ import annotations
 
-from pdserve.cluster.actions import Count, Level, Observe, Switch
-from pdserve.cluster.admission import Admission
-from pdserve.cluster.books import Books
-from pdserve.cluster.flight_state import Stage
-from pdserve.cluster.wire import Ready
+from pdserve.conductor.actions import Count, Level, Observe, Switch
+from pdserve.conductor.admission import Admission
+from pdserve.conductor.books import Books
+from pdserve.conductor.flight_state import Stage
+from pdserve.conductor.wire import Ready
 from pdserve.core.role_planner import RolePlanner, role_utilization
 
 

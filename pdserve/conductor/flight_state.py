@@ -21,14 +21,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.cluster.consumption import Prediction
+from pdserve.conductor.consumption import Prediction
 
 
 class Stage(enum.Enum):
     NEW = "new"  # admitted, not placed yet (or the copy of a request moving off a dead worker)
     RESERVING = "reserving"  # its decode worker is asked to reserve KV blocks (`Reserve`, or `Redirect`)
     WAITING_ROOM = "waiting_room"  # its decode worker has no room for its blocks yet (`reserve_waiting`)
-    STAGING = "staging"  # meanwhile its idle prefill worker computes it ahead (`pdserve.cluster.staging`)
+    STAGING = "staging"  # meanwhile its idle prefill worker computes it ahead (`pdserve.conductor.staging`)
     STAGED = "staged"  # computed ahead: once dispatched, only its last token is left to compute
     DISPATCHED = "dispatched"  # blocks reserved; its prefill worker computes it and sends the KV (`Prefill`)
     PREFILLED = "prefilled"  # its prefill worker reported the prompt done; the KV is on its way
@@ -114,7 +114,7 @@ class FlightState:
         return self.prompt + self.outputs[:self.offset] if self.offset else self.prompt
 
     def request_fields(self) -> dict:
-        """The fields of the commands that carry it (generate, reserve, prefill, stage: `pdserve.cluster.wire`):
+        """The fields of the commands that carry it (generate, reserve, prefill, stage: `pdserve.conductor.wire`):
         its prompt where it runs now, and what is left of its tokens."""
         params = self.params
         if self.offset:

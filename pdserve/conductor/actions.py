@@ -1,4 +1,4 @@
-"""The conductor core's actions (`pdserve.cluster.conductor_core`): what its drivers carry out."""
+"""The conductor core's actions (`pdserve.conductor.conductor_core`): what its drivers carry out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Send:
     worker: str
-    cmd: object  # a command (`pdserve.cluster.wire`)
+    cmd: object  # a command (`pdserve.conductor.wire`)
 
 
 @dataclass(frozen=True)

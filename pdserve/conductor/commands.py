@@ -1,8 +1,8 @@
 """What a worker does with each command of the conductor, named once for both clocks.
 
-Every command a worker takes for a request or a transfer (`pdserve.cluster.wire`) is a method of
+Every command a worker takes for a request or a transfer (`pdserve.conductor.wire`) is a method of
 `CommandTarget`, named after the command's kind, and `carry_out` calls the one a command names. The real
-worker (`pdserve.cluster.worker_commands.WorkerCommands`: its engine, prefill and decode sides) and each
+worker (`pdserve.worker.worker_commands.WorkerCommands`: its engine, prefill and decode sides) and each
 simulated worker (`pdserve.sim.worker_commands.SimCommands`) implement every one of them, so a command the
 core starts sending reaches both (a test checks that each implements all of `REQUEST_COMMANDS`). The commands of
 a worker process's membership (shutdown, welcome, release, leave, refused) are the real worker's alone.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pdserve.cluster.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
+from pdserve.conductor.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
                                   Unpin, Warm)
 
 REQUEST_COMMANDS = (Generate, Reserve, Prefill, Stage, Warm, Abort, KvFailed, Renew, Redirect, Unpin, PeerGone)

@@ -7,7 +7,7 @@ the longest prompt it can reuse whole (`stage_max_blocks`: a long-context worker
 One stage pass at a time per worker; the first waiting prompt in (tier rank, arrival) order whose decode worker
 had no room; only while what the worker keeps staged (staged, not yet reserved) and this prompt fit. With no
 prompt to stage and nothing routed to it, the worker warms a hot prefix it lacks instead (idle prewarm,
-`pdserve.cluster.hot_prefixes`). `Staging` owns the plan and the hot prefixes; it sees the core's `Books`.
+`pdserve.conductor.hot_prefixes`). `Staging` owns the plan and the hot prefixes; it sees the core's `Books`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from pdserve.cluster import wire
-from pdserve.cluster.actions import Count, Send, stale
-from pdserve.cluster.books import Books
-from pdserve.cluster.flight_state import Stage
-from pdserve.cluster.hot_prefixes import HotPrefixes
-from pdserve.cluster.wire import Ready
+from pdserve.conductor import wire
+from pdserve.conductor.actions import Count, Send, stale
+from pdserve.conductor.books import Books
+from pdserve.conductor.flight_state import Stage
+from pdserve.conductor.hot_prefixes import HotPrefixes
+from pdserve.conductor.wire import Ready
 from pdserve.core.service_tiers import ServiceTiers
 
 
@@ -142,7 +142,7 @@ class Staging:
     # ---- idle prewarm: hot prefixes computed ahead on an idle prefill worker -------------------------------
     def _warm(self, prefill: str, now: float) -> list:
         """A prefill worker with nothing routed to it waiting and no stage pass computes the hot prefix it
-        lacks that is worth the most (`pdserve.cluster.hot_prefixes`)."""
+        lacks that is worth the most (`pdserve.conductor.hot_prefixes`)."""
         if (self.hot is None or not self.plan.may_stage(prefill) or not self.books.workers[prefill].usable
                 or any(self.books.backlog[prefill].tokens.values())):
             return []

@@ -1,1 +1,0 @@
-"""Workers, the conductor (routing, admission) and the launcher of a pdserve deployment."""
