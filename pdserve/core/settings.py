@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, Field, dataclass, field, fields
 
+from pdserve.core import kv_codecs
+from pdserve.core.decode_cadence import check_cadence
 from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.errors import InvalidRequestError
 
@@ -42,6 +44,12 @@ def pick(slice_cls, config):
     return slice_cls(**{f.name: getattr(config, f.name) for f in fields(slice_cls)})
 
 
+
+def _require(ok: bool, message: str, param: str) -> None:
+    """A setting's check: `message` (naming the flag) as a one-line error unless `ok`."""
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
 @dataclass(frozen=True)
 class DeliverySettings:
     """How KV moves on a link from a prefill worker to a decode worker (`pdserve.core.delivery`)."""
@@ -60,10 +68,9 @@ class DeliverySettings:
     def __post_init__(self) -> None:
         check_mode(self.delivery)
         parse_link_share(self.link_share)
-        if not self.delivery_backlog_s >= 0:
-            raise InvalidRequestError("--delivery-backlog-s must be >= 0", param="delivery_backlog_s")
-        if self.link_gbps is not None and not self.link_gbps > 0:
-            raise InvalidRequestError(f"--link-gbps must be positive, got {self.link_gbps}", param="link_gbps")
+        _require(self.delivery_backlog_s >= 0, "--delivery-backlog-s must be >= 0", "delivery_backlog_s")
+        _require(self.link_gbps is None or self.link_gbps > 0, f"--link-gbps must be positive, got {self.link_gbps}",
+                 "link_gbps")
 
 
 def parse_link_share(text: str | None) -> dict[str, float]:
@@ -110,12 +117,10 @@ class AdmissionSettings:
                                    "queue_full), whatever their tier.")
 
     def __post_init__(self) -> None:
-        if self.admission not in (None, "predict", "off"):
-            raise InvalidRequestError(f"--admission must be predict or off, got {self.admission!r}", param="admission")
-        if not self.admission_margin >= 0:
-            raise InvalidRequestError("--admission-margin must be >= 0", param="admission_margin")
-        if self.max_outstanding < 1:
-            raise InvalidRequestError("--max-outstanding must be positive", param="max_outstanding")
+        _require(self.admission in (None, "predict", "off"),
+                 f"--admission must be predict or off, got {self.admission!r}", "admission")
+        _require(self.admission_margin >= 0, "--admission-margin must be >= 0", "admission_margin")
+        _require(self.max_outstanding >= 1, "--max-outstanding must be positive", "max_outstanding")
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,6 @@ class CadenceSettings:
                                   "batch; tokens wait up to that long. off: as soon as the step ends (pd mode).")
 
     def __post_init__(self) -> None:
-        from pdserve.core.decode_cadence import check_cadence
         check_cadence(self.decode_cadence)
 
 
@@ -145,10 +149,8 @@ class KvTierSettings:
 
     def __post_init__(self) -> None:
         from pdserve.core.kv_meta import EVICTION_POLICIES
-        if not self.kv_host_gb >= 0:
-            raise InvalidRequestError(f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", param="kv_host_gb")
-        if not self.kv_disk_gb >= 0:
-            raise InvalidRequestError(f"kv_disk_gb must be >= 0, got {self.kv_disk_gb!r}", param="kv_disk_gb")
+        _require(self.kv_host_gb >= 0, f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", "kv_host_gb")
+        _require(self.kv_disk_gb >= 0, f"kv_disk_gb must be >= 0, got {self.kv_disk_gb!r}", "kv_disk_gb")
         if self.kv_eviction_policy not in EVICTION_POLICIES:
             raise InvalidRequestError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from "
                                       f"{sorted(EVICTION_POLICIES)}", param="kv_eviction_policy")
@@ -164,8 +166,7 @@ class CodecSettings:
                                   "KV pool, link and tier bytes and adds the codec's dequant cost to attention.")
 
     def __post_init__(self) -> None:
-        from pdserve.core.kv_codecs import check
-        check(self.kv_cache_dtype)
+        kv_codecs.check(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,5 @@ class SupervisionSettings:
                                      "the workers; a joined worker then leaves, what is left moving to others.")
 
     def __post_init__(self) -> None:
-        if not self.kv_timeout_s > 0:
-            raise InvalidRequestError("--kv-timeout-s must be positive", param="kv_timeout_s")
-        if not self.drain_timeout_s >= 0:
-            raise InvalidRequestError("--drain-timeout-s must be >= 0", param="drain_timeout_s")
+        _require(self.kv_timeout_s > 0, "--kv-timeout-s must be positive", "kv_timeout_s")
+        _require(self.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0", "drain_timeout_s")

@@ -223,11 +223,7 @@ class Worker:
 
     # ---- commands ---------------------------------------------------------------------------------------
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                raw = self.cmds.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for raw in _waiting(self.cmds):
             try:
                 cmd = unpack(raw)
             except WireError as e:  # (only the gateway sends here, CurveZMQ-authenticated: a version mismatch)
@@ -316,6 +312,15 @@ def _long_context(spec: WorkerSpec) -> bool:
     memory (its long prompts' heads are received straight into the host tier; CPU pools only)."""
     from pdserve.engine.model_executor import pick_device
     return spec.role != "decode" or pick_device(spec.engine.get("device", "auto")).type == "cpu"
+
+
+def _waiting(sock: zmq.Socket):
+    """The messages waiting on `sock` now, without blocking."""
+    while True:
+        try:
+            yield sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
