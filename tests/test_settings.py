@@ -15,7 +15,7 @@ from pdserve.worker.joined import worker_spec
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
-                                   KvTierSettings, SupervisionSettings, default_of)
+                                   KvTierSettings, RoutingSettings, SupervisionSettings, default_of)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError
@@ -23,7 +23,8 @@ from pdserve.server.launch import ServeConfig
 from pdserve.sim.cluster import SIM_KV_TIERS, ClusterSpec
 from pdserve.sim.engine import SimEngine
 
-SLICES = (DeliverySettings, AdmissionSettings, CadenceSettings, KvTierSettings, CodecSettings, SupervisionSettings)
+SLICES = (DeliverySettings, AdmissionSettings, CadenceSettings, KvTierSettings, CodecSettings, SupervisionSettings,
+          RoutingSettings)
 # Which settings each command takes (the rest of a slice is not that command's setting).
 COMMANDS = {
     "serve": {s: {f.name for f in dataclasses.fields(s)} for s in SLICES},
@@ -32,7 +33,8 @@ COMMANDS = {
                KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"}},
     "simulate": {DeliverySettings: {f.name for f in dataclasses.fields(DeliverySettings)},
                  AdmissionSettings: {"admission", "admission_margin"}, CadenceSettings: {"decode_cadence"},
-                 KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"}},
+                 KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"},
+                 RoutingSettings: {f.name for f in dataclasses.fields(RoutingSettings)}},
 }
 
 
@@ -52,7 +54,7 @@ def test_each_shared_flag_has_the_slice_name_default_and_help(command):
         for name in names:
             action = actions[name]
             assert action.option_strings[0] == "--" + name.replace("_", "-")
-            old = "".join(f" ({o}: deprecated)" for o in action.option_strings[1:])
+            old = "".join(f" ({o}: deprecated)" for o in action.option_strings[1:] if not o.startswith("--no-"))
             assert action.help == _field(slice_cls, name).metadata["help"] + old, name
             want = getattr(SIM_KV_TIERS, name) if command == "simulate" and slice_cls is KvTierSettings else \
                 default_of(slice_cls, name)

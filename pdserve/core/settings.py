@@ -44,11 +44,29 @@ def pick(slice_cls, config):
     return slice_cls(**{f.name: getattr(config, f.name) for f in fields(slice_cls)})
 
 
-
 def _require(ok: bool, message: str, param: str) -> None:
     """A setting's check: `message` (naming the flag) as a one-line error unless `ok`."""
     if not ok:
         raise InvalidRequestError(message, param=param)
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    """Where the conductor sends requests and how it keeps its workers' roles in balance
+    (`pdserve.conductor.routing`, `pdserve.conductor.hot_prefixes`, `pdserve.core.role_planner`)."""
+    routing: str = setting("prefix-affinity", "Routing policy: prefix-affinity (fewest outstanding requests, a "
+                           "recently seen prefix worth two) or least-loaded.")
+    idle_prewarm: bool = setting(True, "An idle prefill worker (simulate: engine) computes the hot prompt prefixes "
+                                 "(shared by several recent requests) it lacks, so prefix-affine routing can spread "
+                                 "their requests (pd mode, --delivery scheduled).")
+    role_switching: str = setting("off", "auto (pd mode): the conductor's role planner moves workers (simulate: "
+                                  "engines) between prefill and decode as the load shifts (drain, stop, start in "
+                                  "the other role; `pdserve.core.role_planner`); off: the split stays as started.")
+
+    def __post_init__(self) -> None:
+        _require(self.role_switching in ("auto", "off"),
+                 f"--role-switching must be auto or off, got {self.role_switching!r}", "role_switching")
+
 
 @dataclass(frozen=True)
 class DeliverySettings:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core import kv_codecs
-from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, SupervisionSettings,
-                                   parse_link_share, pick, shared)
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, RoutingSettings,
+                                   SupervisionSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve import transfer
 from pdserve.transfer import peer_auth
@@ -46,8 +46,7 @@ class ServeConfig:
     """HTTP port."""
     served_model_name: str | None = None
     """Model name clients send; default: the model directory's name."""
-    routing: str = "prefix-affinity"
-    """Routing policy: prefix-affinity or least-loaded."""
+    routing: str = shared(RoutingSettings, "routing")
     max_body_bytes: int = 1 << 20
     """Largest accepted request body (413 above)."""
     api_key: tuple[str, ...] = ()
@@ -72,9 +71,7 @@ class ServeConfig:
     decode_kv_cache_dtype: str | None = None
     """--kv-cache-dtype of the decode workers only (pd mode), e.g. int8 under a prefill worker's auto: the
     decode worker transcodes the KV it receives; default: --kv-cache-dtype."""
-    idle_prewarm: bool = True
-    """An idle prefill worker computes the hot prompt prefixes (shared by several recent requests) it lacks,
-    so prefix-affine routing can spread their requests (pd mode, --delivery scheduled)."""
+    idle_prewarm: bool = shared(RoutingSettings, "idle_prewarm")
     link_gbps: float | None = shared(DeliverySettings, "link_gbps")
     ready_timeout_s: float = 600.0
     """How long to wait for every worker to load its model (at start; a restarted worker not ready by then is
@@ -103,10 +100,7 @@ class ServeConfig:
     data_host: str = "127.0.0.1"
     """Address this host's workers bind their KV receivers on and give their peers (tcp transport): this
     host's address on the network joined workers are on, when they run on other hosts."""
-    role_switching: str = "off"
-    """auto (pd mode): the conductor's role planner moves workers between prefill and decode as the load
-    shifts (drain, stop, start in the other role; `pdserve.core.role_planner`); moves the same way may overlap,
-    a move back waits for them; off: the split stays as started."""
+    role_switching: str = shared(RoutingSettings, "role_switching")
     role_switch_hold_s: float = 30.0
     """--role-switching auto: a move must look worth it this long in a row (a passing burst moves nothing)."""
     role_switch_cooldown_s: float = 120.0
@@ -136,7 +130,7 @@ class ServeConfig:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
-        for settings in (DeliverySettings, AdmissionSettings, CadenceSettings, SupervisionSettings):
+        for settings in (DeliverySettings, AdmissionSettings, CadenceSettings, SupervisionSettings, RoutingSettings):
             pick(settings, self)
         for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
             if getattr(self, name) is not None:
@@ -148,9 +142,6 @@ class ServeConfig:
             from pdserve.worker.ray_workers import parse_cluster
             parse_cluster(self.cluster)
         self._check_control()
-        if self.role_switching not in ("auto", "off"):
-            raise InvalidRequestError(f"--role-switching must be auto or off, got {self.role_switching!r}",
-                                      param="role_switching")
         if self.role_switching == "auto" and self.mode != "pd":
             raise InvalidRequestError("--role-switching auto moves workers between prefill and decode: it needs "
                                       "--mode pd", param="role_switching")

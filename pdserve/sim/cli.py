@@ -42,7 +42,8 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    from pdserve.core.settings import AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings
+    from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
+                                       RoutingSettings)
     from pdserve.flags import add_config_args
     from pdserve.sim.cluster import SIM_KV_TIERS
     p.add_argument("--model", required=True, help="preset (llama-3-8b, llama-2-70b, llama-3-70b, qwen2.5-7b, "
@@ -55,7 +56,6 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--prefill-budget", type=int, default=8192, help="token budget per prefill step")
     p.add_argument("--decode-budget", type=int, default=2048, help="token budget per decode/colocated step")
-    p.add_argument("--routing", default="prefix-affinity", help="least-loaded | prefix-affinity")
     p.add_argument("--link-latency-us", type=float, default=20.0)
     p.add_argument("--control-latency-ms", type=float, default=0.0,
                    help="each gateway <-> worker message (command, reply, token event); measure it on the real "
@@ -75,11 +75,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     add_config_args(p, AdmissionSettings, skip=frozenset({"max_outstanding"}))
     add_config_args(p, DeliverySettings)
     add_config_args(p, CadenceSettings)
-    p.add_argument("--idle-prewarm", default=True, action=argparse.BooleanOptionalAction,
-                   help="as `pdserve serve --idle-prewarm`: idle prefill engines compute hot prefixes they lack")
-    p.add_argument("--role-switching", default="off", choices=["auto", "off"],
-                   help="auto: the conductor's role planner moves engines between prefill and decode as the load "
-                        "shifts (pd mode; as `pdserve serve --role-switching`)")
+    add_config_args(p, RoutingSettings)
     p.add_argument("--role-switch-s", type=float, default=20.0,
                    help="a moved engine is out this long after it drained (weights reloaded)")
 

@@ -29,7 +29,7 @@ from pdserve.core.role_planner import RolePlanner
 from pdserve.core.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, KvTierSettings,
-                                   parse_link_share, pick, shared)
+                                   RoutingSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
@@ -60,7 +60,7 @@ class ClusterSpec:
     max_num_seqs: int = 256
     prefill_budget: int = 8192  # max_num_batched_tokens of prefill engines
     decode_budget: int = 2048  # of decode and colocated engines
-    routing: str = "prefix-affinity"
+    routing: str = shared(RoutingSettings, "routing")
     link_latency_s: float = 20e-6
     control_latency_s: float = 0.0  # each gateway <-> worker message (command, reply, token event)
     host_kv_gb: float = SIM_KV_TIERS.kv_host_gb  # --kv-host-gb: host KV tier per engine, GiB (0: none)
@@ -81,8 +81,8 @@ class ClusterSpec:
     link_gbps: float | None = shared(DeliverySettings, "link_gbps")  # per engine; None: tp x the GPU preset's
     delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")
     decode_cadence: str = shared(CadenceSettings, "decode_cadence")
-    idle_prewarm: bool = True  # idle prefill engines compute hot prefixes they lack (pdserve.conductor.hot_prefixes)
-    role_switching: str = "off"  # auto: the role planner moves engines between prefill and decode (pdserve.sim.roles)
+    idle_prewarm: bool = shared(RoutingSettings, "idle_prewarm")
+    role_switching: str = shared(RoutingSettings, "role_switching")  # auto: moved engines (pdserve.sim.roles)
     role_switch_s: float = 20.0  # a moved engine is out this long after it drained (weights reloaded)
 
     def __post_init__(self) -> None:
@@ -99,9 +99,7 @@ class ClusterSpec:
         AdmissionSettings(admission=self.admission, admission_margin=self.admission_margin)
         pick(DeliverySettings, self)
         pick(CadenceSettings, self)
-        if self.role_switching not in ("auto", "off"):
-            raise InvalidRequestError(f"role_switching must be auto or off, got {self.role_switching!r}",
-                                      param="role_switching")
+        pick(RoutingSettings, self)
         if self.role_switching == "auto" and self.mode != "pd":
             raise InvalidRequestError("role switching moves engines between prefill and decode: it needs pd mode",
                                       param="role_switching")
