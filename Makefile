@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/pdserve serve
 
-# ~12-17 min of tests on 2 cores (AMD EPYC Zen 4, fresh clones of this session: 12m41s, 15m17s, 16m38s, +~2 min setup); `test-all` adds the other transport/mode of the slowest serve tests
+# ~12-19 min of tests on 2 cores (fresh clones: AMD EPYC Zen 4 12m41s-16m38s; Intel Xeon, 2026-12-06, 18m07s and 18m43s; +~3 min setup); `test-all` adds the other transport/mode of the slowest serve tests
 test: setup
 	$(PY) -m pytest -q -m "not extended"
 

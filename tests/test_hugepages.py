@@ -3,8 +3,10 @@ mapped normal pages."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
+import os
 
 import torch
 
@@ -37,17 +39,17 @@ def test_arena_pieces_are_aligned_disjoint_and_outlive_the_arena():
         assert (p == i).all()  # no piece overwrote another, and the chunks live on with their pieces
 
 
-def _rss_kib(ptr: int) -> int:
-    """Resident KiB of the mapping of this process that holds address `ptr` (/proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and len(line.split()) >= 5 and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1])
-    raise AssertionError("mapping not found")
+def _resident_kib(ptr: int, nbytes: int) -> int:
+    """Resident KiB of the pages holding [ptr, ptr + nbytes), by mincore: this range alone (a mapping's Rss in
+    /proc/self/smaps also counts whatever anonymous memory the kernel merged into the same mapping)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = ptr - ptr % page
+    pages = -(-(ptr + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec) * page // 1024
 
 
 def test_cpu_kv_pool_is_lazily_mapped_on_normal_pages():
@@ -62,7 +64,7 @@ def test_cpu_kv_pool_is_lazily_mapped_on_normal_pages():
     pool = DeviceKVPool(cfg, num_blocks=4096, block_size=16,
                         codec=KVCodec("auto", 16, torch.float32), device=torch.device("cpu"))
     layer = pool.layers[0]
-    assert layer.nbytes == 2 * 2 * 4096 * 16 * 16 * 4 and _rss_kib(layer.data_ptr()) == 0
+    assert layer.nbytes == 2 * 2 * 4096 * 16 * 16 * 4 and _resident_kib(layer.data_ptr(), layer.nbytes) == 0
     layer[0, 0, 7].fill_(1.0)  # one block of one head: 1 KiB
-    assert _rss_kib(layer.data_ptr()) <= 8  # a 4 KiB page (a huge page would make it 2,048 KiB)
+    assert _resident_kib(layer.data_ptr(), layer.nbytes) <= 8  # a 4 KiB page (a huge page would make it 2,048 KiB)
     assert (pool.layers[1] == 0).all()
