@@ -1,27 +1,22 @@
 """The simulated cluster around the conductor: the real `ConductorCore` decides, on simulated time.
 
 Every conductor decision (route, admit or reject, dispatch the prefill once blocks are reserved, abort) is
-made by `pdserve.conductor.conductor_core.ConductorCore`, the same object the gateway drives; this module
-carries out its actions on simulated workers and models what the real workers do with them:
-* colocated: `generate` — the worker runs the whole request;
-* pd: `reserve` — the decode worker queues a reservation in its books (`pdserve.core.decode_books`, the
-  real decode worker's); at a step boundary the books grant reservations in order while blocks last and
-  the worker reports `reserved` to
-  the core, whose `prefill` command puts the prompt on the prefill worker as a `prefill_only` request (as
-  `PrefillSide.add`), its predicted consumption (the core's, `pdserve.conductor.consumption`) the deadline of its
-  flows on the links (`--delivery`). Each prefill step pushes the chunk's new blocks over the link while it computes
-  (a partly filled block goes again, complete, with the next chunk, as `on_layer` does); the last one
-  samples the first token. When the prefill is done and every flow has landed, the decode worker settles
-  the transfer in its books (delivered with that token, which is the request's first output, or recomputed
-  there for an injected failure); its next decode step first consumes the delivered blocks, reported to
-  the core, which checks its prediction (`Observe("kv_consumption_error")`, per block). When every
-  prompt token but the last is cached on the decode worker, no prefill worker is involved: the decode
-  worker computes the last prompt token (the books' grant says so). A reservation left waiting for room is
-  told to the core (`reserve_waiting`), whose `stage` command runs the prompt ahead on an idle prefill engine
-  (`pdserve.sim.staging`, as the real prefill worker does).
-Requests are made from the fields of the commands the core sends (prompt, sampling parameters, priority,
-service tier), as a real worker makes them.
-A request may be aborted by a TTFT timeout (the client gives up); its delivered-but-unread KV is waste.
+made by `pdserve.conductor.conductor_core.ConductorCore`, the same object the gateway drives. This module
+feeds it the simulated workers' events and carries out its actions on them, with the real workers' code
+where the decision is the workers':
+* commands: each simulated worker carries out a command's fields (`pdserve.sim.worker_commands.SimCommands`,
+  the same `pdserve.conductor.commands` the real worker implements) at its engine's next step boundary;
+* a decode engine's reservations, their grant (and whether a prefill worker is needed at all), the waiting
+  reports, settlement and first-read consumption: the real decode worker's books (`pdserve.core.decode_books`);
+* a prefill engine's pushes (`pdserve.core.push_range`, as `PrefillSide.on_layer`), its pacing, the flows over
+  the link model and their landings: the KV path (`pdserve.sim.kv_push.SimKVPath`);
+* stage passes and warm passes: `pdserve.sim.staging` (as the real prefill worker's `StagePasses`).
+The prefill step that samples the first token ends the prefill; once every flow has landed the decode engine
+settles the transfer (delivered with that token, the request's first output; or recomputed there for an
+injected failure) and its next step consumes the KV, reported to the core, which checks its prediction
+(`Observe("kv_consumption_error")`, per block). A request may be aborted by a TTFT timeout (the client gives
+up); its delivered-but-unread KV is waste. The simulator models no lease lapses (`renew`, `redirect` are
+counted, not carried out).
 """
 
 from __future__ import annotations
