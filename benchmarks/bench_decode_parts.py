@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.schedule import ScheduledChunk
+from pdserve.core.sched.schedule import ScheduledChunk
 from pdserve.model import kernels
 from pdserve.model.attention_torch import decode_attention as _decode_attention
 from pdserve.model.hugepages import lazy_zeros

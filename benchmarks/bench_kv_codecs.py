@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_results/kv_codecs.json"))
     args = ap.parse_args()
 
-    from pdserve.core.kv_codecs import kv_bytes_per_token
+    from pdserve.core.kvstore.kv_codecs import kv_bytes_per_token
     from pdserve.model.config import ModelConfig
     from pdserve.model.loader import resolve_model_dir
     from pdserve.tokenizer import Tokenizer

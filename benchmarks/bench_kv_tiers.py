@@ -189,7 +189,7 @@ def write_trace(records: list[dict], path: Path) -> None:
 def replay_facts(trace: Path, args) -> dict:
     """The scaled workload `bench serve` will replay: later-turn flags, bounds, distinct KV blocks."""
     from pdserve.bench.cli import PROMPT_VOCAB
-    from pdserve.core.block_hash import hash_blocks
+    from pdserve.core.kvstore.block_hash import hash_blocks
     from pdserve.workloads import block_size, build_prompts, load_workload
     wl = load_workload(f"mooncake:{trace}", length_scale=args.length_scale, time_scale=args.time_scale)
     b = block_size(wl)
@@ -505,7 +505,7 @@ def part_bandwidth(args) -> dict:
     import torch
     import xxhash
 
-    from pdserve.core.kv_tiers import KVLoad, KVOp
+    from pdserve.core.kvstore.kv_tiers import KVLoad, KVOp
     from pdserve.kv.codec import KVCodec
     from pdserve.kv.device_pool import DeviceKVPool
     from pdserve.kv.disk_store import DiskKVStore

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from pdserve.core import kv_codecs
+from pdserve.core.kvstore import kv_codecs
 from pdserve.model.attention_torch import TorchAttention
 from pdserve.model import kernels
 

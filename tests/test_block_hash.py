@@ -11,8 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core import block_hash, native
-from pdserve.core.block_hash import hash_block, hash_blocks
+from pdserve.core.kvstore import block_hash, native
+from pdserve.core.kvstore.block_hash import hash_block, hash_blocks
 
 
 def _one_by_one(tokens, bs, parent, start, salt):

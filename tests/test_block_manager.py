@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from pdserve.core.block_hash import hash_blocks
-from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.kvstore.block_hash import hash_blocks
+from pdserve.core.kvstore.block_manager import KVBlockManager
 
 BS = 4
 

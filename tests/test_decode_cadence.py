@@ -1,4 +1,4 @@
-"""`--decode-cadence steady`: a decode worker's step outputs go out at a steady period (pdserve.core.decode_cadence).
+"""`--decode-cadence steady`: a decode worker's step outputs go out at a steady period (pdserve.core.sched.decode_cadence).
 
 The policy's contract on its own (period from the recent steps' quantile, capped by the step's stretch and the
 TPOT SLO; nothing held while cold; old steps expire; a trial copy leaves it alone), then in the simulator: a
@@ -14,8 +14,8 @@ import random
 import pytest
 
 from pdserve.bench.metrics import jitter_p99_ms
-from pdserve.core.decode_cadence import MIN_SAMPLES, DecodeCadence, check_cadence
-from pdserve.core.step_budget import HEADROOM
+from pdserve.core.sched.decode_cadence import MIN_SAMPLES, DecodeCadence, check_cadence
+from pdserve.core.sched.step_budget import HEADROOM
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.cluster import ClusterSpec, simulate
 from pdserve.sim.engine import SimEngine

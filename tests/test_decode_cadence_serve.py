@@ -1,6 +1,6 @@
 """`pdserve serve --decode-cadence steady` as a user runs it: real gateway and workers, the `openai` SDK.
 
-The decode worker holds each step's tokens until its steady period (pdserve.core.decode_cadence), serving
+The decode worker holds each step's tokens until its steady period (pdserve.core.sched.decode_cadence), serving
 its inbox meanwhile: streams still complete with the same greedy text as without it, concurrent requests
 keep joining the held batch, and the hold shows in `/metrics`. A bad mode is a one-line CLI error.
 """

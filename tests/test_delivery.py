@@ -1,4 +1,4 @@
-"""Delivery scheduling (`pdserve.core.delivery`) and the simulator's links that use it: shares per tier,
+"""Delivery scheduling (`pdserve.core.pd.delivery`) and the simulator's links that use it: shares per tier,
 earliest deadline first within a tier, work conservation, landing estimates, throttling."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket, _equal_split
+from pdserve.core.pd.delivery import DeliveryPolicy, Item, LinkQueue, TokenBucket, _equal_split
 from pdserve.core.settings import parse_link_share
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.events import EventLoop
@@ -332,7 +332,7 @@ def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_
 def test_water_level_counts_only_the_tiers_at_or_above_the_best_waiting_one():
     from types import SimpleNamespace as R
 
-    from pdserve.core.delivery import WaterLevel, counted_tiers
+    from pdserve.core.pd.delivery import WaterLevel, counted_tiers
     assert counted_tiers([R(service_tier="flex"), R(service_tier="default")]) == {"priority", "default"}
     assert counted_tiers([R(service_tier="priority")]) == {"priority"}
     assert counted_tiers([]) == set()

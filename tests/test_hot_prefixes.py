@@ -13,7 +13,7 @@ from pdserve.conductor.conductor_core import ConductorCore, Count, Send
 from pdserve.conductor.hot_prefixes import HALF_LIFE_S, MAX_HOT, DecayedCounts, HotPrefixes
 from pdserve.conductor.routing import WorkerLoad, make_routing_policy
 from pdserve.conductor.wire import Ready
-from pdserve.core.block_hash import hash_blocks
+from pdserve.core.kvstore.block_hash import hash_blocks
 from pdserve.sim.cluster import ClusterSpec, build
 from pdserve.sim.events import MESSAGE
 from pdserve.sim.hardware import get_gpu, get_model

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import ScheduledChunk
+from pdserve.core.sched.schedule import ScheduledChunk
 from pdserve.model import kernels
 from pdserve.model.attention import default_backend, paged_attention
 from pdserve.model.attention_torch import decode_attention as _decode_attention

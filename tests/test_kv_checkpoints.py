@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from pdserve.core.kv_meta import Tier
+from pdserve.core.kvstore.kv_meta import Tier
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.checkpoints import KVCheckpoints
 from pdserve.engine.config import EngineConfig

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core import kv_codecs
+from pdserve.core.kvstore import kv_codecs
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.codec import KVCodec
 from pdserve.model import kernels
@@ -160,7 +160,7 @@ def test_a_delivered_chunk_transcodes_token_by_token(src, dst):
     assert len(wire) == payload_nbytes(a, 3, 16, len(ids))
     got = np.frombuffer(bytes(transcode(memoryview(wire), codec_of(a.format, b), b)), np.uint8)
     got = got.reshape(-1, b.token_bytes)
-    # the reference: the codecs' formats (`pdserve.core.kv_codecs`) read and written in numpy, not by pdserve
+    # the reference: the codecs' formats (`pdserve.core.kvstore.kv_codecs`) read and written in numpy, not by pdserve
     sent = layer[:, :, ids].reshape(-1, a.width).contiguous().view(torch.uint8).numpy()  # wire order
     want = np_decode(src, sent)
     if dst == "int4":  # rounding in a rotated basis: within half a level of what numpy computes
@@ -242,7 +242,7 @@ def test_coded_blocks_evicted_to_host_and_disk_come_back_unchanged(tiny_llama_di
     from host, and after a restart from disk, and the greedy tokens are those of the first run."""
     import time
 
-    from pdserve.core.kv_columns import Tier
+    from pdserve.core.kvstore.kv_columns import Tier
     from pdserve.core.sampling_params import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm import build_engine_at

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core import native
-from pdserve.core.kv_columns import _FIELDS, MetaColumns
-from pdserve.core.kv_meta import Tier
+from pdserve.core.kvstore import native
+from pdserve.core.kvstore.kv_columns import _FIELDS, MetaColumns
+from pdserve.core.kvstore.kv_meta import Tier
 
 N = 32
 

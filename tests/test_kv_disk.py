@@ -14,9 +14,9 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.core.block_manager import KVBlockManager
-from pdserve.core.kv_meta import LifecycleConfig, LRUPolicy, Tier
-from pdserve.core.kv_tiers import KVLoad, KVOp, build_tiered_kv
+from pdserve.core.kvstore.block_manager import KVBlockManager
+from pdserve.core.kvstore.kv_meta import LifecycleConfig, LRUPolicy, Tier
+from pdserve.core.kvstore.kv_tiers import KVLoad, KVOp, build_tiered_kv
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.disk_store import HEADER, CorruptBlock, DiskKVStore, check_writable, model_identity
 from pdserve.kv.host_store import HostKVStore

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import ScheduledChunk
+from pdserve.core.sched.schedule import ScheduledChunk
 from pdserve.kv.codec import KVCodec
 from pdserve.kv.residual import ChunkWindow, ResidualWindow
 from pdserve.model import kernels

@@ -22,14 +22,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pdserve.core.block_manager import KVBlockManager
-from pdserve.core.kv_meta import (BlockMeta, HeatPolicy, LifecycleConfig, LRUPolicy, Stage, Tier,
+from pdserve.core.kvstore.block_manager import KVBlockManager
+from pdserve.core.kvstore.kv_meta import (BlockMeta, HeatPolicy, LifecycleConfig, LRUPolicy, Stage, Tier,
                                   make_eviction_policy, pick_victim, stage_of)
-from pdserve.core.kv_tier_index import TierIndex
-from pdserve.core.kv_tiers import KVLoad, KVOp, TieredKV, TierHit, build_tiered_kv
+from pdserve.core.kvstore.kv_tier_index import TierIndex
+from pdserve.core.kvstore.kv_tiers import KVLoad, KVOp, TieredKV, TierHit, build_tiered_kv
 from pdserve.core.request import RequestStatus
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine
 
@@ -250,7 +250,7 @@ def test_eviction_never_takes_busy_unready_or_pinned():
 
 
 def test_staged_entries_are_pinned_until_delivered_then_evictable_again():
-    from pdserve.core.stage_passes import STAGE_PIN_S, pin_staged, unpin_staged
+    from pdserve.core.sched.stage_passes import STAGE_PIN_S, pin_staged, unpin_staged
     engine, io = tiered_engine(num_blocks=12, host=8)
     prompt = [k % 40 + 1 for k in range(4 * BS + 1)]  # 4 full blocks
     engine.add_request(prompt, greedy(1), "staged")

@@ -119,7 +119,7 @@ def _complete_quietly(server: Server, prompt: str) -> None:
 def _damage_files_of(disk: Path, prompt: str) -> list[Path]:
     """Flip a payload byte in the disk files of `prompt`'s blocks (found by hashing its tokens the way the
     workers do)."""
-    from pdserve.core.block_hash import hash_blocks
+    from pdserve.core.kvstore.block_hash import hash_blocks
     from pdserve.model.loader import resolve_model_dir
     from pdserve.tokenizer import Tokenizer
     ids = Tokenizer.from_dir(resolve_model_dir(None)).encode(prompt)

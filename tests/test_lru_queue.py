@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core import lru_queue
-from pdserve.core.lru_queue import ChunkQueue, LinkedQueue, new_queue
+from pdserve.core.kvstore import lru_queue
+from pdserve.core.kvstore.lru_queue import ChunkQueue, LinkedQueue, new_queue
 
 N = 24
 slot = st.integers(0, N - 1)

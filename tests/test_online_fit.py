@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core.online_fit import MIN_SAMPLES, WINDOW, OnlineFit
+from pdserve.core.sched.online_fit import MIN_SAMPLES, WINDOW, OnlineFit
 
 
 @settings(max_examples=60, deadline=None)
@@ -39,7 +39,7 @@ def test_predictions_are_the_fitted_coefficients_dot_the_shape():
 
 
 def test_the_fit_is_made_over_the_rows_kept_in_their_order():
-    from pdserve.core.online_fit import REFIT_EVERY, nonnegative_lstsq
+    from pdserve.core.sched.online_fit import REFIT_EVERY, nonnegative_lstsq
     rng = np.random.default_rng(2)
     fit = OnlineFit(3)
     for n in range(1, WINDOW * 2 + 5):

@@ -1,6 +1,6 @@
 """One PD request sequence on a decode worker, driven through the real worker (`DecodeSide` on a real engine,
 a fake byte port in place of a transport) and through the simulator (`SimConductor`'s decode engine, which
-receives the same commands): both make the same decisions, because both run `pdserve.core.decode_books`.
+receives the same commands): both make the same decisions, because both run `pdserve.core.pd.decode_books`.
 
 The sequence: three reservations on a worker with two slots (two granted, one reported waiting, once); one
 transfer delivered with its first token; one whose lease lapses (real: held, then the conductor's

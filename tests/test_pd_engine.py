@@ -14,7 +14,7 @@ import pytest
 
 from conftest import assert_no_blocks_held
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.kv_meta import Tier
+from pdserve.core.kvstore.kv_meta import Tier
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.pd import DecodeSide, PrefillSide
 from pdserve.engine.worker_engine import build_engine_at

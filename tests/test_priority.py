@@ -132,7 +132,7 @@ def test_simulated_decode_worker_grants_reservations_in_priority_order():
     from array import array
 
     from pdserve.bench.metrics import RequestRecord
-    from pdserve.core.policy import PriorityPolicy
+    from pdserve.core.sched.policy import PriorityPolicy
     from pdserve.sim.cluster import ClusterSpec, build
     from pdserve.sim.hardware import get_gpu, get_model
     from pdserve.sim.timemodel import RooflineTimeModel

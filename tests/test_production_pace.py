@@ -1,4 +1,4 @@
-"""Production paced per link (`pdserve.core.production_pace`): the pace's arithmetic, and the scheduler
+"""Production paced per link (`pdserve.core.pd.production_pace`): the pace's arithmetic, and the scheduler
 honouring it on a prefill engine (FakeExecutor): a backed-up link's prompts wait while other links' prompts
 run, chunks shrink to the link's headroom, the queue order survives."""
 
@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from pdserve.core.delivery import WaterLevel
-from pdserve.core.production_pace import ProductionPace
+from pdserve.core.pd.delivery import WaterLevel
+from pdserve.core.pd.production_pace import ProductionPace
 from pdserve.core.request import RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from tests.test_scheduler import make_engine

@@ -1,4 +1,4 @@
-"""Production paced per link with real processes (`pdserve.core.production_pace`): one prefill worker, two
+"""Production paced per link with real processes (`pdserve.core.pd.production_pace`): one prefill worker, two
 decode workers, throttled links. While the link to one decode worker is backed up with long prompts' KV, the
 prompts bound for the other go on (the held ones wait at a chunk boundary: counted `held`), chunks are cut
 to a link's headroom (counted `capped`), nothing fails, and every output is the one the model gives alone."""

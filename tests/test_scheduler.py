@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.core.policy import TieredPolicy
+from pdserve.core.sched.policy import TieredPolicy
 from pdserve.core.request import Request
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTier, ServiceTiers, parse_service_tier
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine

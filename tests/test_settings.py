@@ -13,7 +13,7 @@ from pdserve.cli import build_parser
 from pdserve.conductor.admission import Admission
 from pdserve.worker.joined import worker_spec
 from pdserve.worker.spec import WorkerSpec
-from pdserve.core.delivery import DeliveryPolicy, WaterLevel
+from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
                                    KvTierSettings, RoutingSettings, SupervisionSettings, default_of)
 from pdserve.engine.config import EngineConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.metrics import meets_slo
-from pdserve.core.kv_codecs import CODECS, residual_bytes_per_seq, token_bytes
+from pdserve.core.kvstore.kv_codecs import CODECS, residual_bytes_per_seq, token_bytes
 from pdserve.sim.cli import main
 from pdserve.sim.cluster import ClusterSpec, simulate
 from pdserve.sim.hardware import get_gpu, get_model, kv_pool_blocks

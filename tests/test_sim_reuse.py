@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.core.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pdserve.core.kv_tiers import KVLoad, KVOp
+from pdserve.core.kvstore.kv_tiers import KVLoad, KVOp
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.cli import main
 from pdserve.sim.cluster import ClusterSpec, engine_tiers, simulate

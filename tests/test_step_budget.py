@@ -1,5 +1,5 @@
 """The step budget: prefill tokens per step capped so the decoding requests of a tier with a TPOT SLO keep it
-(`pdserve.core.step_budget`), in the real scheduler and engine and in the simulator."""
+(`pdserve.core.sched.step_budget`), in the real scheduler and engine and in the simulator."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
+from pdserve.core.sched.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.core.step_budget import HEADROOM, StepBudget
+from pdserve.core.sched.step_budget import HEADROOM, StepBudget
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim.cluster import ClusterSpec, simulate
@@ -179,7 +179,7 @@ def test_a_waiting_priority_request_takes_the_capped_allowance_before_running_de
 
 
 def test_a_ttft_slo_bounds_every_step_and_the_cold_start_uses_seconds_per_token():
-    from pdserve.core.step_budget import TTFT_SHARE
+    from pdserve.core.sched.step_budget import TTFT_SHARE
     budget = StepBudget(ServiceTiers.from_specs(["priority:ttft_ms=1000"]), 4096, 16)
     assert _cap(budget, []) == 4096  # no prefill step seen yet: nothing to predict with
     budget.observe(SchedulerOutput((_chunk("p", 400),)), A + PER_TOKEN * 400)

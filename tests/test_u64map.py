@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.core import native
-from pdserve.core.u64map import MISSING, DictMap, new_map
+from pdserve.core.kvstore import native
+from pdserve.core.kvstore.u64map import MISSING, DictMap, new_map
 
 
 def _compiled():
@@ -116,7 +116,7 @@ def test_growth_churn_and_bad_input(kind):
 
 
 def test_without_the_compiled_module_the_fallbacks_are_taken_and_counted():
-    code = ("from pdserve.core import native; from pdserve.core.block_manager import KVBlockManager;"
+    code = ("from pdserve.core.kvstore import native; from pdserve.core.kvstore.block_manager import KVBlockManager;"
             "bm = KVBlockManager(8, 4, clock=lambda: 0.0); print(type(bm._cached).__name__, type(bm._free).__name__,"
             " native.fallback_count(), native.fallback_reason())")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PDSERVE_NATIVE="0"),

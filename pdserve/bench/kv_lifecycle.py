@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 
 from pdserve.bench.server_proc import scrape_metrics
-from pdserve.core.delivery import CONSUME_TOLERANCE_S
+from pdserve.core.pd.delivery import CONSUME_TOLERANCE_S
 
 Samples = dict[tuple[str, tuple], float]
 

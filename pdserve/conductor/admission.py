@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.core.online_fit import OnlineFit
+from pdserve.core.sched.online_fit import OnlineFit
 from pdserve.core.settings import AdmissionSettings, default_of
 from pdserve.core.service_tiers import ServiceTier
-from pdserve.core.step_budget import HEADROOM
+from pdserve.core.sched.step_budget import HEADROOM
 
 DELIVERY_EWMA = 0.2
 
@@ -91,7 +91,7 @@ class WorkerModel:
         """Time per output token with `batch` decoding: a decode step, stretched by the share of the worker's
         recent time that went to prefill chunks in the same steps (a colocated worker's interference; about
         zero on a PD decode worker). For a request with a TPOT SLO of `slo_s`, the worker's step budget
-        (`pdserve.core.step_budget`) keeps the prefill in its steps within 0.85 x that: the stretch stops there."""
+        (`pdserve.core.sched.step_budget`) keeps the prefill in its steps within 0.85 x that: the stretch stops there."""
         step = self.decode_s(batch)
         if step is None or self.fit.coef is None:
             return step

@@ -19,7 +19,7 @@ from pdserve.conductor.actions import Fail, Send
 from pdserve.conductor.flight_state import Backlog, FlightState, Stage
 from pdserve.conductor.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
 from pdserve.conductor.wire import Generate, Reserve
-from pdserve.core.block_hash import hash_blocks
+from pdserve.core.kvstore.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
 
 

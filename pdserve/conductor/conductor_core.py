@@ -123,7 +123,7 @@ class ConductorCore:
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
         """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];
-        `prefill_cap`: the prefill tokens its next step may carry (`pdserve.core.step_budget`), the chunk size
+        `prefill_cap`: the prefill tokens its next step may carry (`pdserve.core.sched.step_budget`), the chunk size
         admission predicts prefill in."""
         self.workers[name].stalled = False  # it reports again
         if self.admission is not None and steps:

@@ -11,7 +11,7 @@ first token when it settles the transfer, then steps).
   tier rank or better, its own chunks, the decode worker's delivery tail).
 * When the prefill worker reports the prompt prefilled, with its link's estimate of when the transfer's
   last queued chunk will have gone (`landing_in_s`: the bytes the delivery policy sends before it, at the
-  link's rate; `pdserve.core.delivery.LinkQueue.bytes_until`): that landing time + the decode worker's
+  link's rate; `pdserve.core.pd.delivery.LinkQueue.bytes_until`): that landing time + the decode worker's
   consumption tail for the transfer's service tier (from its recent first consumption - landing of that
   tier: the wait for its next step boundary, and for a flex request also for room in the batch; the decode
   worker's over all tiers until a tier has TIER_SAMPLES of its own). The tail taken is the centre of the
@@ -19,7 +19,7 @@ first token when it settles the transfer, then steps).
   over a decode step while the worker is busy and 0 when a transfer lands on an idle one, and the median of
   such a mix can sit at the edge of the busy spread.
 * Again whenever the prefill worker's link re-estimates that landing by more than `RELAND_S`
-  (`pdserve.core.delivery`): another transfer became due on the link and takes its tier's share of it
+  (`pdserve.core.pd.delivery`): another transfer became due on the link and takes its tier's share of it
   (`ConductorCore.relanded`; the real worker's `PrefillSide.relanded`, the simulator's `_reland`).
 
 The prediction is the transfer's delivery deadline (`--delivery scheduled` sends the earliest first within
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.conductor.admission import Admission
-from pdserve.core.delivery import CONSUME_TOLERANCE_S
+from pdserve.core.pd.delivery import CONSUME_TOLERANCE_S
 
 TAIL_SAMPLES = 64
 TIER_SAMPLES = 8  # a tier's own consumption tail is used once it has this many samples

@@ -11,7 +11,7 @@ has decayed below `FORGET_COUNT`.
 When a prefill worker is idle (nothing routed to it waiting, no stage pass), the core asks `pick` for the
 hot prefix it lacks (by its remembered prefixes, `WorkerLoad.prefix_blocks`) that is worth the most (decayed
 count x blocks it would add) and fits its staging room, and sends it a `warm` command: a stage pass of just
-those tokens (`pdserve.core.stage_passes`), ranked after every real prefill, whose KV stays in that worker's
+those tokens (`pdserve.core.sched.stage_passes`), ranked after every real prefill, whose KV stays in that worker's
 prefix cache and host tier. Once it is done the worker remembers the prefix, so routing can spread the
 prefix's requests over both workers. Counted: `Count("kv_idle_prewarms", worker, outcome)`.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.conductor.routing import HashRun
-from pdserve.core.u64map import new_map
+from pdserve.core.kvstore.u64map import new_map
 
 HOT_COUNT = 1.5  # decayed count of requests that makes a prefix hot: two within a half-life
 HALF_LIFE_S = 60.0

@@ -40,7 +40,7 @@ from pdserve.conductor.admission import Admission
 from pdserve.conductor.books import Books
 from pdserve.conductor.flight_state import FlightState, Stage
 from pdserve.conductor.wire import Abort, KvFailed, Redirect, Renew
-from pdserve.core.online_fit import MIN_SAMPLES
+from pdserve.core.sched.online_fit import MIN_SAMPLES
 
 HEARD_S = 1.0  # a worker heard from this recently (two heartbeats) is running, however busy its loop
 # How long after its first lapse a transfer's lease is still renewed for a sender that is heard yet sends

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.core.u64map import new_map
+from pdserve.core.kvstore.u64map import new_map
 
 
 AFFINITY_BLOCKS = 256  # prefix affinity looks at a prompt's first blocks only (4,096 tokens at block 16)

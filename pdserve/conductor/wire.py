@@ -178,7 +178,7 @@ class Ready:
     max_model_len: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    stage_blocks: int = 0  # staged KV it keeps (`pdserve.core.stage_passes.stage_capacity`)
+    stage_blocks: int = 0  # staged KV it keeps (`pdserve.core.sched.stage_passes.stage_capacity`)
     stage_max_blocks: int | None = None  # the longest prompt whose staged KV it reuses whole
     cmd_addr: str | None = None  # a joining worker: where it takes commands
     model: str | None = None  # a joining worker: the model it serves (`model_fingerprint`)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, Field, dataclass, field, fields
 
-from pdserve.core import kv_codecs
-from pdserve.core.decode_cadence import check_cadence
+from pdserve.core.kvstore import kv_codecs
+from pdserve.core.sched.decode_cadence import check_cadence
 from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.errors import InvalidRequestError
 
@@ -70,7 +70,7 @@ class RoutingSettings:
 
 @dataclass(frozen=True)
 class DeliverySettings:
-    """How KV moves on a link from a prefill worker to a decode worker (`pdserve.core.delivery`)."""
+    """How KV moves on a link from a prefill worker to a decode worker (`pdserve.core.pd.delivery`)."""
     delivery: str = setting("scheduled", "KV delivery order on each link: scheduled (by service tier share, "
                             "earliest predicted consumption first within a tier) or fifo (as produced).")
     link_share: str | None = setting(None, "Bandwidth shares of the service tiers on a link under --delivery "
@@ -143,7 +143,7 @@ class AdmissionSettings:
 
 @dataclass(frozen=True)
 class CadenceSettings:
-    """When a decode worker sends its step's tokens (`pdserve.core.decode_cadence`)."""
+    """When a decode worker sends its step's tokens (`pdserve.core.sched.decode_cadence`)."""
     decode_cadence: str = setting("off", "steady: a decode worker sends each step's tokens a steady period after "
                                   "the step began (the recent steps' 99th-percentile time, at most 1.25x the step's "
                                   "own), so every stream's inter-token gaps stay even as requests join and leave its "
@@ -155,7 +155,7 @@ class CadenceSettings:
 
 @dataclass(frozen=True)
 class KvTierSettings:
-    """The KV storage tiers below the device pool (`pdserve.core.kv_tiers`). Sizes are per worker (per engine in
+    """The KV storage tiers below the device pool (`pdserve.core.kvstore.kv_tiers`). Sizes are per worker (per engine in
     the simulator, whose defaults are `pdserve.sim.cluster.SIM_KV_TIERS`)."""
     kv_host_gb: float = setting(4.0, "Host-memory KV tier per worker (simulate: per engine), in GiB (0: none). Full "
                                 "blocks are copied there as they are produced (on a background thread), so a block "
@@ -166,7 +166,7 @@ class KvTierSettings:
                                       "use count).")
 
     def __post_init__(self) -> None:
-        from pdserve.core.kv_meta import EVICTION_POLICIES
+        from pdserve.core.kvstore.kv_meta import EVICTION_POLICIES
         _require(self.kv_host_gb >= 0, f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", "kv_host_gb")
         _require(self.kv_disk_gb >= 0, f"kv_disk_gb must be >= 0, got {self.kv_disk_gb!r}", "kv_disk_gb")
         if self.kv_eviction_policy not in EVICTION_POLICIES:
@@ -176,7 +176,7 @@ class KvTierSettings:
 
 @dataclass(frozen=True)
 class CodecSettings:
-    """How KV is coded in the pool, on the links and in the storage tiers (`pdserve.core.kv_codecs`)."""
+    """How KV is coded in the pool, on the links and in the storage tiers (`pdserve.core.kvstore.kv_codecs`)."""
     kv_cache_dtype: str = setting("auto", "KV cache codec: auto (the model dtype), fp16, bf16, fp8_e4m3, int8 or int4 "
                                   "(scales per token and head, inside each block; the pool, delivery and the host "
                                   "and disk tiers hold the coded blocks). int4 also keeps each running sequence's "

@@ -1,7 +1,7 @@
 """KV checkpoints of a decode worker's requests, for moving them when the worker dies (issue 15).
 
 **Taking one.** A worker with a disk KV tier already writes every full block through to it (device -> host ->
-disk, `pdserve.core.kv_tiers`), its decoded tokens' blocks included (in runs of at most `every` tokens): a
+disk, `pdserve.core.kvstore.kv_tiers`), its decoded tokens' blocks included (in runs of at most `every` tokens): a
 running request's leading blocks that are on disk are its checkpoint, in files that outlive the process
 (`<dir>/<identity>/<worker>/<hash>.kv`, `pdserve.kv.disk_store`). `KVCheckpoints.due` tells the conductor how many of a request's tokens are there,
 each time that number grew by `every` tokens (`--kv-checkpoint-tokens`) since the last report.
@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from pdserve.core.kv_meta import BlockMeta, Tier
+from pdserve.core.kvstore.kv_meta import BlockMeta, Tier
 from pdserve.core.request import RequestStatus
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.disk_store import DiskKVStore

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import xxhash
 
-from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.core.sched.schedule import ExecutorOutput, SchedulerOutput
 
 
 class Executor(Protocol):

@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.core.block_manager import KVBlockManager
-from pdserve.core.kv_meta import LifecycleConfig, Stage, make_eviction_policy
-from pdserve.core.kv_tiers import TieredKV, build_tiered_kv
+from pdserve.core.kvstore.block_manager import KVBlockManager
+from pdserve.core.kvstore.kv_meta import LifecycleConfig, Stage, make_eviction_policy
+from pdserve.core.kvstore.kv_tiers import TieredKV, build_tiered_kv
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.schedule import SchedulerConfig, SchedulerOutput
-from pdserve.core.scheduler import Scheduler
+from pdserve.core.sched.schedule import SchedulerConfig, SchedulerOutput
+from pdserve.core.sched.scheduler import Scheduler
 from pdserve.core.settings import KvTierSettings, default_of
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.core.sched.schedule import ExecutorOutput, SchedulerOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.codec import KVCodec

@@ -8,7 +8,7 @@ worker straight from the pool, so delivery overlaps the next layers' compute. Th
 first output token, and a `done` record closes the transfer with it and the number of chunks sent.
 
 Staging: while the decode worker has no room for a prompt's blocks, the conductor may have this worker compute
-it ahead (`stage`, `pdserve.core.stage_passes`): its KV stays in the prefix cache and the host tier
+it ahead (`stage`, `pdserve.core.sched.stage_passes`): its KV stays in the prefix cache and the host tier
 (write-through, pinned there), holding no device blocks, and the real prefill dispatched later finds it there
 and only sends it. Staged KV lost before delivery (evicted, or its request aborted) is counted as wasted
 bytes.
@@ -29,11 +29,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import RELAND_S, DeliveryPolicy, WaterLevel
-from pdserve.core.production_pace import ProductionPace
-from pdserve.core.push_range import push_range
-from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
-from pdserve.core.schedule import SchedulerOutput
+from pdserve.core.pd.delivery import RELAND_S, DeliveryPolicy, WaterLevel
+from pdserve.core.pd.production_pace import ProductionPace
+from pdserve.core.pd.push_range import push_range
+from pdserve.core.sched.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
+from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
 from pdserve.transfer.base import KVSender, TransferError
@@ -122,7 +122,7 @@ class PrefillSide:
 
     def stage(self, request_id: str, prompt: list[int], params, priority: int = 0,
               service_tier: str = "default") -> None:
-        """Compute a prompt ahead, with no transfer (`pdserve.core.stage_passes`)."""
+        """Compute a prompt ahead, with no transfer (`pdserve.core.sched.stage_passes`)."""
         self.stages.stage(self.engine.make_request(request_id, prompt, params, priority, prefill_only=True,
                                                    service_tier=service_tier))
 
@@ -205,7 +205,7 @@ class PrefillSide:
         out.held.update(new)
 
     def pace(self) -> ProductionPace:
-        """This step's production pace, per link (`pdserve.core.production_pace`); its `hold_s` > 0: the
+        """This step's production pace, per link (`pdserve.core.pd.production_pace`); its `hold_s` > 0: the
         worker produces nothing now (all its prompts are bound for links that are backed up)."""
         def link_of(rid: str) -> str | None:
             out = self.outbound.get(rid)

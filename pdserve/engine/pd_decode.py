@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from pdserve.core.decode_books import DecodeBooks, DecodeStats, Grant, Reservation
+from pdserve.core.pd.decode_books import DecodeBooks, DecodeStats, Grant, Reservation
 from pdserve.core.request import Request
-from pdserve.core.schedule import SchedulerOutput
+from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.engine.checkpoints import KVCheckpoints
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, mixed_pieces, scatter_blocks

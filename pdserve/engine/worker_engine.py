@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_executor import ModelExecutor

@@ -2,7 +2,7 @@
 
 A pool layer of codec `auto` is `[2, Hkv, num_blocks, block_size, D]` in the model dtype, as ever; of any
 other codec `[2, Hkv, num_blocks, block_size, token_bytes]` uint8, one record per token and head: its codes
-then its fp32 parameters (`pdserve.core.kv_codecs`). Everything that moves whole blocks (delivery, the host
+then its fp32 parameters (`pdserve.core.kvstore.kv_codecs`). Everything that moves whole blocks (delivery, the host
 and disk tiers) moves these bytes as they are; only attention and the cache write look inside.
 
 `encode(x [N, D] float) -> [N, token_bytes] uint8`; `decode(records [..., token_bytes]) -> [..., D] fp32`.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.core import kv_codecs
+from pdserve.core.kvstore import kv_codecs
 
 FP8_MAX = 448.0
 FP16_MAX = 65504.0

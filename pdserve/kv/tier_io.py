@@ -1,4 +1,4 @@
-"""Moves KV bytes between a worker's tiers for `pdserve.core.kv_tiers.TieredKV`.
+"""Moves KV bytes between a worker's tiers for `pdserve.core.kvstore.kv_tiers.TieredKV`.
 
 Copies down (offload: device -> host; flush: host -> disk), prefetches (disk -> host) and deletes run on
 one background thread, so a step never waits for them: the engine `submit`s the operations its tier
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.core.kv_ops import KVLoad, KVOp, TierCapacity
+from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierCapacity
 from pdserve.kv.disk_store import CorruptBlock, DiskKVStore, is_disk_full
 from pdserve.kv.host_store import HostKVStore
 

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from pdserve.core.kv_codecs import CODECS
+from pdserve.core.kvstore.kv_codecs import CODECS
 from pdserve.kv.codec import KVCodec
 
 

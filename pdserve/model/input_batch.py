@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.schedule import ScheduledChunk
+from pdserve.core.sched.schedule import ScheduledChunk
 from pdserve.model import residual_attention
 from pdserve.model.attention_backend import AttentionMetadata, PrefillChunk
 

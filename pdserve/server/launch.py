@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from pdserve.worker.spec import WorkerSpec
-from pdserve.core import kv_codecs
+from pdserve.core.kvstore import kv_codecs
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, RoutingSettings,
                                    SupervisionSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError

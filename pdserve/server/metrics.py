@@ -99,7 +99,7 @@ class Metrics:
                              ["worker", "tier_class"], registry=r)
         self.prefill_cap = Gauge("pdserve_step_prefill_cap_tokens", "Prefill tokens a worker's next step may "
                                  "carry: the token budget, lowered by the tiers' TPOT and TTFT SLOs "
-                                 "(pdserve.core.step_budget)", ["worker"], registry=r)
+                                 "(pdserve.core.sched.step_budget)", ["worker"], registry=r)
         self.capped_steps = Counter("pdserve_step_prefill_capped", "Steps whose prefill tokens were capped to keep "
                                     "the tiers' TPOT / TTFT SLOs", ["worker"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)

@@ -102,7 +102,7 @@ def add_sim_parsers(sub) -> None:
 
 def check_kv_cache_dtype(args) -> None:
     """A bad --kv-cache-dtype fails before any work, in one line."""
-    from pdserve.core.kv_codecs import check
+    from pdserve.core.kvstore.kv_codecs import check
     check(args.kv_cache_dtype)
 
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pdserve.bench.metrics import RequestRecord
 from pdserve.conductor.admission import Admission
 from pdserve.conductor.routing import make_routing_policy
-from pdserve.core.decode_cadence import DecodeCadence
-from pdserve.core.delivery import DeliveryPolicy, WaterLevel
-from pdserve.core.kv_meta import STORAGE_TIERS
+from pdserve.core.sched.decode_cadence import DecodeCadence
+from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
+from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
 from pdserve.core.role_planner import RolePlanner
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, KvTierSettings,
                                    RoutingSettings, parse_link_share, pick, shared)

@@ -7,8 +7,8 @@ where the decision is the workers':
 * commands: each simulated worker carries out a command's fields (`pdserve.sim.worker_commands.SimCommands`,
   the same `pdserve.conductor.commands` the real worker implements) at its engine's next step boundary;
 * a decode engine's reservations, their grant (and whether a prefill worker is needed at all), the waiting
-  reports, settlement and first-read consumption: the real decode worker's books (`pdserve.core.decode_books`);
-* a prefill engine's pushes (`pdserve.core.push_range`, as `PrefillSide.on_layer`), its pacing, the flows over
+  reports, settlement and first-read consumption: the real decode worker's books (`pdserve.core.pd.decode_books`);
+* a prefill engine's pushes (`pdserve.core.pd.push_range`, as `PrefillSide.on_layer`), its pacing, the flows over
   the link model and their landings: the KV path (`pdserve.sim.kv_push.SimKVPath`);
 * stage passes and warm passes: `pdserve.sim.staging` (as the real prefill worker's `StagePasses`).
 The prefill step that samples the first token ends the prefill; once every flow has landed the decode engine
@@ -31,8 +31,8 @@ from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe
 from pdserve.conductor.routing import RoutingPolicy
 from pdserve.conductor.commands import carry_out
 from pdserve.conductor.wire import Ready
-from pdserve.core.decode_books import DecodeBooks
-from pdserve.core.delivery import WaterLevel
+from pdserve.core.pd.decode_books import DecodeBooks
+from pdserve.core.pd.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.sim.engine import EngineHooks, SimEngine

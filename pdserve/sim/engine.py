@@ -31,9 +31,9 @@ from array import array
 from collections.abc import Callable
 
 from pdserve.conductor.routing import WorkerLoad
-from pdserve.core.decode_cadence import DecodeCadence, plain_decode
+from pdserve.core.sched.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.request import Request
-from pdserve.core.schedule import SchedulerConfig
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.settings import KvTierSettings, default_of
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim import fastforward

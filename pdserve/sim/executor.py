@@ -9,7 +9,7 @@ reads `last_duration` (and `last_shape`, `last_load_s`) after each `LLMEngine.st
 
 from __future__ import annotations
 
-from pdserve.core.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.core.sched.schedule import ExecutorOutput, SchedulerOutput
 from pdserve.sim.tier_io import SimTierIO
 from pdserve.sim.timemodel import StepShape, TimeModel
 

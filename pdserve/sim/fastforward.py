@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.scheduler import Scheduler
+from pdserve.core.sched.scheduler import Scheduler
 from pdserve.sim.timemodel import StepShape, TimeModel
 
 MIN_STEPS = 2  # windows shorter than this are not worth planning
@@ -62,7 +62,7 @@ def eligible(sched: Scheduler, token_id: int) -> bool:
 
 def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max_steps: int = 1 << 30,
          pace: Callable[[float, float], float] | None = None, boundary_s: float | None = None) -> Window | None:
-    """`pace(start, end)`: a step's end as the decode cadence holds it (`pdserve.core.decode_cadence`), the
+    """`pace(start, end)`: a step's end as the decode cadence holds it (`pdserve.core.sched.decode_cadence`), the
     window's steps starting at `boundary_s` (before any wake-up; default `now`)."""
     if not eligible(sched, token_id):
         return None

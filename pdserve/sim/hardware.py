@@ -7,7 +7,7 @@ GPU's host link and the node's NVMe drives (`host_link_bw`, `disk_read_bw`, `dis
 assumptions next to the table). Prices are indicative on-demand cloud rates in USD per GPU-hour; pass your
 own with `--price-per-gpu-hour`. Model presets hold only what the time model needs; a Hugging Face
 `config.json` path works too, of an architecture the engine runs (`pdserve.model.registry`). A model's
-`kv_cache_dtype` (`pdserve.core.kv_codecs`, `auto` = the weights' dtype) sizes its KV bytes per token, hence
+`kv_cache_dtype` (`pdserve.core.kvstore.kv_codecs`, `auto` = the weights' dtype) sizes its KV bytes per token, hence
 the device pool, the KV link and the host/disk tier blocks.
 """
 
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdserve.core import kv_codecs
+from pdserve.core.kvstore import kv_codecs
 from pdserve.errors import InvalidRequestError
 from pdserve.model.config import ModelConfig
 
@@ -75,7 +75,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     dtype_bytes: int = 2  # bf16 weights (and KV under kv_cache_dtype auto)
     max_model_len: int = 131072
-    kv_cache_dtype: str = "auto"  # a `pdserve.core.kv_codecs` name: how the KV pool, links and tiers code KV
+    kv_cache_dtype: str = "auto"  # a `pdserve.core.kvstore.kv_codecs` name: how the KV pool, links and tiers code KV
 
     def __post_init__(self) -> None:
         kv_codecs.token_bytes(self.kv_cache_dtype, self.hd, self.dtype_bytes)  # a bad name or head size: one line

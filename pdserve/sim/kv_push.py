@@ -1,6 +1,6 @@
 """The simulated KV path of a prompt, owned by `SimKVPath`: the prefill engine's backpressure (paced per link,
 as the real prefill worker), the push of each prefill step's new blocks over the link model (the blocks
-`pdserve.core.push_range` says, as the real prefill worker sends), landings and their re-estimates while in
+`pdserve.core.pd.push_range` says, as the real prefill worker sends), landings and their re-estimates while in
 the air, and the bytes and blocks the decode step that first reads delivered KV consumes.
 
 It owns every engine's network port and the landing watch; it sees the link model, the event loop, the
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.core.delivery import LANDING_RECHECK_S, WaterLevel
-from pdserve.core.production_pace import ProductionPace
-from pdserve.core.push_range import push_range
+from pdserve.core.pd.delivery import LANDING_RECHECK_S, WaterLevel
+from pdserve.core.pd.production_pace import ProductionPace
+from pdserve.core.pd.push_range import push_range
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.link import LandingWatch, LinkModel
@@ -36,7 +36,7 @@ class SimKVPath:
 
     # ---- production ------------------------------------------------------------------------------------------
     def hold_production_s(self, engine: SimEngine, flight_of: Callable[[str], Flight | None]) -> float:
-        """As the real prefill worker: its next step is paced per link (`pdserve.core.production_pace`), here
+        """As the real prefill worker: its next step is paced per link (`pdserve.core.pd.production_pace`), here
         the pair of ports a prompt's KV crosses; no step while every prompt's pair is backed up."""
         egress = self.ports[engine.name]
 

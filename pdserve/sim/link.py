@@ -2,7 +2,7 @@
 
 Each engine has a network port (`Link`) of `bandwidth` bytes/s: a prefill engine's egress and a decode
 engine's ingress. A flow crosses both ports of its pair; each port splits its bandwidth among its active
-flows by the delivery policy (`pdserve.core.delivery.DeliveryPolicy.rates`, the code the real sender orders
+flows by the delivery policy (`pdserve.core.pd.delivery.DeliveryPolicy.rates`, the code the real sender orders
 its chunks by: `fifo` equally, `scheduled` by service tier share and earliest deadline), and a flow runs at
 the smaller of its two allocations. While its data is still being produced (layer-by-layer push during a
 prefill step), a flow that has caught up with its production is also capped at the production rate, so it
@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import RELAND_S, DeliveryPolicy, Item
+from pdserve.core.pd.delivery import RELAND_S, DeliveryPolicy, Item
 from pdserve.sim.events import MESSAGE, EventLoop
 
 ALLOCATION_ROUNDS = 3

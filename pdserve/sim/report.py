@@ -36,7 +36,7 @@ from rich.table import Table
 
 from pdserve.bench.metrics import jitter_p99_ms
 from pdserve.bench.report import BenchResult, write_result
-from pdserve.core.kv_meta import STORAGE_TIERS
+from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
 from pdserve.sim.cluster import SimRun
 from pdserve.sim.conductor import CONSUME_TOLERANCE_S
 

@@ -1,5 +1,5 @@
 """Staging in the simulator: each prefill engine runs its stage passes with the real worker's code
-(`pdserve.core.stage_passes.StagePasses`, as `pdserve.engine.pd.PrefillSide` does) and advertises the same
+(`pdserve.core.sched.stage_passes.StagePasses`, as `pdserve.engine.pd.PrefillSide` does) and advertises the same
 capacity (`stage_capacity`). The decisions (when, which prompt) are the conductor core's
 (`pdserve.conductor.staging.Staging.next`)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.core.kv_tiers import capacity_blocks
-from pdserve.core.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses, stage_capacity
+from pdserve.core.kvstore.kv_tiers import capacity_blocks
+from pdserve.core.sched.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses, stage_capacity
 from pdserve.sim.engine import SimEngine, SimRequest
 
 

@@ -3,7 +3,7 @@
 It implements the contract `pdserve.engine.llm_engine.LLMEngine` expects of `executor.kv_io` (as
 `pdserve.kv.tier_io.TierIO` does for the real worker): `capacity`, `restored()`, `submit(ops)`, `poll()`,
 `load(loads)`. The tier bookkeeping itself (what is copied where, hits, eviction, lifecycle) is the real
-`pdserve.core.kv_tiers.TieredKV`, driven by the real engine; this module only decides when each operation
+`pdserve.core.kvstore.kv_tiers.TieredKV`, driven by the real engine; this module only decides when each operation
 ends. No bytes move and nothing fails.
 
 Links (each a FIFO queue: an operation starts when the one before it on its link has ended):
@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.core.kv_ops import KVLoad, KVOp, TierCapacity
+from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierCapacity
 
 GIB = 2**30  # tier sizes are in GiB, as the real worker's --kv-host-gb and --kv-disk-gb
 LINKS = ("host_link", "disk_read", "disk_write")

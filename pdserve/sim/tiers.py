@@ -2,12 +2,12 @@
 
 The device tier is the engine's real `KVBlockManager`; `DeviceTier` only observes it after each step and
 keeps time-weighted usage, the peak and a coarse time series (one point per `sample_s`). The host and disk
-tiers are the real `pdserve.core.kv_tiers.TieredKV` on a `pdserve.sim.tier_io.SimTierIO`.
+tiers are the real `pdserve.core.kvstore.kv_tiers.TieredKV` on a `pdserve.sim.tier_io.SimTierIO`.
 """
 
 from __future__ import annotations
 
-from pdserve.core.block_manager import KVBlockManager
+from pdserve.core.kvstore.block_manager import KVBlockManager
 
 
 class DeviceTier:

@@ -34,8 +34,8 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.core.schedule import SchedulerOutput
-from pdserve.core import kv_codecs
+from pdserve.core.sched.schedule import SchedulerOutput
+from pdserve.core.kvstore import kv_codecs
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.hardware import GPUSpec, ModelSpec
 

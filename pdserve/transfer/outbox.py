@@ -1,7 +1,7 @@
 """A prefill worker's outgoing KV: chunks queued per link and sent in the delivery policy's order.
 
 Production (`PrefillSide.on_layer`) pushes each layer's new blocks as chunks; `pump` sends what the links
-allow, in `pdserve.core.delivery` order (`--delivery fifo`: as produced; `scheduled`: by service tier share,
+allow, in `pdserve.core.pd.delivery` order (`--delivery fifo`: as produced; `scheduled`: by service tier share,
 earliest predicted consumption first within a tier), each link throttled to `link_rate` bytes/s when set
 (`--link-gbps`, to emulate a slower network; unthrottled, everything pushed goes at the next pump). A
 chunk that must wait keeps its blocks held until the receiver took them (a partly filled block's chunk and
@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.core.delivery import DeliveryPolicy, LinkQueue, TokenBucket
+from pdserve.core.pd.delivery import DeliveryPolicy, LinkQueue, TokenBucket
 from pdserve.transfer.base import KVSender, TransferError
 
 BURST_S = 0.005  # a throttled link's burst: this many seconds of its rate

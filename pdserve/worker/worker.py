@@ -32,10 +32,10 @@ from pdserve.worker.wire_codec import pack, unpack
 from pdserve.worker.worker_commands import WorkerCommands
 from pdserve.worker.worker_reports import WorkerReports
 from pdserve.worker.worker_stats import step_shape, worker_stats
-from pdserve.core.decode_cadence import DecodeCadence, plain_decode
-from pdserve.core.delivery import LANDING_RECHECK_S
-from pdserve.core.kv_tiers import capacity_blocks
-from pdserve.core.stage_passes import stage_capacity
+from pdserve.core.sched.decode_cadence import DecodeCadence, plain_decode
+from pdserve.core.pd.delivery import LANDING_RECHECK_S
+from pdserve.core.kvstore.kv_tiers import capacity_blocks
+from pdserve.core.sched.stage_passes import stage_capacity
 from pdserve.errors import PdserveError
 from pdserve.transfer import capabilities as transport_capabilities
 from pdserve.transfer.zmq_auth import Refusals, secure_client, secure_server
@@ -80,7 +80,7 @@ class Worker:
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
-            from pdserve.core.delivery import DeliveryPolicy, WaterLevel
+            from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
             from pdserve.transfer import make_sender
             self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s),
                                        layers, lease_s=spec.kv_timeout_s,
@@ -172,7 +172,7 @@ class Worker:
 
     def _hold(self, scheduled, start: float, seconds: float) -> None:
         """--decode-cadence steady: hold a step (begun at `start`, perf_counter; `seconds` long) until its period
-        is up, serving commands and delivered KV meanwhile (`pdserve.core.decode_cadence`)."""
+        is up, serving commands and delivered KV meanwhile (`pdserve.core.sched.decode_cadence`)."""
         sched = self.engine.scheduler
         until = start + self.cadence.pace(start, seconds, plain_decode(scheduled),
                                           sched.step_budget.tightest_tpot_s(sched.running))
@@ -204,7 +204,7 @@ class Worker:
 
     def _held(self) -> bool:
         """A prefill worker whose links are all backed up produces nothing now (backpressure); otherwise the
-        next step is paced per link (`pdserve.core.production_pace`)."""
+        next step is paced per link (`pdserve.core.pd.production_pace`)."""
         if self.prefill is None:
             return False
         now = time.monotonic()

@@ -18,7 +18,7 @@ def step_shape(scheduled) -> list:
 
 def worker_stats(w) -> dict:
     """A worker's `stats` event's values (`pdserve.conductor.wire.Stats`): its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
-    from pdserve.core import native
+    from pdserve.core.kvstore import native
     from pdserve.model import kernels
     sched, blocks = w.engine.scheduler, w.engine.block_manager
     out = {"running": sched.num_running, "waiting": sched.num_waiting,

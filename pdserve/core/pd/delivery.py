@@ -26,7 +26,7 @@ shares and order (water-filling: a flow capped by its production rate leaves the
 Backpressure (`WaterLevel`): a link is backed up while it would need more than `--delivery-backlog-s` to
 send what is queued (real: chunks queued; simulator: bytes of the flows in the air) of the tiers at or above
 the best tier of the prompts bound for it (`counted_tiers`: a priority arrival is not held behind a flex
-backlog). Production is paced per link by it (`pdserve.core.production_pace`): a backed-up link's prompts
+backlog). Production is paced per link by it (`pdserve.core.pd.production_pace`): a backed-up link's prompts
 wait, below the level a chunk is cut to what the link takes before it, and a worker whose prompts all wait
 pauses until delivery catches up, instead of piling up KV the links cannot carry.
 """

@@ -1,7 +1,7 @@
 """An online least-squares fit of step time over a sliding window of recent steps, coefficients >= 0.
 
 Shared by the conductor's admission model (`pdserve.conductor.admission`) and the scheduler's step budget
-(`pdserve.core.step_budget`): both predict how long a step of some shape takes from the steps a worker
+(`pdserve.core.sched.step_budget`): both predict how long a step of some shape takes from the steps a worker
 actually ran (real seconds on a real worker, modelled seconds in the simulator).
 """
 

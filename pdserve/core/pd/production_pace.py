@@ -1,7 +1,7 @@
 """Production paced by delivery, per link: how many prompt tokens a prefill step may compute for each.
 
 `WaterLevel` says a link is backed up when it needs more than `--delivery-backlog-s` to send what is queued
-for it. Holding the whole prefill worker then (as `pdserve.core.delivery` did alone) has two faults: one slow
+for it. Holding the whole prefill worker then (as `pdserve.core.pd.delivery` did alone) has two faults: one slow
 link holds the prompts bound for every other decode worker, and one step (a 2,048-token chunk of a
 135M-parameter model is ~90 MB of fp32 KV) overshoots the water level by far more than the link sends
 meanwhile. The pace works per link (a prefill -> decode worker pair; in the simulator the pair of ports):
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from pdserve.core.delivery import WaterLevel, counted_tiers
+from pdserve.core.pd.delivery import WaterLevel, counted_tiers
 
 # (queued bytes of the counted tiers, rate in bytes/s or None) of each constraint on a link: the real link
 # has one, a simulated pair two (the sender's egress port and the receiver's ingress port)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from pdserve.core.block_hash import BlockHash
-from pdserve.core.block_manager import KVBlockManager
-from pdserve.core.kv_tiers import TieredKV
+from pdserve.core.kvstore.block_hash import BlockHash
+from pdserve.core.kvstore.block_manager import KVBlockManager
+from pdserve.core.kvstore.kv_tiers import TieredKV
 from pdserve.core.request import STAGE, Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 

@@ -9,31 +9,31 @@ until reused) and it waits to recompute prompt + outputs.
 A running prefill ranked after a waiting request that can start now (a priority arrival while flex prompts
 are mid-prefill) yields: the arrival takes the step's budget first, the paused prefill keeps its blocks and
 gets what is left (`_run`). A prefill worker's chunks are also paced by delivery, per link
-(`pdserve.core.production_pace`).
+(`pdserve.core.pd.production_pace`).
 
 Prefill/decode disaggregation uses the same class on both sides. A prefill worker's requests are
 `prefill_only`: they end as FINISHED_PREFILLED once their prompt's KV is computed and the first token
 sampled (no stop checks there). A decode worker reserves blocks for KV another worker delivers (`reserve_kv`,
 `kv_delivered`, `kv_failed`): the scheduler does the request's queue side, its part
-`pdserve.core.kv_reservations.KVReservations` the blocks, the host loads and which requests wait for KV.
+`pdserve.core.sched.kv_reservations.KVReservations` the blocks, the host loads and which requests wait for KV.
 """
 
 from __future__ import annotations
 
 import bisect
 
-from pdserve.core.block_manager import KVBlockManager, PrefixHit
-from pdserve.core.hot_window import HotWindow
-from pdserve.core.kv_reservations import KVReservations
-from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
-from pdserve.core.production_pace import ProductionPace
-from pdserve.core.policy import QueuePolicy, make_queue_policy
+from pdserve.core.kvstore.block_manager import KVBlockManager, PrefixHit
+from pdserve.core.sched.hot_window import HotWindow
+from pdserve.core.sched.kv_reservations import KVReservations
+from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
+from pdserve.core.pd.production_pace import ProductionPace
+from pdserve.core.sched.policy import QueuePolicy, make_queue_policy
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput, SchedulerStats
+from pdserve.core.sched.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.core.step_budget import StepBudget
-from pdserve.core.tier_share import ReservedShare
-from pdserve.core.waiting_queue import WaitingQueue
+from pdserve.core.sched.step_budget import StepBudget
+from pdserve.core.sched.tier_share import ReservedShare
+from pdserve.core.sched.waiting_queue import WaitingQueue
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError
 
 
@@ -87,7 +87,7 @@ class Scheduler:
     def enable_long_context(self, hot_window_tokens: int) -> None:
         """Let a request's context outgrow the device pool: it keeps at most `hot_window_tokens` (rounded to
         blocks, at least 2, at most half the pool) on the device; its older blocks are read from the host
-        tier (`pdserve.core.hot_window`). Needs `tiers`."""
+        tier (`pdserve.core.sched.hot_window`). Needs `tiers`."""
         self.window = self.reservations.window = HotWindow(self.blocks, self._tiers, hot_window_tokens)
         self.max_model_len = self.window.max_model_len(self.config.max_model_len)
 
@@ -235,7 +235,7 @@ class Scheduler:
 
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """The step `scheduled` took `seconds` (measured, or modelled by the simulator): the step budget
-        learns from it (`pdserve.core.step_budget`)."""
+        learns from it (`pdserve.core.sched.step_budget`)."""
         self.step_budget.observe(scheduled, seconds)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -248,7 +248,7 @@ class Scheduler:
                 ended.append(req)
         return ended
 
-    # ---- KV another worker delivers (`pdserve.core.kv_reservations`) ----------------------------------
+    # ---- KV another worker delivers (`pdserve.core.sched.kv_reservations`) ----------------------------------
     def reserve_kv(self, request: Request) -> int | None:
         """Hold blocks for the whole prompt of a request whose KV will be delivered; None when no room now.
         Returns the number of prompt tokens already in this worker's prefix cache (whole blocks): the sender
@@ -283,7 +283,7 @@ class Scheduler:
 
     # ---- helpers ---------------------------------------------------------------------------------------
     def _take_back(self, head: Request, need_blocks: int, preempted: list[str]) -> None:
-        """The guaranteed tier's lent share comes back for `head` (`pdserve.core.tier_share`)."""
+        """The guaranteed tier's lent share comes back for `head` (`pdserve.core.sched.tier_share`)."""
         for victim in self.share.victims(head, need_blocks, self.running, len(self.reservations),
                                          self.blocks.num_free_blocks, lambda r: len(self.blocks.block_ids(r.request_id))):
             self.running.remove(victim)

@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.core.block_manager import BlockId
-from pdserve.core.kv_ops import KVLoad
+from pdserve.core.kvstore.block_manager import BlockId
+from pdserve.core.kvstore.kv_ops import KVLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 

@@ -2,7 +2,7 @@
 
 A block's hash covers its parent's hash and its own tokens, so equal hashes mean equal whole prefixes, not
 just equal blocks. xxh3-64 is fast enough to hash every block of every prompt on the scheduler's thread; a
-run of blocks is hashed in one compiled call (`pdserve/core/native/hash_chain.h`, the xxhash package's own xxh3).
+run of blocks is hashed in one compiled call (`pdserve/core/kvstore/native/hash_chain.h`, the xxhash package's own xxh3).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NewType
 import numpy as np
 import xxhash
 
-from pdserve.core import native
+from pdserve.core.kvstore import native
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ _chain: Callable | None | bool = None  # the compiled chain once looked up, Fals
 
 def _compiled_chain() -> Callable | None:
     """`kvcore`'s hash_chain bound to the xxhash package's own xxh3 (checked against it once), or None (the
-    Python loop: counted, `pdserve.core.native.fallback`, and logged once)."""
+    Python loop: counted, `pdserve.core.kvstore.native.fallback`, and logged once)."""
     global _chain
     if _chain is None:
         _chain, module = False, native.load()

@@ -1,4 +1,4 @@
-"""The scheduler's waiting requests, in its queue policy's order (`pdserve.core.policy`).
+"""The scheduler's waiting requests, in its queue policy's order (`pdserve.core.sched.policy`).
 
 A heap keyed by the policy's sort key. A request that ends while it waits (an abort) is not searched for: it
 is counted out at once (`ended`) and its entry is dropped when it reaches the head.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 
-from pdserve.core.policy import QueuePolicy
+from pdserve.core.sched.policy import QueuePolicy
 from pdserve.core.request import Request
 
 

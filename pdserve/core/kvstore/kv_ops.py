@@ -1,4 +1,4 @@
-"""The records between a worker's tier bookkeeping (`pdserve.core.kv_tiers.TieredKV`) and the rest: the
+"""The records between a worker's tier bookkeeping (`pdserve.core.kvstore.kv_tiers.TieredKV`) and the rest: the
 loads a step performs, the I/O operations a runner carries out (`pdserve.kv.tier_io`, the simulator's
 `SimTierIO`), the capacity it reports, a lookup's answer and the counters. Plain frozen dataclasses (a
 load: a named tuple).
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pdserve.core.block_hash import BlockHash
+from pdserve.core.kvstore.block_hash import BlockHash
 
 
 class KVLoad(NamedTuple):  # (a named tuple: a long prompt's host hits make hundreds per request)

@@ -13,9 +13,9 @@ context's hot window; the scheduler hands it the last two as it gets them.
 
 from __future__ import annotations
 
-from pdserve.core.block_manager import KVBlockManager, PrefixHit
-from pdserve.core.hot_window import HotWindow
-from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
+from pdserve.core.kvstore.block_manager import KVBlockManager, PrefixHit
+from pdserve.core.sched.hot_window import HotWindow
+from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.request import Request, RequestStatus
 
 _NO_TIER_HIT = TierHit()

@@ -28,12 +28,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pdserve.core.block_hash import BlockHash
-from pdserve.core.block_manager import BlockId, KVBlockManager
-from pdserve.core.kv_columns import TIER_CODE
-from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
-from pdserve.core.kv_ops import KVLoad, KVOp, TierHit, TierStats  # noqa: F401 (KVLoad, TierHit re-exported)
-from pdserve.core.kv_tier_index import TierIndex
+from pdserve.core.kvstore.block_hash import BlockHash
+from pdserve.core.kvstore.block_manager import BlockId, KVBlockManager
+from pdserve.core.kvstore.kv_columns import TIER_CODE
+from pdserve.core.kvstore.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
+from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierHit, TierStats  # noqa: F401 (KVLoad, TierHit re-exported)
+from pdserve.core.kvstore.kv_tier_index import TierIndex
 
 
 # Decode-produced blocks are written through in runs of this many tokens per request (and the rest when the

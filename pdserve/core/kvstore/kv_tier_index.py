@@ -11,7 +11,7 @@ Which block leaves: under LRU, the first evictable one in use order (the marks a
 so they go first unless a block ahead of them became evictable since); under another policy, the first
 evictable marked block, else the policy's pick among the `eviction_sample` least recently used.
 
-State is columnar (`MetaColumns` by slot, a compiled slot order and hash -> slot map from `pdserve.core.native`):
+State is columnar (`MetaColumns` by slot, a compiled slot order and hash -> slot map from `pdserve.core.kvstore.native`):
 a run of blocks is reserved, committed, touched or evicted with a few array operations (`reserve_many`, `commit_slots`,
 `touch_many`). `entries` is a read-only mapping hash -> `MetaView`, least recently used first.
 """
@@ -24,10 +24,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from pdserve.core.kv_columns import MetaColumns, MetaView
-from pdserve.core.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim
-from pdserve.core.lru_queue import new_queue
-from pdserve.core.u64map import new_map
+from pdserve.core.kvstore.kv_columns import MetaColumns, MetaView
+from pdserve.core.kvstore.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, LRUPolicy, Tier, pick_victim
+from pdserve.core.kvstore.lru_queue import new_queue
+from pdserve.core.kvstore.u64map import new_map
 
 RECLAIM_INTERVAL_S = 1.0  # watermark marking runs at most this often (it walks the LRU order)
 

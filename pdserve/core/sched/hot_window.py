@@ -13,8 +13,8 @@ entry `request.cold_hashes[i]` for i < c (held `busy` there until the request en
 
 from __future__ import annotations
 
-from pdserve.core.block_manager import BlockId, KVBlockManager, PrefixHit
-from pdserve.core.kv_tiers import KVLoad, TierHit, TieredKV
+from pdserve.core.kvstore.block_manager import BlockId, KVBlockManager, PrefixHit
+from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.request import Request
 
 

@@ -1,8 +1,8 @@
 """Slots in least-recently-pushed order, for tiers of 10^5 blocks touched in runs of hundreds.
 
-`new_queue` gives a `LinkedQueue`: the compiled `Order` (`pdserve/core/native/kvcore.c`, a doubly linked
+`new_queue` gives a `LinkedQueue`: the compiled `Order` (`pdserve/core/kvstore/native/kvcore.c`, a doubly linked
 list over slot numbers: push, move and remove O(1), runs of slots in one call). Where the compiled module is
-unavailable it gives (counted, `pdserve.core.native`) a `ChunkQueue`, the same contract in numpy:
+unavailable it gives (counted, `pdserve.core.kvstore.native`) a `ChunkQueue`, the same contract in numpy:
 
 Each slot carries a stamp, its position in the order: pushing a slot (again) gives it the next stamp and
 appends (slot, stamp) at the most recent end; removing it zeroes its stamp. Entries whose stamp no longer
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from pdserve.core import native
+from pdserve.core.kvstore import native
 
 CHUNK = 4096  # longest chunk kept: a pop scans the head chunk a window at a time, never a whole tier
 

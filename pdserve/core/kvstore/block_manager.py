@@ -3,7 +3,7 @@
 Pure bookkeeping: no tensors, no request objects. The scheduler asks, this module answers with block ids;
 it never writes into a request. Tensors indexed by these ids live in the worker's KV pool.
 
-Free blocks sit in an LRU queue (`pdserve.core.lru_queue`: O(1) removal from the middle when a cached block is hit
+Free blocks sit in an LRU queue (`pdserve.core.kvstore.lru_queue`: O(1) removal from the middle when a cached block is hit
 again, runs pushed and popped as arrays). A freed block keeps its hash and stays findable by prefix lookups
 until it is popped for reuse: that is the whole prefix cache, with least-recently-freed eviction. A
 request's blocks are freed tail first, because the tail of a sequence is the part least likely to be shared
@@ -14,7 +14,7 @@ metadata in `MetaColumns`), so a request's hundreds of blocks are allocated, reg
 array operations: the simulator replays hours of a cluster on this same code.
 
 A long context's leading blocks may live in a lower tier only (`start_cold`, `spill`): its table then starts
-at logical block `num_cold_blocks`. Prewarm pins are kept by a part, `pdserve.core.block_holds.PrewarmPins`.
+at logical block `num_cold_blocks`. Prewarm pins are kept by a part, `pdserve.core.kvstore.block_holds.PrewarmPins`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import NewType
 
 import numpy as np
 
-from pdserve.core.block_hash import BlockHash, hash_blocks, hash_blocks_array
-from pdserve.core.block_holds import PrewarmPins
-from pdserve.core.kv_columns import MetaColumns, MetaView
-from pdserve.core.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
-from pdserve.core.lru_queue import new_queue
-from pdserve.core.u64map import new_map
+from pdserve.core.kvstore.block_hash import BlockHash, hash_blocks, hash_blocks_array
+from pdserve.core.kvstore.block_holds import PrewarmPins
+from pdserve.core.kvstore.kv_columns import MetaColumns, MetaView
+from pdserve.core.kvstore.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
+from pdserve.core.kvstore.lru_queue import new_queue
+from pdserve.core.kvstore.u64map import new_map
 
 BlockId = NewType("BlockId", int)
 
@@ -368,7 +368,7 @@ class KVBlockManager:
         self._free.remove(victim.slot)
         return BlockId(victim.slot)
 
-    # ---- prewarm pins (`pdserve.core.block_holds`) -----------------------------------------------------
+    # ---- prewarm pins (`pdserve.core.kvstore.block_holds`) -----------------------------------------------------
     def pin(self, holder: str, request_id: str, until_s: float) -> int:
         return self._pins.pin(holder, request_id, until_s)
 

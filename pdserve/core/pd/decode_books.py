@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from pdserve.core.policy import insert_in_order
+from pdserve.core.sched.policy import insert_in_order
 from pdserve.core.request import Request
 
 

@@ -15,7 +15,7 @@ Predicted step time:
     t(step) ~ a + b * prefill tokens + c * sum of chunk^2 + d * sum of chunk x its prefix
               + e * decode context + f * decode batch
 
-fitted online (`pdserve.core.online_fit`, non-negative least squares, the family of the admission model
+fitted online (`pdserve.core.sched.online_fit`, non-negative least squares, the family of the admission model
 plus the prefix-attention term) from the steps this worker ran that carried prefill tokens: real seconds on a
 real worker, modelled seconds in the simulator. Decode-only steps are left out (the decode part is fitted
 from mixed steps), so a simulator's fast-forwarded decode run changes nothing. Until the fit has
@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from pdserve.core.online_fit import OnlineFit
+from pdserve.core.sched.online_fit import OnlineFit
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.schedule import SchedulerOutput
+from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
 
 HEADROOM = 0.85

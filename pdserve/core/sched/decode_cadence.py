@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from pdserve.core.step_budget import HEADROOM
+from pdserve.core.sched.step_budget import HEADROOM
 from pdserve.errors import InvalidRequestError
 
 CADENCE_MODES = ("off", "steady")

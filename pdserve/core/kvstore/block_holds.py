@@ -2,7 +2,7 @@
 deadline or `unpin`, so that the request's follow-up finds them (`Request.pin`).
 
 `PrewarmPins` owns the pins (holder -> pinned until, clock seconds). It belongs to a
-`pdserve.core.block_manager.KVBlockManager`, which gives it a narrow view of itself: the metadata columns it
+`pdserve.core.kvstore.block_manager.KVBlockManager`, which gives it a narrow view of itself: the metadata columns it
 marks, the registered-blocks mask it reads, and the calls it holds, lists and frees blocks with.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pdserve.core.kv_columns import MetaColumns
+from pdserve.core.kvstore.kv_columns import MetaColumns
 
 
 class PrewarmPins:

@@ -4,7 +4,7 @@ The prefix cache and the tier indexes look up, insert and drop hundreds of block
 step; one Python dict operation per block was most of a simulated cluster's time. `U64Map` keeps them in a
 compiled open-addressing table (`native/kvcore.c`, a CPython extension type built at first use: a single
 lookup costs what a dict's does) and answers whole arrays in one call. Where the module cannot be built or
-loaded, `new_map` returns `DictMap`, the same contract over a dict, counted (`pdserve.core.native`). Both
+loaded, `new_map` returns `DictMap`, the same contract over a dict, counted (`pdserve.core.kvstore.native`). Both
 are tested against one contract. Values are >= 0: -1 means "absent" in bulk answers.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.core import native
+from pdserve.core.kvstore import native
 
 MISSING = -1
 _NO = object()
 
 
 def new_map(hint: int = 0):  # -> U64Map (compiled) | DictMap: the same contract
-    """A compiled `U64Map`, or (counted, `pdserve.core.native.fallback`) a `DictMap` where it is unavailable."""
+    """A compiled `U64Map`, or (counted, `pdserve.core.kvstore.native.fallback`) a `DictMap` where it is unavailable."""
     if native.load() is not None:
         return _u64map_class()(hint)
     native.fallback()

@@ -6,7 +6,7 @@ few array operations instead of one Python object per block (what lets the simul
 trace in well under a minute per engine-hour). `view(slot)` is a `BlockMeta`-shaped window onto one slot
 (reads and writes go to the columns) for the code that works a block at a time: policies, tests, rare paths.
 `codec` and `sla_class` are stored as small codes into one process-wide table of names. A run's rows are
-copied to the tier below and set fresh by the compiled `copy_rows` / `fill_rows` (`pdserve.core.native`), one
+copied to the tier below and set fresh by the compiled `copy_rows` / `fill_rows` (`pdserve.core.kvstore.native`), one
 call for every column instead of a numpy gather and scatter each; numpy does it where that is unavailable.
 """
 
@@ -17,8 +17,8 @@ from collections import Counter
 
 import numpy as np
 
-from pdserve.core import native
-from pdserve.core.kv_meta import BlockMeta, LifecycleConfig, Stage, Tier
+from pdserve.core.kvstore import native
+from pdserve.core.kvstore.kv_meta import BlockMeta, LifecycleConfig, Stage, Tier
 
 _NAMES: list[str] = ["float32", "default"]
 _CODES: dict[str, int] = {"float32": 0, "default": 1}

@@ -6,9 +6,9 @@
  * so a churning map rebuilds itself clean). Keys go through a 64-bit finalizer first: block hashes are
  * already uniform, small integer keys (tests, slots) are not. A CPython extension type (`Map`): single keys
  * cost what a dict's do, and bulk calls take buffers (numpy arrays) so a request's hundreds of blocks cost
- * one call, not one Python operation each. pdserve/core/u64map.py wraps it and holds its contract.
- * Order: a doubly linked list over slot numbers, O(1) push / move / remove; pdserve/core/lru_queue.py.
- * hash_chain: a prompt's chained block hashes in one call (hash_chain.h); pdserve/core/block_hash.py.
+ * one call, not one Python operation each. pdserve/core/kvstore/u64map.py wraps it and holds its contract.
+ * Order: a doubly linked list over slot numbers, O(1) push / move / remove; pdserve/core/kvstore/lru_queue.py.
+ * hash_chain: a prompt's chained block hashes in one call (hash_chain.h); pdserve/core/kvstore/block_hash.py.
  * copy_rows / fill_rows: metadata rows copied or set across columns in one call (columns.h); kv_columns.py.
  */
 #define PY_SSIZE_T_CLEAN
