@@ -22,6 +22,11 @@ class InvalidRequestError(PdserveError):
     """A request parameter is out of range or malformed."""
 
 
+class UnknownNameError(InvalidRequestError, ValueError):
+    """A setting names something that is not registered (a queue policy, an attention backend); the message lists
+    what is. A ValueError to a Python caller, a one-line error on the command line."""
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 

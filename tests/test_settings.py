@@ -15,7 +15,7 @@ from pdserve.worker.joined import worker_spec
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
-                                   KvTierSettings, RoutingSettings, SupervisionSettings, default_of)
+                                   KvBlockSettings, KvTierSettings, RoutingSettings, SupervisionSettings, default_of)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError
@@ -24,17 +24,19 @@ from pdserve.sim.cluster import SIM_KV_TIERS, ClusterSpec
 from pdserve.sim.engine import SimEngine
 
 SLICES = (DeliverySettings, AdmissionSettings, CadenceSettings, KvTierSettings, CodecSettings, SupervisionSettings,
-          RoutingSettings)
+          RoutingSettings, KvBlockSettings)
 # Which settings each command takes (the rest of a slice is not that command's setting).
 COMMANDS = {
     "serve": {s: {f.name for f in dataclasses.fields(s)} for s in SLICES},
     "worker": {SupervisionSettings: {"kv_timeout_s", "drain_timeout_s"},
                DeliverySettings: {"delivery", "delivery_backlog_s"}, CadenceSettings: {"decode_cadence"},
-               KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"}},
+               KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"},
+               KvBlockSettings: {"block_size", "num_kv_blocks"}},
     "simulate": {DeliverySettings: {f.name for f in dataclasses.fields(DeliverySettings)},
                  AdmissionSettings: {"admission", "admission_margin"}, CadenceSettings: {"decode_cadence"},
                  KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"},
-                 RoutingSettings: {f.name for f in dataclasses.fields(RoutingSettings)}},
+                 RoutingSettings: {f.name for f in dataclasses.fields(RoutingSettings)},
+                 KvBlockSettings: {"block_size", "num_kv_blocks"}},
 }
 
 
@@ -124,3 +126,69 @@ def test_a_bad_shared_setting_is_refused_alike_everywhere():
         EngineConfig(kv_eviction_policy="fifo")
     with pytest.raises(InvalidRequestError, match="eviction"):
         ClusterSpec(kv_eviction_policy="fifo")
+
+
+# Each reader of the KV block size and of the batch defaults, printed after the one declaration of each was
+# changed (in a fresh process, before any reader is imported): a reader with its own literal prints the old value.
+_READERS = """
+import inspect, json, sys
+from pdserve.core import settings
+from pdserve.core.sched.schedule import SchedulerConfig
+settings.KvBlockSettings.__dataclass_fields__["block_size"].default = 32
+for name, value in {"max_num_seqs": 96, "max_num_batched_tokens": 4096, "queue_policy": "fcfs"}.items():
+    SchedulerConfig.__dataclass_fields__[name].default = value
+from pdserve.cli import build_parser
+from pdserve.conductor.admission import WorkerModel
+from pdserve.conductor.conductor_core import ConductorCore
+from pdserve.conductor.wire import Ready
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.executor import FakeExecutor
+from pdserve.sim.cluster import ClusterSpec
+from pdserve.sim.executor import SimExecutor
+commands = build_parser()._subparsers._group_actions[0].choices
+engine, ready = EngineConfig(), Ready("w", "decode")
+print(json.dumps({
+    "block_size": {"EngineConfig": engine.block_size, "ClusterSpec": ClusterSpec().block_size,
+                   "Ready": ready.block_size, "FakeExecutor": FakeExecutor().block_size,
+                   "ConductorCore": inspect.signature(ConductorCore).parameters["block_size"].default,
+                   "SimExecutor": inspect.signature(SimExecutor).parameters["block_size"].default,
+                   **{c: commands[c].parse_args([] if c == "serve" else ["--role", "decode", "--join", "tcp://h:1"]
+                                                if c == "worker" else ["--workload", "w", "--model", "m"]).block_size
+                      for c in ("serve", "worker", "simulate")}},
+    "max_num_batched_tokens": {"EngineConfig": engine.max_num_batched_tokens, "WorkerModel": WorkerModel().budget,
+                               "Ready": ready.max_num_batched_tokens},
+    "max_num_seqs": {"EngineConfig": engine.max_num_seqs}, "queue_policy": {"EngineConfig": engine.queue_policy}}))
+"""
+
+
+def test_the_block_size_and_the_batch_defaults_are_declared_once():
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _READERS], capture_output=True, text=True, timeout=120, check=True)
+    read = json.loads(out.stdout)
+    want = {"block_size": 32, "max_num_batched_tokens": 4096, "max_num_seqs": 96, "queue_policy": "fcfs"}
+    assert {name: set(values.values()) for name, values in read.items()} == {k: {v} for k, v in want.items()}, read
+    assert len(read["block_size"]) == 9
+
+
+def test_simulates_own_flags_default_to_its_cluster_spec():
+    actions = _actions("simulate")
+    spec = ClusterSpec()
+    own = {"max_num_seqs": "max_num_seqs", "prefill_budget": "prefill_budget", "decode_budget": "decode_budget",
+           "transfer_failure_rate": "transfer_failure_rate", "role_switch_s": "role_switch_s", "tp": "tp",
+           "mode": "mode", "prefill": "num_prefill", "decode": "num_decode", "instances": "num_instances"}
+    assert {dest: actions[dest].default for dest in own} == {dest: getattr(spec, f) for dest, f in own.items()}
+    assert actions["link_latency_us"].default * 1e-6 == pytest.approx(spec.link_latency_s)
+    assert actions["control_latency_ms"].default * 1e-3 == spec.control_latency_s
+
+
+def test_a_bad_batch_or_block_setting_is_a_one_line_error_before_any_model_loads():
+    for kwargs, message in (({"block_size": 0}, "block_size must be positive, got 0"),
+                            ({"num_kv_blocks": -1}, "num_kv_blocks must be positive, got -1"),
+                            ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
+                            ({"queue_policy": "lifo"}, "unknown queue policy 'lifo'")):
+        with pytest.raises(InvalidRequestError, match=message):
+            EngineConfig(**kwargs)
+    with pytest.raises(InvalidRequestError, match="block_size must be positive"):
+        ClusterSpec(block_size=0)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.core.sched.online_fit import OnlineFit
+from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.settings import AdmissionSettings, default_of
 from pdserve.core.service_tiers import ServiceTier
 from pdserve.core.sched.step_budget import HEADROOM
@@ -52,7 +53,7 @@ class WorkerModel:
     """One least-squares fit over every step, pure and mixed: seconds ~ a + b * prefill tokens + c * sum of
     their squares + d * decode context + e * decode batch (a mixed step costs both parts and one `a`, as the
     fitted time model has it), so a colocated worker, whose steps are mostly mixed, is modelled too."""
-    budget: int = 2048  # the worker's max_num_batched_tokens
+    budget: int = default_of(SchedulerConfig, "max_num_batched_tokens")  # the worker's (its `ready` says)
     fit: OnlineFit = field(default_factory=lambda: OnlineFit(5))
     mean_context: float = 0.0  # per decoding request, a moving average
     delivery_s: float | None = None

@@ -52,6 +52,7 @@ from pdserve.conductor.routing import MAX_RECENT_BLOCKS, HashRun, RoutingPolicy,
 from pdserve.conductor.staging import StagePlan, Staging
 from pdserve.conductor.wire import Abort, KvFailed, Prefill, Ready
 from pdserve.core.service_tiers import ServiceTiers
+from pdserve.core.settings import KvBlockSettings, default_of
 
 __all__ = ["Backlog", "ConductorCore", "Count", "Fail", "FlightState", "Observe", "Send"]
 
@@ -62,7 +63,8 @@ class ConductorCore:
     `books` and what else it needs, never the core. The drivers call the core's event methods only."""
 
     def __init__(self, mode: str, policy: RoutingPolicy, tiers: ServiceTiers | None = None,
-                 admission: Admission | None = None, block_size: int = 16, idle_prewarm: bool = True,
+                 admission: Admission | None = None,
+                 block_size: int = default_of(KvBlockSettings, "block_size"), idle_prewarm: bool = True,
                  max_queue: int | None = None, role_planner=None) -> None:
         self.tiers = tiers or ServiceTiers()
         self.admission = admission

@@ -18,6 +18,9 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pdserve.core.sched.schedule import SchedulerConfig
+from pdserve.core.settings import KvBlockSettings, default_of
+
 KINDS: dict[str, type] = {}
 
 
@@ -173,10 +176,10 @@ class Ready:
     pid: int = 0
     kv_addr: str = ""
     num_blocks: int = 0
-    block_size: int = 16
+    block_size: int = default_of(KvBlockSettings, "block_size")
     kv_capacity_blocks: int = 0
     max_model_len: int = 0
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens")
     max_num_seqs: int = 256
     stage_blocks: int = 0  # staged KV it keeps (`pdserve.core.sched.stage_passes.stage_capacity`)
     stage_max_blocks: int | None = None  # the longest prompt whose staged KV it reuses whole

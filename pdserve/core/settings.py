@@ -69,6 +69,20 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True)
+class KvBlockSettings:
+    """How a worker's device KV pool is cut into blocks (`pdserve.core.kvstore.block_manager`). A block is the unit
+    of prefix reuse, delivery and the storage tiers, so every worker of a deployment has the same block size."""
+    block_size: int = setting(16, "Tokens per KV block (the same on every worker of a deployment, joined ones too).")
+    num_kv_blocks: int | None = setting(None, "KV blocks in each worker's device pool (simulate: each engine's); "
+                                        "default: what --kv-cache-gb holds (simulate: what fits beside the weights).")
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{name} must be positive, got {value!r}", name)
+
+
+@dataclass(frozen=True)
 class DeliverySettings:
     """How KV moves on a link from a prefill worker to a decode worker (`pdserve.core.pd.delivery`)."""
     delivery: str = setting("scheduled", "KV delivery order on each link: scheduled (by service tier share, "

@@ -1,11 +1,13 @@
-"""Engine configuration: one frozen dataclass, its field help reused by the CLI (`pdserve.flags`). The KV codec
-and KV storage tier fields are the slices' of `pdserve.core.settings` (default, help and check there)."""
+"""Engine configuration: one frozen dataclass, its field help reused by the CLI (`pdserve.flags`). The KV block,
+KV codec and KV storage tier fields are the slices' of `pdserve.core.settings` (default, help and check there);
+the batch fields take their defaults and their check from the scheduler's own config (`SchedulerConfig`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.core.settings import CodecSettings, KvTierSettings, pick, shared
+from pdserve.core.sched.schedule import SchedulerConfig
+from pdserve.core.settings import CodecSettings, KvBlockSettings, KvTierSettings, default_of, pick, shared
 
 
 @dataclass(frozen=True)
@@ -17,17 +19,15 @@ class EngineConfig:
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     kv_cache_dtype: str = shared(CodecSettings, "kv_cache_dtype")
-    block_size: int = 16
-    """Tokens per KV block."""
+    block_size: int = shared(KvBlockSettings, "block_size")
     kv_cache_gb: float = 2.0
     """Memory for the KV block pool, in GiB."""
-    num_kv_blocks: int | None = None
-    """Exact number of KV blocks (overrides --kv-cache-gb)."""
+    num_kv_blocks: int | None = shared(KvBlockSettings, "num_kv_blocks")
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's context length."""
-    max_num_seqs: int = 128
+    max_num_seqs: int = default_of(SchedulerConfig, "max_num_seqs")
     """Most requests decoding at once."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens")
     """Token budget per step; longer prompts are prefilled in chunks of this size."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
@@ -44,7 +44,7 @@ class EngineConfig:
     blocks are read from the host tier layer by layer, so a context may outgrow the device pool (needs a
     host tier; colocated workers and LLM only)."""
     kv_eviction_policy: str = shared(KvTierSettings, "kv_eviction_policy")
-    queue_policy: str = "tiered"
+    queue_policy: str = default_of(SchedulerConfig, "queue_policy")
     """Waiting-queue and preemption order: tiered (by service tier, FCFS within one), fcfs or priority (the
     request's integer priority, lowest first)."""
     service_tiers: tuple[str, ...] = ()
@@ -58,13 +58,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Checked here so a bad flag is a one-line error before any model is loaded.
         from pdserve.errors import InvalidRequestError
-        positive = {"block_size": self.block_size, "kv_cache_gb": self.kv_cache_gb,
-                    "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                    "num_kv_blocks": self.num_kv_blocks, "max_model_len": self.max_model_len,
+        positive = {"kv_cache_gb": self.kv_cache_gb, "max_model_len": self.max_model_len,
                     "num_threads": self.num_threads, "kv_hot_window_tokens": self.kv_hot_window_tokens}
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
+        pick(KvBlockSettings, self)
+        SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                        queue_policy=self.queue_policy)  # the scheduler's own check of them
         self._check_tiers()
         pick(CodecSettings, self)
 

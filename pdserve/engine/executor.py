@@ -7,6 +7,7 @@ from typing import Protocol
 import xxhash
 
 from pdserve.core.sched.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.core.settings import KvBlockSettings, default_of
 
 
 class Executor(Protocol):
@@ -28,7 +29,7 @@ class FakeExecutor:
     however it was batched, chunked, preempted or served from the prefix cache.
     """
 
-    def __init__(self, block_size: int = 16, vocab_size: int = 1000) -> None:
+    def __init__(self, block_size: int = default_of(KvBlockSettings, "block_size"), vocab_size: int = 1000) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.steps: list[SchedulerOutput] = []

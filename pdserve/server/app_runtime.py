@@ -15,6 +15,7 @@ from pdserve.server.conductor_driver import Conductor
 from pdserve.conductor.wire import Shutdown
 from pdserve.worker.wire_codec import pack
 from pdserve.core.service_tiers import ServiceTiers
+from pdserve.core.settings import KvBlockSettings, default_of
 from pdserve.conductor.routing import make_routing_policy
 from pdserve.errors import PdserveError
 from pdserve.model.config import ModelConfig, model_fingerprint
@@ -52,8 +53,8 @@ async def run_gateway(cfg, procs, model_dir: str, stop: asyncio.Event | None = N
     conductor.core.roles = _role_planner(cfg)
     for spec in procs.specs:
         conductor.add_worker(spec.name, spec.role, spec.cmd_addr)
-    conductor.join_check = JoinPolicy(cfg.mode, model_fingerprint(model_dir),
-                                      engine_fields.get("block_size") or 16).check
+    block_size = engine_fields.get("block_size") or default_of(KvBlockSettings, "block_size")
+    conductor.join_check = JoinPolicy(cfg.mode, model_fingerprint(model_dir), block_size).check
     procs.start()
     event_task = asyncio.create_task(conductor.run_events())
     try:

@@ -41,23 +41,31 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
         parser._add_action(actions[dest])  # noqa: SLF001
 
 
+def spec_default(name: str):
+    """A simulate flag's default: its `ClusterSpec` field's (declared there once)."""
+    from pdserve.core.settings import default_of
+    from pdserve.sim.cluster import ClusterSpec
+    return default_of(ClusterSpec, name)
+
+
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
-                                       RoutingSettings)
+                                       KvBlockSettings, RoutingSettings)
     from pdserve.flags import add_config_args
     from pdserve.sim.cluster import SIM_KV_TIERS
     p.add_argument("--model", required=True, help="preset (llama-3-8b, llama-2-70b, llama-3-70b, qwen2.5-7b, "
                    "qwen2.5-32b) or a Hugging Face config.json path")
     p.add_argument("--gpu", default="h100", help="a100-80g | a800 | h100 | h200 | l40s")
     p.add_argument("--time-model", default="roofline", help="roofline | fitted:PATH.json")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    add_config_args(p, KvBlockSettings)
     add_config_args(p, CodecSettings)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: what fits)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--prefill-budget", type=int, default=8192, help="token budget per prefill step")
-    p.add_argument("--decode-budget", type=int, default=2048, help="token budget per decode/colocated step")
-    p.add_argument("--link-latency-us", type=float, default=20.0)
-    p.add_argument("--control-latency-ms", type=float, default=0.0,
+    p.add_argument("--max-num-seqs", type=int, default=spec_default("max_num_seqs"))
+    p.add_argument("--prefill-budget", type=int, default=spec_default("prefill_budget"),
+                   help="token budget per prefill step")
+    p.add_argument("--decode-budget", type=int, default=spec_default("decode_budget"),
+                   help="token budget per decode/colocated step")
+    p.add_argument("--link-latency-us", type=float, default=spec_default("link_latency_s") * 1e6)
+    p.add_argument("--control-latency-ms", type=float, default=spec_default("control_latency_s") * 1e3,
                    help="each gateway <-> worker message (command, reply, token event); measure it on the real "
                         "system, e.g. as benchmarks/bench_fidelity.py does")
     add_config_args(p, SIM_KV_TIERS, deprecated=DEPRECATED_FLAGS)
@@ -68,7 +76,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-write-gb-s", type=float, default=None,
                    help="disk tier write bandwidth per GPU, GB/s (default: the preset's NVMe rate)")
     p.add_argument("--ttft-timeout-s", type=float, default=None, help="clients abort without a first token by then")
-    p.add_argument("--transfer-failure-rate", type=float, default=0.0, help="share of KV transfers that fail")
+    p.add_argument("--transfer-failure-rate", type=float, default=spec_default("transfer_failure_rate"),
+                   help="share of KV transfers that fail")
     p.add_argument("--no-fast-forward", action="store_true", help="step every decode step one by one")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; default: the GPU table's")
     # the simulator has no per-worker request cap: the real Admission's default applies
@@ -76,7 +85,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     add_config_args(p, DeliverySettings)
     add_config_args(p, CadenceSettings)
     add_config_args(p, RoutingSettings)
-    p.add_argument("--role-switch-s", type=float, default=20.0,
+    p.add_argument("--role-switch-s", type=float, default=spec_default("role_switch_s"),
                    help="a moved engine is out this long after it drained (weights reloaded)")
 
 
@@ -84,11 +93,12 @@ def add_sim_parsers(sub) -> None:
     sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster (real scheduler, modelled GPUs)")
     add_workload_flags(sim)
     add_cluster_flags(sim)
-    sim.add_argument("--tp", type=int, default=1, help="tensor parallelism per engine")
-    sim.add_argument("--mode", default="pd", choices=["pd", "colocated"])
-    sim.add_argument("--prefill", type=int, default=1, help="prefill engines (pd)")
-    sim.add_argument("--decode", type=int, default=1, help="decode engines (pd)")
-    sim.add_argument("--instances", type=int, default=1, help="engines (colocated)")
+    from pdserve.sim.cluster import MODES
+    sim.add_argument("--tp", type=int, default=spec_default("tp"), help="tensor parallelism per engine")
+    sim.add_argument("--mode", default=spec_default("mode"), choices=MODES)
+    sim.add_argument("--prefill", type=int, default=spec_default("num_prefill"), help="prefill engines (pd)")
+    sim.add_argument("--decode", type=int, default=spec_default("num_decode"), help="decode engines (pd)")
+    sim.add_argument("--instances", type=int, default=spec_default("num_instances"), help="engines (colocated)")
     sim.set_defaults(func=cmd_simulate)
     plan = sub.add_parser("plan", help="cheapest P/D split and TP meeting SLOs at a rate on a GPU budget")
     add_workload_flags(plan)

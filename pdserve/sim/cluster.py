@@ -28,8 +28,8 @@ from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
 from pdserve.core.role_planner import RolePlanner
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, KvTierSettings,
-                                   RoutingSettings, parse_link_share, pick, shared)
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, KvBlockSettings,
+                                   KvTierSettings, RoutingSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
@@ -55,8 +55,8 @@ class ClusterSpec:
     num_decode: int = 1
     num_instances: int = 1  # colocated
     tp: int = 1
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # per engine; default: what fits after the weights
+    block_size: int = shared(KvBlockSettings, "block_size")
+    num_kv_blocks: int | None = shared(KvBlockSettings, "num_kv_blocks")  # per engine (default: what fits)
     max_num_seqs: int = 256
     prefill_budget: int = 8192  # max_num_batched_tokens of prefill engines
     decode_budget: int = 2048  # of decode and colocated engines
@@ -89,9 +89,10 @@ class ClusterSpec:
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}", param="mode")
         counts = (self.num_prefill, self.num_decode) if self.mode == "pd" else (self.num_instances,)
-        if min(counts) < 1 or self.tp < 1 or self.block_size < 1:
-            raise InvalidRequestError("engine counts, tp and block size must be positive")
+        if min(counts) < 1 or self.tp < 1:
+            raise InvalidRequestError("engine counts and tp must be positive")
         # the shared settings' own checks (pdserve.core.settings), then the simulator's
+        pick(KvBlockSettings, self)
         KvTierSettings(self.host_kv_gb, self.disk_kv_gb, self.kv_eviction_policy)
         if self.disk_kv_gb and not self.host_kv_gb:
             raise InvalidRequestError("a disk KV tier needs a host tier: set --kv-host-gb > 0", param="kv_disk_gb")

@@ -10,13 +10,14 @@ reads `last_duration` (and `last_shape`, `last_load_s`) after each `LLMEngine.st
 from __future__ import annotations
 
 from pdserve.core.sched.schedule import ExecutorOutput, SchedulerOutput
+from pdserve.core.settings import KvBlockSettings, default_of
 from pdserve.sim.tier_io import SimTierIO
 from pdserve.sim.timemodel import StepShape, TimeModel
 
 
 class SimExecutor:
-    def __init__(self, time_model: TimeModel, block_size: int = 16, vocab_size: int = 32000,
-                 token_id: int = 13, kv_io: SimTierIO | None = None) -> None:
+    def __init__(self, time_model: TimeModel, block_size: int = default_of(KvBlockSettings, "block_size"),
+                 vocab_size: int = 32000, token_id: int = 13, kv_io: SimTierIO | None = None) -> None:
         if not 0 <= token_id < vocab_size:
             raise ValueError("token_id must be a valid id")
         self.time_model = time_model

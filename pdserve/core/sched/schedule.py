@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pdserve.core.kvstore.block_manager import BlockId
 from pdserve.core.kvstore.kv_ops import KVLoad
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.errors import InvalidRequestError
+from pdserve.core.sched.policy import QUEUE_POLICIES
+from pdserve.errors import InvalidRequestError, UnknownNameError
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise UnknownNameError(f"unknown queue policy {self.queue_policy!r}; choose from {sorted(QUEUE_POLICIES)}",
+                                   param="queue_policy")
 
 
 @dataclass(frozen=True)
