@@ -27,48 +27,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
-from pdserve.core.pd.delivery import RELAND_S, DeliveryPolicy, WaterLevel
+from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
+from pdserve.core.pd.prefill_books import Lent, Outbound, PrefillBooks
 from pdserve.core.pd.production_pace import ProductionPace
-from pdserve.core.pd.push_range import push_range
 from pdserve.core.sched.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
 from pdserve.transfer.base import KVSender, TransferError
 from pdserve.transfer.outbox import Chunk, Outbox
-
-
-@dataclass
-class Outbound:
-    dest: str
-    xfer: str
-    next_block: int  # first block-table index not yet delivered in full
-    num_chunks: int = 0
-    failed: str | None = None
-    held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it has
-    by_copy: bool = False  # a prompt longer than the hot window: its blocks leave the pool as it goes
-    last_sent_s: float = 0.0  # when a record of this transfer last went out (a chunk or an `alive`)
-    link: str = ""  # the receiving worker's name (the link's far end): its queue and metrics
-    tier: str = "default"
-    deadline_s: float = float("inf")  # predicted first consumption (monotonic clock)
-    num_tokens: int = 0  # the prompt's
-    first_token: int | None = None  # sampled here; sent with the closing record
-    logprobs: dict | None = None  # and its logprobs, the prompt's, when asked for ({"lp": ..., "plp": ...})
-    rid: str = ""
-
-    @property
-    def holder(self) -> str:
-        return f"xfer:{self.xfer}"
-
-
-@dataclass
-class Lent:
-    holder: str
-    dest: str
-    mark: int  # the sender's position after the transfer's last record
-    deadline_s: float
 
 
 class PrefillSide:
@@ -79,20 +47,18 @@ class PrefillSide:
         self.sender = sender
         self.layers = kv_layers
         self.block_size = engine.block_manager.block_size
-        self.outbound: dict[str, Outbound] = {}
-        self.closing: dict[str, Outbound] = {}  # prefilled here, chunks still queued for the link
-        self.lent: list[Lent] = []
+        policy = policy or DeliveryPolicy()
+        # transfers, closings, loans, keepalives, landings: the decisions the simulator runs too
+        self.books = PrefillBooks(self.block_size, lease_s, policy.scheduled)
         self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
-        self.outbox = Outbox(sender, policy or DeliveryPolicy(), self._hold, link_rate, failures=self.failures,
+        self.outbox = Outbox(sender, policy, self._hold, link_rate, failures=self.failures,
                              on_drained=self._drained)
-        self.keepalives_sent = 0
         self.water = water or WaterLevel()
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
         self.pace_counts: Counter[str] = Counter()  # chunks capped, prompts held by their link's backlog
         self.stages = StagePasses(engine.scheduler, engine.tiers)
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
-        self.landings: dict[str, float] = {}  # prefilled, chunks queued: the landing time last reported
         self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
         codec = getattr(engine.executor, "codec", None)  # named in each chunk: a receiver of another transcodes
         self.kv_format = None if codec is None else codec.format
@@ -114,10 +80,9 @@ class PrefillSide:
         # the pool sends copies instead.
         long = window is not None and self.engine.block_manager.blocks_needed(len(prompt)) > window.window
         now = time.monotonic()
-        out = self.outbound[request_id] = Outbound(
-            dest, xfer, first_block, by_copy=long, link=link or dest, tier=service_tier,
-            deadline_s=float("inf") if deadline_in_s is None else now + deadline_in_s, num_tokens=len(prompt),
-            rid=request_id)
+        out = self.books.open(Outbound(
+            request_id, dest, xfer, first_block, len(prompt), link or dest, service_tier,
+            float("inf") if deadline_in_s is None else now + deadline_in_s, by_copy=long))
         self._alive(out, now)  # queued here: the receiver's lease runs from now, renewed
 
     def stage(self, request_id: str, prompt: list[int], params, priority: int = 0,
@@ -147,9 +112,8 @@ class PrefillSide:
         its link) that sent nothing for a third of the lease: waiting here is not a failed delivery, a dead or
         hung sender is (its leases lapse)."""
         now = time.monotonic() if now is None else now
-        for out in [*self.outbound.values(), *self.closing.values()]:
-            if not out.failed and now - out.last_sent_s >= self.lease_s / 3:
-                self._alive(out, now)
+        for out in self.books.keepalive_due(now):
+            self._alive(out, now)
 
     def _alive(self, out: Outbound, now: float) -> None:
         try:
@@ -158,26 +122,22 @@ class PrefillSide:
             out.failed = str(e)
             self.failures["send_timeout"] += 1
             return
-        out.last_sent_s = now
-        self.keepalives_sent += 1
+        self.books.sent(out, now, alive=True)
 
     def on_layer(self, scheduled: SchedulerOutput, layer: int) -> None:
         last = layer == len(self.layers) - 1
         for chunk in scheduled.chunks:
-            out = self.outbound.get(chunk.request_id)
-            if out is None or out.failed:
-                continue
             # a long prompt's oldest blocks left the pool (`cold_slots`): they were sent when computed
             cold = len(chunk.cold_slots)
-            span = push_range(out.next_block, chunk.start_pos + chunk.num_tokens, out.num_tokens, self.block_size,
-                              self.outbox.policy.scheduled, cold)
+            pushed = self.books.push(chunk.request_id, chunk.start_pos + chunk.num_tokens, cold, advance=last)
+            if pushed is None:
+                continue
+            out, span = pushed
             if span.first < span.full:
                 self._push(out, layer, span.first, list(chunk.block_ids[span.first - cold:span.full - cold]))
             if span.partial:  # its bytes as they are now: a copy (the next step writes more tokens into it)
                 self._push(out, layer, span.full, [chunk.block_ids[span.full - cold]], partial=True,
                            useful=span.final)
-            if last:
-                out.next_block = span.next_block
         self.outbox.pump()
         self.keepalive()  # also during a step longer than a third of the lease
 
@@ -208,7 +168,7 @@ class PrefillSide:
         """This step's production pace, per link (`pdserve.core.pd.production_pace`); its `hold_s` > 0: the
         worker produces nothing now (all its prompts are bound for links that are backed up)."""
         def link_of(rid: str) -> str | None:
-            out = self.outbound.get(rid)
+            out = self.books.outbound.get(rid)
             return None if out is None else out.link
         return ProductionPace.build(self.engine.scheduler.requests.values(), link_of, self.outbox.link_backlog,
                                     self.water, self.block_bytes / self.block_size, self.block_size,
@@ -220,47 +180,37 @@ class PrefillSide:
 
     def landing_in_s(self, request_id: str) -> float | None:
         """When the last of this request's KV will have left for its decode worker, from now."""
-        out = self.outbound.get(request_id)
+        out = self.books.outbound.get(request_id)
         if out is None:
             return None
         landing = self.outbox.landing_in_s(out)
-        self.landings[request_id] = time.monotonic() + landing
+        self.books.landings.report(request_id, time.monotonic() + landing)
         return landing
 
     def relanded(self) -> list[tuple[str, float]]:
         """Prefilled transfers still queued whose landing estimate moved by more than `RELAND_S` since it was
         last reported (another transfer became due on their link): [(request id, landing from now)]."""
-        now, moved = time.monotonic(), []
-        for rid, last in list(self.landings.items()):
-            out = self.closing.get(rid)
-            if out is None:
-                del self.landings[rid]
-                continue
-            landing = self.outbox.landing_in_s(out, expedite=False)
-            if abs(now + landing - last) > RELAND_S:
-                self.landings[rid] = now + landing
-                moved.append((rid, landing))
-        return moved
+        def landing_in_s(rid: str) -> float | None:
+            out = self.books.closing.get(rid)
+            return None if out is None else self.outbox.landing_in_s(out, expedite=False)
+        return self.books.landings.moved(time.monotonic(), landing_in_s)
 
     def finish(self, request_id: str, prefilled: bool, first_token: int | None = None,
                logprobs: dict | None = None) -> str | None:
         """Close the transfer of a request that ended here (`first_token`: what it sampled, `logprobs`: the
         logprobs asked for); the failure message if delivery failed. A prefilled transfer with chunks still
         queued closes after the last."""
-        out = self.outbound.pop(request_id, None) or self.closing.pop(request_id, None)
-        if out is None:
-            return None
-        out.logprobs = logprobs
-        if prefilled and not out.failed and self.outbox.queued(out.xfer):
-            out.first_token, self.closing[request_id] = first_token, out
+        known = self.books.outbound.get(request_id) or self.books.closing.get(request_id)
+        queued = known is not None and self.outbox.queued(known.xfer)
+        out, now = self.books.finish(request_id, prefilled, queued, first_token, logprobs)
+        if out is None or not now:
             return None
         self.outbox.drop(out)
         self._close(out, prefilled, first_token)
         return out.failed
 
     def _drained(self, out: Outbound) -> None:
-        if self.closing.get(out.rid) is out:
-            del self.closing[out.rid]
+        if self.books.drained(out):
             self._close(out, True, out.first_token)
 
     def _close(self, out: Outbound, prefilled: bool, first_token: int | None) -> None:
@@ -273,48 +223,44 @@ class PrefillSide:
                                                     "reason": out.failed or "aborted"})
         except TransferError as e:
             out.failed = out.failed or str(e)
-        if out.held:
-            self.lent.append(Lent(out.holder, out.dest, self.sender.position(out.dest),
-                                  time.monotonic() + self.lease_s))
+        self.books.lend(out, self.sender.position(out.dest), time.monotonic())
 
     def peer_gone(self, dest: str) -> int:
         """The decode worker at `dest` died (or restarted): its transfers end here without a word to it (the
         conductor moves their requests), the blocks held or lent for it are freed and the sender forgets it
         (a restarted worker at the same address gets a fresh ring or connection). Returns how many ended."""
-        gone = [out for out in (*self.outbound.values(), *self.closing.values()) if out.dest == dest]
+        gone, lent = self.books.peer_gone(dest)
         for out in gone:
             self.outbox.drop(out)
-            self.outbound.pop(out.rid, None)
-            self.closing.pop(out.rid, None)
-            self.landings.pop(out.rid, None)
             if out.held:
                 self.engine.block_manager.free(out.holder)
-        for lent in [lent for lent in self.lent if lent.dest == dest]:
-            self.engine.block_manager.free(lent.holder)
-            self.lent.remove(lent)
+        for loan in lent:
+            self.engine.block_manager.free(loan.holder)
         self.sender.forget(dest)
         return len(gone)
 
     def release_lent(self, now: float | None = None) -> int:
         """Free the blocks of transfers the receiver has taken (or whose lease ran out). Returns how many
         transfers were released."""
-        now = time.monotonic() if now is None else now
-        keep, released = [], 0
-        for lent in self.lent:
+        def consumed(lent: Lent) -> bool:
             try:
-                done = self.sender.consumed(lent.dest, lent.mark)
+                return self.sender.consumed(lent.dest, lent.mark)
             except TransferError:
-                done = False
-            if done or now > lent.deadline_s:
-                self.engine.block_manager.free(lent.holder)
-                released += 1
-            else:
-                keep.append(lent)
-        self.lent = keep
-        return released
+                return False
+        released = self.books.release(time.monotonic() if now is None else now, consumed)
+        for lent in released:
+            self.engine.block_manager.free(lent.holder)
+        return len(released)
+
+    # the books' records, as the worker loop, its stats and the tests read them
+    outbound = property(lambda self: self.books.outbound)
+    closing = property(lambda self: self.books.closing)
+    lent = property(lambda self: self.books.lent)
+    landings = property(lambda self: self.books.landings)
+    keepalives_sent = property(lambda self: self.books.keepalives_sent)
 
     def failed_requests(self) -> list[str]:
-        return [rid for rid, out in self.outbound.items() if out.failed]
+        return self.books.failed_requests()
 
 
 def _pieces(layer, block_ids: list[int]) -> list[memoryview]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.core.pd.decode_books import DecodeBooks, DecodeStats, Grant, Reservation
+from pdserve.core.pd.decode_books import DecodeBooks, DecodeStats, Grant, Held, Reservation
 from pdserve.core.request import Request
 from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.engine.checkpoints import KVCheckpoints
@@ -27,7 +27,6 @@ class DecodeSide:
                  hold_lapsed: bool = False) -> None:
         self.engine = engine
         self.hold_lapsed = hold_lapsed
-        self.held: dict[str, Inbound] = {}  # lapsed transfers, still live, waiting for the conductor's choice
         self.receiver = receiver
         self.layers = kv_layers
         self.timeout_s = timeout_s
@@ -43,6 +42,10 @@ class DecodeSide:
     @property
     def pending(self) -> list[Reservation]:
         return self.books.pending
+
+    @property
+    def held(self) -> dict[str, Held]:
+        return self.books.held
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
                 pin: tuple[str, float] | None = None, service_tier: str = "default",
@@ -183,29 +186,28 @@ class DecodeSide:
         the new transfer, or None when `old` had ended meanwhile (delivered, or failed and recomputed here):
         only once this worker expects it may the new prefill worker send, or its first records would be
         dropped as unknown and the transfer lapse."""
-        held = self.held.pop(old, None)
+        held = self.books.unhold(old)
         inbound = self.inbound.restart(old, new)
         if inbound is None:
             return None
-        self.stats.wasted_bytes["failed_timeout" if held is not None else "redirected"] += inbound.num_bytes
+        self.books.redirected(held is not None, inbound.num_bytes)
         return self.inbound.get(new)
 
     def renew(self, xfer: str) -> bool:
         """The conductor heard the lapsed transfer's sender (its process is alive, only busy): its lease
         starts over, with what arrived meanwhile kept. False when it had ended (completed meanwhile)."""
-        return self.held.pop(xfer, None) is not None and self.inbound.resume(xfer)
+        return self.books.unhold(xfer) is not None and self.inbound.resume(xfer)
 
     def peer_failed(self, xfer: str) -> None:
         """The conductor says this KV will not come: recompute the prompt here."""
-        held = self.held.pop(xfer, None)
+        held = self.books.unhold(xfer)
         if held is None:
             self.inbound.fail(xfer, TransferState.FAILED_PEER)
             return
-        if self.inbound.drop(xfer) is None:
+        dropped = self.inbound.drop(xfer)
+        if dropped is None:
             return  # it completed meanwhile: already delivered
-        self.stats.wasted_bytes["failed_timeout"] += held.num_bytes  # dropped, never consumed
-        if held.request_id in self.engine.scheduler.requests:
-            self.engine.scheduler.kv_failed(held.request_id)
+        self.books.lapse_failed(held, dropped.num_bytes)
 
     def settle(self) -> list[tuple[Inbound, str, Request | None]]:
         """Act on ended transfers: deliver or recompute. Returns [(transfer, outcome, request)] for reporting;
@@ -215,12 +217,11 @@ class DecodeSide:
         for inbound in self.inbound.take_lapsed():  # held live: the conductor decides
             if self.inbound.get(inbound.xfer) is inbound:
                 inbound.lapses += 1
-                if inbound.lapses == 1:  # a renewed transfer lapsing again is the same failure, counted once
-                    self.stats.failures[TransferState.FAILED_TIMEOUT.value] += 1
-                self.held[inbound.xfer] = inbound
+                self.books.hold(Held(inbound.xfer, inbound.request_id, inbound.lapses),
+                                TransferState.FAILED_TIMEOUT.value)
                 settled.append((inbound, "held", None))
         for inbound in self.inbound.take_ended():
-            self.held.pop(inbound.xfer, None)  # (one that lapsed and then ended: its end is what counts)
+            self.books.unhold(inbound.xfer)  # (one that lapsed and then ended: its end is what counts)
             outcome, req = self.books.settle(inbound.request_id, inbound.state is TransferState.COMPLETED,
                                              inbound.first_token, inbound.num_bytes, inbound.state.value)
             if outcome != "aborted":  # (the request ended first: its blocks are already free)
@@ -235,5 +236,4 @@ class DecodeSide:
 
     def abort(self, request_id: str) -> None:
         self.books.abort(request_id)
-        self.held = {x: t for x, t in self.held.items() if t.request_id != request_id}
         self.inbound.abort_request(request_id)

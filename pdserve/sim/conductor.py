@@ -187,7 +187,6 @@ class SimConductor(EngineHooks):
         books = self.books[engine.name]
         for g in books.grant():
             f = self.flights[g.reservation.request.request_id]
-            f.next_block = g.first_block
             if not g.needs_prefill:
                 self.ready[engine.name].append(f)
             self._act(self._core("reserved", f.rid, g.reservation.xfer, g.needs_prefill, engine.name,

@@ -23,11 +23,8 @@ class Flight:
     decode: SimEngine | None = None
     xfer: str = ""  # its transfer, as the decode engine reserved it
     prefill: SimEngine | None = None
-    next_block: int = 0  # first block-table index not yet sent in full
     flows: int = 0  # flows in the air
     in_air: list = field(default_factory=list)  # those flows (`sim.link.Flow`)
-    prefilled: bool = False
-    done_sent: bool = False
     delivered: float = 0.0  # bytes landed at the decode worker
     superseded: float = 0.0  # partly filled blocks sent again later
     deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline

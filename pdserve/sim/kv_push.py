@@ -1,7 +1,9 @@
 """The simulated KV path of a prompt, owned by `SimKVPath`: the prefill engine's backpressure (paced per link,
-as the real prefill worker), the push of each prefill step's new blocks over the link model (the blocks
-`pdserve.core.pd.push_range` says, as the real prefill worker sends), landings and their re-estimates while in
-the air, and the bytes and blocks the decode step that first reads delivered KV consumes.
+as the real prefill worker), the push of each prefill step's new blocks over the link model, the close of a
+transfer after its last chunk landed, landings and their re-estimates while in the air, and the bytes and
+blocks the decode step that first reads delivered KV consumes. Which blocks a step pushes, when a transfer
+closes and which landings moved are the prefill worker's books (`pdserve.core.pd.prefill_books`), one per
+prefill engine, driven here as the real prefill worker drives its own.
 
 It owns every engine's network port and the landing watch; it sees the link model, the event loop, the
 lifecycle counters, and two callbacks of its conductor: `report(event, *args)` (a core event, whose actions
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdserve.conductor.wire import Prefill
 from pdserve.core.pd.delivery import LANDING_RECHECK_S, WaterLevel
+from pdserve.core.pd.prefill_books import Outbound, PrefillBooks
 from pdserve.core.pd.production_pace import ProductionPace
-from pdserve.core.pd.push_range import push_range
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.link import LandingWatch, LinkModel
@@ -28,11 +31,29 @@ class SimKVPath:
         self.block_size, self.block_bytes, self.control_s = block_size, block_bytes, control_s
         self.report, self.landed = report, landed
         self.ports: dict = {}  # engine -> its network port (`LinkModel.link`)
-        self.landings = LandingWatch(links)
+        self.books: dict[str, PrefillBooks] = {}  # prefill engine -> its books (the real prefill worker's)
+        self.landings = LandingWatch(links, lambda engine: self.books_of(engine).landings)
         self._rechecking: set[str] = set()  # prefill engines whose landings are rechecked periodically
 
     def add_port(self, engine: str, bandwidth: float) -> None:
         self.ports[engine] = self.links.link(engine, bandwidth)
+
+    def books_of(self, engine: str) -> PrefillBooks:
+        """`engine`'s prefill books (no lease lapses are modelled: its leases never run out)."""
+        books = self.books.get(engine)
+        if books is None:
+            books = self.books[engine] = PrefillBooks(self.block_size, float("inf"), self.links.policy.scheduled)
+        return books
+
+    def open(self, engine: str, f: Flight, cmd: Prefill) -> None:
+        """`engine` took `f`'s prefill command: its transfer, from the command's fields."""
+        self.books_of(engine).open(Outbound(f.rid, cmd.dest, cmd.xfer, cmd.first_block, len(cmd.prompt), cmd.link,
+                                            f.tier, f.deadline_s))
+
+    def abort(self, engine: str, rid: str) -> None:
+        """`rid` ended on `engine` before its KV left: its transfer (if any) ends there."""
+        if engine in self.books:
+            self.books[engine].finish(rid, prefilled=False, queued=False)
 
     # ---- production ------------------------------------------------------------------------------------------
     def hold_production_s(self, engine: SimEngine, flight_of: Callable[[str], Flight | None]) -> float:
@@ -56,7 +77,10 @@ class SimKVPath:
     # ---- delivery --------------------------------------------------------------------------------------------
     def push(self, p: SimEngine, f: Flight, end: int, duration_s: float) -> None:
         """A prefill step of `duration_s` computed `f`'s prompt up to token `end`: its new blocks go."""
-        span = push_range(f.next_block, end, len(f.prompt), self.block_size, self.links.policy.scheduled)
+        pushed = self.books_of(p.name).push(f.rid, end)
+        if pushed is None:
+            return
+        span = pushed[1]
         if span.num_blocks:
             nbytes = span.num_blocks * self.block_bytes
             if span.superseded:
@@ -65,7 +89,6 @@ class SimKVPath:
             ports = (self.ports[p.name], self.ports[f.decode.name])
             last = f.in_air[-1] if f.in_air else None  # the transfer's flow still in the air takes the chunk
             if last is not None and last.links == ports and self.links.extend(last, nbytes, duration_s):
-                f.next_block = span.next_block
                 return
             f.flows += 1
             sent: list = []  # the flow, whose bytes grow with the chunks that join it
@@ -74,29 +97,30 @@ class SimKVPath:
             if flow is not None:
                 sent.append(flow)
                 f.in_air.append(flow)
-        f.next_block = span.next_block
 
     def _arrived(self, f: Flight, nbytes: float) -> None:
         f.flows -= 1
         f.delivered += nbytes
         self.life.bytes_delivered += nbytes
-        self.maybe_done(f, 0.0)
+        books = self.books.get(f.prefill.name) if f.prefill is not None else None
+        out = None if books is None or f.flows else books.closing.get(f.rid)
+        if out is not None and books.drained(out):  # its last chunk landed: the transfer closes
+            self._close(f, 0.0)
 
-    def maybe_done(self, f: Flight, delay_s: float) -> None:
-        """Prefilled and every flow landed: the transfer is complete (once)."""
-        if f.prefilled and f.flows == 0 and not f.done_sent and not f.finished:
-            f.done_sent = True
+    def _close(self, f: Flight, delay_s: float) -> None:
+        if not f.finished:
             self.landed(f, delay_s)
 
     def prefilled(self, engine: SimEngine, f: Flight, now: float) -> None:
         """`f`'s prompt is prefilled on `engine` (its first token sampled): the core hears when its KV lands
         (the prefill worker's link's estimate); the others' estimates that moved are reported again."""
-        f.prefilled = True
         f.in_air = [fl for fl in f.in_air if fl in self.links.flows]
         landing = self.links.eta(f.in_air) if f.in_air else 0.0
         self.report("prefilled", f.rid, now + self.control_s, landing - self.control_s)
         self._reland(engine, f, landing, now)
-        self.maybe_done(f, self.links.latency_s)
+        out, close_now = self.books_of(engine.name).finish(f.rid, True, f.flows > 0, f.first_token)
+        if out is not None and close_now:  # nothing left on the link: closes now (else after its last chunk)
+            self._close(f, self.links.latency_s)
 
     # ---- landing estimates -----------------------------------------------------------------------------------
     def _reland(self, engine: SimEngine, f: Flight, landing: float, now: float) -> None:

@@ -19,7 +19,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.core.pd.delivery import RELAND_S, DeliveryPolicy, Item
+from pdserve.core.pd.delivery import DeliveryPolicy, Item
+from pdserve.core.pd.prefill_books import Landings
 from pdserve.sim.events import MESSAGE, EventLoop
 
 ALLOCATION_ROUNDS = 3
@@ -248,39 +249,40 @@ def catch_up_s(f: Flow, remaining: float, rate: float, now: float) -> float:
 
 class LandingWatch:
     """Per prefill engine, its prefilled transfers still in the air and the landing time last reported for
-    each (as the real `PrefillSide.landings`): which estimates moved when another transfer became due — on
-    its own link, or on a decode engine's port it shares with another prefill engine's transfers (a real
-    sender sees that as its link's measured rate dropping)."""
+    each (the real worker's books: `pdserve.core.pd.prefill_books.Landings`): which estimates moved when another
+    transfer became due — on its own link, or on a decode engine's port it shares with another prefill
+    engine's transfers (a real sender sees that as its link's measured rate dropping)."""
 
-    def __init__(self, links: LinkModel) -> None:
+    def __init__(self, links: LinkModel, landings_of: Callable[[str], Landings]) -> None:
         self.links = links
-        self.soon: dict[str, dict] = {}  # engine -> rid -> (flight, its landing last reported)
+        self.landings_of = landings_of  # engine -> its books' landings
+        self.soon: dict[str, dict] = {}  # engine -> rid -> flight, of the landings reported
 
     def moved(self, engine: str, f, landing: float, now: float) -> list[tuple[str, float]]:
         """`f` (a flight with `in_air` flows) was prefilled now, landing in `landing` s: [(rid, new ETA)] of
         the others on `engine`'s link whose landing moved by more than `RELAND_S`."""
         out = self.recheck(engine, now)
         if f.in_air:
-            self.soon[engine][f.rid] = (f, now + landing)
+            self.soon[engine][f.rid] = f
+            self.landings_of(engine).report(f.rid, now + landing)
         return out
 
     def sharing(self, f) -> list[str]:
         """The prefill engines with other prefilled transfers in the air over a port of `f`'s flows."""
         ports = {link for fl in f.in_air for link in fl.links}
         return [e for e, soon in self.soon.items() if soon and any(
-            link in ports for g, _ in soon.values() if g is not f for fl in g.in_air for link in fl.links)]
+            link in ports for g in soon.values() if g is not f for fl in g.in_air for link in fl.links)]
 
     def recheck(self, engine: str, now: float) -> list[tuple[str, float]]:
         """[(rid, new ETA)] of `engine`'s prefilled transfers in the air whose landing moved by more than
         `RELAND_S` since last reported."""
-        soon, out = self.soon.setdefault(engine, {}), []
-        for rid, (g, last) in list(soon.items()):
+        soon = self.soon.setdefault(engine, {})
+
+        def landing_in_s(rid: str) -> float | None:
+            g = soon[rid]
             g.in_air = [fl for fl in g.in_air if fl in self.links.flows]
             if not g.in_air or g.finished:
                 del soon[rid]
-                continue
-            eta = self.links.eta(g.in_air, expedite=False)
-            if abs(now + eta - last) > RELAND_S:
-                soon[rid] = (g, now + eta)
-                out.append((rid, eta))
-        return out
+                return None
+            return self.links.eta(g.in_air, expedite=False)
+        return self.landings_of(engine).moved(now, landing_in_s)

@@ -35,7 +35,7 @@ class SimCommands:
         f = self.sim.flights.get(cmd.rid)
         if cmd.deadline_in_s is not None:
             f.deadline_s = self.sim.loop.now + cmd.deadline_in_s
-        add = lambda: self._add(f, self._request(cmd, prefill_only=True))  # noqa: E731
+        add = lambda: self._add(f, self._request(cmd, prefill_only=True), cmd)  # noqa: E731
         self._post(lambda: self.sim.staging.add_prefill(self.engine, cmd.rid, add),
                    self.sim.links.latency_s + 2 * self.sim.control_s)
 
@@ -73,13 +73,17 @@ class SimCommands:
         return SimRequest(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), arrival_s=self.sim.loop.now,
                           priority=cmd.priority, prefill_only=prefill_only, service_tier=cmd.tier or "default")
 
-    def _add(self, f, req: SimRequest) -> None:
+    def _add(self, f, req: SimRequest, prefill: Prefill | None = None) -> None:
+        """`prefill`: the command of a prompt whose KV this engine sends (its transfer opens as it is added)."""
         if f.finished:
             return
         try:
             self.engine.scheduler.add_request(req)
         except PdserveError as e:
             self.sim.fail(f, str(e))
+            return
+        if prefill is not None:
+            self.sim.kv.open(self.engine.name, f, prefill)
 
     def _reserve(self, f, cmd: Reserve) -> None:
         """The decode worker makes the request when the reservation reaches it and queues it in its books."""
@@ -94,6 +98,7 @@ class SimCommands:
     def _abort(self, rid: str) -> None:
         self.engine.engine.abort([rid])
         self.sim.staging.abort(self.engine, rid)
+        self.sim.kv.abort(self.engine.name, rid)
         books = self.sim.books.get(self.engine.name)
         if books is not None:
             books.abort(rid)

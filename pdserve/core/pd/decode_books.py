@@ -7,7 +7,9 @@ overtake it. A `grant` says from which block the KV must come and how many block
 but the last (after a restore: but the checkpoint's tail) is cached here, and the rest is computed here with no
 prefill worker. Reservations left waiting are reported once each (the conductor may stage the prompt
 meanwhile). Each ended transfer is settled: delivered (the request decodes on from the prefill worker's first
-token) or recomputed here; the step that first reads delivered KV is reported as its consumption.
+token) or recomputed here; the step that first reads delivered KV is reported as its consumption. A transfer
+whose lease lapsed (its sender silent for the timeout) may be *held* live for the conductor's choice instead of
+recomputed at once (`hold`: renew, redirect, or give up → `lapse_failed`), counted once however often it lapses.
 
 The real decode worker (`pdserve.engine.pd_decode.DecodeSide`: transports, torch pools, leases) and the
 simulator (`pdserve.sim.conductor`: the link model) drive these same books; each moves the bytes its own way.
@@ -42,6 +44,14 @@ class Grant:
 
 
 @dataclass
+class Held:
+    """A lapsed transfer kept live."""
+    xfer: str
+    request_id: str
+    lapses: int  # how often its lease lapsed (renewed in between)
+
+
+@dataclass
 class DecodeStats:
     failures: Counter = field(default_factory=Counter)  # by TransferState value; outcome: recompute or held
     wasted_bytes: Counter = field(default_factory=Counter)  # received and verified, never consumed: by reason
@@ -63,6 +73,7 @@ class DecodeBooks:
         self.unread: set[str] = set()  # delivered, not yet read by a step
         self.stats = DecodeStats()
         self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
+        self.held: dict[str, Held] = {}  # lapsed transfers, still live, waiting for the conductor's choice
 
     def reserve(self, request: Request, xfer: str, local: int = 1) -> Reservation:
         """Queue a reservation; `grant` grants it when blocks are free. Raises for a request that could never
@@ -128,9 +139,32 @@ class DecodeBooks:
         self.unread.difference_update(rids)
         return rids
 
+    def hold(self, held: Held, failure: str) -> None:
+        """`held.xfer`'s lease lapsed: held live (blocks reserved, late chunks still landing) until the conductor
+        chooses. Its first lapse is counted as a `failure`; a renewed transfer lapsing again is the same one."""
+        if held.lapses == 1:
+            self.stats.failures[failure] += 1
+        self.held[held.xfer] = held
+
+    def unhold(self, xfer: str) -> Held | None:
+        """The conductor chose for `xfer` (or it ended): no longer held. None if it was not."""
+        return self.held.pop(xfer, None)
+
+    def redirected(self, was_held: bool, num_bytes: float) -> None:
+        """A transfer restarted from another prefill worker: what arrived under the old one is overwritten."""
+        self.stats.wasted_bytes["failed_timeout" if was_held else "redirected"] += num_bytes
+
+    def lapse_failed(self, held: Held, num_bytes: float) -> None:
+        """The conductor gave up on a held transfer (`num_bytes` of it arrived): dropped, never consumed; the
+        prompt is computed here."""
+        self.stats.wasted_bytes["failed_timeout"] += num_bytes
+        if held.request_id in self.scheduler.requests:
+            self.scheduler.kv_failed(held.request_id)
+
     def abort(self, request_id: str) -> None:
         self.unread.discard(request_id)
         self.pending = [r for r in self.pending if r.request.request_id != request_id]
+        self.held = {x: h for x, h in self.held.items() if h.request_id != request_id}
 
 
 def _request_of(res: Reservation) -> Request:
