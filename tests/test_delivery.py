@@ -271,6 +271,7 @@ def test_a_real_links_landing_estimates_are_reported_again_when_they_move():
     again (later), once."""
     from types import SimpleNamespace
 
+    from pdserve.core.pd.prefill_books import PrefillBooks
     from pdserve.engine.pd import PrefillSide
     from pdserve.transfer.outbox import Chunk, Outbox
 
@@ -280,22 +281,22 @@ def test_a_real_links_landing_estimates_are_reported_again_when_they_move():
             self.deadline_s, self.failed, self.by_copy = 1.0, None, False
 
     box = Outbox(sender=None, policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
-    side = SimpleNamespace(outbox=box, outbound={}, closing={}, landings={})
+    side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0, True))
     a, b = Out("a", "default"), Out("b", "priority")
     for out in (a, b):
-        side.outbound[out.rid] = out
+        side.books.outbound[out.rid] = out
         for _ in range(10):
             box.push(Chunk(out, {}, [], 100_000, [0]))  # 1 MB each: a second of the link
     first = PrefillSide.landing_in_s(side, "a")  # prefilled: due, alone among due transfers
-    side.closing["a"] = side.outbound.pop("a")
+    side.books.closing["a"] = side.books.outbound.pop("a")
     assert first == pytest.approx(1.0) and PrefillSide.relanded(side) == []
     PrefillSide.landing_in_s(side, "b")  # prefilled too: the two due transfers share the link 0.4 : 0.5
-    side.closing["b"] = side.outbound.pop("b")
+    side.books.closing["b"] = side.books.outbound.pop("b")
     (moved,) = PrefillSide.relanded(side)
     assert moved[0] == "a" and moved[1] == pytest.approx(2.0, abs=0.05)
     assert PrefillSide.relanded(side) == []  # reported once
-    del side.closing["a"]  # delivered: forgotten
-    assert PrefillSide.relanded(side) == [] and "a" not in side.landings
+    del side.books.closing["a"]  # delivered: forgotten
+    assert PrefillSide.relanded(side) == [] and "a" not in side.books.landings.reported
 
 
 def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_again():
@@ -305,6 +306,7 @@ def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_
     import time
     from types import SimpleNamespace
 
+    from pdserve.core.pd.prefill_books import PrefillBooks
     from pdserve.engine.pd import PrefillSide
     from pdserve.transfer.outbox import Chunk, Outbox
 
@@ -318,11 +320,12 @@ def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_
         tier, link, dest, deadline_s, failed, by_copy, num_chunks, last_sent_s = "default", "d0", "d", 1.0, None, False, 0, 0
 
     box = Outbox(sender=Sender(), policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
-    side = SimpleNamespace(outbox=box, outbound={"a": Out()}, closing={}, landings={})
+    side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0, True))
+    side.books.outbound["a"] = Out()
     for _ in range(10):
-        box.push(Chunk(side.outbound["a"], {}, [], 50_000, [0]))
+        box.push(Chunk(side.books.outbound["a"], {}, [], 50_000, [0]))
     assert PrefillSide.landing_in_s(side, "a") == pytest.approx(0.5)  # 500 kB at the throttle's 1 MB/s
-    side.closing["a"] = side.outbound.pop("a")
+    side.books.closing["a"] = side.books.outbound.pop("a")
     box.pump()  # the burst allowance lets one chunk go: at half the throttle's rate
     assert box.links["d0"].landing_rate(1e6) == pytest.approx(5e5, rel=0.2)
     (moved,) = PrefillSide.relanded(side)

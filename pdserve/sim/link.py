@@ -253,9 +253,11 @@ class LandingWatch:
     transfer became due — on its own link, or on a decode engine's port it shares with another prefill
     engine's transfers (a real sender sees that as its link's measured rate dropping)."""
 
-    def __init__(self, links: LinkModel, landings_of: Callable[[str], Landings]) -> None:
+    def __init__(self, links: LinkModel, landings_of: Callable[[str], Landings] | None = None) -> None:
+        """`landings_of(engine)`: that engine's books' landings (default: the watch keeps its own)."""
         self.links = links
-        self.landings_of = landings_of  # engine -> its books' landings
+        own: dict[str, Landings] = {}
+        self.landings_of = landings_of or (lambda engine: own.setdefault(engine, Landings()))
         self.soon: dict[str, dict] = {}  # engine -> rid -> flight, of the landings reported
 
     def moved(self, engine: str, f, landing: float, now: float) -> list[tuple[str, float]]:
