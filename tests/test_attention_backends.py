@@ -1,5 +1,6 @@
-"""The attention backend seam (`pdserve.model.attention`): backends by name, `auto`'s choice by device (with the
-torch reference's fallback counted), and a backend registered from outside that the model uses with no caller
+"""The attention backend seam (`pdserve.model.attention`, `pdserve.model.attention_registry`): backends by name,
+`auto`'s choice by device (with the torch reference's fallback counted), a backend chosen by name that cannot run
+here refused (never a fallback), and a backend registered from outside that the model uses with no caller
 changed."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
-from pdserve.model import attention, kernels
+from pdserve.model import attention, attention_registry, kernels
 from pdserve.model.attention_cpu import CpuKernelAttention
 from pdserve.model.attention_torch import TorchAttention
 
@@ -17,8 +18,8 @@ from pdserve.model.attention_torch import TorchAttention
 @pytest.fixture
 def backends(monkeypatch):
     """The registry, restored after the test."""
-    monkeypatch.setattr(attention, "BACKENDS", dict(attention.BACKENDS))
-    return attention.BACKENDS
+    monkeypatch.setattr(attention_registry, "BACKENDS", dict(attention_registry.BACKENDS))
+    return attention_registry.BACKENDS
 
 
 def test_backends_by_name_and_auto_by_device(backends):
@@ -38,6 +39,25 @@ def test_an_unknown_backend_is_a_one_line_error(backends):
                                                   r"torch$") as e:
         attention.select_backend("flash")
     assert e.value.param == "attention_backend"
+    assert isinstance(e.value, ValueError)  # what a Python caller expects of a bad argument
+
+
+def test_a_backend_chosen_by_name_that_cannot_run_here_is_an_error_not_a_fallback(backends):
+    before = kernels.fallback_count()
+    cpu = torch.device("cpu")
+    for device, dtype, reason in ((torch.device("meta"), torch.float32, "run on CPU, not meta"),
+                                  (cpu, torch.bfloat16, "run float32 models, not bfloat16")):
+        with pytest.raises(InvalidRequestError, match=f"attention backend cpu_kernels cannot run this model on "
+                                                      f"this machine: the compiled CPU kernels {reason}$") as e:
+            attention.select_backend("cpu_kernels", device, dtype)
+        assert e.value.param == "attention_backend"
+    with kernels.disabled(), pytest.raises(InvalidRequestError, match=r"they are turned off \(PDSERVE_KERNELS=0"):
+        attention.select_backend("cpu_kernels", cpu)
+    assert kernels.fallback_count() == before  # refused, not counted as a fallback taken
+    # the reference runs anywhere; auto still takes the kernels' counted per-call fallback path
+    assert isinstance(attention.select_backend("torch", torch.device("meta"), torch.bfloat16), TorchAttention)
+    with kernels.disabled():
+        assert isinstance(attention.select_backend("auto", cpu), CpuKernelAttention)
 
 
 class _Recording(TorchAttention):

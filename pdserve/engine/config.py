@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.core.sched.schedule import SchedulerConfig
+from pdserve.model import attention_registry
 from pdserve.core.settings import CodecSettings, KvBlockSettings, KvTierSettings, default_of, pick, shared
 
 
@@ -18,6 +19,10 @@ class EngineConfig:
     """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    attention_backend: str = attention_registry.AUTO
+    """Which attention backend runs the model: auto (the compiled CPU kernels on CPU; the torch reference on a
+    device no other backend serves), cpu_kernels or torch (the reference). A backend named here that cannot run
+    the model on this machine (kernels not built, another device or dtype) is an error at load, not a fallback."""
     kv_cache_dtype: str = shared(CodecSettings, "kv_cache_dtype")
     block_size: int = shared(KvBlockSettings, "block_size")
     kv_cache_gb: float = 2.0
@@ -64,6 +69,7 @@ class EngineConfig:
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
         pick(KvBlockSettings, self)
+        attention_registry.check(self.attention_backend)
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                         queue_policy=self.queue_policy)  # the scheduler's own check of them
         self._check_tiers()

@@ -57,7 +57,8 @@ class ModelExecutor:
         self.vocab_size = model_config.vocab_size
         max_len = config.max_model_len or model_config.max_position_embeddings
         model = model_class(model_config.architecture)  # `pdserve.model.registry`: LlamaModel for every family today
-        self.model = model(model_config, load_safetensors_dir(model_dir), self.dtype, self.device, max_positions=max_len)
+        self.model = model(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
+                           max_positions=max_len, attention=config.attention_backend)
         self.codec = KVCodec(config.kv_cache_dtype, model_config.head_dim, self.dtype)
         # a codec's residual window (int4: each running sequence's last block in fp16) comes out of the budget
         self.residual = ResidualWindow(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,

@@ -1,11 +1,13 @@
 """Attention over a paged KV cache for a mixed batch (decode tokens and prefill chunks in one step), through an
-attention backend chosen once per model.
+attention backend chosen once per model (`select_backend`, from `--attention-backend`).
 
-The backends by name (`BACKENDS`, in the order `auto` tries them; each says which devices it serves):
-- `cpu_kernels`: the compiled CPU kernels (`attention_cpu`); serves CPU. A call they cannot serve (bf16,
-  `PDSERVE_KERNELS=0`, no compiler) goes to the torch reference and counts one fallback, per call.
+The backends by name (`pdserve.model.attention_registry`, in the order `auto` tries them):
+- `cpu_kernels`: the compiled CPU kernels (`attention_cpu`); serves CPU. Under `auto`, a call they cannot serve
+  (bf16, `PDSERVE_KERNELS=0`, no compiler) goes to the torch reference and counts one fallback, per call.
 - `torch`: the torch reference (`attention_torch`); serves every device. Chosen by `auto` for a device no
   other backend serves (CUDA today), which counts one fallback (`kernels.fallback_count()`) at the choice.
+A backend chosen by name must be able to run the model: when it cannot (`AttentionBackend.cannot_run`: the
+kernels not built, another device or dtype), choosing it is an error, never a fallback.
 A new backend (CUDA kernels, say) is a module with a class that follows `AttentionBackend`, added with
 `register_backend`: `auto` prefers it on the devices it serves and no caller changes.
 
@@ -16,50 +18,38 @@ operations (cache write, decodes, prefill chunks) and keep a codec's residual wi
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+import logging
 
 import torch
 
 from pdserve.errors import InvalidRequestError
-from pdserve.model import kernels, residual_attention
+from pdserve.model import attention_registry, kernels, residual_attention
 from pdserve.model.attention_backend import AttentionBackend, AttentionMetadata
-from pdserve.model.attention_cpu import CpuKernelAttention
-from pdserve.model.attention_torch import TorchAttention
+from pdserve.model.attention_registry import AUTO, register_backend
+
+__all__ = ["AttentionMetadata", "paged_attention", "register_backend", "rope_write", "select_backend"]
+
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class BackendEntry:
-    make: Callable[[], AttentionBackend]
-    serves: Callable[[torch.device], bool]  # whether `auto` picks it for a model on this device
-
-
-BACKENDS: dict[str, BackendEntry] = {
-    "cpu_kernels": BackendEntry(CpuKernelAttention, lambda device: device.type == "cpu"),
-    "torch": BackendEntry(TorchAttention, lambda device: True),
-}
-
-
-def register_backend(name: str, make: Callable[[], AttentionBackend],
-                     serves: Callable[[torch.device], bool]) -> None:
-    """Adds (or replaces) a backend; `auto` tries it before the ones already there."""
-    others = {n: e for n, e in BACKENDS.items() if n != name}
-    BACKENDS.clear()
-    BACKENDS.update({name: BackendEntry(make, serves), **others})
-
-
-def select_backend(name: str = "auto", device: torch.device = torch.device("cpu")) -> AttentionBackend:
-    """The backend called `name`, or for `auto` the first that serves `device` (the torch reference on a
-    device none of the others serves, counted as a kernel fallback)."""
-    if name != "auto":
-        if name not in BACKENDS:
-            raise InvalidRequestError(f"unknown attention backend {name!r}; choose auto, {', '.join(BACKENDS)}",
-                                      param="attention_backend")
-        return BACKENDS[name].make()
-    chosen = next(n for n, e in BACKENDS.items() if e.serves(device))
-    if chosen == "torch":
-        kernels.count_fallback(f"no attention backend serves {device.type}: the torch reference runs it")
-    return BACKENDS[chosen].make()
+def select_backend(name: str = AUTO, device: torch.device = torch.device("cpu"),
+                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """The backend called `name`, for a model on `device` in `dtype`: one that cannot run it is an error
+    (`InvalidRequestError`, param attention_backend). For `auto`, the first that serves `device` (the torch
+    reference on a device none of the others serves, counted as a kernel fallback)."""
+    attention_registry.check(name)
+    if name == AUTO:
+        chosen = next(n for n, e in attention_registry.BACKENDS.items() if e.serves(device))
+        if chosen == "torch":
+            kernels.count_fallback(f"no attention backend serves {device.type}: the torch reference runs it")
+        return attention_registry.make(chosen)
+    backend = attention_registry.make(name)
+    reason = backend.cannot_run(device, dtype)
+    if reason is not None:
+        raise InvalidRequestError(f"attention backend {name} cannot run this model on this machine: {reason}",
+                                  param="attention_backend")
+    log.info("attention backend %s (chosen by name)", name)
+    return backend
 
 
 @functools.cache

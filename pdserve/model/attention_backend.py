@@ -1,7 +1,8 @@
 """The seam between the model's attention layer and the code that runs it: what one step's attention is given
 (`AttentionMetadata`, one `PrefillChunk` per prefill chunk) and the three operations a backend supplies
 (`AttentionBackend`). The backends: `attention_cpu.CpuKernelAttention` (the compiled CPU kernels) and
-`attention_torch.TorchAttention` (the torch reference); `attention.py` names them and picks one.
+`attention_torch.TorchAttention` (the torch reference); `attention_registry.py` names them and `attention.py`
+picks one.
 
 Token layout of a step: the decode tokens first (one per request, `num_decodes` of them), then each prefill
 chunk contiguously. KV cache of one layer: `[Hkv, num_blocks, block_size, D]`; slot = block_id * block_size +
@@ -63,6 +64,11 @@ class AttentionBackend(Protocol):
     `kernels.used(part, path)`."""
 
     name: str
+
+    def cannot_run(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run a model on `device` in `dtype` on this machine (None: it can). Asked
+        when the backend is chosen by name, which is then an error instead of a fallback."""
+        ...
 
     def write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_rows: torch.Tensor, num_heads: int, num_kv: int,

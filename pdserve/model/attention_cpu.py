@@ -22,6 +22,13 @@ class CpuKernelAttention:
     def __init__(self, reference: TorchAttention | None = None) -> None:
         self.reference = reference or TorchAttention()
 
+    def cannot_run(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cpu":
+            return f"the compiled CPU kernels run on CPU, not {device.type}"
+        if dtype != torch.float32:
+            return f"the compiled CPU kernels run float32 models, not {str(dtype).removeprefix('torch.')}"
+        return kernels.unavailable()
+
     def write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int,
                  codec: CacheCodec | None):
         if codec is not None:

@@ -26,6 +26,9 @@ class TorchAttention:
 
     name = "torch"
 
+    def cannot_run(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return None  # any device, any dtype
+
     def write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_rows, num_heads: int, num_kv: int,
                  codec: CacheCodec | None):
         kernels.used("rope_write_kv", "torch")

@@ -42,9 +42,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, attention: str = "auto") -> None:
         self.config = config
-        self.attention = select_backend(attention, device)  # `pdserve.model.attention`: chosen once, here
         self.dtype = dtype
         self.device = device
+        self.attention = select_backend(attention, device, dtype)  # `pdserve.model.attention`: chosen once, here
         self.scale = config.head_dim ** -0.5
         self.pack = mkl_packing_available(device, dtype)
         self.arena = Arena() if self.pack else None  # the GEMM kernel's panels, on huge pages, in read order

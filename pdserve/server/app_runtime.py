@@ -141,10 +141,19 @@ async def _wait_ready(conductor: Conductor, procs, timeout_s: float) -> None:
     while not conductor.ready or sum(1 for w in conductor.workers.values() if w.joined and w.info) < joins:
         dead = procs.dead()
         if dead:
-            raise StartupError(f"worker {dead[0]} exited during start-up:\n{procs.log_tail(dead[0])}")
+            raise StartupError(_startup_failure(dead[0], procs.log_tail(dead[0])))
         if time.monotonic() > deadline:
             raise StartupError(f"workers not ready after {timeout_s:.0f} s")
         await asyncio.sleep(0.05)
+
+
+def _startup_failure(name: str, log_tail: str) -> str:
+    """Why worker `name` exited before it was ready: the setting it refused, in one line (its log's last line is
+    `error: ...`, `pdserve.worker.worker.run`), else the tail of its log."""
+    last = log_tail.rstrip().rpartition("\n")[2]
+    if last.startswith("error: "):
+        return f"worker {name} could not start: {last.removeprefix('error: ')}"
+    return f"worker {name} exited during start-up:\n{log_tail}"
 
 
 def _say(line: str) -> None:

@@ -334,7 +334,11 @@ def run(spec: WorkerSpec) -> int:
         _die_with_parent()
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when workers stop
-    worker = Worker(spec)
+    try:
+        worker = Worker(spec)
+    except PdserveError as e:  # a setting found bad at load (an attention backend that cannot run here): one line
+        print(f"error: {e.message}", file=sys.stderr, flush=True)
+        os._exit(2)
     if spec.joined:  # it decides when it leaves, and leaves cleanly
         signal.signal(signal.SIGTERM, worker.departure.ask)
         signal.signal(signal.SIGINT, worker.departure.ask)

@@ -59,6 +59,14 @@ def available() -> bool:
     return not _disabled and _library() is not None
 
 
+def unavailable() -> str | None:
+    """Why the compiled library cannot be used (turned off, or its build or load failed), or None when it can
+    (builds it on first call)."""
+    if _disabled:
+        return "they are turned off (PDSERVE_KERNELS=0 or kernels.disabled())"
+    return None if _library() is not None else f"they could not be built or loaded ({_load_error})"
+
+
 def fallback_count() -> int:
     """How many kernel calls took the torch path since the process started."""
     return _fallbacks
