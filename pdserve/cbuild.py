@@ -22,13 +22,20 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    if os.environ.get("PDSERVE_KERNEL_CACHE"):
-        return Path(os.environ["PDSERVE_KERNEL_CACHE"])
+    return user_cache("kernels", "PDSERVE_KERNEL_CACHE")
+
+
+def user_cache(kind: str, override: str) -> Path:
+    """pdserve's user cache folder for `kind`: `$<override>`, else `$XDG_CACHE_HOME/pdserve/<kind>`, else
+    `~/.cache/pdserve/<kind>` (compiled kernels here; a worker's calibrated time model: `pdserve.engine.calibration`)."""
+    if os.environ.get(override):
+        return Path(os.environ[override])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pdserve" / "kernels"
+    return Path(base) / "pdserve" / kind
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """The CPU's vendor, model and feature flags: what compiled code and measured speeds depend on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -51,7 +58,7 @@ def flags(base: Sequence[str]) -> list[str]:
 def library_path(cc: str, name: str, sources: Sequence[Path], base_flags: Sequence[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     parts = [*(s.read_text() for s in sources), " ".join(flags(base_flags)), version, platform.machine(),
-             _cpu_signature()]
+             cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / key / f"lib{name}.so"
 

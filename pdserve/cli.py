@@ -72,11 +72,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.worker.joined import worker_spec
-    from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, pick
+    from pdserve.core.settings import CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings, pick
     spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
                        data_host=args.data_host, supervision=pick(SupervisionSettings, args),
                        delivery=DeliverySettings(delivery=args.delivery, delivery_backlog_s=args.delivery_backlog_s),
-                       cadence=pick(CadenceSettings, args),
+                       cadence=pick(CadenceSettings, args), calibration=pick(CalibrationSettings, args),
                        join_timeout_s=args.join_timeout_s)
     from pdserve.worker.worker import run
     return run(spec)
@@ -84,7 +84,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def _add_worker_parser(sub) -> None:
     from pdserve.worker.spec import WorkerSpec
-    from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, default_of
+    from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings,
+                                       default_of)
     w = sub.add_parser("worker", help="start a worker that joins a running pdserve serve (its --control-port)")
     w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     w.add_argument("--join", required=True, metavar="tcp://HOST:PORT",
@@ -100,6 +101,7 @@ def _add_worker_parser(sub) -> None:
     # a joined worker's link shares and rate are its spec's defaults: no flags for them
     add_config_args(w, DeliverySettings, skip=frozenset({"link_share", "link_gbps"}))
     add_config_args(w, CadenceSettings)
+    add_config_args(w, CalibrationSettings)
     add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 

@@ -169,7 +169,8 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
             elif isinstance(a, Count):
                 counted[(a.metric, a.labels)] += 1
             elif isinstance(a, Observe):  # a histogram with negative buckets has no _sum: count those
-                observed[(a.metric, a.labels)] += a.weight if a.metric.startswith("kv_") else a.value
+                signed = a.metric.startswith("kv_") or a.metric == "prediction_error"
+                observed[(a.metric, a.labels)] += a.weight if signed else a.value
     rejected = [r for r in records if r.rejected]
     assert rejected and len(rejected) < NUM, "the workload must make admission refuse some requests, not all"
     assert {sim_cmd["type"] for cmds in sent.values() for sim_cmd in cmds} >= {"reserve", "prefill"}
@@ -187,11 +188,13 @@ def test_gateway_and_simulator_drivers_make_the_same_decisions(tmp_path):
         value = metrics.registry.get_sample_value(f"pdserve_{metric}_total", dict(labels))
         assert value == n, (metric, labels)
     assert observed  # admission's predictions, one per arrival once the workers' step times are known
+    assert observed[("prediction_error", (("service_tier", "default"),))] > 0  # checked at first tokens
     assert counted[("fallbacks", (("kind", "admission_unpredicted"),))] > 0  # the first arrivals: no model yet
     # the consumption predictions, checked per delivered block
     assert {metric for metric, _ in observed} >= {"kv_consumption_error", "kv_consumption_error_at_dispatch"}
     for (metric, labels), total in observed.items():
         name = f"pdserve_{metric}_seconds_count" if metric.startswith("kv_") else \
+            f"pdserve_admission_{metric}_seconds_count" if metric == "prediction_error" else \
             f"pdserve_admission_{metric}_seconds_sum"
         value = metrics.registry.get_sample_value(name, dict(labels))
         assert value == pytest.approx(total), (metric, labels)

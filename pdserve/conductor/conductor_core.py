@@ -34,7 +34,8 @@ workers and backlog, and the moves that keep their counts) and what else each ne
 
 Actions (`pdserve.conductor.actions`): `Send(worker, cmd)` (a command: `pdserve.conductor.wire`), `Fail(rid, ...)` (end the
 request with an error the client sees), `Count(metric, labels)` (a counted event for the metrics),
-`Observe(metric, labels, value, weight)` (a value for a histogram, `weight` times: admission's predicted TTFT,
+`Observe(metric, labels, value, weight)` (a value for a histogram, `weight` times: admission's predicted TTFT and,
+at the first token, its error (`prediction_error`: observed - predicted),
 consumption errors).
 """
 
@@ -187,6 +188,7 @@ class ConductorCore:
         if rejection is not None:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
                            Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
+        f.predicted_ttft_s = predicted
         return seen + self.books.place(f, first, second, hashes) + self.staging.arrived(hashes, prompt, now)
 
     def _follow(self, names: tuple) -> tuple[WorkerLoad, WorkerLoad | None] | None:
@@ -335,6 +337,7 @@ class ConductorCore:
         if token_id is not None and index == len(f.outputs):
             f.outputs.append(token_id)
         f.num_tokens = index + 1
+        seen = self._checked_ttft(f, now)
         if f.stage is not Stage.DECODING:  # the first token from where it runs now
             self.books.waiting[f.tier] -= 1
             f.first_token_s = f.first_token_s or now
@@ -348,11 +351,11 @@ class ConductorCore:
             self.backlog[f.decode].decoding += 1
         f.last_token_s = now
         if not finished:
-            return []
+            return seen
         if self.roles is not None:
             self.roles.finished(f.params.get("max_tokens") or 0, f.num_tokens)
         self.books.finish(f)
-        return [Count("slo_attained", (("service_tier", f.tier),))] if self._attained(f) else []
+        return seen + ([Count("slo_attained", (("service_tier", f.tier),))] if self._attained(f) else [])
 
     def checkpointed(self, rid: str, worker: str, tokens: int) -> list:
         return self.recovery.checkpointed(rid, worker, tokens)
@@ -362,6 +365,15 @@ class ConductorCore:
         return self.abort(rid)
 
     # ---- helpers ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _checked_ttft(f: FlightState, now: float) -> list:
+        """At its first token: admission's prediction of its TTFT against the TTFT it got (observed - predicted),
+        once."""
+        if f.predicted_ttft_s is None:
+            return []
+        error, f.predicted_ttft_s = now - f.arrival_s - f.predicted_ttft_s, None
+        return [Observe("prediction_error", (("service_tier", f.tier),), error)]
+
     def _attained(self, f: FlightState) -> bool:
         tier = self.tiers[f.tier]
         ttft_ms = (f.first_token_s - f.arrival_s) * 1000.0

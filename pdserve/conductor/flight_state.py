@@ -85,6 +85,7 @@ class FlightState:
     prefilled_by: str | None = None  # PD: that prefill worker
     lapsed_s: float | None = None  # PD: when its transfer's lease first lapsed (`Recovery.lease_lapsed`)
     gave_up: bool = False  # PD: its prefill worker's latest report gave up on delivering its KV (`prefilled`)
+    predicted_ttft_s: float | None = None  # admission's prediction, checked at its first token (then None)
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0

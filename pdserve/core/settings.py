@@ -19,6 +19,7 @@ from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.errors import InvalidRequestError
 
 DELIVERY_MODES = ("scheduled", "fifo")
+CALIBRATION_MODES = ("cached", "fresh", "off")
 DEFAULT_SHARES = {"priority": 0.5, "default": 0.4, "flex": 0.1}  # service tier -> link share (`--link-share`)
 
 
@@ -153,6 +154,21 @@ class AdmissionSettings:
                  f"--admission must be predict or off, got {self.admission!r}", "admission")
         _require(self.admission_margin >= 0, "--admission-margin must be >= 0", "admission_margin")
         _require(self.max_outstanding >= 1, "--max-outstanding must be positive", "max_outstanding")
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How a worker's time model starts (`pdserve.engine.calibration`): calibrated by profile steps at load, so
+    admission predicts from the first request."""
+    calibration: str = setting("cached", "A worker's time model at start: cached (time a few profile steps at "
+                               "load -- prefill of a few lengths, decode at a few batch sizes, 10 s at most -- once "
+                               "per host, model and engine config, then reuse them from the user cache), fresh "
+                               "(profile again and rewrite the cache) or off (no profile: admission predicts nothing, "
+                               "and admits everything, until a worker has run 8 steps).")
+
+    def __post_init__(self) -> None:
+        _require(self.calibration in CALIBRATION_MODES, f"--calibration must be one of "
+                 f"{', '.join(CALIBRATION_MODES)}, got {self.calibration!r}", "calibration")
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core.kvstore import kv_codecs
-from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, RoutingSettings,
-                                   SupervisionSettings, parse_link_share, pick, shared)
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, DeliverySettings,
+                                   RoutingSettings, SupervisionSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve import transfer
 from pdserve.transfer import peer_auth
@@ -79,6 +79,7 @@ class ServeConfig:
     admission: str | None = shared(AdmissionSettings, "admission")
     admission_margin: float = shared(AdmissionSettings, "admission_margin")
     max_outstanding: int = shared(AdmissionSettings, "max_outstanding")
+    calibration: str = shared(CalibrationSettings, "calibration")
     max_queue: int | None = None
     """Most requests of one service tier waiting for their first token; more are refused at once with 429
     server_overloaded and Retry-After (default: no bound)."""
@@ -130,7 +131,8 @@ class ServeConfig:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
-        for settings in (DeliverySettings, AdmissionSettings, CadenceSettings, SupervisionSettings, RoutingSettings):
+        for settings in (DeliverySettings, AdmissionSettings, CalibrationSettings, CadenceSettings, SupervisionSettings,
+                         RoutingSettings):
             pick(settings, self)
         for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
             if getattr(self, name) is not None:
@@ -212,7 +214,8 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
                                 link_share=parse_link_share(cfg.link_share),
                                 link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None,
-                                delivery_backlog_s=cfg.delivery_backlog_s, decode_cadence=cfg.decode_cadence))
+                                delivery_backlog_s=cfg.delivery_backlog_s, decode_cadence=cfg.decode_cadence,
+                                calibration=cfg.calibration))
     return specs
 
 

@@ -17,6 +17,8 @@ LINK_WINDOW_S = 10.0  # the window of pdserve_kv_link_utilization
 
 # actual - predicted first consumption: "on time" is within +-5 ms (pdserve.conductor.consumption)
 _ERROR_BUCKETS = (-10.0, -1.0, -0.25, -0.1, -0.05, -0.025, -0.005, 0.005, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
+_TTFT_ERROR_BUCKETS = (-10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                       10.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -90,6 +92,13 @@ class Metrics:
         self.predicted_ttft = Histogram("pdserve_admission_predicted_ttft_seconds", "Admission's predicted time "
                                         "to first token of arriving requests (compare with the TTFT histogram)",
                                         ["service_tier"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.prediction_error = Histogram(
+            "pdserve_admission_prediction_error_seconds", "Per admitted request with a TTFT prediction: its time to "
+            "first token at the conductor minus admission's prediction of it (signed: > 0, later than predicted)",
+            ["service_tier"], registry=r, buckets=_TTFT_ERROR_BUCKETS)
+        self.calibration_steps = Gauge("pdserve_worker_calibration_steps", "Profile steps a worker's time model "
+                                       "started with (source: profiled at its start, cached from an earlier one, "
+                                       "off: --calibration off)", ["worker", "source"], registry=r)
         self.admission_rejected = Counter("pdserve_admission_rejected", "Requests refused on arrival: "
                                           "slo_ttft / slo_tpot (predicted SLO miss), queue_full, "
                                           "server_overloaded (--max-queue), no_worker",
@@ -227,6 +236,11 @@ class Metrics:
             self._inc_total(self.fallbacks, (w, "step_budget_cold_start"), s.get("step_budget_cold_starts", 0),
                             kind="step_budget_cold_start")
         self._inc_total(self.fallbacks, (w, "bad_command"), s.get("bad_commands", 0), kind="bad_command")
+        calibration = s.get("calibration")
+        if calibration:
+            self.calibration_steps.labels(worker=w, source=calibration["source"]).set(calibration["steps"])
+            self._inc_total(self.fallbacks, (w, "calibration_cache"), calibration["cache_errors"],
+                            kind="calibration_cache")
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.prompt_computed, (w, "computed"), s.get("prompt_tokens_computed", 0), worker=w)
         self._inc_total(self.fallbacks, (w, "grammar_error"), s.get("grammar_errors", 0), kind="grammar_error")

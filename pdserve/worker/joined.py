@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 
 from pdserve.worker.spec import WorkerSpec
 from pdserve.conductor.wire import Leaving, Left
-from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, default_of
+from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings,
+                                   default_of)
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer import peer_auth
 
@@ -36,6 +37,7 @@ READY_EVERY_S = 2.0  # a joining worker says it is ready again this often until 
 def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, data_host: str | None = None,
                 supervision: SupervisionSettings = SupervisionSettings(),
                 delivery: DeliverySettings = DeliverySettings(), cadence: CadenceSettings = CadenceSettings(),
+                calibration: CalibrationSettings = CalibrationSettings(),
                 join_timeout_s: float = default_of(WorkerSpec, "join_timeout_s")) -> WorkerSpec:
     """The spec of a worker that joins the gateway at `join` (checked here: bad input is a one-line error
     before the model loads). `engine`: EngineConfig fields, `model` among them. A joined worker takes its
@@ -57,7 +59,7 @@ def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, 
                       transport="tcp", kv_host=data_host, kv_timeout_s=supervision.kv_timeout_s,
                       delivery=delivery.delivery, delivery_backlog_s=delivery.delivery_backlog_s, joined=True,
                       drain_timeout_s=supervision.drain_timeout_s, join_timeout_s=join_timeout_s,
-                      decode_cadence=cadence.decode_cadence)
+                      decode_cadence=cadence.decode_cadence, calibration=calibration.calibration)
 
 
 def parse_join(url: str) -> tuple[str, int]:

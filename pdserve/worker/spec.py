@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from pdserve.core.settings import CadenceSettings, DeliverySettings, SupervisionSettings, shared
+from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings,
+                                   shared)
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -29,6 +30,7 @@ class WorkerSpec:
     link_bytes_s: float | None = None  # prefill: each link throttled to this (None: unthrottled)
     delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")  # prefill: production backpressure
     decode_cadence: str = shared(CadenceSettings, "decode_cadence")  # decode: steady paces its steps' outputs
+    calibration: str = shared(CalibrationSettings, "calibration")  # its time model at load (profile steps)
     joined: bool = False  # started by `pdserve worker --join`, not by the gateway (`pdserve.worker.joined`)
     drain_timeout_s: float = shared(SupervisionSettings, "drain_timeout_s")  # joined: on SIGTERM, before leaving
     join_timeout_s: float = 30.0  # joined: the gateway's welcome must come this soon after its `ready`

@@ -31,8 +31,9 @@ from pdserve.conductor.wire import (Beat, Checkpointed, Error, Leave, Ready, Ref
 from pdserve.worker.wire_codec import pack, unpack
 from pdserve.worker.worker_commands import WorkerCommands
 from pdserve.worker.worker_reports import WorkerReports
-from pdserve.worker.worker_stats import step_shape, worker_stats
+from pdserve.worker.worker_stats import worker_stats
 from pdserve.core.sched.decode_cadence import DecodeCadence, plain_decode
+from pdserve.core.sched.online_fit import StepRow
 from pdserve.core.pd.delivery import LANDING_RECHECK_S
 from pdserve.core.kvstore.kv_tiers import capacity_blocks
 from pdserve.core.sched.stage_passes import stage_capacity
@@ -77,6 +78,7 @@ class Worker:
         shared_kv = spec.role == "prefill" and transport_capabilities(spec.transport).zero_copy
         self.engine, self.executor = build_worker_engine(spec.model_dir, spec.engine, shared_kv, spec.name,
                                                            long_context=_long_context(spec))
+        self.calibration = self._calibrate()  # before the KV pool has other users
         layers = self.executor.kv_pool.layers
         self.prefill = self.decode = None
         if spec.role == "prefill":
@@ -110,7 +112,8 @@ class Worker:
         self._last_stats = 0.0
         self._held_since: float | None = None
         self._idle_step = False
-        self.step_log: list[list] = []  # [prefill tokens, sum of their squares, decode seqs, decode context, s]
+        # the steps run since the last stats (`StepRow.reported`); the first stats carry the profile's
+        self.step_log: list[list] = [row.reported() for row in self.calibration.steps]
         self.cadence = DecodeCadence() if spec.role == "decode" and spec.decode_cadence == "steady" else None
         self.reports = WorkerReports(self.emit, spec.name, self.engine, self.prefill, self.decode)
         self.commands = WorkerCommands(self.engine, self.prefill, self.decode, self.reports)
@@ -128,6 +131,7 @@ class Worker:
             max_model_len=sched.max_model_len, max_num_batched_tokens=sched.config.max_num_batched_tokens,
             max_num_seqs=sched.config.max_num_seqs, **self._stage_capacity(), **self._join_fields())
         self.emit(self.ready_event)
+        self._maybe_stats()  # at once: its profile steps calibrate admission before the first request
         while self.running:
             sched = self.engine.scheduler
             busy = self._has_work(sched) and not self._held()
@@ -218,8 +222,7 @@ class Worker:
     def _idle_ms(self) -> int:
         if self.decode is not None:
             return self.decode.wait_ms(20)
-        wait = self.prefill.outbox.wait_s() if self.prefill is not None else None
-        return 20 if wait is None else min(20, max(1, int(wait * 1000)))
+        return 20  # (a prefill worker's links send on their own threads: nothing to pump for them here)
 
     # ---- commands ---------------------------------------------------------------------------------------
     def _drain_commands(self) -> None:
@@ -256,7 +259,18 @@ class Worker:
         """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
         scheduled = self.engine.last_scheduled
         if scheduled is not None and len(self.step_log) < 64:
-            self.step_log.append(step_shape(scheduled) + [seconds])
+            self.step_log.append(StepRow.of(scheduled, seconds).reported())
+
+    def _calibrate(self):
+        """Profile steps at load (`pdserve.engine.calibration`): its step budget learns them now, the conductor's
+        admission model with its first stats, as every step it runs."""
+        from pdserve.engine.calibration import calibrate
+        spec = self.spec
+        calibration = calibrate(self.engine, spec.role, spec.calibration, spec.model_dir)
+        print(f"pdserve: worker {spec.name}: {calibration.describe()}", file=sys.stderr, flush=True)
+        for row in calibration.steps:
+            self.engine.scheduler.step_budget.learn(row)
+        return calibration
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()
@@ -291,6 +305,8 @@ class Worker:
 
     def close(self) -> None:
         self.emit(self.stats())
+        if self.prefill is not None:
+            self.prefill.outbox.stop()  # its links' lanes send nothing more
         for side in (self.prefill and self.prefill.sender, self.decode and self.decode.receiver):
             if side is not None:
                 side.close()

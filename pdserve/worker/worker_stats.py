@@ -1,19 +1,8 @@
-"""What a worker reports in its `stats` event (every 0.25 s), and the shape of each engine step it ran (the
-conductor's admission model fits step times to them)."""
+"""What a worker reports in its `stats` event (every 0.25 s), with the engine steps it ran since the last one
+(`steps`: `pdserve.core.sched.online_fit.StepRow.reported`; the conductor's admission model fits step times to
+them)."""
 
 from __future__ import annotations
-
-
-def step_shape(scheduled) -> list:
-    """[prefill tokens, sum of their squares, decode sequences, their context] of one scheduled step."""
-    pt = sq = ds = ctx = 0
-    for c in scheduled.chunks:
-        n = len(c.token_ids)
-        if n == 1:
-            ds, ctx = ds + 1, ctx + c.start_pos + 1
-        else:
-            pt, sq = pt + n, sq + n * n
-    return [pt, sq, ds, ctx]
 
 
 def worker_stats(w) -> dict:
@@ -37,7 +26,9 @@ def worker_stats(w) -> dict:
                                     **(w.decode.receiver.rejected_connections if w.decode else {})},
            "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
            "capped_steps": sched.step_budget.num_capped_steps, "bad_commands": w.bad_commands,
-           "step_budget_cold_starts": sched.step_budget.num_cold_start_steps}
+           "step_budget_cold_starts": sched.step_budget.num_cold_start_steps,
+           "calibration": {"source": w.calibration.source, "steps": len(w.calibration.steps),
+                           "cache_errors": w.calibration.cache_errors}}
     if w.prefill is not None:
         box = w.prefill.outbox
         out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(w.prefill.failures),

@@ -8,12 +8,44 @@ actually ran (real seconds on a real worker, modelled seconds in the simulator).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 MIN_SAMPLES = 8
 WINDOW = 256  # recent steps kept
 REFIT_EVERY = 16  # new samples between two least-squares fits
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step as the time models see it: its prefill chunks' tokens, the sum of their squares and of each
+    chunk's tokens x its prefix, its decode sequences (one-token chunks) and their context, and how long it took
+    (measured on a real worker, modelled in the simulator, or timed by a profile step at load:
+    `pdserve.engine.calibration`)."""
+    prefill_tokens: int = 0
+    prefill_sq: int = 0
+    prefill_prefix: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0
+    seconds: float = 0.0
+
+    @staticmethod
+    def of(scheduled, seconds: float) -> StepRow:
+        """The row of a scheduled step (`pdserve.core.sched.schedule.SchedulerOutput`) that took `seconds`."""
+        pt = sq = pre = ds = ctx = 0
+        for c in scheduled.chunks:
+            n = len(c.token_ids)
+            if n == 1:
+                ds, ctx = ds + 1, ctx + c.start_pos + 1
+            else:
+                pt, sq, pre = pt + n, sq + n * n, pre + n * c.start_pos
+        return StepRow(pt, sq, pre, ds, ctx, seconds)
+
+    def reported(self) -> list:
+        """What a worker's `stats` event carries for it (`steps`: the conductor's admission model fits these):
+        [prefill tokens, sum of their squares, decode sequences, decode context, seconds]."""
+        return [self.prefill_tokens, self.prefill_sq, self.decode_seqs, self.decode_context, self.seconds]
 
 
 class OnlineFit:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from pdserve.core.sched.online_fit import OnlineFit
+from pdserve.core.sched.online_fit import OnlineFit, StepRow
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.core.service_tiers import ServiceTiers
@@ -78,20 +78,19 @@ class StepBudget:
         """A step ran and took `seconds`; steps without prefill tokens are not used."""
         if not self.active:
             return
-        pt = sq = pre = ds = ctx = 0
-        for c in scheduled.chunks:
-            n = c.num_tokens
-            if n == 1:
-                ds, ctx = ds + 1, ctx + c.start_pos + 1
-            else:
-                pt, sq, pre = pt + n, sq + n * n, pre + n * c.start_pos
         if self._predicted is not None and self._predicted > 0:
             ratio = min(max(seconds / self._predicted, 0.5), 3.0)
             self.correction += CORRECTION_EWMA * (ratio - self.correction)
         self._predicted = None
-        if pt:
-            self.fit.add((1.0, pt, sq, pre, ctx, ds), seconds)
-            self._per_token.append(seconds / pt)
+        self.learn(StepRow.of(scheduled, seconds))
+
+    def learn(self, row: StepRow) -> None:
+        """A step's shape and time for the fit: one the worker ran (`observe`), or one its profile at load
+        timed (`pdserve.engine.calibration`), so the fit is ready before the first request."""
+        if self.active and row.prefill_tokens:
+            self.fit.add((1.0, row.prefill_tokens, row.prefill_sq, row.prefill_prefix, row.decode_context,
+                          row.decode_seqs), row.seconds)
+            self._per_token.append(row.seconds / row.prefill_tokens)
 
     def begin(self, running: Iterable[Request]) -> None:
         """A step is being scheduled with `running` in the batch: set its prefill time allowance."""
