@@ -310,10 +310,21 @@ def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_
     from pdserve.engine.pd import PrefillSide
     from pdserve.transfer.outbox import Chunk, Outbox
 
+    import threading
+    gate = threading.Event()
+
     class Sender:
+        sent = 0
+
         def send_chunk(self, dest, header, pieces) -> bool:
+            self.sent += 1
+            if self.sent > 1:  # the lane's next send waits here, so what is left stays queued
+                gate.wait(10)
             time.sleep(0.1)  # 50 kB in 0.1 s: 0.5 MB/s
             return False
+
+        def position(self, dest):
+            return 0
 
     class Out:
         xfer = rid = "a"
@@ -322,14 +333,22 @@ def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_
     box = Outbox(sender=Sender(), policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
     side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0, True))
     side.books.outbound["a"] = Out()
-    for _ in range(10):
-        box.push(Chunk(side.books.outbound["a"], {}, [], 50_000, [0]))
-    assert PrefillSide.landing_in_s(side, "a") == pytest.approx(0.5)  # 500 kB at the throttle's 1 MB/s
-    side.books.closing["a"] = side.books.outbound.pop("a")
-    box.pump()  # the burst allowance lets one chunk go: at half the throttle's rate
-    assert box.links["d0"].landing_rate(1e6) == pytest.approx(5e5, rel=0.2)
-    (moved,) = PrefillSide.relanded(side)
-    assert moved[0] == "a" and moved[1] == pytest.approx(0.9, rel=0.2)  # the 9 chunks left at 0.5 MB/s
+    try:
+        with box.cond:  # queued before the lane may take any
+            for _ in range(10):
+                box.push(Chunk(side.books.outbound["a"], {}, [], 50_000, [0]))
+            assert PrefillSide.landing_in_s(side, "a") == pytest.approx(0.5)  # 500 kB at the throttle's 1 MB/s
+        side.books.closing["a"] = side.books.outbound.pop("a")
+        deadline = time.monotonic() + 10
+        while len(box.lanes["d0"].queue) > 8:  # one chunk sent at half the throttle's rate, the next one taken
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert box.links["d0"].landing_rate(1e6) == pytest.approx(5e5, rel=0.2)
+        (moved,) = PrefillSide.relanded(side)
+        assert moved[0] == "a" and moved[1] == pytest.approx(0.8, rel=0.2)  # the 8 chunks queued at 0.5 MB/s
+    finally:
+        gate.set()
+        box.stop()
 
 
 def test_water_level_counts_only_the_tiers_at_or_above_the_best_waiting_one():

@@ -105,6 +105,17 @@ class Pair:
         while self.p_engine.scheduler.num_running + self.p_engine.scheduler.num_waiting:
             for o in self.p_engine.step():
                 self.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+        self.wait_sent()
+
+    def wait_sent(self, within_s=10.0):
+        """Until the links' lanes sent every queued record and the prefill side heard of each close."""
+        deadline = time.monotonic() + within_s
+        while True:
+            self.prefill.pump()
+            if self.prefill.outbox.idle():
+                return
+            assert time.monotonic() < deadline, "the lanes did not send everything in time"
+            time.sleep(0.001)
 
     def decode_all(self):
         outs = {}
@@ -114,15 +125,23 @@ class Pair:
                     outs[o.request_id] = o.token_ids
         return outs
 
-    def assert_no_leak(self):
-        self.decode.receive(timeout_ms=1)  # takes any last record, so the sender may release its blocks
-        self.prefill.release_lent()
+    def assert_no_leak(self, within_s=10.0):
+        # the links' lanes send the last records on their own threads: wait for them, and for the receiver
+        # to take them, so the sender may release its blocks
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            self.decode.receive(timeout_ms=1)
+            self.prefill.pump()
+            self.prefill.release_lent()
+            if self.prefill.outbox.idle() and not self.prefill.lent and not self.prefill.closing:
+                break
         assert not self.prefill.lent
         for engine in (self.p_engine, self.d_engine):
             assert_no_blocks_held(engine)
         assert len(self.decode.inbound) == 0 and not self.prefill.outbound
 
     def close(self):
+        self.prefill.outbox.stop()
         self.prefill.sender.close()
         self.decode.receiver.close()
 

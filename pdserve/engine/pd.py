@@ -3,8 +3,9 @@
 
 Prefill side: a request arrives with the decode worker's transfer address and the block-table index from
 which that worker needs KV (blocks before it are in its prefix cache). It runs as a `prefill_only` request
-over the whole prompt; after each layer of each step, the new blocks of that layer are sent to the decode
-worker straight from the pool, so delivery overlaps the next layers' compute. The last step samples the
+over the whole prompt; after each layer of each step, the new blocks of that layer are queued for the decode
+worker's link and sent from there by the link's own thread (`pdserve.transfer.outbox`), straight from the
+pool, so delivery overlaps the next layers' compute and never holds it up. The last step samples the
 first output token, and a `done` record closes the transfer with it and the number of chunks sent.
 
 Staging: while the decode worker has no room for a prompt's blocks, the conductor may have this worker compute
@@ -53,7 +54,7 @@ class PrefillSide:
         self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
         self.outbox = Outbox(sender, policy, self._hold, link_rate, failures=self.failures,
-                             on_drained=self._drained)
+                             on_closed=self._closed)
         self.water = water or WaterLevel()
         self.paused_s = 0.0  # production held back by its links' backlog (the worker loop adds it up)
         self.pace_counts: Counter[str] = Counter()  # chunks capped, prompts held by their link's backlog
@@ -116,12 +117,8 @@ class PrefillSide:
             self._alive(out, now)
 
     def _alive(self, out: Outbound, now: float) -> None:
-        try:
-            self.sender.send_control(out.dest, {"kind": "alive", "xfer": out.xfer})
-        except TransferError as e:
-            out.failed = str(e)
-            self.failures["send_timeout"] += 1
-            return
+        """Renew the receiver's lease of `out`: sent by its link's lane ahead of its queued chunks."""
+        self.outbox.control(out, {"kind": "alive", "xfer": out.xfer})
         self.books.sent(out, now, alive=True)
 
     def on_layer(self, scheduled: SchedulerOutput, layer: int) -> None:
@@ -175,7 +172,7 @@ class PrefillSide:
                                     self.pace_counts)
 
     def pump(self) -> None:
-        """Send what the links allow now (the worker loop calls this between steps)."""
+        """Take what the links' lanes did since (closed transfers); the worker loop calls this between steps."""
         self.outbox.pump()
 
     def landing_in_s(self, request_id: str) -> float | None:
@@ -198,32 +195,23 @@ class PrefillSide:
     def finish(self, request_id: str, prefilled: bool, first_token: int | None = None,
                logprobs: dict | None = None) -> str | None:
         """Close the transfer of a request that ended here (`first_token`: what it sampled, `logprobs`: the
-        logprobs asked for); the failure message if delivery failed. A prefilled transfer with chunks still
-        queued closes after the last."""
+        logprobs asked for); the failure message if delivery failed. A prefilled transfer's closing record goes
+        after its last queued chunk; any other's at once (its queued chunks dropped)."""
         known = self.books.outbound.get(request_id) or self.books.closing.get(request_id)
         queued = known is not None and self.outbox.queued(known.xfer)
         out, now = self.books.finish(request_id, prefilled, queued, first_token, logprobs)
-        if out is None or not now:
+        if out is None:
             return None
-        self.outbox.drop(out)
-        self._close(out, prefilled, first_token)
+        if now:
+            self.outbox.drop(out)
+        self.outbox.close(out, prefilled, first_token)
         return out.failed
 
-    def _drained(self, out: Outbound) -> None:
-        if self.books.drained(out):
-            self._close(out, True, out.first_token)
-
-    def _close(self, out: Outbound, prefilled: bool, first_token: int | None) -> None:
-        try:
-            if prefilled and not out.failed:
-                self.sender.send_control(out.dest, {"kind": "done", "xfer": out.xfer, "num_chunks": out.num_chunks,
-                                                    "first_token": first_token, "logprobs": out.logprobs})
-            else:
-                self.sender.send_control(out.dest, {"kind": "fail", "xfer": out.xfer,
-                                                    "reason": out.failed or "aborted"})
-        except TransferError as e:
-            out.failed = out.failed or str(e)
-        self.books.lend(out, self.sender.position(out.dest), time.monotonic())
+    def _closed(self, out: Outbound, mark: int) -> None:
+        """`out`'s closing record went (`mark`: the sender's position after it): what the receiver reads in
+        place stays lent until it took it."""
+        self.books.drained(out)
+        self.books.lend(out, mark, time.monotonic())
 
     def peer_gone(self, dest: str) -> int:
         """The decode worker at `dest` died (or restarted): its transfers end here without a word to it (the
@@ -234,9 +222,10 @@ class PrefillSide:
             self.outbox.drop(out)
             if out.held:
                 self.engine.block_manager.free(out.holder)
+                out.held.clear()  # (a closing record already on its way lends nothing then)
         for loan in lent:
             self.engine.block_manager.free(loan.holder)
-        self.sender.forget(dest)
+        self.outbox.forget(dest)
         return len(gone)
 
     def release_lent(self, now: float | None = None) -> int:

@@ -32,6 +32,8 @@ class ForeignPeer(Exception):
 
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1,024)
 _SOCK_BUF = 8 << 20
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's option number
+NOTSENT_LOWAT = 128 << 10  # unsent bytes a socket may hold beyond what is in flight
 _MAX_META = 1 << 20
 
 
@@ -60,6 +62,9 @@ class TcpSender:
             except (OSError, ValueError) as e:
                 raise TransferError(f"tcp connect to {dest} failed: {e}") from e
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # What waits for the link waits in the sender's queue, in delivery order, not in a kernel buffer:
+            # a send returns once all but NOTSENT_LOWAT of it is on the wire (`pdserve.transfer.link_lane`).
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             try:
                 _send_all(sock, [hello(self._secret)], deadline)  # this deployment's: `peer_auth`
