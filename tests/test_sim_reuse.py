@@ -120,13 +120,14 @@ def test_fast_forward_equals_stepping(mode, blocks, wake):
     # The consumption tail the conductor learns (`pdserve.conductor.consumption`) hears of a fast-forward
     # window's consumptions when the window closes, so its later refined predictions may differ slightly
     # (they order nothing: a prefilled transfer's rest is due now either way); everything else is identical.
-    learnt = ("errors_s", "dispatch_errors_s", "blocks_on_time", "blocks_on_time_at_dispatch",
-              "blocks_on_time_at_prefilled")
+    learnt = ("errors_s", "dispatch_errors_s", "checks")  # checks: each prediction's, on time or not
     life = [{k: v for k, v in vars(run.life).items() if k not in learnt} for run in (step, ff)]
     assert life[0] == life[1]
     assert sorted(step.life.dispatch_errors_s) == sorted(ff.life.dispatch_errors_s)
+    assert step.life.checks.blocks_checked(0.0, "at_dispatch") == ff.life.checks.blocks_checked(0.0, "at_dispatch")
     assert len(step.life.errors_s) == len(ff.life.errors_s)
-    assert abs(step.life.blocks_on_time - ff.life.blocks_on_time) <= 0.1 * step.life.blocks_consumed
+    (on_time, checked), (ff_on_time, ff_checked) = (run.life.checks.blocks_checked(0.0) for run in (step, ff))
+    assert checked == ff_checked == step.life.blocks_consumed and abs(on_time - ff_on_time) <= 0.1 * checked
     assert [e["steps"] for e in step.engines] == [e["steps"] for e in ff.engines]
     assert [e["device_kv"] for e in step.engines] == [e["device_kv"] for e in ff.engines]
     assert sum(e["fast_forward_steps"] for e in ff.engines) > 0.2 * sum(e["steps"] for e in ff.engines

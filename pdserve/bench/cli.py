@@ -43,6 +43,10 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--service-tier", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y",
                      help="a service tier's SLOs, as `pdserve serve` takes them (repeatable): the report's "
                           "per-tier attainment uses them; a limit not given falls back to --slo-ttft-ms/--slo-tpot-ms")
+    srv.add_argument("--price-per-hour", default=None, metavar="USD",
+                     help="the endpoint's price per hour (all its GPUs): the report gives the run's cost and USD per "
+                          "1k tokens at it (any server); default: a pdserve server's own pdserve_cost_usd_total "
+                          "(`pdserve serve --price-per-hour ROLE=USD`), per service tier, else no cost")
     srv.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     srv.add_argument("--label", default=None, help="name of this run in comparisons; default: the output dir name")
     srv.add_argument("--output", default=None, help="directory for result.json and the plots")
@@ -96,11 +100,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from pdserve.bench.kv_lifecycle import kv_delta, scrape
     from pdserve.bench.metrics import jitter_p99_ms
     from pdserve.bench.report import BenchResult, print_table, write_result
+    from pdserve.bench.run_cost import parse_price, run_cost
     from pdserve.bench.runner import RunConfig, discover_model, run
     from pdserve.bench.tier_mix import tier_flags, workload_tiers
     from pdserve.workloads import build_prompts
 
     rates = _rates(args)
+    price = parse_price(args.price_per_hour)
     mix, _ = tier_flags(args)
     workloads = [_workload_at(args, r) for r in rates]  # all checked before any traffic
     model = discover_model(args.endpoint, args.model)
@@ -118,10 +124,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         tiers = workload_tiers(mix, len(workload.requests), args.seed)  # the same tags at every rate
         before = scrape(args.endpoint)  # the server's KV delivery counters around the run
         records, duration, start = run(workload, prompts, cfg, label, tiers)
-        kv = kv_delta(before, scrape(args.endpoint))
+        after = scrape(args.endpoint)
+        kv = kv_delta(before, after)
         if kv is not None:
             kv["p99_inter_token_jitter_ms"] = jitter_p99_ms(records)
-        result.add_run(rate, records, duration, start, kv=kv)
+        result.add_run(rate, records, duration, start, kv=kv,
+                       cost=run_cost(records, duration, price, before, after))
     print_table(result)
     if args.output:
         print(f"wrote {write_result(result, Path(args.output))}")

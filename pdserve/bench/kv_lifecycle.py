@@ -34,7 +34,8 @@ def _by(samples: Samples, name: str, label: str | None) -> dict[str, float]:
     return out
 
 
-def _delta(before: Samples, after: Samples, name: str, label: str | None = None) -> dict[str, float]:
+def delta(before: Samples, after: Samples, name: str, label: str | None = None) -> dict[str, float]:
+    """The growth of counter `name` between two scrapes, summed by `label` (only what grew)."""
     old = _by(before, name, label)
     return {k: v - old.get(k, 0.0) for k, v in _by(after, name, label).items() if v - old.get(k, 0.0) > 0}
 
@@ -44,15 +45,15 @@ def kv_delta(before: Samples | None, after: Samples | None) -> dict | None:
     bytes), leases renewed, bytes per link, and each link's busy share at the end."""
     if before is None or after is None:
         return None
-    delivered = _delta(before, after, "pdserve_kv_transfer_time_seconds_count", "outcome").get("delivered", 0.0)
-    wasted = _delta(before, after, "pdserve_kv_wasted_bytes_total", "reason")
-    link_bytes = _delta(before, after, "pdserve_kv_link_bytes_total", "link")
+    delivered = delta(before, after, "pdserve_kv_transfer_time_seconds_count", "outcome").get("delivered", 0.0)
+    wasted = delta(before, after, "pdserve_kv_wasted_bytes_total", "reason")
+    link_bytes = delta(before, after, "pdserve_kv_link_bytes_total", "link")
     sent = sum(link_bytes.values())
     return {"delivered": delivered,
-            "failed": _delta(before, after, "pdserve_kv_transfer_failures_total", "reason"),
+            "failed": delta(before, after, "pdserve_kv_transfer_failures_total", "reason"),
             "wasted_bytes": wasted,
             "wasted_rate": sum(wasted.values()) / sent if sent else None,
-            "lease_renewals": sum(_delta(before, after, "pdserve_kv_lease_renewals_total").values()),
+            "lease_renewals": sum(delta(before, after, "pdserve_kv_lease_renewals_total").values()),
             "link_bytes": link_bytes,
             "link_utilization": _by(after, "pdserve_kv_link_utilization", "link"),
             "link_effective_utilization": _by(after, "pdserve_kv_link_effective_utilization", "link"),
@@ -65,7 +66,7 @@ def kv_delta(before: Samples | None, after: Samples | None) -> dict | None:
 
 def _on_time(before: Samples, after: Samples, histogram: str) -> float | None:
     """Share of the run's observations within +-CONSUME_TOLERANCE_S (bucket edges at +-5 ms)."""
-    buckets = {float(le): n for le, n in _delta(before, after, f"{histogram}_bucket", "le").items()}
+    buckets = {float(le): n for le, n in delta(before, after, f"{histogram}_bucket", "le").items()}
     total = buckets.get(float("inf"), 0.0)
     if not total:
         return None

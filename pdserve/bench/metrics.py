@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.core.lifecycle_metrics import jitter_p99_s
 from pdserve.core.service_tiers import SERVICE_TIERS
 
 PERCENTILES = (50, 90, 99)
@@ -103,13 +104,20 @@ def latency_stats(values_s: list[float]) -> dict[str, float | None]:
 
 
 def jitter_p99_ms(records: list[RequestRecord]) -> float | None:
-    """P99 inter-token jitter: |gap - the request's mean gap| over every gap of every request, pooled."""
-    devs = []
+    """P99 inter-token jitter (`pdserve.core.lifecycle_metrics`: |gap - the request's mean gap| over every gap of
+    every successful request, pooled), in ms."""
+    p99 = jitter_p99_s(r.token_times for r in records if r.ok)
+    return None if p99 is None else p99 * 1000
+
+
+def jitter_p99_ms_by_tier(records: list[RequestRecord]) -> dict[str, float]:
+    """`jitter_p99_ms` per service tier (untagged requests are served in the default tier), for the tiers with a
+    request of three or more token times."""
+    tiers: dict[str, list] = {}
     for r in records:
-        if r.ok and len(r.token_times) > 2:
-            t = np.asarray(r.token_times)
-            devs.append(np.abs(np.diff(t) - (t[-1] - t[0]) / (len(t) - 1)))
-    return float(np.percentile(np.concatenate(devs), 99) * 1000) if devs else None
+        tiers.setdefault(r.service_tier or "default", []).append(r)
+    out = {t: jitter_p99_ms(tiers[t]) for t in sorted(tiers, key=tier_order)}
+    return {t: v for t, v in out.items() if v is not None}
 
 
 def meets_slo(rec: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -178,14 +186,14 @@ def tier_slo(tier: str, tier_slos: TierSlos | None, slo_ttft_ms: float | None,
     return (own_ttft if own_ttft is not None else slo_ttft_ms, own_tpot if own_tpot is not None else slo_tpot_ms)
 
 
-def _tier_order(name: str) -> tuple[int, str]:
+def tier_order(name: str) -> tuple[int, str]:
     return (TIER_ORDER.index(name), "") if name in TIER_ORDER else (len(TIER_ORDER), name)
 
 
 def per_tier(records: list[RequestRecord], *, duration_s: float, slo_ttft_ms: float | None = None,
              slo_tpot_ms: float | None = None, tier_slos: TierSlos | None = None) -> dict[str, dict]:
     """{tier: counts, TTFT/TPOT stats and SLO attainment} over the records tagged with a tier (module doc)."""
-    names = sorted({r.service_tier for r in records if r.service_tier is not None}, key=_tier_order)
+    names = sorted({r.service_tier for r in records if r.service_tier is not None}, key=tier_order)
     return {name: _tier_summary([r for r in records if r.service_tier == name], duration_s,
                                 *tier_slo(name, tier_slos, slo_ttft_ms, slo_tpot_ms)) for name in names}
 

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from pdserve.bench.kv_lifecycle import describe
 from pdserve.bench.metrics import RequestRecord, goodput, summarize
+from pdserve.bench.run_cost import describe as describe_cost
 from pdserve.bench.tier_mix import tier_slos
 from pdserve.errors import InvalidRequestError
 
@@ -37,12 +38,15 @@ class BenchResult:
     tier_mix: dict[str, float] | None = None  # `--tier-mix`, parsed
 
     def add_run(self, rate: float | None, records: list[RequestRecord], duration_s: float, start_s: float,
-                kv: dict | None = None) -> None:
-        """`kv`: the server's KV delivery outcomes over the run (`pdserve.bench.kv_lifecycle.kv_delta`)."""
+                kv: dict | None = None, cost: dict | None = None) -> None:
+        """`kv`: the server's KV delivery outcomes over the run (`pdserve.bench.kv_lifecycle.kv_delta`); `cost`:
+        what the run cost (`pdserve.bench.run_cost`; the run has a `cost` entry only when it is known)."""
         summary = summarize(records, duration_s=max(duration_s, 1e-9), slo_ttft_ms=self.slo_ttft_ms,
                             slo_tpot_ms=self.slo_tpot_ms, tier_slos=tier_slos(self.service_tiers))
         self.runs.append({"rate": rate, "summary": summary, "kv": kv,
                           "requests": [_relative(r, start_s) for r in records]})
+        if cost is not None:
+            self.runs[-1]["cost"] = cost
 
     @property
     def goodput(self) -> float | None:
@@ -90,9 +94,11 @@ def print_table(result: BenchResult, console: Console | None = None) -> None:
         console.print(tiers)
         console.print("tiers: 429 = refused on arrival (a miss in 'met'); 'met acc' = SLO met among accepted ones")
     for run in result.runs:
+        at = f"rate {run['rate']}: " if run["rate"] else ""
         if run.get("kv"):
-            at = f"rate {run['rate']}: " if run["rate"] else ""
             console.print(f"  {at}{describe(run['kv'])}")
+        if run.get("cost"):
+            console.print(f"  {at}{describe_cost(run['cost'])}")
         for err in run["summary"]["errors"]:
             console.print(f"  errors at rate {run['rate']}: {err['count']} x {err['message']}")
     if result.slo_ttft_ms or result.slo_tpot_ms:

@@ -305,7 +305,7 @@ class ConductorCore:
             return []
         f.prediction = None  # checked once
         self.consumption.consumed(p, f.decode, at_s)
-        return [Observe(metric, (), at_s - predicted, p.blocks)
+        return [Observe(metric, (("service_tier", p.tier),), at_s - predicted, p.blocks)
                 for metric, predicted in (("kv_consumption_error", p.final_s),
                                           ("kv_consumption_error_at_prefilled", p.at_prefilled_s),
                                           ("kv_consumption_error_at_dispatch", p.at_dispatch_s))

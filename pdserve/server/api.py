@@ -164,6 +164,7 @@ def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> F
 
     @app.get("/metrics")
     async def metrics():
+        gateway.metrics.refresh()  # the windowed gauges, as of now
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -43,7 +43,7 @@ async def run_gateway(cfg, procs, model_dir: str, stop: asyncio.Event | None = N
     if procs.specs:  # the workers started here (ipc); workers that join come through the control port
         events.bind(procs.specs[0].event_addr)
     _bind_control(events, cfg)
-    metrics = Metrics()
+    metrics = Metrics(cfg.prices)
     tiers = ServiceTiers.from_specs(engine_fields.get("service_tiers") or ())
     predict = cfg.admission == "predict" or (cfg.admission is None and tiers.any_slo)
     admission = Admission(cfg.admission_margin, cfg.max_outstanding, predict)

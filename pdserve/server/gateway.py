@@ -145,6 +145,7 @@ class Gateway:
         rid, tier, arrival = flight.rid, flight.tier, flight.arrival_s
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         count, last, finished, cached = 0, arrival, False, 0
+        token_times: list[float] = []  # when each token reached the gateway (inter-token jitter)
         try:
             while not finished:
                 item = await flight.events.get()
@@ -157,12 +158,15 @@ class Gateway:
                 if count == 0:
                     self.metrics.observe_first_token(item, "decode" if self.conductor.mode == "pd" else "colocated")
                 count, last, cached = count + 1, now, item.get("cached", cached)
+                token_times.append(now)
+                self.metrics.observe_tokens(tier, len(prompt_ids) - cached if count == 1 else 0, 1)
                 stopped = detok.push([item["t"]])
                 finished = stopped or bool(item["fin"])
                 reason = "stop" if stopped else item["fin"]
                 yield Delta(detok.take_new_text(final=finished), count, finished, reason, cached, item["t"],
                             item.get("lp"), item.get("plp") if count == 1 else None)
             self.metrics.e2e.observe(time.monotonic() - arrival)
+            self.metrics.observe_stream(tier, token_times)
             self.metrics.requests.labels(finish_reason=reason, service_tier=tier).inc()
         finally:
             self.metrics.prompt_tokens.inc(len(prompt_ids))

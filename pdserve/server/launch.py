@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from pdserve.worker.spec import WorkerSpec
+from pdserve.core.cost import check_priced, parse_prices
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, DeliverySettings,
                                    RoutingSettings, SupervisionSettings, parse_link_share, pick, shared)
@@ -114,6 +115,10 @@ class ServeConfig:
     otlp_endpoint: str | None = None
     """Export OpenTelemetry traces of requests (a span per phase: queue, prefill, transfer, decode; the
     client's `traceparent` continued) to this OTLP/HTTP collector, e.g. http://localhost:4318; default: off."""
+    price_per_hour: tuple[str, ...] = ()
+    """USD per worker-hour by role, ROLE=USD[,ROLE=USD] (roles: prefill, decode, colocated; a bare USD prices
+    every role), e.g. prefill=2.5,decode=2.0: the workers' cost is counted in pdserve_cost_usd_total, split
+    between the service tiers by the work each got (`pdserve.core.cost`); default: cost not measured."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -144,6 +149,7 @@ class ServeConfig:
             from pdserve.worker.ray_workers import parse_cluster
             parse_cluster(self.cluster)
         self._check_control()
+        check_priced(self.prices, ("prefill", "decode") if self.mode == "pd" else ("colocated",))
         if self.role_switching == "auto" and self.mode != "pd":
             raise InvalidRequestError("--role-switching auto moves workers between prefill and decode: it needs "
                                       "--mode pd", param="role_switching")
@@ -152,6 +158,11 @@ class ServeConfig:
         if not 0 < self.port < 65536:
             raise InvalidRequestError(f"--port must be in 1..65535, got {self.port}", param="port")
 
+
+    @property
+    def prices(self) -> dict[str, float]:
+        """--price-per-hour, parsed: {role: USD per worker-hour} (empty: cost not measured)."""
+        return parse_prices(self.price_per_hour)
 
     def _decode_may_join(self, name: str) -> bool:
         """--decode 0: every decode worker joins (--control-port), the gateway starting at least a prefill one."""

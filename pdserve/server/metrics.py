@@ -13,7 +13,11 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.core.cost import CostMeter
+from pdserve.core.lifecycle_metrics import LifecycleWindow
+
 LINK_WINDOW_S = 10.0  # the window of pdserve_kv_link_utilization
+LIFECYCLE_WINDOW_S = 60.0  # the window of the lifecycle gauges (`pdserve.core.lifecycle_metrics`)
 
 # actual - predicted first consumption: "on time" is within +-5 ms (pdserve.conductor.consumption)
 _ERROR_BUCKETS = (-10.0, -1.0, -0.25, -0.1, -0.05, -0.025, -0.005, 0.005, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
@@ -24,7 +28,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, prices: dict[str, float] | None = None) -> None:
+        """`prices`: USD per worker-hour by role (`--price-per-hour`); None or empty: cost is not measured."""
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", ["service_tier"],
                               registry=r, buckets=_LATENCY_BUCKETS)
@@ -67,18 +72,21 @@ class Metrics:
         self._link_history: dict[str, deque] = {}  # link -> (monotonic time, its running totals)
         self.kv_consumption_error = Histogram(
             "pdserve_kv_consumption_error_seconds", "Per delivered KV block: its first consumption by a decode "
-            "step minus the conductor's (final, refined) prediction of it", registry=r, buckets=_ERROR_BUCKETS)
+            "step minus the conductor's (final, refined) prediction of it", ["service_tier"], registry=r,
+            buckets=_ERROR_BUCKETS)
         self.kv_consumption_error_at_prefilled = Histogram(
             "pdserve_kv_consumption_error_at_prefilled_seconds", "As pdserve_kv_consumption_error_seconds, against "
-            "the prediction made when the prompt was prefilled (before the link's later re-estimates)", registry=r,
-            buckets=_ERROR_BUCKETS)
+            "the prediction made when the prompt was prefilled (before the link's later re-estimates)",
+            ["service_tier"], registry=r, buckets=_ERROR_BUCKETS)
         self.kv_prediction_refinements = Counter(
             "pdserve_kv_prediction_refinements", "Consumption predictions refined again after the prompt was "
             "prefilled: its link's landing estimate moved (another transfer became due there)", ["service_tier"],
             registry=r)
         self.kv_consumption_error_at_dispatch = Histogram(
             "pdserve_kv_consumption_error_at_dispatch_seconds", "As pdserve_kv_consumption_error_seconds, against "
-            "the prediction made when the prefill was dispatched", registry=r, buckets=_ERROR_BUCKETS)
+            "the prediction made when the prefill was dispatched", ["service_tier"], registry=r,
+            buckets=_ERROR_BUCKETS)
+        self._lifecycle_gauges(r, prices)
         self.kv_renewals = Counter("pdserve_kv_lease_renewals", "Leases of KV deliveries renewed by their sender's "
                                    "alive records (queued or producing at a live prefill worker)", ["worker"],
                                    registry=r)
@@ -217,11 +225,38 @@ class Metrics:
                                          ["reason", "source"], registry=r)
         self._totals: dict[tuple[str, str], float] = {}
 
-    def _inc_total(self, counter, key: tuple[str, str], total: float, **labels) -> None:
+    def _lifecycle_gauges(self, r: CollectorRegistry, prices: dict[str, float] | None) -> None:
+        """The KV lifecycle's metrics over the last LIFECYCLE_WINDOW_S seconds (`pdserve.core.lifecycle_metrics`:
+        the simulator's report computes them with the same code), and what serving cost (`pdserve.core.cost`)."""
+        self.lifecycle = LifecycleWindow(LIFECYCLE_WINDOW_S)
+        self.cost_meter = CostMeter(prices) if prices else None
+        self.kv_predictability = Gauge(
+            "pdserve_kv_schedule_predictability", "Of the delivered KV blocks whose first consumption was checked "
+            "over the last LIFECYCLE_WINDOW_S seconds, the share consumed within +-5 ms of the conductor's "
+            "prediction (a tier with no check in the window has no sample)", ["service_tier"], registry=r)
+        self.kv_wasted_ratio = Gauge(
+            "pdserve_kv_wasted_transfer_ratio", "KV bytes decode workers received (verified) and will never consume "
+            "/ KV bytes they received, over the last LIFECYCLE_WINDOW_S seconds (NaN: nothing received)", registry=r)
+        self.jitter_p99 = Gauge(
+            "pdserve_inter_token_jitter_p99_seconds", "Of the requests that ended in the last LIFECYCLE_WINDOW_S "
+            "seconds, each gap between two of its tokens' arrivals at the gateway minus its own mean gap, in "
+            "absolute value, pooled: the 99th percentile (as `pdserve bench` and the simulator; past 4096 gaps per "
+            "tier in 3 s, of a uniform sample of them)", ["service_tier"], registry=r)
+        self.cost_usd = Counter(
+            "pdserve_cost_usd", "Worker-hours at --price-per-hour, split between the service tiers by the work each "
+            "worker's role did for them over the last LIFECYCLE_WINDOW_S seconds (prefill: computed prompt tokens; "
+            "decode: output tokens); time with no such work: service_tier=idle (`pdserve.core.cost`)",
+            ["service_tier"], registry=r)
+        self._lifecycle_tiers: dict[str, set] = {"predictability": set(), "jitter": set()}
+
+    def _inc_total(self, counter, key: tuple[str, str], total: float, **labels) -> float:
+        """Count a worker's running total's growth; -> the increment."""
         delta = total - self._totals.get(key, 0)
         if delta > 0:
             counter.labels(**labels).inc(delta)
             self._totals[key] = total
+            return delta
+        return 0.0
 
     def observe_worker_stats(self, s: dict) -> None:
         w = s["worker"]
@@ -248,12 +283,17 @@ class Metrics:
             self._inc_total(self.preemptions, (w, f"preempt:{tier}"), n, worker=w, service_tier=tier)
         for tier, n in s.get("prefill_yields_by_tier", {}).items():
             self._inc_total(self.prefill_yields, (w, f"yield:{tier}"), n, worker=w, service_tier=tier)
-        self._inc_total(self.kv_transfer_bytes, (w, "bytes"), s.get("kv_bytes_received", 0), worker=w)
+        now = time.monotonic()
+        self._accrue_cost(w, s.get("role"), now)
+        self.lifecycle.delivered(now, self._inc_total(self.kv_transfer_bytes, (w, "bytes"),
+                                                      s.get("kv_bytes_received", 0), worker=w))
         self._inc_total(self.kv_transcoded, (w, "transcoded"), s.get("kv_chunks_transcoded", 0), worker=w)
         if "kv_lease_renewals" in s:  # a decode worker
             self._inc_total(self.kv_renewals, (w, "renewals"), s["kv_lease_renewals"], worker=w)
         for reason, n in s.get("kv_wasted_bytes", {}).items():  # decode: delivered; prefill: staged
-            self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
+            wasted = self._inc_total(self.kv_wasted, (w, f"wasted:{reason}"), n, reason=reason)
+            if s.get("role") == "decode":  # (a prefill worker's staged KV never went over a link)
+                self.lifecycle.wasted(now, wasted)
         if "cadence_held_s" in s:  # a decode worker under --decode-cadence steady
             self._inc_total(self.cadence_held, (w, "cadence_held"), s["cadence_held_s"], worker=w)
             self.cadence_period.labels(worker=w).set(s["cadence_period_s"])
@@ -329,10 +369,47 @@ class Metrics:
 
     def observe(self, metric: str, labels: tuple, value: float, weight: int = 1) -> None:
         """An `Observe` action of the conductor core (`weight` observations of `value`)."""
+        if metric == "kv_consumption_error":  # a transfer's `weight` blocks checked against the prediction
+            self.lifecycle.consumed(time.monotonic(), dict(labels).get("service_tier", "default"), value, weight)
         histogram = getattr(self, metric)
         histogram = histogram.labels(**dict(labels)) if labels else histogram
         for _ in range(weight):
             histogram.observe(value)
+
+    def observe_tokens(self, tier: str, prompt_computed: int, output: int) -> None:
+        """Tokens a request of `tier` was served just now: prompt tokens computed (not found cached), output
+        tokens (what the workers' costs are split by)."""
+        now = time.monotonic()
+        if prompt_computed > 0:
+            self.lifecycle.tokens(now, "prompt", tier, prompt_computed)
+        if output > 0:
+            self.lifecycle.tokens(now, "output", tier, output)
+
+    def observe_stream(self, tier: str, token_times: list[float]) -> None:
+        """A request's token arrival times at the gateway, once it ended (inter-token jitter)."""
+        self.lifecycle.stream(time.monotonic(), tier, token_times)
+
+    def _accrue_cost(self, worker: str, role: str, now: float) -> None:
+        if self.cost_meter is None:
+            return
+        for tier, usd in self.cost_meter.accrue(worker, role, now, self.lifecycle.token_counts(now)).items():
+            self.cost_usd.labels(service_tier=tier).inc(usd)
+
+    def refresh(self) -> None:
+        """Set the lifecycle gauges from the window as it is now (before each scrape of /metrics)."""
+        now = time.monotonic()
+        ratio = self.lifecycle.wasted_ratio(now)
+        self.kv_wasted_ratio.set(float("nan") if ratio is None else ratio)
+        self._set_tiers(self.kv_predictability, "predictability", self.lifecycle.predictability(now))
+        self._set_tiers(self.jitter_p99, "jitter", self.lifecycle.jitter_p99_s(now))
+
+    def _set_tiers(self, gauge: Gauge, key: str, values: dict[str, float]) -> None:
+        """A per-tier gauge: the tiers with a value now; a tier that had one and has none left loses its sample."""
+        for tier in self._lifecycle_tiers[key] - values.keys():
+            gauge.remove(tier)
+        for tier, v in values.items():
+            gauge.labels(service_tier=tier).set(v)
+        self._lifecycle_tiers[key] = set(values)
 
     def observe_backlog(self, backlog: dict) -> None:
         for worker, b in backlog.items():

@@ -136,7 +136,8 @@ class SimConductor(EngineHooks):
             elif isinstance(action, Count):
                 self.counts[(action.metric, action.labels)] += 1
             elif isinstance(action, Observe):
-                self.life.observe(action.metric, action.value, action.weight)
+                self.life.observe(action.metric, action.value, action.weight,
+                                  dict(action.labels).get("service_tier", "default"), self.loop.now)
             elif isinstance(action, Fail) and action.rid in self.flights:
                 f = self.flights[action.rid]
                 self._finish(f)

@@ -7,9 +7,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.conductor.consumption import CONSUME_TOLERANCE_S
+from pdserve.core.lifecycle_metrics import LifecycleWindow
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.engine import SimEngine
+
+# the core's consumption checks (`Observe` metrics) -> which prediction each is against
+_KINDS = {"kv_consumption_error": "final", "kv_consumption_error_at_prefilled": "at_prefilled",
+          "kv_consumption_error_at_dispatch": "at_dispatch"}
 
 
 @dataclass(eq=False)
@@ -35,16 +39,16 @@ class Flight:
 
 @dataclass
 class Lifecycle:
-    """Counters of delivery and consumption, for the lifecycle metrics."""
+    """Counters of delivery and consumption, for the lifecycle metrics; the checks of the core's consumption
+    predictions in the window the gateway's /metrics also keep (`pdserve.core.lifecycle_metrics`), over the
+    whole run."""
     bytes_sent: float = 0.0
     bytes_delivered: float = 0.0
     bytes_consumed: float = 0.0
     blocks_consumed: int = 0
-    blocks_on_time: int = 0
     errors_s: list = field(default_factory=list)  # actual - final prediction, per consuming request
     dispatch_errors_s: list = field(default_factory=list)  # actual - prediction at dispatch
-    blocks_on_time_at_prefilled: int = 0  # on time against the prediction made when prefilled
-    blocks_on_time_at_dispatch: int = 0
+    checks: LifecycleWindow = field(default_factory=lambda: LifecycleWindow(None))  # on time, by tier and kind
     production_paused_s: float = 0.0  # prefill engines held back by backpressure, summed
     production_paced: Counter = field(default_factory=Counter)  # prefill chunks capped / held per link
     staged: int = 0  # prompts computed ahead while their decode engine had no room
@@ -53,14 +57,13 @@ class Lifecycle:
     transfer_failures: int = 0
     aborted: int = 0
 
-    def observe(self, metric: str, error_s: float, blocks: int) -> None:
+    def observe(self, metric: str, error_s: float, blocks: int, tier: str, now: float) -> None:
         """The core's check of one of its consumption predictions: actual - predicted, for `blocks` blocks."""
-        on_time = blocks * (abs(error_s) <= CONSUME_TOLERANCE_S)
-        if metric == "kv_consumption_error":
+        kind = _KINDS.get(metric)
+        if kind is None:
+            return
+        self.checks.consumed(now, tier, error_s, blocks, kind)
+        if kind == "final":
             self.errors_s.append(error_s)
-            self.blocks_on_time += on_time
-        elif metric == "kv_consumption_error_at_prefilled":
-            self.blocks_on_time_at_prefilled += on_time
-        elif metric == "kv_consumption_error_at_dispatch":
+        elif kind == "at_dispatch":
             self.dispatch_errors_s.append(error_s)
-            self.blocks_on_time_at_dispatch += on_time

@@ -10,9 +10,11 @@ run carries a `sim` block next to its bench `summary`:
   under `engines[i].kv_tiers`;
 * `transfer`: bytes sent / delivered, per-link utilization over the run and effective utilization while busy;
 * `lifecycle`: schedule predictability (share of delivered KV blocks first consumed within +-5 ms of the
-  conductor's prediction), effective link bandwidth utilization, P99 inter-token jitter (|gap - the
-  request's TPOT|, pooled), wasted-transfer rate (bytes delivered but never consumed / bytes delivered),
-  production paused by backpressure, prompts staged while their decode engine had no room;
+  conductor's prediction; also per service tier), effective link bandwidth utilization, P99 inter-token
+  jitter (|gap - the request's mean gap|, pooled; also per service tier), wasted-transfer rate (bytes
+  delivered but never consumed / bytes delivered): the definitions and code of the gateway's windowed gauges
+  (`pdserve.core.lifecycle_metrics`), over the whole run; production paused by backpressure, prompts staged
+  while their decode engine had no room;
 * `cost`: GPU-hours and USD per 1k output tokens and per 1k tokens (prompt + output);
 * `engines`: steps, fast-forwarded steps, busy share, prefix hits, preemptions and prefill yields (by tier)
   per engine.
@@ -34,9 +36,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.metrics import jitter_p99_ms
+from pdserve.bench.metrics import jitter_p99_ms, jitter_p99_ms_by_tier, tier_order
 from pdserve.bench.report import BenchResult, write_result
+from pdserve.core.cost import usd, usd_per_1k
 from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
+from pdserve.core.lifecycle_metrics import wasted_ratio
 from pdserve.sim.cluster import SimRun
 from pdserve.sim.conductor import CONSUME_TOLERANCE_S
 
@@ -47,16 +51,19 @@ class SimResult(BenchResult):
 
 
 def lifecycle(run: SimRun) -> dict:
-    life, links = run.life, run.links
+    """The lifecycle metrics over the run, by the definitions and code of the gateway's windowed gauges
+    (`pdserve.core.lifecycle_metrics`), plus the simulator's own link and production counters."""
+    life, links, checks = run.life, run.links, run.life.checks
     busy = sum(v["busy_s"] for v in links.values())
     bw_busy = sum(v["bytes"] / v["effective_utilization"] for v in links.values() if v["effective_utilization"])
-    wasted = (life.bytes_delivered - life.bytes_consumed) / life.bytes_delivered if life.bytes_delivered else None
-    consumed = life.blocks_consumed
+    wasted = wasted_ratio(life.bytes_delivered, life.bytes_delivered - life.bytes_consumed)
     demand_capacity = sum(v["bandwidth"] * v["demand_s"] for v in links.values())
+    now = run.duration_s  # (a window of the whole run: every check counts)
     return {
-        "schedule_predictability": life.blocks_on_time / consumed if consumed else None,
-        "schedule_predictability_at_prefilled": life.blocks_on_time_at_prefilled / consumed if consumed else None,
-        "schedule_predictability_at_dispatch": life.blocks_on_time_at_dispatch / consumed if consumed else None,
+        "schedule_predictability": checks.predictability_all(now),
+        "schedule_predictability_at_prefilled": checks.predictability_all(now, "at_prefilled"),
+        "schedule_predictability_at_dispatch": checks.predictability_all(now, "at_dispatch"),
+        "schedule_predictability_by_tier": _by_tier(checks.predictability(now)),
         "predictability_tolerance_ms": CONSUME_TOLERANCE_S * 1000,
         "prediction_abs_error_ms": _abs_ms(life.errors_s),
         "prediction_abs_error_at_dispatch_ms": _abs_ms(life.dispatch_errors_s),
@@ -67,12 +74,17 @@ def lifecycle(run: SimRun) -> dict:
         "link_demand_s": sum(v["demand_s"] for v in links.values()),
         "link_busy_s": busy,
         "p99_inter_token_jitter_ms": jitter_p99_ms(run.records),
+        "p99_inter_token_jitter_ms_by_tier": jitter_p99_ms_by_tier(run.records),
         "wasted_transfer_rate": wasted,
         "transfers": life.transfers, "transfer_failures": life.transfer_failures, "aborted": life.aborted,
         "production_paused_s": life.production_paused_s,
         "production_paced": dict(life.production_paced), "staged_prompts": life.staged,
         "idle_prewarms": life.idle_prewarms,
     }
+
+
+def _by_tier(values: dict) -> dict:
+    return {t: values[t] for t in sorted(values, key=tier_order)}
 
 
 def _abs_ms(errors: list) -> dict | None:
@@ -123,15 +135,15 @@ def sim_metrics(run: SimRun, num_gpus: int, price_per_gpu_hour: float) -> dict:
     ok = [r for r in run.records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     all_tokens = out_tokens + sum(r.prompt_tokens for r in ok)
-    usd = num_gpus * run.duration_s / 3600 * price_per_gpu_hour
+    cost = usd(num_gpus, run.duration_s, price_per_gpu_hour)
     return {
         "kv": _kv(run),
         "transfer": {"bytes_sent": run.life.bytes_sent, "bytes_delivered": run.life.bytes_delivered,
                      "links": run.links},
         "lifecycle": lifecycle(run),
-        "cost": {"gpus": num_gpus, "price_per_gpu_hour": price_per_gpu_hour, "usd": usd,
-                 "usd_per_1k_output_tokens": usd / out_tokens * 1000 if out_tokens else None,
-                 "usd_per_1k_tokens": usd / all_tokens * 1000 if all_tokens else None},
+        "cost": {"gpus": num_gpus, "price_per_gpu_hour": price_per_gpu_hour, "usd": cost,
+                 "usd_per_1k_output_tokens": usd_per_1k(cost, out_tokens),
+                 "usd_per_1k_tokens": usd_per_1k(cost, all_tokens)},
         "engines": run.engines,
         "simulator": {"wall_s": run.wall_s, "speedup": run.duration_s / run.wall_s, "events": run.num_events},
     }
@@ -162,11 +174,11 @@ def print_sim_table(result: SimResult, console: Console | None = None) -> None:
         util = float(np.mean([v["utilization"] for v in links])) if links else None
         life, cost = s["lifecycle"], s["cost"]
         jit = life["p99_inter_token_jitter_ms"]
-        usd = cost["usd_per_1k_output_tokens"]
+        per_1k = cost["usd_per_1k_output_tokens"]
         table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", kv, _pct(util),
                       _pct(life["effective_link_utilization"]), _pct(life["schedule_predictability"]),
                       "-" if jit is None else f"{jit:.1f}", _pct(life["wasted_transfer_rate"]),
-                      "-" if usd is None else f"{usd:.4f}", f"{s['simulator']['speedup']:.0f}x")
+                      "-" if per_1k is None else f"{per_1k:.4f}", f"{s['simulator']['speedup']:.0f}x")
     console = console or Console(width=max(Console().width, 120))
     console.print(table)
     line = kv_cache_line(result.cluster)
