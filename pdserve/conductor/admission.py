@@ -152,16 +152,25 @@ class Admission:
         current step holds up to a budget of the backlog (the tokens ahead first) and is half done on average;
         what is left of `ahead` goes before the request, what is left of `behind` shares its last step."""
         colocated = producer == decoder
+        t = self.predict_prefill_s(producer, tokens, ahead, behind, decoding if colocated else 0)
+        if t is None:
+            return None
+        return t + (0.0 if colocated else (self.model(decoder).delivery_s or 0.0))
+
+    def predict_prefill_s(self, producer: str, tokens: int, ahead: int, behind: int, decoding: int = 0
+                          ) -> float | None:
+        """Queueing and prefill on `producer` until its prompt of `tokens` uncached tokens is prefilled (TTFT
+        without the delivery tail); `decoding`: a colocated worker's decode batch, carried by each chunk."""
         model = self.model(producer)
         in_step = min(ahead + behind, model.budget)
         ahead_left = max(ahead - in_step, 0)
         behind_left = ahead + behind - in_step - ahead_left
-        t = model.prefill_s(ahead_left + tokens, decoding if colocated else 0, behind_left, tokens)
+        t = model.prefill_s(ahead_left + tokens, decoding, behind_left, tokens)
         if t is None:
             return None
         if in_step:
             t += 0.5 * (model.prefill_s(in_step, prompt=tokens) or 0.0)
-        return t + (0.0 if colocated else (self.model(decoder).delivery_s or 0.0))
+        return t
 
     def check(self, tier: ServiceTier, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
               decoding: int, outstanding: int, now: float) -> Rejection | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pdserve.conductor.actions import Fail, Send
 from pdserve.conductor.flight_state import Backlog, FlightState, Stage
 from pdserve.conductor.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.conductor.ttft_routing import PairRequest
 from pdserve.conductor.wire import Generate, Reserve
 from pdserve.core.kvstore.block_hash import hash_blocks
 from pdserve.core.service_tiers import ServiceTiers
@@ -36,6 +37,10 @@ class Books:
         self.waiting: dict[str, int] = {}
         self._prefill_released = prefill_released
         self._xfers = itertools.count()
+        self.admission = None  # the core's `pdserve.conductor.admission.Admission` (a pair policy predicts with it)
+        self.links: dict[str, dict[str, float]] = {}  # prefill -> decode -> measured bytes/s (its `kv_links`)
+        self.block_bytes = 0  # one KV block at the pool's codec (the workers' `ready`)
+        self.notes: list[str] = []  # fallback kinds a pair policy took since the core last looked
 
     # ---- workers and routing ------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
@@ -49,8 +54,14 @@ class Books:
     def pick(self, role: str, hashes) -> WorkerLoad | None:
         return self.policy.pick(self.role(role), hashes)
 
-    def route(self, hashes) -> tuple[WorkerLoad | None, WorkerLoad | None]:
-        """(the decode or colocated worker, the prefill worker in PD mode)."""
+    def route(self, hashes, tokens: int | None = None, rank: int = 0) -> tuple[WorkerLoad | None, WorkerLoad | None]:
+        """(the decode or colocated worker, the prefill worker in PD mode). A pair policy
+        (`pdserve.conductor.ttft_routing`) picks both at once when the prompt's length `tokens` is known."""
+        pair = getattr(self.policy, "pick_pair", None)
+        if pair is not None and self.mode == "pd" and tokens is not None:
+            first, second, notes = pair(self, PairRequest(hashes, tokens, rank))
+            self.notes.extend(notes)
+            return first, second
         first = self.pick("colocated" if self.mode == "colocated" else "decode", hashes)
         return first, self.pick("prefill", hashes) if self.mode == "pd" and first is not None else None
 

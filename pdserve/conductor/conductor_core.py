@@ -73,6 +73,7 @@ class ConductorCore:
         self.max_queue = max_queue  # most requests of one tier waiting for their first token (None: no bound)
         plan = StagePlan(self.tiers)
         self.books = Books(mode, policy, self.tiers, block_size, plan.done)
+        self.books.admission = admission
         self.staging = Staging(self.books, plan, HotPrefixes() if idle_prewarm and mode == "pd" else None)
         self.recovery = Recovery(self.books, admission)
         # --role-switching auto: a `pdserve.core.role_planner.RolePlanner` (the drivers may set `roles` later)
@@ -115,8 +116,10 @@ class ConductorCore:
         if not load.alive:
             load.alive, load.stalled, load.outstanding = True, False, 0
             load.recent_blocks.clear()
+            load.reported.clear()
             self.backlog[name] = Backlog()
         self.books.block_size = info.block_size
+        self.books.block_bytes = info.kv_block_bytes or self.books.block_bytes
         if info.kv_capacity_blocks:  # what it no longer holds need not be remembered
             load.max_recent_blocks = min(info.kv_capacity_blocks, MAX_RECENT_BLOCKS)
         self.staging.worker_ready(name, info)
@@ -133,6 +136,16 @@ class ConductorCore:
             self.admission.observe_steps(name, steps)
         if self.admission is not None and prefill_cap:
             self.admission.model(name).budget = prefill_cap
+        return []
+
+    def worker_links(self, name: str, links: dict) -> None:
+        """A prefill worker's links as its stats report them (`kv_links`: decode worker -> {capacity, ...}):
+        the measured rates a pair policy predicts transfers with."""
+        self.books.links[name] = {dest: v["capacity"] for dest, v in links.items() if v.get("capacity")}
+
+    def worker_cache(self, name: str, stored: dict, evicted: dict) -> list:
+        """A worker's `kv_cache` event: block hashes (per tier) it stored and evicted since its last one."""
+        self.workers[name].reported.apply(stored, evicted)
         return []
 
     def worker_died(self, name: str, now: float = 0.0, reason: str = "worker_died", restarting: bool = False
@@ -172,7 +185,8 @@ class ConductorCore:
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
         hashes = HashRun(self.books.affinity(prompt))
-        first, second = self._follow(follow) or self.books.route(hashes)
+        first, second = self._follow(follow) or self.books.route(hashes, len(prompt), self.tiers[tier].rank)
+        noted = self._route_notes(hashes, first, second)
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
                     Fail(rid, 503, "no live worker can serve this request", "no_worker")]
@@ -189,7 +203,18 @@ class ConductorCore:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
                            Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
         f.predicted_ttft_s = predicted
-        return seen + self.books.place(f, first, second, hashes) + self.staging.arrived(hashes, prompt, now)
+        return noted + seen + self.books.place(f, first, second, hashes) + self.staging.arrived(hashes, prompt, now)
+
+    def _route_notes(self, hashes, *chosen: WorkerLoad | None) -> list:
+        """The routing policy's fallbacks, and where the gateway's guess of a chosen worker's cached prefix (what
+        it sent there) disagrees with the worker's own report (`routing_prefix_disagreements{role}`)."""
+        out = [Count("fallbacks", (("kind", kind),)) for kind in self.books.notes]
+        self.books.notes.clear()
+        for w in chosen:
+            if w is not None and w.reported.reports and len(hashes) and (
+                    w.guessed_blocks(hashes) != w.reported.prefix_len(hashes.keys)):
+                out.append(Count("routing_prefix_disagreements", (("role", w.role),)))
+        return out
 
     def _follow(self, names: tuple) -> tuple[WorkerLoad, WorkerLoad | None] | None:
         loads = [self.workers.get(n) for n in names]

@@ -93,6 +93,38 @@ class RecentBlocks:
         self._entries = len(keys)
 
 
+class ReportedBlocks:
+    """What one worker reports it holds (its `kv_cache` events: blocks stored and evicted per tier, batched),
+    plus the hashes routed there since its report before last (sent, maybe not computed when it reported)."""
+
+    def __init__(self) -> None:
+        self.held = {}  # tier -> compiled map: hash -> 1
+        self._sent = [new_map(), new_map()]  # (since the last report, the one before)
+        self.reports = 0
+
+    def apply(self, stored: dict, evicted: dict) -> None:
+        for tier, hashes in evicted.items():
+            if tier in self.held and len(hashes):
+                self.held[tier].del_many(np.asarray(hashes, np.uint64))
+        for tier, hashes in stored.items():
+            if len(hashes):
+                keys = np.asarray(hashes, np.uint64)
+                self.held.setdefault(tier, new_map()).put_many(keys, np.ones(len(keys), np.int64))
+        self._sent = [new_map(), self._sent[0]]
+        self.reports += 1
+
+    def sent(self, keys: np.ndarray) -> None:
+        self._sent[0].put_many(keys, np.ones(len(keys), np.int64))
+
+    def prefix_len(self, keys: np.ndarray) -> int:
+        return max([m.prefix_len(keys) for m in (*self.held.values(), *self._sent)], default=0)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self._sent = [new_map(), new_map()]
+        self.reports = 0
+
+
 @dataclass
 class WorkerLoad:
     name: str
@@ -104,18 +136,28 @@ class WorkerLoad:
     leaving: bool = False  # draining to leave the deployment: it finishes what it has and takes nothing new
     recent_blocks: RecentBlocks = field(default_factory=RecentBlocks)
     max_recent_blocks: int = MAX_RECENT_BLOCKS
+    reported: ReportedBlocks = field(default_factory=ReportedBlocks)  # its own reports of its cache contents
 
     @property
     def usable(self) -> bool:
         return self.alive and not self.stalled and not self.leaving
 
     def prefix_blocks(self, hashes: Sequence) -> int:
-        """How many leading blocks of `hashes` (up to AFFINITY_BLOCKS) this worker was sent recently."""
+        """How many leading blocks of `hashes` (up to AFFINITY_BLOCKS) this worker holds: by its own reports
+        once it has sent one (`ReportedBlocks`), else by what it was sent recently (`guessed_blocks`)."""
+        if not len(hashes):
+            return 0
+        return self.reported.prefix_len(_keys(hashes)) if self.reported.reports else self.guessed_blocks(hashes)
+
+    def guessed_blocks(self, hashes: Sequence) -> int:
+        """How many leading blocks of `hashes` this worker was sent recently (the gateway's guess)."""
         return self.recent_blocks.prefix_len(_keys(hashes)) if len(hashes) else 0
 
     def remember(self, hashes: Sequence) -> None:
         if len(hashes):
-            self.recent_blocks.add(_keys(hashes), self.max_recent_blocks)
+            keys = _keys(hashes)
+            self.recent_blocks.add(keys, self.max_recent_blocks)
+            self.reported.sent(keys)
 
 
 class RoutingPolicy(Protocol):
@@ -142,10 +184,14 @@ class PrefixAffinity:
         return min(live, key=lambda w: w.outstanding - self.weight * w.prefix_blocks(block_hashes) / total)
 
 
-POLICIES = {"least-loaded": LeastLoaded, "prefix-affinity": PrefixAffinity}
+POLICIES = ("least-loaded", "prefix-affinity", "predicted-ttft")
 
 
 def make_routing_policy(name: str) -> RoutingPolicy:
+    """predicted-ttft: `pdserve.conductor.ttft_routing` (it builds on this module's policies)."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+    if name == "predicted-ttft":
+        from pdserve.conductor.ttft_routing import PredictedTtft
+        return PredictedTtft()
+    return {"least-loaded": LeastLoaded, "prefix-affinity": PrefixAffinity}[name]()

@@ -186,6 +186,7 @@ class Ready:
     cmd_addr: str | None = None  # a joining worker: where it takes commands
     model: str | None = None  # a joining worker: the model it serves (`model_fingerprint`)
     replaces: bool = False  # a joining worker restarted under its name
+    kv_block_bytes: int = 0  # one KV block at its pool's codec (what a transfer of it moves)
 
 
 @message("reserved")
@@ -269,6 +270,15 @@ class Stats:
     values: dict = field(default_factory=dict)  # `pdserve.worker.worker_stats.worker_stats`
 
 
+@message("kv_cache")
+class KvCache:
+    """The block hashes a worker's caches stored and evicted since its last `kv_cache`, per tier (tier ->
+    [hash, ...]; the first after `ready` lists all it holds): routing's knowledge of its cache contents."""
+    worker: str
+    stored: dict = field(default_factory=dict)
+    evicted: dict = field(default_factory=dict)
+
+
 @message("beat")
 class Beat:
     worker: str
@@ -289,4 +299,4 @@ class Left:
 Command = (Generate, Reserve, Prefill, Stage, Warm, Abort, KvFailed, Redirect, Renew, Unpin, PeerGone, Shutdown,
            Welcome, Release, Leave, Refused)
 Event = (Ready, Reserved, ReserveWaiting, Prefilled, Staged, Consumed, Relanded, Tokens, Transfer, Error,
-         Checkpointed, Stats, Beat, Leaving, Left)
+         Checkpointed, Stats, KvCache, Beat, Leaving, Left)

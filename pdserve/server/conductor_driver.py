@@ -23,7 +23,7 @@ from pdserve.conductor.actions import Level, Switch, stale
 from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe, Send
 from pdserve.conductor.routing import RoutingPolicy, WorkerLoad
 from pdserve.conductor.wire import (Beat, Checkpointed, Consumed, Error, Leave, Leaving, Left, PeerGone, Prefilled, Ready,
-                                  Refused, Relanded, Release, Reserved, ReserveWaiting, Staged, Stats, Tokens,
+                                  KvCache, Refused, Relanded, Release, Reserved, ReserveWaiting, Staged, Stats, Tokens,
                                   Transfer, Unpin, Welcome, WireError, to_dict)
 from pdserve.worker.wire_codec import pack, unpack
 from pdserve.core.sampling_params import SamplingParams, params_dict
@@ -361,9 +361,13 @@ class Conductor:
         elif isinstance(event, Left):
             if worker.load.alive:
                 self.worker_left(worker.name, event.released)
+        elif isinstance(event, KvCache):
+            self._act(self.core.worker_cache(worker.name, event.stored, event.evicted))
         elif isinstance(event, Stats):
             stats = worker.stats = {"worker": event.worker, "role": event.role, **event.values}
             self.core.worker_steps(worker.name, stats.get("steps"), stats.get("prefill_cap"))
+            if "kv_links" in stats:  # a prefill worker: its links' measured rates
+                self.core.worker_links(worker.name, stats["kv_links"])
             if self.metrics:
                 self.metrics.observe_worker_stats(stats)
                 self.metrics.observe_backlog(self.core.backlog)

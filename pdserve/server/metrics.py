@@ -167,6 +167,10 @@ class Metrics:
                                         "computed ahead (outcome: done or dropped)", ["worker", "outcome"],
                                         registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.routing_prefix_disagreements = Counter(
+            "pdserve_routing_prefix_disagreements", "Routed requests whose chosen worker's cached prefix, as the "
+            "gateway guessed it (what it sent there), differs from the worker's own kv_cache reports", ["role"],
+            registry=r)
         self.conductor_stale_events = Counter(
             "pdserve_conductor_stale_events", "Worker events the conductor had nothing to do with: for a request "
             "it no longer tracks (ended, or moved off that worker) or a transfer it replaced, by event type",

@@ -26,8 +26,8 @@ import zmq
 from pdserve.worker.joined import Departure
 from pdserve.worker.spec import WorkerSpec
 from pdserve.conductor.commands import carry_out
-from pdserve.conductor.wire import (Beat, Checkpointed, Error, Leave, Ready, Refused, Release, Shutdown, Stats, Welcome,
-                                  WireError)
+from pdserve.conductor.wire import (Beat, Checkpointed, Error, KvCache, Leave, Ready, Refused, Release, Shutdown,
+                                  Stats, Welcome, WireError)
 from pdserve.worker.wire_codec import pack, unpack
 from pdserve.worker.worker_commands import WorkerCommands
 from pdserve.worker.worker_reports import WorkerReports
@@ -35,6 +35,7 @@ from pdserve.worker.worker_stats import worker_stats
 from pdserve.core.sched.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.sched.online_fit import StepRow
 from pdserve.core.pd.delivery import LANDING_RECHECK_S
+from pdserve.core.kvstore.cache_events import CacheEvents
 from pdserve.core.kvstore.kv_tiers import capacity_blocks
 from pdserve.core.sched.stage_passes import stage_capacity
 from pdserve.errors import PdserveError
@@ -129,8 +130,10 @@ class Worker:
             num_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_capacity_blocks=capacity_blocks(self.engine.block_manager, self.engine.tiers),
             max_model_len=sched.max_model_len, max_num_batched_tokens=sched.config.max_num_batched_tokens,
-            max_num_seqs=sched.config.max_num_seqs, **self._stage_capacity(), **self._join_fields())
+            max_num_seqs=sched.config.max_num_seqs, **self._stage_capacity(), **self._join_fields(),
+            kv_block_bytes=self.prefill.block_bytes if self.prefill else 0)
         self.emit(self.ready_event)
+        self.cache_events = CacheEvents()  # (its first `kv_cache` lists all it holds)
         self._maybe_stats()  # at once: its profile steps calibrate admission before the first request
         while self.running:
             sched = self.engine.scheduler
@@ -279,6 +282,9 @@ class Worker:
         self._last_stats = now
         self.emit(self.stats())
         self.step_log = []
+        stored, evicted = self.cache_events.take({"device": self.engine.block_manager.cached_hashes()})
+        if stored or evicted:
+            self.emit(KvCache(self.spec.name, stored, evicted))
         checkpoints = self.decode and self.decode.checkpoints
         if checkpoints and checkpoints.every and (due := checkpoints.due()):
             self.emit(Checkpointed(self.spec.name, due))

@@ -390,6 +390,11 @@ class KVBlockManager:
     def meta(self, block_id: BlockId) -> MetaView | None:
         return self.cols.view(block_id) if self._registered[block_id] else None
 
+    def cached_hashes(self) -> np.ndarray:
+        """Each block's hash where it is in the prefix cache, 0 elsewhere (uint64, a copy): what a worker's
+        `kv_cache` events diff (`pdserve.core.kvstore.cache_events`)."""
+        return np.where(self._registered, self.cols.block_hash, 0).astype(np.uint64)
+
     def cached_block(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
 

@@ -1,0 +1,40 @@
+"""What a worker's caches stored and evicted since it last said: the `kv_cache` events routing reads
+(`pdserve.conductor.wire.KvCache`, `pdserve.conductor.routing.ReportedBlocks`).
+
+A tier is seen as one hash per slot (0: the slot holds nothing cached, `KVBlockManager.cached_hashes`); each
+`take` compares it with the last one taken, slot by slot (vectorised: O(slots), no per-block hooks), so one
+batch carries every block that left a slot (evicted, or reused for another hash) and every block that came
+into one. Applied in that order (evicted, then stored) the receiver's view equals the tier's. The first take
+after `reset` reports all the tier holds. Pure: numpy only; the real worker and the simulator's engines
+both use it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class CacheEvents:
+    def __init__(self) -> None:
+        self._last: dict[str, np.ndarray] = {}
+
+    def reset(self) -> None:
+        self._last.clear()
+
+    def take(self, tiers: dict[str, np.ndarray]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """`tiers`: tier name -> its hash per slot (0 where empty). (stored, evicted): tier -> [hash, ...],
+        only the tiers where something changed."""
+        stored, evicted = {}, {}
+        for tier, now in tiers.items():
+            before = self._last.get(tier)
+            if before is None or len(before) != len(now):
+                before = np.zeros(len(now), np.uint64)
+            changed = before != now
+            gone, came = before[changed], now[changed]
+            gone, came = gone[gone != 0], came[came != 0]
+            if len(gone):
+                evicted[tier] = gone.tolist()
+            if len(came):
+                stored[tier] = came.tolist()
+            self._last[tier] = now.copy()
+        return stored, evicted
