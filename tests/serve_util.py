@@ -8,8 +8,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from pdserve.bench.netns import reap
 from pdserve.bench.server_proc import free_port, scrape_metrics, wait_ready
 
 _BESIDE = Path(__file__).resolve().parents[2] / "shared" / "traces"  # a checkout next to shared/
@@ -89,3 +92,28 @@ class Server:
             self.log.close()
             if os.path.exists(self.log.name):
                 os.unlink(self.log.name)
+
+
+@contextmanager
+def across_netns(ns, *args: str, env: dict, name: str = "decode-ns") -> Iterator[Server]:
+    """A gateway and its prefill worker in this namespace, a decode worker `name` joining from the network
+    namespace `ns` (`pdserve.bench.netns.Netns`) over its veth: every KV byte and the control plane cross it
+    (tcp transport). `env` holds the deployment secret both sides need. `args`: more `pdserve serve` flags."""
+    control = free_port()
+    log = tempfile.NamedTemporaryFile(prefix=f"pdserve-{name}-", suffix=".log", delete=False)
+    worker = ns.join_worker(f"tcp://{ns.host_ip}:{control}", name, env=env, log=log)
+    try:
+        # every decode worker joins: until the one across the veth has, the gateway is not serving
+        server = Server("--transport", "tcp", "--decode", "0", "--control-port", str(control), "--control-host",
+                        ns.host_ip, "--data-host", ns.host_ip, "--num-threads", "1", *args, env=env)
+    except RuntimeError:
+        worker.kill()
+        raise RuntimeError(open(log.name, errors="replace").read()) from None
+    server.netns_worker = worker
+    server.control = f"tcp://{ns.host_ip}:{control}"  # where more workers join
+    try:
+        yield server
+    finally:
+        server.stop()
+        reap(worker)
+        os.unlink(log.name)
