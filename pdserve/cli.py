@@ -75,7 +75,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.core.settings import CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings, pick
     spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
                        data_host=args.data_host, supervision=pick(SupervisionSettings, args),
-                       delivery=DeliverySettings(delivery=args.delivery, delivery_backlog_s=args.delivery_backlog_s),
+                       delivery=DeliverySettings(delivery=args.delivery, delivery_backlog_s=args.delivery_backlog_s,
+                                                 kv_wire_dtype=args.kv_wire_dtype),
                        cadence=pick(CadenceSettings, args), calibration=pick(CalibrationSettings, args),
                        join_timeout_s=args.join_timeout_s)
     from pdserve.worker.worker import run

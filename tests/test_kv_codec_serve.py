@@ -57,6 +57,28 @@ def test_decode_worker_transcodes_into_its_own_codec():
         assert first is None or gaps[first] < 0.1, (first, g, r, gaps)
 
 
+def test_kv_re_encoded_for_the_wire_is_decoded_into_the_pool():
+    """--kv-wire-dtype int8 under auto pools: the prefill worker ships every transfer as int8 (its bytes counted
+    by tier and format), the decode worker decodes it into its float32 pool, and the answers are auto's up to
+    the first near-tie."""
+    server = Server("--mode", "pd", "--kv-wire-dtype", "int8")
+    try:
+        got = [complete(server, p) for p in PROMPTS]
+        transcoded = server.wait_metric("pdserve_kv_chunks_transcoded_total", lambda v: v > 0, worker="decode-0")
+        wire_int8 = server.wait_metric("pdserve_kv_wire_bytes_total", lambda v: v > 0, service_tier="default",
+                                       format="int8")
+        wire_pool = server.metric("pdserve_kv_wire_bytes_total", service_tier="default", format="float32")
+        received = server.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v >= wire_int8)
+    finally:
+        server.stop()
+    assert transcoded > 0 and wire_int8 > 0 and not wire_pool
+    assert received == pytest.approx(wire_int8)  # what went is what the decode worker took: int8 records
+    ref, margins = reference("auto", margins=True)
+    for g, r, gaps in zip(got, ref, margins):
+        first = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None)
+        assert first is None or gaps[first] < 0.1, (first, g, r, gaps)
+
+
 @pytest.mark.extended  # (two servers, ~30 s: `make test-all`; int8 decode is served in the transcoding test above)
 def test_int8_on_both_roles_is_the_int8_engine_with_fewer_bytes():
     bytes_per_request = {}
@@ -73,7 +95,8 @@ def test_int8_on_both_roles_is_the_int8_engine_with_fewer_bytes():
     assert bytes_per_request["int8"] / bytes_per_request["auto"] == pytest.approx(68 / 256, rel=0.05)
 
 
-@pytest.mark.parametrize("flag", ["--kv-cache-dtype", "--decode-kv-cache-dtype", "--prefill-kv-cache-dtype"])
+@pytest.mark.parametrize("flag", ["--kv-cache-dtype", "--decode-kv-cache-dtype", "--prefill-kv-cache-dtype",
+                                  "--kv-wire-dtype"])
 def test_unknown_dtype_is_a_one_line_error(flag):
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", flag, "fp4"], capture_output=True,
                           text=True, timeout=120)

@@ -188,6 +188,7 @@ def test_blocks_read_in_place_are_held_until_the_receiver_took_them(tiny_llama_d
     held = pair.p_engine.block_manager.num_used_blocks
     assert held > 0 and pair.prefill.release_lent() == 0  # the request is done, its blocks are not
     assert pair.p_engine.block_manager.num_used_blocks == held
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)
     assert pair.prefill.release_lent() == 1 and pair.p_engine.block_manager.num_used_blocks == 0
     assert [o for _, o, _ in pair.decode.settle()] == ["delivered"]
@@ -209,6 +210,7 @@ def test_blocks_reused_before_the_receiver_read_them_are_rejected(tiny_llama_dir
     pair.prefill.release_lent(now=float("inf"))
     for layer in pair.p_engine.executor.kv_pool.layers:
         layer.add_(1.0)  # the blocks now hold something else
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)
     assert [o for _, o, _ in pair.decode.settle()] == ["recompute"]
     assert pair.decode.stats.failures["failed_checksum"] == 1
@@ -293,6 +295,7 @@ def test_a_lease_is_judged_on_every_record_sent_before_the_receiver_looked(tiny_
     while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
         for o in pair.p_engine.step():
             pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("b#0", "delivered")]
     assert pair.decode_all() == dict(zip(("a", "b"), _reference(tiny_llama_dir, [a, b])))
@@ -324,6 +327,7 @@ def test_a_lapsed_lease_is_held_for_the_conductor_then_redirected_or_recomputed(
     while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
         for o in pair.p_engine.step():
             pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#1", "delivered")]
     assert pair.d_engine.block_manager.block_ids("a") == held_blocks  # into the blocks it held
@@ -357,6 +361,7 @@ def test_a_held_transfer_still_takes_its_kv_and_a_renewed_one_is_delivered(tiny_
         for o in pair.p_engine.step():
             tokens[o.request_id] = o.token_ids[-1]
     pair.prefill.finish("a", prefilled=True, first_token=tokens["a"])
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)  # a: whole and done while held; b: its chunks landed, no done yet
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("a#0", "delivered")]
     pair.decode.peer_failed("a#0")  # the conductor's word came late: a decodes on
@@ -371,6 +376,7 @@ def test_a_held_transfer_still_takes_its_kv_and_a_renewed_one_is_delivered(tiny_
     pair.decode.timeout_s = pair.decode.inbound.get("b#0").timeout_s = 10.0
     pair.decode.inbound.get("b#0").deadline_s = time.monotonic() + 10.0
     pair.prefill.finish("b", prefilled=True, first_token=tokens["b"])
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)
     assert [(t.xfer, outcome) for t, outcome, _ in pair.decode.settle()] == [("b#0", "delivered")]
     assert pair.decode_all() == dict(zip(("a", "b"), _reference(tiny_llama_dir, [a, b])))
@@ -391,6 +397,7 @@ def test_abort_while_waiting_for_kv_frees_blocks_and_drops_late_chunks(tiny_llam
     while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
         for o in pair.p_engine.step():
             pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+    pair.wait_sent()  # the lanes sent it all
     pair.decode.receive(timeout_ms=50)
     assert pair.decode.settle() == []
     assert pair.decode.inbound.num_late_chunks > 0
@@ -473,3 +480,41 @@ def test_pd_prompts_longer_than_both_pools(tiny_llama_dir, pair_factory, transpo
     pair.assert_no_leak()
     for engine in (pair.p_engine, pair.d_engine):
         assert all(m.busy == 0 and m.ready for m in engine.tiers.host)
+
+
+def test_auto_wire_format_ships_late_elastic_kv_as_int8_and_priority_exact(tiny_llama_dir, pair_factory):
+    """--kv-wire-dtype auto on a slow link: a default-tier transfer the link cannot deliver before its predicted
+    consumption goes as int8 (decoded by the receiver into its pool), a priority one exact; both delivered."""
+    from pdserve.core.pd.wire_format import WireFormat
+    a, b = _prompts(2)
+    pair = pair_factory("tcp")
+    pair.prefill.wire = WireFormat("auto")
+    pair.prefill.outbox.link_rate = 1e5  # 100 kB/s: seconds for either prompt's KV
+    firsts = {}
+    for rid, prompt in (("a", a), ("b", b)):
+        pair.decode.reserve(rid, prompt, GREEDY, f"{rid}#0")
+    for g in pair.decode.try_reserve():
+        firsts[g.reservation.request.request_id] = g.first_block
+    for rid, prompt, tier in (("a", a, "default"), ("b", b, "priority")):
+        pair.prefill.add(rid, prompt, GREEDY, pair.decode.receiver.address, f"{rid}#0", firsts[rid],
+                         service_tier=tier, deadline_in_s=0.05)
+    pool = pair.prefill.kv_format
+    assert (pair.prefill.outbound["a"].wire_format, pair.prefill.outbound["b"].wire_format) == ("int8", pool)
+    pair.prefill.outbox.link_rate = None  # (then as fast as the transport goes)
+    for lane in pair.prefill.outbox.lanes.values():
+        lane.bucket = None
+    while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+        for o in pair.p_engine.step():
+            pair.prefill.finish(o.request_id, prefilled=True, first_token=o.token_ids[-1])
+    pair.wait_sent()
+    outcomes = []
+    deadline = time.monotonic() + 10
+    while len(outcomes) < 2 and time.monotonic() < deadline:
+        pair.decode.receive(timeout_ms=10)
+        outcomes += [(t.xfer, o) for t, o, _ in pair.decode.settle()]
+    assert sorted(outcomes) == [("a#0", "delivered"), ("b#0", "delivered")]
+    assert pair.decode.stats.chunks_transcoded > 0
+    wire = pair.prefill.wire_bytes
+    assert wire[("default", "int8")] > 0 and wire[("priority", pool)] > 0 and not wire[("default", pool)]
+    pair.decode_all()
+    pair.assert_no_leak()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, dataclass, field, fields
 
 from pdserve.core.kvstore import kv_codecs
+from pdserve.core.pd.wire_format import check_wire_dtype
 from pdserve.core.sched.decode_cadence import check_cadence
 from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.errors import InvalidRequestError
@@ -97,8 +98,14 @@ class DeliverySettings:
                                       "each link to it, to emulate a slower network (default: as fast as the "
                                       "transport goes); simulate gives each engine's port this rate (default: tp x "
                                       "the GPU preset's network bandwidth).")
+    kv_wire_dtype: str = setting("pool", "The KV format on the links: pool (the prefill worker's pool format, exact), "
+                                 "a codec (fp16, bf16, fp8_e4m3, int8, int4: every transfer re-encoded into it), or "
+                                 "auto: priority KV exact, default and flex KV as int8 when the link would not "
+                                 "deliver it exact before its predicted consumption (`pdserve.core.pd.wire_format`). "
+                                 "The decode worker decodes it into its own pool's format.")
 
     def __post_init__(self) -> None:
+        check_wire_dtype(self.kv_wire_dtype)
         check_mode(self.delivery)
         parse_link_share(self.link_share)
         _require(self.delivery_backlog_s >= 0, "--delivery-backlog-s must be >= 0", "delivery_backlog_s")

@@ -32,10 +32,12 @@ from collections import Counter
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.pd.prefill_books import Lent, Outbound, PrefillBooks
 from pdserve.core.pd.production_pace import ProductionPace
+from pdserve.core.pd.wire_format import COMPACT, LinkView, WireFormat, tiers_ahead
 from pdserve.core.sched.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.block_io import block_pieces, chunk_nbytes, gather_blocks
+from pdserve.kv.transcode import codec_of, transcode
 from pdserve.transfer.base import KVSender, TransferError
 from pdserve.transfer.outbox import Chunk, Outbox
 
@@ -43,7 +45,7 @@ from pdserve.transfer.outbox import Chunk, Outbox
 class PrefillSide:
     def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list, lease_s: float = 30.0,
                  policy: DeliveryPolicy | None = None, link_rate: float | None = None,
-                 water: WaterLevel | None = None) -> None:
+                 water: WaterLevel | None = None, wire: WireFormat | None = None) -> None:
         self.engine = engine
         self.sender = sender
         self.layers = kv_layers
@@ -62,7 +64,11 @@ class PrefillSide:
         self.wasted_bytes: Counter[str] = Counter()  # staged, never delivered: stage_aborted, stage_evicted
         self.block_bytes = sum(chunk_nbytes(t, 1) for t in kv_layers)
         codec = getattr(engine.executor, "codec", None)  # named in each chunk: a receiver of another transcodes
+        self.codec = codec
         self.kv_format = None if codec is None else codec.format
+        self.wire = wire or WireFormat()
+        self._wire_codecs: dict = {}  # format -> its KVCodec (built once)
+        self.wire_bytes: Counter[tuple[str, str]] = Counter()  # (service tier, format) -> bytes queued
         pool = getattr(engine.executor, "kv_pool", None)
         if getattr(pool, "handle", None) and sender.capabilities.zero_copy:
             sender.share_source(pool.handle, pool.shared_buffer)  # chunks go by reference
@@ -84,7 +90,25 @@ class PrefillSide:
         out = self.books.open(Outbound(
             request_id, dest, xfer, first_block, len(prompt), link or dest, service_tier,
             float("inf") if deadline_in_s is None else now + deadline_in_s, by_copy=long))
+        out.wire_format = self._wire_format(out, deadline_in_s)
         self._alive(out, now)  # queued here: the receiver's lease runs from now, renewed
+
+    def _wire_format(self, out: Outbound, consume_in_s: float | None) -> str | None:
+        """The format `out` travels in (`pdserve.core.pd.wire_format`), from its link's state now."""
+        if self.kv_format is None:
+            return None
+        backlog = self.outbox.link_backlog(out.link, tiers_ahead(out.tier))
+        queued, rate = backlog[0] if backlog else (0.0, self.outbox.link_rate_of(out.link))
+        blocks = -(-out.num_tokens // self.block_size) - out.next_block
+        compact = self._wire_codec(COMPACT)
+        ratio = compact.token_bytes / self.codec.token_bytes if compact is not None else 1.0
+        return self.wire.choose(out.tier, self.kv_format, blocks * self.block_bytes, LinkView(queued, rate),
+                                consume_in_s, ratio)
+
+    def _wire_codec(self, fmt: str):
+        if fmt not in self._wire_codecs:
+            self._wire_codecs[fmt] = codec_of(fmt, self.codec)
+        return self._wire_codecs[fmt]
 
     def stage(self, request_id: str, prompt: list[int], params, priority: int = 0,
               service_tier: str = "default") -> None:
@@ -150,11 +174,15 @@ class PrefillSide:
             ids = block_ids[i:i + per_chunk]
             header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
             if self.kv_format is not None:
-                header["kv"] = self.kv_format
-            pieces = _pieces(tensor, ids)
-            if partial or out.by_copy:  # the block changes, or leaves the pool: its bytes as they are now
+                header["kv"] = out.wire_format or self.kv_format
+            pieces, copied = _pieces(tensor, ids), False
+            if out.wire_format not in (None, self.kv_format):  # re-encoded: a copy in the transfer's format
+                pieces, copied = [transcode(b"".join(pieces), self.codec, self._wire_codec(out.wire_format))], True
+            elif partial or out.by_copy:  # the block changes, or leaves the pool: its bytes as they are now
                 pieces = [memoryview(bytes(p)) for p in pieces]
-            self.outbox.push(Chunk(out, header, pieces, chunk_nbytes(tensor, len(ids)), ids, partial, useful))
+            nbytes = sum(len(p) for p in pieces) if copied else chunk_nbytes(tensor, len(ids))
+            self.wire_bytes[(out.tier, header.get("kv", "auto"))] += nbytes
+            self.outbox.push(Chunk(out, header, pieces, nbytes, ids, partial, useful, copy=copied))
 
     def _hold(self, out: Outbound, ids: list[int]) -> None:
         new = [b for b in ids if b not in out.held]

@@ -74,6 +74,7 @@ class ServeConfig:
     decode worker transcodes the KV it receives; default: --kv-cache-dtype."""
     idle_prewarm: bool = shared(RoutingSettings, "idle_prewarm")
     link_gbps: float | None = shared(DeliverySettings, "link_gbps")
+    kv_wire_dtype: str = shared(DeliverySettings, "kv_wire_dtype")
     ready_timeout_s: float = 600.0
     """How long to wait for every worker to load its model (at start; a restarted worker not ready by then is
     killed and started again after the next backoff)."""
@@ -225,7 +226,8 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
                                 link_share=parse_link_share(cfg.link_share),
                                 link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None,
-                                delivery_backlog_s=cfg.delivery_backlog_s, decode_cadence=cfg.decode_cadence,
+                                delivery_backlog_s=cfg.delivery_backlog_s, kv_wire_dtype=cfg.kv_wire_dtype,
+                                decode_cadence=cfg.decode_cadence,
                                 calibration=cfg.calibration))
     return specs
 

@@ -70,6 +70,9 @@ class Metrics:
         self.kv_link_chunks = Counter("pdserve_kv_link_chunks", "KV chunks sent on a link (bytes / chunks: the "
                                       "chunk size, smaller while the link is congested)", ["link"], registry=r)
         self._link_history: dict[str, deque] = {}  # link -> (monotonic time, its running totals)
+        self.kv_wire_bytes = Counter("pdserve_kv_wire_bytes", "KV chunk bytes queued for the links, by service tier "
+                                     "and the format they travel in (--kv-wire-dtype)", ["service_tier", "format"],
+                                     registry=r)
         self.kv_consumption_error = Histogram(
             "pdserve_kv_consumption_error_seconds", "Per delivered KV block: its first consumption by a decode "
             "step minus the conductor's (final, refined) prediction of it", ["service_tier"], registry=r,
@@ -303,6 +306,9 @@ class Metrics:
             self.cadence_period.labels(worker=w).set(s["cadence_period_s"])
         if "kv_transfers_lent" in s:  # a prefill worker
             self._observe_links(w, s.get("kv_links", {}))
+            for key, n in s.get("kv_wire_bytes", {}).items():
+                tier, _, fmt = key.partition(":")
+                self._inc_total(self.kv_wire_bytes, (w, f"wire:{key}"), n, service_tier=tier, format=fmt)
             self.kv_lent.labels(worker=w).set(s["kv_transfers_lent"])
             self.kv_staged_now.labels(worker=w).set(s.get("kv_staged_now", 0))
             self._inc_total(self.production_paused, (w, "paused"), s.get("production_paused_s", 0.0), worker=w)

@@ -24,6 +24,8 @@ from pdserve.conductor.admission import Admission
 from pdserve.conductor.routing import make_routing_policy
 from pdserve.core.sched.decode_cadence import DecodeCadence
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
+from pdserve.core.kvstore import kv_codecs
+from pdserve.core.pd.wire_format import WireFormat
 from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
 from pdserve.core.role_planner import RolePlanner
 from pdserve.core.sched.schedule import SchedulerConfig
@@ -35,6 +37,7 @@ from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.hardware import GB, GPUSpec, ModelSpec, kv_pool_blocks
+from pdserve.sim.kv_push import SimWire
 from pdserve.sim.link import LinkModel
 from pdserve.sim.roles import SimRoleSwitching
 from pdserve.sim.tier_io import TierSpec, tier_spec
@@ -80,6 +83,7 @@ class ClusterSpec:
     link_share: str | None = shared(DeliverySettings, "link_share")
     link_gbps: float | None = shared(DeliverySettings, "link_gbps")  # per engine; None: tp x the GPU preset's
     delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")
+    kv_wire_dtype: str = shared(DeliverySettings, "kv_wire_dtype")
     decode_cadence: str = shared(CadenceSettings, "decode_cadence")
     idle_prewarm: bool = shared(RoutingSettings, "idle_prewarm")
     role_switching: str = shared(RoutingSettings, "role_switching")  # auto: moved engines (pdserve.sim.roles)
@@ -142,6 +146,14 @@ def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, block_bytes: int) -> TierSpec 
                      bw(spec.disk_read_gb_s, gpu.disk_read_bw), bw(spec.disk_write_gb_s, gpu.disk_write_bw))
 
 
+def sim_wire(spec: ClusterSpec, model: ModelSpec) -> SimWire:
+    """The wire format policy of the run (`--kv-wire-dtype`), with each format's bytes per pool byte."""
+    def ratio(fmt: str) -> float:
+        return kv_codecs.kv_bytes_per_token(fmt, model.num_layers, model.num_kv_heads, model.hd,
+                                            model.dtype_bytes) / model.kv_bytes_per_token
+    return SimWire(WireFormat(spec.kv_wire_dtype), model.kv_cache_dtype, ratio)
+
+
 def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel
           ) -> tuple[EventLoop, SimConductor, list[SimEngine]]:
     loop = EventLoop()
@@ -160,6 +172,7 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
                              spec.transfer_failure_rate, spec.ttft_timeout_s, spec.seed, spec.control_latency_s,
                              service_tiers, Admission(spec.admission_margin, predict=predict),
                              WaterLevel(spec.delivery_backlog_s), spec.idle_prewarm)
+    conductor.kv.wire = sim_wire(spec, model)
     def make_engine(name: str, role: str) -> SimEngine:
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,

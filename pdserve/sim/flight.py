@@ -31,6 +31,7 @@ class Flight:
     in_air: list = field(default_factory=list)  # those flows (`sim.link.Flow`)
     delivered: float = 0.0  # bytes landed at the decode worker
     superseded: float = 0.0  # partly filled blocks sent again later
+    wire_ratio: float = 1.0  # its transfer's bytes per pool byte (`--kv-wire-dtype`)
     deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
     first_token: int | None = None  # sampled by the prefill worker
     failed: bool = False

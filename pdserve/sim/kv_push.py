@@ -14,14 +14,24 @@ it, `delay_s` later).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.conductor.wire import Prefill
 from pdserve.core.pd.delivery import LANDING_RECHECK_S, WaterLevel
 from pdserve.core.pd.prefill_books import Outbound, PrefillBooks
 from pdserve.core.pd.production_pace import ProductionPace
+from pdserve.core.pd.wire_format import COMPACT, POOL, LinkView, WireFormat, tiers_ahead
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.link import LandingWatch, LinkModel
+
+
+@dataclass
+class SimWire:
+    """The wire format policy (`--kv-wire-dtype`), the pool's codec name, and a format's bytes per pool byte."""
+    policy: WireFormat = field(default_factory=WireFormat)
+    pool: str = "auto"
+    ratio: Callable[[str], float] = lambda fmt: 1.0
 
 
 class SimKVPath:
@@ -34,6 +44,7 @@ class SimKVPath:
         self.books: dict[str, PrefillBooks] = {}  # prefill engine -> its books (the real prefill worker's)
         self.landings = LandingWatch(links, lambda engine: self.books_of(engine).landings)
         self._rechecking: set[str] = set()  # prefill engines whose landings are rechecked periodically
+        self.wire = SimWire()  # (`pdserve.sim.cluster.build` sets the run's)
 
     def add_port(self, engine: str, bandwidth: float) -> None:
         self.ports[engine] = self.links.link(engine, bandwidth)
@@ -46,9 +57,21 @@ class SimKVPath:
         return books
 
     def open(self, engine: str, f: Flight, cmd: Prefill) -> None:
-        """`engine` took `f`'s prefill command: its transfer, from the command's fields."""
-        self.books_of(engine).open(Outbound(f.rid, cmd.dest, cmd.xfer, cmd.first_block, len(cmd.prompt), cmd.link,
-                                            f.tier, f.deadline_s))
+        """`engine` took `f`'s prefill command: its transfer, from the command's fields, in the format the wire
+        policy chooses from the link's state now (as the real prefill worker's `PrefillSide.add`)."""
+        out = self.books_of(engine).open(Outbound(f.rid, cmd.dest, cmd.xfer, cmd.first_block, len(cmd.prompt),
+                                                  cmd.link, f.tier, f.deadline_s))
+        wire = self.wire
+        if wire.policy.mode == POOL:
+            return
+        egress, ingress = self.ports[engine], self.ports[cmd.link]
+        blocks = -(-len(cmd.prompt) // self.block_size) - cmd.first_block
+        consume = None if f.deadline_s == float("inf") else f.deadline_s - self.loop.now
+        out.wire_format = wire.policy.choose(
+            f.tier, wire.pool, blocks * self.block_bytes,
+            LinkView(self.links.queued_bytes(egress, tiers_ahead(f.tier)), min(egress.bandwidth, ingress.bandwidth)),
+            consume, wire.ratio(COMPACT))
+        f.wire_ratio = wire.ratio(out.wire_format)
 
     def abort(self, engine: str, rid: str) -> None:
         """`rid` ended on `engine` before its KV left: its transfer (if any) ends there."""
@@ -82,9 +105,9 @@ class SimKVPath:
             return
         span = pushed[1]
         if span.num_blocks:
-            nbytes = span.num_blocks * self.block_bytes
+            nbytes = span.num_blocks * self.block_bytes * f.wire_ratio
             if span.superseded:
-                f.superseded += self.block_bytes
+                f.superseded += self.block_bytes * f.wire_ratio
             self.life.bytes_sent += nbytes
             ports = (self.ports[p.name], self.ports[f.decode.name])
             last = f.in_air[-1] if f.in_air else None  # the transfer's flow still in the air takes the chunk
@@ -155,7 +178,7 @@ class SimKVPath:
     # ---- consumption -----------------------------------------------------------------------------------------
     def consumed(self, f: Flight, start_s: float) -> None:
         """The decode step beginning at `start_s` read `f`'s delivered KV first (superseded bytes never)."""
-        blocks = round((f.delivered - f.superseded) / self.block_bytes)
+        blocks = round((f.delivered - f.superseded) / (self.block_bytes * f.wire_ratio))
         self.life.bytes_consumed += f.delivered - f.superseded
         self.life.blocks_consumed += blocks
         self.report("consumed", f.rid, start_s)

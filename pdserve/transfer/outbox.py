@@ -43,6 +43,7 @@ class Chunk:
     ids: list[int]  # pool blocks it reads
     partial: bool = False  # a partly filled block's bytes as they were (a copy)
     useful: bool = True  # False: a partly filled block the complete one will supersede
+    copy: bool = False  # its bytes are a copy (re-encoded into the transfer's wire format): nothing to hold
     dequeued: bool = False  # sent, or dropped with its transfer
 
 
@@ -81,7 +82,7 @@ class Outbox:
     def push(self, chunk: Chunk) -> None:
         """Queue `chunk` for its link (its pool blocks held until the receiver took them) and return."""
         out = chunk.out
-        if not (chunk.partial or out.by_copy):  # those are copies already
+        if not (chunk.partial or chunk.copy or out.by_copy):  # those are copies already
             self.hold(out, chunk.ids)
         with self.cond:
             lane = self._lane(out.link)
@@ -167,6 +168,12 @@ class Outbox:
             ahead = lane.queue.bytes_until(lambda it: it.key.out is out)
             rate = lane.stats.landing_rate(self.link_rate)
         return ahead / rate if ahead and rate else 0.0
+
+    def link_rate_of(self, link: str) -> float | None:
+        """`link`'s measured rate (its throttle's when set; None: not known yet)."""
+        with self.cond:
+            lane = self.lanes.get(link)
+            return self.link_rate if lane is None else lane.stats.rate(self.link_rate)
 
     def link_backlog(self, link: str, tiers: set[str]) -> list[tuple[float, float | None]]:
         """[(bytes of `tiers` queued for `link`, its rate)]: nothing when none is queued."""

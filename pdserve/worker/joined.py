@@ -57,7 +57,8 @@ def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, 
     return WorkerSpec(name=name or f"{role}-{socket.gethostname()}-{os.getpid()}", role=role, model_dir=model_dir,
                       engine=engine, cmd_addr=zmq_address(data_host, "*"), event_addr=zmq_address(host, port),
                       transport="tcp", kv_host=data_host, kv_timeout_s=supervision.kv_timeout_s,
-                      delivery=delivery.delivery, delivery_backlog_s=delivery.delivery_backlog_s, joined=True,
+                      delivery=delivery.delivery, delivery_backlog_s=delivery.delivery_backlog_s,
+                      kv_wire_dtype=delivery.kv_wire_dtype, joined=True,
                       drain_timeout_s=supervision.drain_timeout_s, join_timeout_s=join_timeout_s,
                       decode_cadence=cadence.decode_cadence, calibration=calibration.calibration)
 

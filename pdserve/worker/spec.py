@@ -29,6 +29,7 @@ class WorkerSpec:
     link_share: dict | None = None  # tier -> bandwidth share under scheduled delivery
     link_bytes_s: float | None = None  # prefill: each link throttled to this (None: unthrottled)
     delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")  # prefill: production backpressure
+    kv_wire_dtype: str = shared(DeliverySettings, "kv_wire_dtype")  # prefill: the format of its transfers
     decode_cadence: str = shared(CadenceSettings, "decode_cadence")  # decode: steady paces its steps' outputs
     calibration: str = shared(CalibrationSettings, "calibration")  # its time model at load (profile steps)
     joined: bool = False  # started by `pdserve worker --join`, not by the gateway (`pdserve.worker.joined`)

@@ -84,11 +84,13 @@ class Worker:
         self.prefill = self.decode = None
         if spec.role == "prefill":
             from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
+            from pdserve.core.pd.wire_format import WireFormat
             from pdserve.transfer import make_sender
             self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s),
                                        layers, lease_s=spec.kv_timeout_s,
                                        policy=DeliveryPolicy(spec.delivery, spec.link_share),
-                                       link_rate=spec.link_bytes_s, water=WaterLevel(spec.delivery_backlog_s))
+                                       link_rate=spec.link_bytes_s, water=WaterLevel(spec.delivery_backlog_s),
+                                       wire=WireFormat(spec.kv_wire_dtype))
             self.executor.layer_observer = self.prefill.on_layer
         else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
             from pdserve.transfer import make_receiver

@@ -40,6 +40,7 @@ class Outbound:
     failed: str | None = None
     held: set[int] = field(default_factory=set)  # blocks the receiver reads in place: kept until it took them
     last_sent_s: float = 0.0  # when a record of this transfer last went out (a chunk or an `alive`)
+    wire_format: str | None = None  # the KV format it travels in (`pdserve.core.pd.wire_format`)
     first_token: int | None = None  # sampled here; sent with the closing record
     logprobs: dict | None = None  # and its logprobs, the prompt's, when asked for
 
