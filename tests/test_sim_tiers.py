@@ -95,9 +95,10 @@ def test_tiers_are_sized_like_the_real_worker_and_from_the_gpu_presets():
     for gpu in GPUS.values():
         assert gpu.host_link_bw >= 20 * GB and gpu.disk_read_bw > gpu.disk_write_bw > 0
     assert get_gpu("h100").host_link_bw > get_gpu("a100").host_link_bw  # PCIe Gen5 vs Gen4
-    tiers = engine_tiers(ClusterSpec(tp=2, host_kv_gb=4, disk_kv_gb=8, disk_read_gb_s=10.0), GPU, BLOCK_BYTES)
+    tiers = engine_tiers(ClusterSpec(tp=2, host_kv_gb=4, disk_kv_gb=8, disk_read_gb_s=10.0), GPU, MODEL)
     assert tiers.host_link_bw == 2 * GPU.host_link_bw and tiers.disk_read_bw == 2 * 10 * GB
-    assert engine_tiers(ClusterSpec(host_kv_gb=0), GPU, BLOCK_BYTES) is None
+    assert tiers.block_bytes == tiers.disk_block_bytes == BLOCK_BYTES  # default: every tier in the pool's codec
+    assert engine_tiers(ClusterSpec(host_kv_gb=0), GPU, MODEL) is None
     with pytest.raises(InvalidRequestError, match="host tier"):
         ClusterSpec(host_kv_gb=0, disk_kv_gb=1)
     with pytest.raises(InvalidRequestError, match="eviction"):
@@ -207,3 +208,36 @@ def test_a_simulation_with_tiers_never_loads_torch():
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_a_compact_tier_codec_holds_more_blocks_and_moves_fewer_bytes():
+    """--kv-host-cache-dtype / --kv-disk-cache-dtype: each tier is sized in blocks of its own codec, as the
+    real worker's (`kv_codecs.tier_codecs`, `tier_blocks`), and its links carry that codec's bytes."""
+    from pdserve.core.kvstore import kv_codecs
+    int8_bytes = 16 * kv_codecs.kv_bytes_per_token("int8", MODEL.num_layers, MODEL.num_kv_heads, MODEL.hd,
+                                                   MODEL.dtype_bytes)
+    pool = engine_tiers(ClusterSpec(host_kv_gb=4, disk_kv_gb=8), GPU, MODEL)
+    host8 = engine_tiers(ClusterSpec(host_kv_gb=4, disk_kv_gb=8, kv_host_cache_dtype="int8"), GPU, MODEL)
+    assert host8.block_bytes == host8.disk_block_bytes == int8_bytes  # the disk follows the host by default
+    assert host8.host_blocks == 4 * GIB // int8_bytes and host8.host_blocks > 1.9 * pool.host_blocks
+    assert host8.disk_blocks == 8 * GIB // (int8_bytes + 64)
+    disk8 = engine_tiers(ClusterSpec(host_kv_gb=4, disk_kv_gb=8, kv_disk_cache_dtype="int8"), GPU, MODEL)
+    assert (disk8.host_blocks, disk8.block_bytes) == (pool.host_blocks, BLOCK_BYTES)
+    assert disk8.disk_blocks == host8.disk_blocks
+    for tiers, host_bytes in ((host8, int8_bytes), (disk8, BLOCK_BYTES)):
+        io = SimTierIO(tiers, lambda: 0.0)
+        io.submit([KVOp(1, "offload", (1, 2)), KVOp(2, "flush", (1,)), KVOp(3, "prefetch", (1, 2, 3))])
+        io.start(0.0)
+        assert io.bytes["host_link"] == 2 * host_bytes and io.load([KVLoad(0, 1)]) == host_bytes / tiers.host_link_bw
+        assert io.bytes["disk_write"] == int8_bytes and io.bytes["disk_read"] == 3 * int8_bytes
+
+
+def test_a_tier_codec_that_does_not_exist_is_one_line_on_the_cli():
+    for flag in ("--kv-host-cache-dtype", "--kv-disk-cache-dtype"):
+        proc = subprocess.run([sys.executable, "-m", "pdserve.sim.cli", "simulate", "--workload", "fixed:100,4",
+                               "--num-requests", "2", "--model", "llama-3-8b", flag, "int3", "--no-progress"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2
+        param = flag[2:].replace("-", "_")
+        assert proc.stderr.strip().splitlines() == [
+            f"error: unknown {param} 'int3'; choose from auto, fp16, bf16, fp8_e4m3, int8, int4"], proc.stderr

@@ -219,9 +219,18 @@ class CodecSettings:
                                   "and disk tiers hold the coded blocks). int4 also keeps each running sequence's "
                                   "last block in fp16 (a residual window, out of --kv-cache-gb). simulate: sizes the "
                                   "KV pool, link and tier bytes and adds the codec's dequant cost to attention.")
+    kv_host_cache_dtype: str | None = setting(None, "Codec of the blocks in the host KV tier (the names of "
+                                              "--kv-cache-dtype): blocks are encoded into it as they are copied "
+                                              "down and decoded back into the pool's codec on load, so a compact "
+                                              "one (int8) holds more blocks in the same --kv-host-gb. Default: the "
+                                              "pool's (blocks kept as they are).")
+    kv_disk_cache_dtype: str | None = setting(None, "Codec of the blocks in the disk KV tier, as "
+                                              "--kv-host-cache-dtype (sizes --kv-disk-gb in its blocks). Default: "
+                                              "the host tier's.")
 
     def __post_init__(self) -> None:
         kv_codecs.check(self.kv_cache_dtype)
+        kv_codecs.tier_codecs(self.kv_cache_dtype, self.kv_host_cache_dtype, self.kv_disk_cache_dtype)
 
 
 @dataclass(frozen=True)

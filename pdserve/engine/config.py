@@ -24,6 +24,8 @@ class EngineConfig:
     device no other backend serves), cpu_kernels or torch (the reference). A backend named here that cannot run
     the model on this machine (kernels not built, another device or dtype) is an error at load, not a fallback."""
     kv_cache_dtype: str = shared(CodecSettings, "kv_cache_dtype")
+    kv_host_cache_dtype: str | None = shared(CodecSettings, "kv_host_cache_dtype")
+    kv_disk_cache_dtype: str | None = shared(CodecSettings, "kv_disk_cache_dtype")
     block_size: int = shared(KvBlockSettings, "block_size")
     kv_cache_gb: float = 2.0
     """Memory for the KV block pool, in GiB."""

@@ -94,11 +94,11 @@ class ModelExecutor:
             self.kv_io.load(scheduled.kv_loads + scheduled.kv_loads_ahead)  # and a reservation's (ahead)
         if scheduled.is_empty:
             return ExecutorOutput()
-        host_kv = self.kv_io.host.data if self.kv_io is not None else None
+        host_kv, host_codec = (None, None) if self.kv_io is None else (self.kv_io.host.data, self.kv_io.host.codec)
         ordered = order_chunks(scheduled.chunks)
         windows = None if self.residual is None else self.residual.plan(ordered)
         batch = build_input_batch(ordered, self.layout, self.device, self.dtype, host_kv, self.codec, self.residual,
-                                  windows)
+                                  windows, host_codec)
         observer = self.layer_observer
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool.layers, batch.meta,
                                     None if observer is None else lambda i: observer(scheduled, i))

@@ -16,7 +16,7 @@ from pdserve.core.request import Request
 from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.engine.checkpoints import KVCheckpoints
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv.block_io import block_pieces, chunk_nbytes, mixed_pieces, scatter_blocks
+from pdserve.kv.block_io import block_pieces, chunk_nbytes, land_mixed, mixed_pieces, scatter_blocks
 from pdserve.kv.transcode import codec_of, payload_nbytes, transcode
 from pdserve.transfer.base import KVReceiver, TransferState
 from pdserve.transfer.inbound import Inbound, InboundTransfers
@@ -110,6 +110,8 @@ class DecodeSide:
             return [memoryview(bytearray(header["nbytes"]))]
         if chunk_nbytes(layer, header["count"]) != header.get("nbytes"):
             return None  # not this pool's block format: booked as a bad chunk below
+        if self._head_recoded(header, inbound):
+            return [memoryview(bytearray(header["nbytes"]))]  # staged: transcoded into the host tier's codec
         return self._targets(header, inbound) or [memoryview(bytearray(header["nbytes"]))]  # staged: scattered
 
     def _source_codec(self, header: dict):
@@ -130,15 +132,28 @@ class DecodeSide:
         first, count = header["first"], header["count"]
         layer = self.layers[header["layer"]]
         cold = self.engine.scheduler.requests[inbound.request_id].cold_hashes
-        if first < len(cold):  # a long prompt's head goes into host tier entries (CPU pools only)
-            tiers = self.engine.tiers
-            targets = [("host", tiers.host_slot(cold[i])) if i < len(cold) else ("device", table[i - len(cold)])
-                       for i in range(first, first + count)]
-            return mixed_pieces(layer, self.engine.kv_io.host.data, header["layer"], targets)
+        head = self._head_targets(header, inbound)
+        if head:  # a long prompt's head goes into host tier entries (CPU pools only)
+            return mixed_pieces(layer, self.engine.kv_io.host.data, header["layer"], head)
         ids = list(table[first - len(cold):first - len(cold) + count])
         if layer.device.type == "cpu":
             return block_pieces(layer, ids)
         return None
+
+    def _head_targets(self, header: dict, inbound: Inbound) -> list:
+        """A chunk of a long prompt's head: one ("host", slot) or ("device", block id) per block; else []."""
+        first, count = header["first"], header["count"]
+        cold = self.engine.scheduler.requests[inbound.request_id].cold_hashes
+        if first >= len(cold):
+            return []
+        table, tiers = self.engine.block_manager.block_ids(inbound.request_id), self.engine.tiers
+        return [("host", tiers.host_slot(cold[i])) if i < len(cold) else ("device", table[i - len(cold)])
+                for i in range(first, first + count)]
+
+    def _head_recoded(self, header: dict, inbound: Inbound) -> bool:
+        """A head chunk for a host tier of another codec than the pool's: staged, then transcoded in `_land`."""
+        kv_io = self.engine.kv_io
+        return kv_io is not None and kv_io.host.recode is not None and bool(self._head_targets(header, inbound))
 
     def _on_message(self, msg) -> None:
         header = msg.header
@@ -155,7 +170,7 @@ class DecodeSide:
             if source is not None:
                 self._land(header, inbound, transcode(msg.views[0], source, self.codec))
                 self.stats.chunks_transcoded += 1
-            elif self.layers[header["layer"]].device.type != "cpu":
+            elif self.layers[header["layer"]].device.type != "cpu" or self._head_recoded(header, inbound):
                 self._land(header, inbound, msg.views[0])
             self.stats.chunks_received += 1
             self.stats.bytes_received += header["nbytes"]
@@ -168,6 +183,10 @@ class DecodeSide:
 
     def _land(self, header: dict, inbound: Inbound, payload) -> None:
         """A staged payload (this pool's format) into the blocks its chunk fills."""
+        if self._head_recoded(header, inbound):
+            land_mixed(self.layers[header["layer"]], self.engine.kv_io.host, header["layer"],
+                       self._head_targets(header, inbound), payload)
+            return
         targets = self._targets(header, inbound)
         if targets is None:  # a pool on another device
             table = self.engine.block_manager.block_ids(inbound.request_id)

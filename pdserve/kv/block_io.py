@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from pdserve.kv.transcode import recode as transcode_records
+
 
 def chunk_nbytes(layer: torch.Tensor, count: int) -> int:
     two, num_kv, _, block_size, head_dim = layer.shape
@@ -109,3 +111,17 @@ def mixed_pieces(layer: torch.Tensor, host: torch.Tensor, layer_index: int, targ
                 block = host[i, layer_index, kv, head] if kind == "host" else layer[kv, head, i]
                 pieces.append(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
     return pieces
+
+
+def land_mixed(layer: torch.Tensor, host, layer_index: int, targets: list, payload) -> None:
+    """A staged chunk payload (the pool's format, wire order) into `targets` as `mixed_pieces` names them, for a
+    host tier (`pdserve.kv.host_store.HostKVStore`) of another codec: its blocks are transcoded on the way."""
+    two, num_kv, _, block_size, width = layer.shape
+    with warnings.catch_warnings():  # a read-only receive buffer: only read
+        warnings.simplefilter("ignore", UserWarning)
+        wire = torch.frombuffer(payload, dtype=layer.dtype).view(two, num_kv, len(targets), block_size, width)
+    for j, (kind, i) in enumerate(targets):
+        if kind == "host":
+            host.data[i, layer_index] = transcode_records(wire[:, :, j], *host.recode)
+        else:
+            layer[:, :, i] = wire[:, :, j]

@@ -5,6 +5,10 @@ one background thread, so a step never waits for them: the engine `submit`s the 
 bookkeeping produced after a step and `poll`s the finished ones before the next. Loads (host -> device)
 run on the engine's thread, right before the forward that reads them (`load`): a memory copy, far
 cheaper than recomputing the blocks.
+
+Each tier holds its blocks in its own codec (`--kv-host-cache-dtype`, `--kv-disk-cache-dtype`; by default the
+pool's): the host store transcodes on the way down and up, and a disk tier of another codec than the host's is
+written transcoded from the host slot and read back through a staging buffer.
 """
 
 from __future__ import annotations
@@ -19,15 +23,19 @@ import torch
 
 from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierCapacity
 from pdserve.kv.disk_store import CorruptBlock, DiskKVStore, is_disk_full
+from pdserve.core.kvstore import kv_codecs
+from pdserve.kv.codec import KVCodec
 from pdserve.kv.host_store import HostKVStore
+from pdserve.kv.transcode import transcode
 
 
 class TierIO:
     def __init__(self, device_layers: Sequence[torch.Tensor], host: HostKVStore, disk: DiskKVStore | None,
-                 disk_blocks: int = 0) -> None:
+                 disk_blocks: int = 0, disk_recode: tuple[KVCodec, KVCodec] | None = None) -> None:
         self.layers = device_layers
         self.host = host
         self.disk = disk
+        self.disk_recode = disk_recode  # (host codec, disk codec) when they differ
         self.capacity = TierCapacity(host.num_slots, disk_blocks if disk is not None else 0, host.slot_nbytes)
         self.busy_s = collections.Counter()  # seconds spent per operation kind (bandwidth = bytes / time)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -99,7 +107,7 @@ class TierIO:
                 failures[h] = next(iter(failures.values()))
                 continue
             try:
-                self.disk.write(h, self.host.slot_bytes(slot))
+                self.disk.write(h, self._disk_payload(slot))
             except OSError as e:
                 failures[h] = "disk_full" if is_disk_full(e) else f"write failed: {e.strerror or e}"
         return failures
@@ -108,7 +116,7 @@ class TierIO:
         failures = {}
         for h, slot in zip(op.hashes, op.dst):
             try:
-                self.disk.read_into(h, self.host.slot_bytes(slot))
+                self._read_slot(h, slot)
             except CorruptBlock:
                 failures[h] = "corrupt"
             except FileNotFoundError:
@@ -117,27 +125,55 @@ class TierIO:
                 failures[h] = f"read failed: {e.strerror or e}"
         return failures
 
+    def _disk_payload(self, slot: int) -> memoryview:
+        """A host slot's block as the disk tier keeps it."""
+        if self.disk_recode is None:
+            return self.host.slot_bytes(slot)
+        return transcode(self.host.slot_bytes(slot), *self.disk_recode)
+
+    def _read_slot(self, block_hash: int, slot: int) -> None:
+        """A block from disk into a host slot (staged and transcoded when the disk keeps another codec)."""
+        if self.disk_recode is None:
+            self.disk.read_into(block_hash, self.host.slot_bytes(slot))
+            return
+        staged = memoryview(bytearray(self.disk.payload_nbytes))
+        self.disk.read_into(block_hash, staged)
+        self.host.slot_bytes(slot)[:] = transcode(staged, *reversed(self.disk_recode))
+
     def _delete(self, op: KVOp) -> dict[int, str]:
         for h in op.hashes:
             self.disk.delete(h)
         return {}
 
 
-def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor], codec,
+def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor], codec: KVCodec,
                   worker: str) -> TierIO | None:
     """The host (and disk) tiers `config` asks for, around the device pool `layers` (whose blocks are in
-    `codec`, a KVCodec: the tiers hold them as they are); None without a host tier."""
+    `codec`), each in its own codec (`kv_codecs.tier_codecs`) and sized in its blocks; None without a host tier."""
     if not config.kv_host_gb:
         return None
-    block_bytes = codec.kv_bytes_per_token(model_config) * config.block_size
-    num_slots = max(int(config.kv_host_gb * 2**30) // block_bytes, 1)
+    host_name, disk_name = kv_codecs.tier_codecs(codec.name, config.kv_host_cache_dtype, config.kv_disk_cache_dtype)
+    host_codec = _tier_codec(host_name, codec)
+    num_slots = kv_codecs.tier_blocks(config.kv_host_gb, _block_bytes(host_codec, model_config, config.block_size))
     host = HostKVStore(num_slots, model_config.num_layers, model_config.num_kv_heads, config.block_size,
-                       codec.width, codec.storage, pin=layers[0].device.type == "cuda")
-    disk, disk_blocks = None, 0
+                       host_codec.width, host_codec.storage, pin=layers[0].device.type == "cuda",
+                       recode=None if host_codec is codec else (codec, host_codec))
+    disk, disk_blocks, disk_recode = None, 0, None
     if config.kv_disk_dir:
         from pdserve.kv.disk_store import HEADER, model_identity
-        kind = str(codec.model_dtype).removeprefix("torch.") if codec.name == "auto" else codec.name
-        identity = model_identity(model_dir, kind, config.block_size, "L2HBD")
-        disk = DiskKVStore(config.kv_disk_dir, identity, worker, host.slot_nbytes)
-        disk_blocks = max(int(config.kv_disk_gb * 2**30) // (block_bytes + HEADER.size), 1)
-    return TierIO(layers, host, disk, disk_blocks)
+        disk_codec = _tier_codec(disk_name, host_codec)
+        identity = model_identity(model_dir, disk_codec.format, config.block_size, "L2HBD")
+        block_bytes = _block_bytes(disk_codec, model_config, config.block_size)
+        disk = DiskKVStore(config.kv_disk_dir, identity, worker, block_bytes)
+        disk_blocks = kv_codecs.tier_blocks(config.kv_disk_gb, block_bytes + HEADER.size)
+        disk_recode = None if disk_codec is host_codec else (host_codec, disk_codec)
+    return TierIO(layers, host, disk, disk_blocks, disk_recode)
+
+
+def _tier_codec(name: str, above: KVCodec) -> KVCodec:
+    """A tier's KVCodec: `above` itself (the blocks kept as they are) when it is the same codec."""
+    return above if name == above.name else KVCodec(name, above.head_dim, above.model_dtype)
+
+
+def _block_bytes(codec: KVCodec, model_config, block_size: int) -> int:
+    return codec.kv_bytes_per_token(model_config) * block_size

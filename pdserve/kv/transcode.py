@@ -36,3 +36,10 @@ def transcode(payload, src: KVCodec, dst: KVCodec) -> memoryview:
         records = torch.frombuffer(payload, dtype=src.storage).view(-1, src.width)
     out = src.transcode(records, dst).contiguous()
     return memoryview(out.view(-1).view(torch.uint8).numpy())
+
+
+def recode(records: torch.Tensor, src: KVCodec, dst: KVCodec) -> torch.Tensor:
+    """Token records `[..., src.width]` of `src` -> the same tokens `[..., dst.width]` in `dst` (a block copied
+    into or out of a storage tier of another codec than the pool's: `pdserve.kv.host_store`)."""
+    lead = records.shape[:-1]
+    return src.transcode(records.reshape(-1, src.width), dst).view(*lead, dst.width)

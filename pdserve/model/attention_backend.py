@@ -55,6 +55,7 @@ class AttentionMetadata:
     host_kv: torch.Tensor | None = None  # the host tier [slots, layers, 2, Hkv, bs, D] (long contexts)
     codec: CacheCodec | None = None  # the pool's KV codec when it is not `auto` (caches hold token records)
     residual: ResidualMeta | None = None  # the codec's residual window, when it keeps one
+    host_codec: CacheCodec | None = None  # the host tier's codec when not the pool's (`host_kv`'s records)
 
 
 class AttentionBackend(Protocol):

@@ -52,7 +52,7 @@ class TorchAttention:
                 layer: int, exact) -> torch.Tensor:
         kernels.used("prefill_attention", "torch_sdpa")
         cold = None if chunk.cold_slots is None else \
-            cold_kv(meta.host_kv, chunk.cold_slots, layer, q.device, meta.codec)
+            cold_kv(meta.host_kv, chunk.cold_slots, layer, q.device, meta.host_codec or meta.codec)
         own = None if exact is None else (*exact, meta.residual, layer)
         return prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, cold, meta.codec, own)
 

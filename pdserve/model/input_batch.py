@@ -53,10 +53,11 @@ class CacheLayout:
 
 def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device: torch.device,
                       dtype: torch.dtype = torch.float32, host_kv: torch.Tensor | None = None,
-                      codec=None, window=None, windows=None) -> InputBatch:
+                      codec=None, window=None, windows=None, host_codec=None) -> InputBatch:
     """`host_kv`: the host tier's tensor, which long-context chunks (`cold_slots`) read their oldest KV from;
     `codec`: the pool's KVCodec when it is coded (None for `auto`); `window`: its `ResidualWindow`, when it
-    keeps one, and `windows` the chunks' places in it (`ResidualWindow.plan`, same order as `chunks`)."""
+    keeps one, and `windows` the chunks' places in it (`ResidualWindow.plan`, same order as `chunks`);
+    `host_codec`: the host tier's KVCodec when it is not the pool's (`--kv-host-cache-dtype`)."""
     block_size = layout.block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -84,7 +85,7 @@ def build_input_batch(chunks: list[ScheduledChunk], layout: CacheLayout, device:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     meta = AttentionMetadata(layout.slot_rows(as_long(slots)).to(device), len(decodes), decode_rows,
                              decode_bias, tuple(prefills), decode_lens, host_kv,
-                             codec if codec is not None and codec.coded else None, residual)
+                             codec if codec is not None and codec.coded else None, residual, host_codec)
     return InputBatch(as_long(ids).to(device), as_long(positions).to(device), meta,
                       as_long(sample_rows).to(device), tuple(c for c in chunks if c.sample))
 

@@ -111,9 +111,9 @@ def add_sim_parsers(sub) -> None:
 
 
 def check_kv_cache_dtype(args) -> None:
-    """A bad --kv-cache-dtype fails before any work, in one line."""
-    from pdserve.core.kvstore.kv_codecs import check
-    check(args.kv_cache_dtype)
+    """A bad --kv-cache-dtype (or tier codec) fails before any work, in one line."""
+    from pdserve.core.settings import CodecSettings, pick
+    pick(CodecSettings, args)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -26,11 +26,12 @@ from pdserve.core.sched.decode_cadence import DecodeCadence
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.pd.wire_format import WireFormat
+from pdserve.core.kvstore import kv_codecs
 from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
 from pdserve.core.role_planner import RolePlanner
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.core.settings import (AdmissionSettings, CadenceSettings, DeliverySettings, KvBlockSettings,
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings, KvBlockSettings,
                                    KvTierSettings, RoutingSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
@@ -69,6 +70,8 @@ class ClusterSpec:
     host_kv_gb: float = SIM_KV_TIERS.kv_host_gb  # --kv-host-gb: host KV tier per engine, GiB (0: none)
     disk_kv_gb: float = SIM_KV_TIERS.kv_disk_gb  # --kv-disk-gb: disk KV tier per engine (0: none; needs a host tier)
     kv_eviction_policy: str = shared(KvTierSettings, "kv_eviction_policy")  # in every tier
+    kv_host_cache_dtype: str | None = shared(CodecSettings, "kv_host_cache_dtype")  # default: the pool's
+    kv_disk_cache_dtype: str | None = shared(CodecSettings, "kv_disk_cache_dtype")  # default: the host tier's
     host_link_gb_s: float | None = None  # per GPU, GB/s each way; None: the GPU preset's
     disk_read_gb_s: float | None = None  # per GPU; None: the GPU preset's
     disk_write_gb_s: float | None = None  # per GPU; None: the GPU preset's
@@ -137,13 +140,18 @@ class SimRun:
     role_switches: list[dict] = field(default_factory=list)  # --role-switching auto: engines moved
 
 
-def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, block_bytes: int) -> TierSpec | None:
-    """One engine's host and disk tiers: sizes from the spec, bandwidths from the GPU preset (or the spec's
-    overrides) times `tp` (each GPU has its own host link and, as in a DGX node, its own NVMe drive)."""
+def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, model: ModelSpec) -> TierSpec | None:
+    """One engine's host and disk tiers: sizes from the spec, in blocks of each tier's codec
+    (`kv_codecs.tier_codecs`, as the real worker's), bandwidths from the GPU preset (or the spec's overrides)
+    times `tp` (each GPU has its own host link and, as in a DGX node, its own NVMe drive)."""
     def bw(override: float | None, preset: float) -> float:
         return spec.tp * (override * GB if override is not None else preset)
-    return tier_spec(spec.host_kv_gb, spec.disk_kv_gb, block_bytes, bw(spec.host_link_gb_s, gpu.host_link_bw),
-                     bw(spec.disk_read_gb_s, gpu.disk_read_bw), bw(spec.disk_write_gb_s, gpu.disk_write_bw))
+    codecs = kv_codecs.tier_codecs(model.kv_cache_dtype, spec.kv_host_cache_dtype, spec.kv_disk_cache_dtype)
+    host_bytes, disk_bytes = (spec.block_size * kv_codecs.kv_bytes_per_token(
+        name, model.num_layers, model.num_kv_heads, model.hd, model.dtype_bytes) for name in codecs)
+    return tier_spec(spec.host_kv_gb, spec.disk_kv_gb, host_bytes, bw(spec.host_link_gb_s, gpu.host_link_bw),
+                     bw(spec.disk_read_gb_s, gpu.disk_read_bw), bw(spec.disk_write_gb_s, gpu.disk_write_bw),
+                     disk_bytes)
 
 
 def sim_wire(spec: ClusterSpec, model: ModelSpec) -> SimWire:
@@ -161,7 +169,7 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     block_bytes = model.kv_bytes_per_token * spec.block_size
     blocks = spec.num_kv_blocks or kv_pool_blocks(model, gpu, spec.tp, spec.block_size,
                                                 max_num_seqs=spec.max_num_seqs)
-    tiers = engine_tiers(spec, gpu, block_bytes)
+    tiers = engine_tiers(spec, gpu, model)
     roles = {"prefill": spec.num_prefill, "decode": spec.num_decode} if spec.mode == "pd" else {
         "colocated": spec.num_instances}
     engines: dict[str, list[SimEngine]] = {}

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.core.kvstore import kv_codecs
 from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierCapacity
 
 GIB = 2**30  # tier sizes are in GiB, as the real worker's --kv-host-gb and --kv-disk-gb
@@ -42,10 +43,15 @@ class TierSpec:
 
     host_blocks: int
     disk_blocks: int
-    block_bytes: int
+    block_bytes: int  # a block in the host tier's codec (what the host link carries)
     host_link_bw: float
     disk_read_bw: float
     disk_write_bw: float
+    disk_block_bytes: int | None = None  # a block in the disk tier's codec; None: block_bytes
+
+    def link_bytes(self, link: str) -> int:
+        """Bytes of one block on `link` (the disk's links carry the disk tier's codec)."""
+        return self.block_bytes if link == "host_link" or self.disk_block_bytes is None else self.disk_block_bytes
 
     @property
     def capacity(self) -> TierCapacity:
@@ -53,15 +59,17 @@ class TierSpec:
 
 
 def tier_spec(host_gb: float, disk_gb: float, block_bytes: int, host_link_bw: float, disk_read_bw: float,
-              disk_write_bw: float) -> TierSpec | None:
+              disk_write_bw: float, disk_block_bytes: int | None = None) -> TierSpec | None:
     """Tiers sized as the real worker sizes them (`pdserve.kv.tier_io.build_tier_io`): host slots of one
-    block each, disk files of one block plus the file header; None without a host tier."""
+    block each (`block_bytes`, in the host tier's codec), disk files of one block (`disk_block_bytes`, in the
+    disk tier's; default the host's) plus the file header; None without a host tier."""
     if not host_gb:
         return None
     from pdserve.kv.disk_store import HEADER  # the real file format's header (pure Python, no torch)
-    host_blocks = max(int(host_gb * GIB) // block_bytes, 1)
-    disk_blocks = max(int(disk_gb * GIB) // (block_bytes + HEADER.size), 1) if disk_gb else 0
-    return TierSpec(host_blocks, disk_blocks, block_bytes, host_link_bw, disk_read_bw, disk_write_bw)
+    disk_bytes = block_bytes if disk_block_bytes is None else disk_block_bytes
+    host_blocks = kv_codecs.tier_blocks(host_gb, block_bytes)
+    disk_blocks = kv_codecs.tier_blocks(disk_gb, disk_bytes + HEADER.size) if disk_gb else 0
+    return TierSpec(host_blocks, disk_blocks, block_bytes, host_link_bw, disk_read_bw, disk_write_bw, disk_bytes)
 
 
 class SimTierIO:
@@ -112,7 +120,7 @@ class SimTierIO:
             link = LINK_OF.get(op.kind)
             end = at_s
             if link is not None:
-                nbytes = len(op.hashes) * self.spec.block_bytes
+                nbytes = len(op.hashes) * self.spec.link_bytes(link)
                 begin = max(at_s, self._free_at[link])
                 end = begin + nbytes / self._bw[link]
                 self._free_at[link] = end

@@ -68,6 +68,21 @@ def kv_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: 
     return 2 * num_layers * num_kv_heads * token_bytes(name, head_dim, model_dtype_bytes)
 
 
+def tier_codecs(pool: str, host: str | None, disk: str | None) -> tuple[str, str]:
+    """The codecs of the host and disk tiers (`--kv-host-cache-dtype`, `--kv-disk-cache-dtype`): each its own
+    setting, else the tier above's (the host's: the pool's; the disk's: the host's), so without either every
+    tier holds the pool's blocks as they are. A tier of another codec than the one above it is written
+    transcoded, and decoded back into the pool's codec on load."""
+    host = pool if host is None else check(host, "kv_host_cache_dtype")
+    return host, host if disk is None else check(disk, "kv_disk_cache_dtype")
+
+
+def tier_blocks(gib: float, block_bytes: int) -> int:
+    """Blocks of `block_bytes` (a block in the tier's own codec, plus any per-block header) that a tier of
+    `gib` GiB holds: at least one. The real worker and the simulator both size their tiers here."""
+    return max(int(gib * 2**30) // block_bytes, 1)
+
+
 RESIDUAL_ELEMENT_BYTES = 2  # fp16
 
 
