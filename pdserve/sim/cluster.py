@@ -26,7 +26,6 @@ from pdserve.core.sched.decode_cadence import DecodeCadence
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.pd.wire_format import WireFormat
-from pdserve.core.kvstore import kv_codecs
 from pdserve.core.kvstore.kv_meta import STORAGE_TIERS
 from pdserve.core.role_planner import RolePlanner
 from pdserve.core.sched.schedule import SchedulerConfig

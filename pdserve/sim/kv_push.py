@@ -89,7 +89,9 @@ class SimKVPath:
             return None if f is None or f.decode is None else f.decode.name
 
         def backlog(dest: str, tiers: set[str]) -> list[tuple[float, float]]:
-            return [(self.links.queued_bytes(p, tiers), p.bandwidth) for p in (egress, self.ports[dest]) if p.flows]
+            # (an idle port too: the first step after a pause is paced, as the real worker's `link_backlog`)
+            return [(self.links.queued_bytes(p, tiers) if p.flows else 0.0, p.bandwidth)
+                    for p in (egress, self.ports[dest])]
 
         pace = engine.scheduler.pace = ProductionPace.build(
             engine.scheduler.requests.values(), link_of, backlog, self.water, self.block_bytes / self.block_size,

@@ -34,40 +34,47 @@ class Close:
     first_token: int | None = None
 
 
+RATE_WINDOW = 16  # a link's measured rate: over its last this many chunks sent
+
+
 @dataclass
 class LinkStats:
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # inside the transport's sends that went through
+    busy_since: float | None = None  # a send in progress since (monotonic)
     bytes: int = 0
     useful_bytes: int = 0
     chunks: int = 0
     demand_s: float = 0.0
     demand_since: float | None = None
-    recent: float | None = None  # bytes/s the transport sent its last chunks at (exponential mean; it
-    # moves only when a chunk is sent: after a slow spell, landings stay late until the next chunk shows better)
+    window: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (bytes, seconds) of recent sends
 
     def rate(self, link_rate: float | None) -> float | None:
-        """The link's capacity: its throttle's rate, else the rate the transport sent at (None: unknown)."""
-        return link_rate or (self.bytes / self.busy_s if self.busy_s else None)
+        """The link's capacity: its throttle's rate, else the rate its last chunks went at (None: unknown). A
+        window, not the link's lifetime: a stalled receiver or a failed send does not drag it down for good."""
+        if link_rate:
+            return link_rate
+        seconds = sum(s for _, s in self.window)
+        return sum(b for b, _ in self.window) / seconds if seconds > 0 else None
 
     def sent(self, nbytes: int, seconds: float) -> None:
+        """A chunk of `nbytes` went through in `seconds` (inside the transport's send)."""
+        self.busy_s += seconds
         if seconds > 0:
-            r = nbytes / seconds
-            self.recent = r if self.recent is None else self.recent + RECENT_WEIGHT * (r - self.recent)
+            self.window.append((nbytes, seconds))
 
     def landing_rate(self, link_rate: float | None) -> float | None:
         """The rate queued bytes go at now: the throttle's, unless the transport went slower lately (another
         sender on the same receiver's port, a loaded host); else the transport's recent rate."""
-        if link_rate and self.recent:
-            return min(link_rate, self.recent)
-        return link_rate or self.recent or self.rate(None)
+        measured = self.rate(None)
+        if link_rate and measured:
+            return min(link_rate, measured)
+        return link_rate or measured
 
     def as_dict(self, link_rate: float | None, now: float) -> dict:
         demand = self.demand_s + (now - self.demand_since if self.demand_since is not None else 0.0)
-        return {"busy_s": self.busy_s, "bytes": self.bytes, "useful_bytes": self.useful_bytes, "demand_s": demand,
+        busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+        return {"busy_s": busy, "bytes": self.bytes, "useful_bytes": self.useful_bytes, "demand_s": demand,
                 "capacity": self.rate(link_rate), "chunks": self.chunks}
-
-
-RECENT_WEIGHT = 0.25  # a chunk's send rate's weight in a link's recent rate (an exponential mean)
 
 
 @dataclass(eq=False)
@@ -148,16 +155,18 @@ class Lane:
         out = chunk.out
         by_reference, took = None, 0.0
         if not out.failed:
-            start = time.perf_counter()
+            with self.cond:
+                self.stats.busy_since = time.monotonic()
+            start = time.monotonic()
             try:
                 by_reference = self.sender.send_chunk(out.dest, chunk.header, chunk.pieces)
             except TransferError as e:
                 self._failed(out, str(e))
-            took = time.perf_counter() - start
+            took = time.monotonic() - start
         with self.cond:
             chunk.dequeued = True
-            self.stats.busy_s += took
-            if by_reference is not None:
+            self.stats.busy_since = None
+            if by_reference is not None:  # (a failed send's time is no measure of the link)
                 self.stats.sent(chunk.nbytes, took)
                 if self.bucket is not None:
                     self.bucket.take(chunk.nbytes, time.monotonic())

@@ -176,12 +176,14 @@ class Outbox:
             return self.link_rate if lane is None else lane.stats.rate(self.link_rate)
 
     def link_backlog(self, link: str, tiers: set[str]) -> list[tuple[float, float | None]]:
-        """[(bytes of `tiers` queued for `link`, its rate)]: nothing when none is queued."""
+        """[(bytes of `tiers` queued for `link`, its rate)]; an idle link whose rate is known: (0, its rate), so
+        the first step after a pause is paced too (one step's KV can take a slow link many seconds)."""
         with self.cond:
             lane = self.lanes.get(link)
+            rate = self.link_rate if lane is None else lane.stats.rate(self.link_rate)
             if lane is None or not len(lane.queue):
-                return []
-            return [(lane.queue.queued_bytes(tiers), lane.stats.rate(self.link_rate))]
+                return [(0.0, rate)] if rate else []
+            return [(lane.queue.queued_bytes(tiers), rate)]
 
     def drop(self, out) -> int:
         """Forget a failed or aborted transfer's queued chunks; returns how many."""
