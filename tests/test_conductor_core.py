@@ -138,6 +138,11 @@ def _worker_event(event: str, args) -> dict:
         return {"type": "stats", "worker": args[0], "role": args[0].split("-")[0], "values": {
             "steps": [list(s) for s in args[1]], "running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 400,
             "prompt_tokens": 0, "prefill_cap": args[2] if len(args) > 2 else None}}
+    if event == "worker_cache":
+        return {"type": "kv_cache", "worker": args[0], "stored": args[1], "evicted": args[2]}
+    if event == "worker_links":
+        return {"type": "stats", "worker": args[0], "role": "prefill", "values": {
+            "kv_links": args[1], "running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 400, "prompt_tokens": 0}}
     if event == "reserve_waiting":
         return {"type": "reserve_waiting", "rid": args[0], "xfer": args[1]}
     if event == "staged":

@@ -61,8 +61,11 @@ def test_a_pair_with_a_slow_link_loses_to_one_with_a_fast_link_at_equal_load():
     links(c, {("p_slow", "d"): 1e7, ("p_fast", "d"): 1e9})
     est = estimates(c)
     nbytes = 64 * BLOCK_BYTES
-    assert est["p_fast", "d"].ttft_s == pytest.approx(PREFILL_S + nbytes / 1e9 + step_s(seqs=1), rel=1e-6)
-    assert est["p_slow", "d"].ttft_s == pytest.approx(PREFILL_S + nbytes / 1e7 + step_s(seqs=1), rel=1e-6)
+    # the KV streams while the prompt is computed: the longer of the two counts
+    assert est["p_fast", "d"].ttft_s == pytest.approx(max(PREFILL_S, nbytes / 1e9) + step_s(seqs=1), rel=1e-6)
+    assert est["p_fast", "d"].ttft_s == pytest.approx(0.1124 + 0.011, rel=1e-6)
+    assert est["p_slow", "d"].ttft_s == pytest.approx(max(PREFILL_S, nbytes / 1e7) + step_s(seqs=1), rel=1e-6)
+    assert est["p_slow", "d"].ttft_s == pytest.approx(0.4194304 + 0.011, rel=1e-6)
     c.arrive("r1", PROMPT, {"max_tokens": 4}, 0.0)
     assert c.flights["r1"].prefill == "p_fast"
 
@@ -75,8 +78,9 @@ def test_a_decode_worker_holding_the_prefix_wins_when_the_transfer_would_dominat
     c.workers["d_holds"].outstanding = 3  # and busier: 3 decoding, 3 outstanding
     c.backlog["d_holds"].decoding = 3
     est = estimates(c)
-    assert est["p", "d_holds"].ttft_s == pytest.approx(PREFILL_S + 16 * BLOCK_BYTES / 1e7 + step_s(seqs=4), rel=1e-6)
-    assert est["p", "d_idle"].ttft_s == pytest.approx(PREFILL_S + 64 * BLOCK_BYTES / 1e7 + step_s(seqs=1), rel=1e-6)
+    # 16 blocks to send (0.105 s) hide behind the 0.112 s prefill; 64 blocks (0.419 s) do not
+    assert est["p", "d_holds"].ttft_s == pytest.approx(PREFILL_S + step_s(seqs=4), rel=1e-6)
+    assert est["p", "d_idle"].ttft_s == pytest.approx(64 * BLOCK_BYTES / 1e7 + step_s(seqs=1), rel=1e-6)
     assert routed(c.arrive("r1", PROMPT, {"max_tokens": 4}, 0.0)) == "d_holds"
     # prefix affinity, blind to the transfer, sends it to the idle one
     old = core(["p"], ["d_holds", "d_idle"], make_routing_policy("prefix-affinity"))
@@ -110,6 +114,41 @@ def test_reports_not_what_was_sent_decide_and_disagreements_are_counted():
         c.worker_cache("d", {}, {})  # ...but it never reported holding it
     actions = c.arrive("r1", PROMPT, {"max_tokens": 4}, 0.0)
     assert Count("routing_prefix_disagreements", (("role", "decode"),)) in actions
+
+
+def test_queueing_counts_before_the_prompt_and_the_transfer_overlaps_only_its_prefill():
+    c = core(["p_busy", "p_idle"], ["d"])
+    links(c, {("p_busy", "d"): 1e7, ("p_idle", "d"): 1e7})
+    c.backlog["p_busy"].tokens[c.tiers["default"].rank] += 3000  # 3,000 prompt tokens queued there
+    est = estimates(c)
+    # admission's model: the step under way holds 2,048 of them, half done; the other 952 go before the prompt,
+    # topped up with it in one 1,976-token chunk: 0.5 x 0.2148 + 0.2076 = 0.3150 s in all, 0.2026 s of it queueing
+    assert est["p_busy", "d"].queue_s == pytest.approx(0.5 * step_s(2048) + step_s(952 + 1024) - PREFILL_S, rel=1e-6)
+    assert est["p_busy", "d"].ttft_s == pytest.approx(0.2026 + 0.4194304 + 0.011, rel=1e-6)
+    assert est["p_idle", "d"].ttft_s == pytest.approx(0.4194304 + 0.011, rel=1e-6)
+    c.arrive("r1", PROMPT, {"max_tokens": 4}, 0.0)
+    assert c.flights["r1"].prefill == "p_idle"
+
+
+def test_ports_still_carrying_routed_kv_lose_to_free_ones():
+    c = core(["p_a", "p_b"], ["d_a", "d_b"])
+    links(c, {(p, d): 1e7 for p in ("p_a", "p_b") for d in ("d_a", "d_b")})  # slow: the ports' waits dominate
+    c.arrive("r0", PROMPT, {"max_tokens": 4}, 0.0)  # all equal: the first listed pair
+    assert (c.flights["r0"].prefill, c.flights["r0"].decode) == ("p_a", "d_a")
+    assert c.books.port_bytes == {"p_a": 64 * BLOCK_BYTES, "d_a": 64 * BLOCK_BYTES}
+    for w in c.workers.values():  # equal loads: only the ports (and r0's prompt queued at p_a) differ
+        w.outstanding = 0
+    prompt = list(range(5000, 6024))
+    est = estimates(c, prompt)
+    s = 64 * BLOCK_BYTES / 1e7  # one prompt's KV over the link: 0.419 s
+    assert est["p_a", "d_b"].link_wait_s == pytest.approx(2 * s, rel=1e-6)  # behind r0's at p_a's port
+    assert est["p_b", "d_a"].link_wait_s == pytest.approx(2 * s, rel=1e-6)  # behind r0's at d_a's port
+    assert est["p_b", "d_b"].ttft_s == pytest.approx(s + step_s(seqs=1), rel=1e-6)
+    assert est["p_b", "d_a"].ttft_s == pytest.approx(2 * s + step_s(seqs=1), rel=1e-6)
+    c.arrive("r1", prompt, {"max_tokens": 4}, 0.0)
+    assert (c.flights["r1"].prefill, c.flights["r1"].decode) == ("p_b", "d_b")
+    c.token("r0", 0, False, 0.5, 7)  # r0's KV is delivered: its bytes leave the ports
+    assert c.books.port_bytes["p_a"] == c.books.port_bytes["d_a"] == 0
 
 
 def test_unmeasured_links_and_unfitted_workers_are_counted_fallbacks():

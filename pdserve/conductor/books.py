@@ -41,6 +41,9 @@ class Books:
         self.links: dict[str, dict[str, float]] = {}  # prefill -> decode -> measured bytes/s (its `kv_links`)
         self.block_bytes = 0  # one KV block at the pool's codec (the workers' `ready`)
         self.notes: list[str] = []  # fallback kinds a pair policy took since the core last looked
+        # KV bytes routed over each worker's port and not yet delivered (placed, no first token yet)
+        self.port_bytes: dict[str, int] = {}
+        self._transfers: dict[str, tuple[str, str, int]] = {}  # rid -> (prefill, decode, bytes)
 
     # ---- workers and routing ------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
@@ -83,6 +86,7 @@ class Books:
         prompt = f.resumed_prompt
         f.queued_tokens = max(len(prompt) - producer.prefix_blocks(hashes) * self.block_size, 1)  # not cached
         self.backlog[producer.name].tokens[self.tiers[f.tier].rank] += f.queued_tokens
+        unsent = len(prompt) - first.prefix_blocks(hashes) * self.block_size  # (before it is remembered there)
         first.outstanding += 1
         first.remember(hashes)
         restore = {"restore": f.restore} if f.restore else {}
@@ -94,8 +98,22 @@ class Books:
         if second is not None:
             f.prefill = second.name
             second.outstanding += 1
+            self._transfer(f.rid, second.name, first.name, unsent)
             second.remember(hashes)
         return [Send(first.name, Reserve(**f.request_fields(), xfer=f.xfer, **restore))]
+
+    def _transfer(self, rid: str, prefill: str, decode: str, tokens: int) -> None:
+        nbytes = max(-(-tokens // self.block_size), 0) * self.block_bytes
+        self._transfers[rid] = (prefill, decode, nbytes)
+        for w in (prefill, decode):
+            self.port_bytes[w] = self.port_bytes.get(w, 0) + nbytes
+
+    def delivered(self, rid: str) -> None:
+        """`rid`'s KV is delivered (its first token came) or will not be: its bytes leave the ports' counts."""
+        prefill, decode, nbytes = self._transfers.pop(rid, (None, None, 0))
+        for w in (prefill, decode):
+            if w is not None:
+                self.port_bytes[w] -= nbytes
 
     def release_prefill(self, f: FlightState) -> None:
         """`f`'s prompt no longer waits for its prefill worker (prefilled, recomputed or cached on its decode
@@ -116,6 +134,7 @@ class Books:
         """`f` ended (finished, aborted, failed, or moved: a copy goes on); a second call does nothing."""
         if self.flights.pop(f.rid, None) is None:
             return
+        self.delivered(f.rid)
         self.release_prefill(f)
         if f.stage is Stage.DECODING:
             self.backlog[f.decode].decoding -= 1

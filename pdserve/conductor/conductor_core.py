@@ -138,10 +138,11 @@ class ConductorCore:
             self.admission.model(name).budget = prefill_cap
         return []
 
-    def worker_links(self, name: str, links: dict) -> None:
+    def worker_links(self, name: str, links: dict) -> list:
         """A prefill worker's links as its stats report them (`kv_links`: decode worker -> {capacity, ...}):
         the measured rates a pair policy predicts transfers with."""
         self.books.links[name] = {dest: v["capacity"] for dest, v in links.items() if v.get("capacity")}
+        return []
 
     def worker_cache(self, name: str, stored: dict, evicted: dict) -> list:
         """A worker's `kv_cache` event: block hashes (per tier) it stored and evicted since its last one."""
@@ -372,6 +373,7 @@ class ConductorCore:
                 # its KV came before its prefill worker's report (separate processes): prefilled by now
                 f.prefilled_s, f.prefilled_by = now, f.prefill
             self.books.release_prefill(f)
+            self.books.delivered(f.rid)
             f.advance(Stage.DECODING)
             self.backlog[f.decode].decoding += 1
         f.last_token_s = now

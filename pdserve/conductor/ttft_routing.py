@@ -2,13 +2,18 @@
 
 In PD mode the (decode, prefill) pair is chosen together, the one with the least
 
-    TTFT(d, p) = queueing + prefill on p      (admission's time model: `Admission.predict_prefill_s` of the
-                                               prompt's tokens p does not hold, behind p's backlog of the
-                                               request's tier rank or better)
-               + KV transfer p -> d            (the blocks d does not hold x the bytes of one block at the pool's
+    TTFT(d, p) = queueing on p                 (admission's time model: `Admission.predict_prefill_s` of the
+                                               prompt's tokens p does not hold behind p's backlog of the
+                                               request's tier rank or better, less the same alone)
+               + max(prefill on p,             (the prompt's tokens p does not hold, alone)
+                     KV transfer p -> d)       (the blocks d does not hold x the bytes of one block at the pool's
                                                codec (`Ready.kv_block_bytes`) / the p -> d link's measured rate
-                                               (`capacity` of p's `kv_links` stats))
+                                               (`capacity` of p's `kv_links` stats); it streams while p computes,
+                                               chunk by chunk, so the longer of the two counts)
                + d's first decode step         (d's decode batch with this request in it)
+
+and at least the time the busier of the two workers' ports takes to carry the KV routed over it and not yet
+delivered (`Books.port_bytes`), this prompt's too, at the link's rate: `link_wait_s`.
 
 Which blocks a worker holds is what it reports (`WorkerLoad.prefix_blocks`: its `kv_cache` events). A
 decode worker holding all of the prompt but its last token needs no prefill and no transfer (its
@@ -32,14 +37,16 @@ from pdserve.conductor.routing import PrefixAffinity, WorkerLoad
 class PairEstimate:
     decode: str
     prefill: str
-    prefill_s: float  # queueing + prefill on the prefill worker
+    queue_s: float  # on the prefill worker, before its prompt's first chunk
+    prefill_s: float  # its prompt alone
     transfer_s: float
     first_step_s: float
     measured_link: bool = True
+    link_wait_s: float = 0.0  # the busier port's undelivered KV and this prompt's, from now
 
     @property
     def ttft_s(self) -> float:
-        return self.prefill_s + self.transfer_s + self.first_step_s
+        return max(self.queue_s + max(self.prefill_s, self.transfer_s), self.link_wait_s) + self.first_step_s
 
 
 @dataclass(frozen=True)
@@ -82,25 +89,28 @@ class PredictedTtft:
         admission, bs = books.admission, books.block_size
         if admission is None:
             return None
-        prefill_s = {}
+        timing = {}  # prefill worker -> (queueing, its prompt alone)
         for p in prefills:
             tokens = max(req.tokens - p.prefix_blocks(req.hashes) * bs, 1)
             backlog = books.backlog[p.name].tokens
             ahead = sum(n for r, n in backlog.items() if r <= req.rank)
-            prefill_s[p.name] = admission.predict_prefill_s(p.name, tokens, ahead, sum(backlog.values()) - ahead)
-            if prefill_s[p.name] is None:
+            total = admission.predict_prefill_s(p.name, tokens, ahead, sum(backlog.values()) - ahead)
+            alone = admission.predict_prefill_s(p.name, tokens, 0, 0)
+            if total is None or alone is None:
                 return None
+            timing[p.name] = (max(total - alone, 0.0), alone)
         blocks = -(-req.tokens // bs)
         out = []
         for d in decoders:
             step = admission.model(d.name).decode_s(books.backlog[d.name].decoding + 1) or 0.0
             held = d.prefix_blocks(req.hashes)
             if held * bs >= req.tokens - 1:  # it has the prompt: no prefill, no transfer
-                out.extend(PairEstimate(d.name, p.name, 0.0, 0.0, step) for p in prefills)
+                out.extend(PairEstimate(d.name, p.name, 0.0, 0.0, 0.0, step) for p in prefills)
                 continue
             nbytes = (blocks - held) * books.block_bytes
             for p in prefills:
                 rate = books.links.get(p.name, {}).get(d.name)
-                out.append(PairEstimate(d.name, p.name, prefill_s[p.name], nbytes / rate if rate else 0.0, step,
-                                        measured_link=bool(rate)))
+                queued = max(books.port_bytes.get(p.name, 0), books.port_bytes.get(d.name, 0))
+                out.append(PairEstimate(d.name, p.name, *timing[p.name], nbytes / rate if rate else 0.0, step,
+                                        bool(rate), (queued + nbytes) / rate if rate else 0.0))
         return out

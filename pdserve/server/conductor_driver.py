@@ -363,6 +363,9 @@ class Conductor:
                 self.worker_left(worker.name, event.released)
         elif isinstance(event, KvCache):
             self._act(self.core.worker_cache(worker.name, event.stored, event.evicted))
+            if self.metrics:
+                for tier, held in worker.load.reported.held.items():
+                    self.metrics.routing_reported_blocks.labels(worker=worker.name, tier=tier).set(len(held))
         elif isinstance(event, Stats):
             stats = worker.stats = {"worker": event.worker, "role": event.role, **event.values}
             self.core.worker_steps(worker.name, stats.get("steps"), stats.get("prefill_cap"))

@@ -174,6 +174,9 @@ class Metrics:
             "pdserve_routing_prefix_disagreements", "Routed requests whose chosen worker's cached prefix, as the "
             "gateway guessed it (what it sent there), differs from the worker's own kv_cache reports", ["role"],
             registry=r)
+        self.routing_reported_blocks = Gauge(
+            "pdserve_routing_reported_blocks", "KV blocks a worker holds by its own kv_cache reports, as routing "
+            "knows them", ["worker", "tier"], registry=r)
         self.conductor_stale_events = Counter(
             "pdserve_conductor_stale_events", "Worker events the conductor had nothing to do with: for a request "
             "it no longer tracks (ended, or moved off that worker) or a transfer it replaced, by event type",

@@ -31,6 +31,7 @@ from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe
 from pdserve.conductor.routing import RoutingPolicy
 from pdserve.conductor.commands import carry_out
 from pdserve.conductor.wire import Ready
+from pdserve.core.kvstore.cache_events import REPORT_EVERY_S, CacheEvents
 from pdserve.core.pd.decode_books import DecodeBooks
 from pdserve.core.pd.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict
@@ -68,6 +69,8 @@ class SimConductor(EngineHooks):
         self.xfers: dict[str, str] = {}  # transfer -> request id, as reserved (a command may name only the first)
         self.life = Lifecycle()
         self.num_finished = 0
+        self.cache_events: dict[str, CacheEvents] = {}  # per engine, as a real worker's (its `kv_cache` events)
+        self._reported_s: dict[str, float] = {}  # when each engine last reported (`REPORT_EVERY_S`)
         self.staging = SimStaging(self.life)
         self.kv = SimKVPath(links, water or WaterLevel(), self.life, block_size, block_bytes, control_latency_s,
                             self._report, self._landed)
@@ -92,7 +95,9 @@ class SimConductor(EngineHooks):
         self.core.worker_ready(e.name, Ready(e.name, e.role, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
                                              max_num_batched_tokens=config.max_num_batched_tokens,
                                              num_blocks=e.scheduler.blocks.num_blocks,
+                                             kv_block_bytes=self.kv.block_bytes if e.role == "prefill" else 0,
                                              **engine_capacity(e, self.links.policy.scheduled)))
+        self.cache_events[e.name] = CacheEvents()
         self.kv.add_port(e.name, self.port_bw)
         if e.role == "decode":
             # A request that ended at the gateway is dropped from the reservations at once (its abort is
@@ -207,7 +212,21 @@ class SimConductor(EngineHooks):
         if req is not None and f.first_token is not None:  # the first output token is out now, no step here
             self._token(engine, f, [f.first_token], req.is_finished, self.loop.now)
 
+    def _periodic_reports(self, engine: SimEngine, now: float) -> None:
+        """As a real worker with its stats (every `REPORT_EVERY_S`): what its cache stored and evicted (`kv_cache`)
+        and, a prefill engine, its links' rates (`kv_links`: the link model's)."""
+        if now - self._reported_s.get(engine.name, float("-inf")) < REPORT_EVERY_S:
+            return
+        self._reported_s[engine.name] = now
+        stored, evicted = self.cache_events[engine.name].take({"device": engine.scheduler.blocks.cached_hashes()})
+        if stored or evicted:
+            self._act(self._core("worker_cache", engine.name, stored, evicted))
+        if engine.role == "prefill" and self.mode == "pd":
+            decodes = [e.name for e in self.engines.get("decode", [])]
+            self._core("worker_links", engine.name, self.kv.link_report(engine.name, decodes))
+
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
+        self._periodic_reports(engine, start_s)
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
             shape = StepShape.of(scheduled)
             self._core("worker_steps", engine.name, [(shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,

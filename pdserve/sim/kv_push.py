@@ -49,6 +49,12 @@ class SimKVPath:
     def add_port(self, engine: str, bandwidth: float) -> None:
         self.ports[engine] = self.links.link(engine, bandwidth)
 
+    def link_report(self, engine: str, decodes: list[str]) -> dict:
+        """`engine`'s links to `decodes` as a real prefill worker's stats carry them (`kv_links`), each with its
+        `capacity`: the slower of the two ports (as a real link's with `--link-gbps`)."""
+        mine = self.ports[engine]
+        return {d: {"capacity": min(mine.bandwidth, self.ports[d].bandwidth)} for d in decodes if d in self.ports}
+
     def books_of(self, engine: str) -> PrefillBooks:
         """`engine`'s prefill books (no lease lapses are modelled: its leases never run out)."""
         books = self.books.get(engine)

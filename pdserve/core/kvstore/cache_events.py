@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+REPORT_EVERY_S = 0.25  # a simulated engine's reports, as a real worker's stats cadence (`worker.STATS_INTERVAL_S`)
+
 
 class CacheEvents:
     def __init__(self) -> None:
