@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import Server
+from serve_util import Server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,15 +41,6 @@ def _hits(server: Server, tier: str) -> float:
     return server.metric("pdserve_prefix_cache_hit_tokens_total", tier=tier, worker="decode-0")
 
 
-def _wait_metric(read, predicate, timeout_s: float = 10.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    value = read()
-    while not predicate(value) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        value = read()
-    return value
-
-
 @pytest.fixture(scope="module")
 def reference() -> list[str]:
     server = Server("--kv-host-gb", "0", "--num-kv-blocks", "512")
@@ -67,7 +58,7 @@ def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, referenc
         assert [_complete(server, p)[0] for p in PROMPTS] == reference[:len(PROMPTS)]  # overflows the pool
         text, cached = _complete(server, PROMPTS[0])  # evicted from the device long ago
         assert text == reference[0] and cached >= 96
-        assert _wait_metric(lambda: _hits(server, "host"), lambda v: v > 0) > 0
+        assert wait_for(lambda: _hits(server, "host"), lambda v: v > 0) > 0
         assert server.metric("pdserve_kv_tier_capacity_blocks", tier="host", worker="decode-0") > 0
         assert server.metric("pdserve_kv_tier_blocks", tier="disk") > 0
         assert server.metric("pdserve_kv_tier_bytes_total", tier="disk", direction="in") > 0
@@ -83,14 +74,13 @@ def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, referenc
         assert text == reference[1] and cached >= 96
         # the prompts in flight when the workers were killed: whatever reached the disk is served right
         assert [_complete(server, p)[0] for p in AGAIN] == reference[len(PROMPTS):]
-        assert _wait_metric(lambda: _hits(server, "disk"), lambda v: v > 0) > 0
+        assert wait_for(lambda: _hits(server, "disk"), lambda v: v > 0) > 0
         # Damage every file of prompt 2's blocks on both workers: they must be skipped, counted, recomputed.
         damaged = _damage_files_of(disk, PROMPTS[2])
         assert damaged
         text, _ = _complete(server, PROMPTS[2])
         assert text == reference[2]
-        assert _wait_metric(lambda: server.metric("pdserve_kv_tier_corrupt_total", tier="disk"),
-                            lambda v: v > 0) > 0
+        assert server.wait_metric("pdserve_kv_tier_corrupt_total", lambda v: v > 0, tier="disk") > 0
     finally:
         server.stop()
 
@@ -104,6 +94,8 @@ def _kill_mid_write(server: Server) -> None:
     threads = [threading.Thread(target=_complete_quietly, args=(server, p), daemon=True) for p in AGAIN]
     for t in threads:
         t.start()
+    # a stimulus, not a wait for a state: the kill lands somewhere in their prefill and write-through, and
+    # whatever reached the disk must be served right after the restart
     time.sleep(0.3)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
@@ -142,8 +134,8 @@ def test_prewarm_pins_and_unpins(reference):
         body = r.json()
         assert body["tokens"] > 96 and body["blocks"] == body["tokens"] // 16
         assert sorted(body["workers"]) == ["decode-0", "prefill-0"]
-        assert _wait_metric(lambda: server.metric("pdserve_kv_tier_blocks", stage="prewarm", worker="decode-0"),
-                            lambda v: v >= body["blocks"]) >= body["blocks"]
+        assert server.wait_metric("pdserve_kv_tier_blocks", lambda v: v >= body["blocks"], stage="prewarm",
+                                  worker="decode-0") >= body["blocks"]
         for p in PROMPTS[:3] + PROMPTS[4:]:  # enough traffic to evict anything that is not pinned
             _complete(server, p)
         text, cached = _complete(server, PROMPTS[3])
@@ -152,8 +144,7 @@ def test_prewarm_pins_and_unpins(reference):
         assert cached == body["blocks"] * 16
         assert httpx.delete(f"{server.url}/v1/kv/prewarm/{body['id']}", timeout=10).status_code == 200
         assert httpx.delete(f"{server.url}/v1/kv/prewarm/{body['id']}", timeout=10).status_code == 404
-        assert _wait_metric(lambda: server.metric("pdserve_kv_tier_blocks", stage="prewarm"),
-                            lambda v: v == 0) == 0
+        assert server.wait_metric("pdserve_kv_tier_blocks", lambda v: v == 0, stage="prewarm") == 0
         for bad in ({"prompt": "x", "ttl_s": 0}, {"prompt": "x", "ttl_s": -5}, {"ttl_s": 10},
                     {"prompt": "x", "messages": [{"role": "user", "content": "y"}], "ttl_s": 10},
                     {"prompt": "x"}):

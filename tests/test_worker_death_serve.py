@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import Server
+from serve_util import Server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +72,7 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         texts = asyncio.run(disturbed())
         assert texts == reference
-        time.sleep(0.3)
-        assert server.metric("pdserve_worker_deaths_total", worker="decode-0") == 1
+        assert server.wait_metric("pdserve_worker_deaths_total", lambda v: v >= 1, worker="decode-0") == 1
         # each had a checkpoint (its prompt's and first outputs' blocks on disk): resumed from there
         assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="checkpoint") >= 1
         assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="recompute") == 0
@@ -83,7 +82,7 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
         assert again == reference[:1]
         assert server.metric("pdserve_kv_transfers_lent", worker="prefill-0") == 0
         # decode-0 comes back: restarted, registered, ready
-        _wait(lambda: _states(server)["decode-0"] == ("ready", 1), 60)
+        assert wait_for(lambda: _states(server)["decode-0"] == ("ready", 1), timeout_s=60), _states(server)
         # a stopped worker (SIGSTOP: alive, silent) is taken for hung once the heartbeat times out: killed,
         # its streams go on elsewhere, unchanged, and it is restarted too. The victim: the decode worker with
         # the most of them (the restarted one may have been given all, or none)
@@ -95,8 +94,7 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
             tasks = [asyncio.create_task(_stream(client, r, e, after=2, tokens=LONG))
                      for r, e in zip(reqs, started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-            await asyncio.sleep(0.6)  # a stats report from each worker (every 0.25 s) counts them
-            running = {w: server.metric("pdserve_num_requests_running", worker=w) for w in ("decode-0", "decode-1")}
+            running = await _running_everywhere(server, len(reqs))
             name = max(running, key=running.get)
             assert running[name] >= 1 and not any(t.done() for t in tasks), running
             stopped.extend([name, time.monotonic()])
@@ -107,7 +105,7 @@ def test_a_killed_decode_workers_streams_go_on_elsewhere_unchanged(tmp_path):
         name, at = stopped
         assert time.monotonic() - at >= HEARTBEAT_S  # they waited for the heartbeat, then moved
         assert server.metric("pdserve_requests_migrated_total", reason="worker_hung") >= 1
-        _wait(lambda: _states(server)[name][0] == "ready", 60)
+        assert wait_for(lambda: _states(server)[name][0] == "ready", timeout_s=60), _states(server)
         assert server.metric("pdserve_worker_deaths_total", worker=name) >= 1
     finally:
         server.stop()
@@ -121,15 +119,16 @@ async def undisturbed_again(server: Server, reqs: list[dict]) -> list[str]:
         await client.close()
 
 
+async def _running_everywhere(server: Server, count: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """The decode workers' running requests once their stats reports (every 0.25 s) count all `count` streams
+    (else as last seen, after `timeout_s`); polled without blocking the streams' loop."""
+    def running() -> dict[str, float]:
+        return {w: server.metric("pdserve_num_requests_running", worker=w) for w in ("decode-0", "decode-1")}
+    return await asyncio.to_thread(wait_for, running, lambda r: sum(r.values()) >= count, timeout_s)
+
+
 def _states(server: Server) -> dict:
     return {w["name"]: (w["state"], w["restarts"]) for w in httpx.get(server.url + "/health").json()["workers"]}
-
-
-def _wait(predicate, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
 
 
 def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_path):
@@ -157,8 +156,7 @@ def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_pa
 
         reference = asyncio.run(run(kill=False))
         assert asyncio.run(run(kill=True)) == reference
-        time.sleep(0.3)
-        assert server.metric("pdserve_worker_deaths_total", worker="colocated-0") == 1
+        assert server.wait_metric("pdserve_worker_deaths_total", lambda v: v >= 1, worker="colocated-0") == 1
         assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="checkpoint") >= 1
         assert server.metric("pdserve_fallbacks_total", kind="kv_checkpoint_missing") == 0
     finally:
