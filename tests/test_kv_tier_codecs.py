@@ -143,3 +143,30 @@ def test_an_unknown_tier_codec_is_a_one_line_cli_error(command, flag):
     assert proc.returncode == 2, proc.stderr
     param = flag[2:].replace("-", "_")
     assert proc.stderr.splitlines() == [f"error: unknown {param} 'int3'; choose from {ALLOWED}"]
+
+
+@pytest.mark.parametrize("host", ["fp16", "int8"])
+def test_a_long_prompts_head_lands_transcoded_in_a_compact_decode_host_tier(tiny_llama_dir, tmp_path, host):
+    """PD, prompts longer than both pools: the decode worker receives each prompt's head straight into its host
+    tier, here of another codec than its pool's: staged and transcoded into the tier's records
+    (`block_io.land_mixed`), then read back through that codec by attention. Delivered, and the tokens are
+    one big-pool engine's (fp16), or agree with them within int8's error (the first tokens)."""
+    from test_pd_engine import Pair, _reference
+
+    from pdserve.core.kvstore.kv_columns import Tier
+    prompts = [[(53 * (i + 1) + 11 * j) % 4000 + 10 for j in range(150 + 50 * i)] for i in range(3)]
+    small = dict(num_kv_blocks=24, kv_host_gb=0.02, max_num_batched_tokens=32)
+    pair = Pair(tiny_llama_dir, "tcp", tmp_path, prefill_kw=small, decode_kw=dict(small, kv_host_cache_dtype=host))
+    try:
+        host_store = pair.d_engine.executor.kv_io.host
+        assert host_store.codec.name == host and host_store.data.dtype == torch.uint8
+        got, want = pair.run(prompts), _reference(tiny_llama_dir, prompts)
+        assert pair.outcomes == ["delivered"] * len(prompts)
+        assert pair.d_engine.tiers.stats.bytes_in[Tier.HOST] > 0
+        if host == "fp16":
+            assert got == want
+        else:
+            assert [g[:2] for g in got] == [w[:2] for w in want]
+        pair.assert_no_leak()
+    finally:
+        pair.close()
