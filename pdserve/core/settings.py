@@ -57,7 +57,9 @@ class RoutingSettings:
     """Where the conductor sends requests and how it keeps its workers' roles in balance
     (`pdserve.conductor.routing`, `pdserve.conductor.hot_prefixes`, `pdserve.core.role_planner`)."""
     routing: str = setting("prefix-affinity", "Routing policy: prefix-affinity (fewest outstanding requests, a "
-                           "recently seen prefix worth two) or least-loaded.")
+                           "cached prefix worth two), least-loaded, or predicted-ttft (pd mode: the prefill and decode "
+                           "pair with the least predicted queueing + prefill + KV transfer over their link + first "
+                           "decode step; pdserve.conductor.ttft_routing).")
     idle_prewarm: bool = setting(True, "An idle prefill worker (simulate: engine) computes the hot prompt prefixes "
                                  "(shared by several recent requests) it lacks, so prefix-affine routing can spread "
                                  "their requests (pd mode, --delivery scheduled).")
