@@ -18,10 +18,13 @@ their recent steps in their `stats` events; the simulator reports every simulate
 "Backlog ahead" counts the prompt tokens routed to that worker and not yet prefilled, of the request's own
 tier rank or better (priority goes before default and flex; `pdserve.core.service_tiers`). A request is
 rejected (HTTP 429, code `slo_unattainable`, `Retry-After`) when a prediction exceeds its tier's SLO by more
-than `margin` (a fraction). A tier without an SLO is never rejected by prediction; every tier is rejected
-(`queue_full`) when its worker has `max_outstanding` requests already. Until a worker has reported
-`online_fit.MIN_SAMPLES` steps, nothing is predicted (everything is admitted); no whole step is predicted
-faster than the fastest of its recent steps.
+than `margin` (a fraction; negative: comes closer to it than that). A tier without an SLO is never rejected by
+prediction; every tier is rejected (`queue_full`) when its worker has `max_outstanding` requests already.
+Until a worker has reported `online_fit.MIN_SAMPLES` steps, nothing is predicted (everything is admitted): a
+worker reports the steps of its profile at load with its first stats (`pdserve.engine.calibration`), so that
+is before its first request unless it runs with `--calibration off`. No whole step is predicted faster than the
+fastest of its recent steps. Each admitted request's TTFT prediction is checked at its first token
+(`pdserve_admission_prediction_error_seconds`).
 """
 
 from __future__ import annotations

@@ -154,14 +154,15 @@ class AdmissionSettings:
                                     "slo_unattainable, a request whose predicted TTFT or TPOT misses its service "
                                     "tier's SLO) or off; default: predict when any tier has an SLO.")
     admission_margin: float = setting(0.1, "How far (a fraction of the SLO) a prediction may exceed the SLO before "
-                                      "the request is refused.")
+                                      "the request is refused; negative: how far below the SLO it must stay (headroom "
+                                      "for a host whose speed varies: -0.3 refuses past 0.7 of the SLO).")
     max_outstanding: int = setting(4096, "Most requests one worker may have in flight; more are refused (429 "
                                    "queue_full), whatever their tier.")
 
     def __post_init__(self) -> None:
         _require(self.admission in (None, "predict", "off"),
                  f"--admission must be predict or off, got {self.admission!r}", "admission")
-        _require(self.admission_margin >= 0, "--admission-margin must be >= 0", "admission_margin")
+        _require(self.admission_margin > -1, "--admission-margin must be > -1", "admission_margin")
         _require(self.max_outstanding >= 1, "--max-outstanding must be positive", "max_outstanding")
 
 
@@ -170,7 +171,7 @@ class CalibrationSettings:
     """How a worker's time model starts (`pdserve.engine.calibration`): calibrated by profile steps at load, so
     admission predicts from the first request."""
     calibration: str = setting("cached", "A worker's time model at start: cached (time a few profile steps at "
-                               "load -- prefill of a few lengths, decode at a few batch sizes, 10 s at most -- once "
+                               "load -- prefill of a few lengths, decode at a few batch sizes: ~10 s, 30 at most -- once "
                                "per host, model and engine config, then reuse them from the user cache), fresh "
                                "(profile again and rewrite the cache) or off (no profile: admission predicts nothing, "
                                "and admits everything, until a worker has run 8 steps).")

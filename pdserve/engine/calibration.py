@@ -17,21 +17,28 @@ the worker's loop times its steps:
   reported: a PD decode worker's live steps are decode steps, and admission reads the share of a worker's
   recent time spent on prefill as colocated interference.
 
-A warm-up step goes first, unreported; shapes beyond the token budget, the batch or the KV pool are left out.
-Of each kind, the first `MIN_SAMPLES` steps (what a fit needs: 944 prefill tokens, 9 decode steps after 368
-tokens of set-up) always run; the others only while their predicted end is within `BUDGET_S` of the start. The
-worker's startup log says how many steps it timed, and how long that took.
+Workers that start together on one host profile one at a time (the cache folder's lock: side by side, each
+would time the other's steps too), and a worker that waited reads what one of its kind just wrote. A prefill
+worker's shared KV pool is populated first (`pdserve.kv.device_pool` does it in the background; it
+would take the cores the profile is timed on). A warm-up step goes first, unreported; shapes beyond the token budget, the batch or the KV pool are left out.
+Each row is the fastest of `REPEATS` timings of its shape (a moment another process held the cores is not the
+host's speed; a host that stays that busy shows in the live steps, which replace the profile's in the fits'
+windows). Of each kind, the first `MIN_SAMPLES` rows (what a fit needs: 2 x 944 prefill tokens; 16 decode steps
+after 368 tokens of set-up) are timed unless `LIMIT_S` has passed, the others only while their predicted end is
+within `BUDGET_S` of the start. The worker's startup log says how many rows it has, and how long they took.
 
 Cache: `$PDSERVE_CALIBRATION_CACHE`, else `$XDG_CACHE_HOME/pdserve/calibration`, else
 `~/.cache/pdserve/calibration`; one JSON file per key (the key is in it): the CPU (vendor, model, flags; the GPU's
 name on CUDA), the model (`model_fingerprint`), dtype, device, KV codec, block size, token budget, torch
 threads, role, torch's and pdserve's versions and `VERSION` (of these shapes). `--calibration cached` (default)
 reads it, else profiles and writes it; `fresh` profiles and rewrites it; `off` profiles nothing. A cache that
-cannot be read or written is a line in the log and a count (`cache_errors`, reported in the worker's stats).
+cannot be read or written is a line in the log and a count (`fallbacks`, reported in the worker's stats).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -46,27 +53,32 @@ import numpy as np
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.sched.online_fit import MIN_SAMPLES, StepRow, nonnegative_lstsq
 
-VERSION = 1  # of the shapes and the file: a change re-profiles every host
-BUDGET_S = 10.0  # past each kind's first MIN_SAMPLES steps, no step starts that is predicted to end past this
+VERSION = 2  # of the shapes and the file: a change re-profiles every host
+BUDGET_S = 10.0  # past each kind's first MIN_SAMPLES rows, no step starts that is predicted to end past this
+LIMIT_S = 30.0  # nor any step at all past this (a host too slow for even a fit's worth: noted, fewer rows)
 PREFILL_SHARE = 0.6  # of the budget, a colocated worker's prefill steps' (then its decode steps')
 # the first MIN_SAMPLES always run (a fit needs as many; 944 tokens), the others while the budget allows
 PREFILL_SHAPES = ((16,), (32,), (64,), (128,), (256,), (16,) * 4, (32,) * 4, (64,) * 4,
                   (512,), (128,) * 4, (1024,), (256,) * 4, (2048,), (512,) * 4)
 DECODE_CONTEXTS = (128,) + (16,) * 15  # one long context, 15 short: batch size and context vary apart
 DECODE_BATCHES = (16, 4, 2, 1)  # the first N of the contexts decode together
-DECODE_STEPS = 3  # timed per batch, after one untimed (the batch changed)
+DECODE_STEPS = 4  # timed per batch, after one untimed (the batch changed)
+# each row is the fastest of this many timings of its shape: what the host does when no other process holds its
+# cores (a moment when one did is not its speed; the live steps show a host that stays that busy)
+REPEATS = 2
 CACHE_ENV = "PDSERVE_CALIBRATION_CACHE"
+LOCK_WAIT_S = 60.0  # the longest a worker waits for another's profile on its host
 
 
 @dataclass(frozen=True)
 class Calibration:
     """A worker's profile steps and where they came from: `profiled` (timed now), `cached` (read from `path`)
-    or `off`. `seconds`: the time spent on them at this start."""
+    or `off`. `seconds`: the time spent on them at this start (a wait for the KV pool's population included)."""
     steps: tuple[StepRow, ...] = ()
     source: str = "off"
     seconds: float = 0.0
     path: Path | None = None
-    cache_errors: int = 0  # a cache that could not be read or written (a fallback: counted in the metrics)
+    fallbacks: int = 0  # a cache not read or not written, a lock not had (counted in the metrics; said in `notes`)
     notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -89,20 +101,66 @@ def calibrate(engine, role: str, mode: str, model_dir: str) -> Calibration:
     start = time.perf_counter()
     key = cache_key(engine, role, model_dir)
     path = cache_path(key)
-    errors: list[str] = []
+    errors: list[str] = []  # fallbacks: a cache not read or not written, a lock not had
+    source = "cached"
     steps = _read(path, key, errors) if mode == "cached" else None
-    if steps is not None:
-        return Calibration(steps, "cached", time.perf_counter() - start, path, len(errors), tuple(errors))
-    steps = profile(engine, role, start + BUDGET_S)
-    _write(path, key, steps, errors)
-    short = [f"only {len(steps)} profile steps fitted in {BUDGET_S:g} s (admission needs {MIN_SAMPLES})"
+    if steps is None:
+        with _alone(path.parent, errors):
+            # (a worker of the same kind that held the lock may have just written it: then it is read)
+            steps = _read(path, key, []) if mode == "cached" else None
+            if steps is None:
+                _populated(engine.executor)
+                steps = profile(engine, role)
+                _write(path, key, steps, errors)
+                source = "profiled"
+    short = [f"only {len(steps)} profile steps fitted in {LIMIT_S:g} s (admission needs {MIN_SAMPLES})"
              ] if len(steps) < MIN_SAMPLES else []
-    return Calibration(steps, "profiled", time.perf_counter() - start, path, len(errors), tuple(errors + short))
+    return Calibration(steps, source, time.perf_counter() - start, path, len(errors), tuple(errors + short))
 
 
-def profile(engine, role: str, deadline: float) -> tuple[StepRow, ...]:
-    """Time the role's profile steps on a probe engine around `engine`'s executor, until `deadline`
-    (`time.perf_counter()`)."""
+@contextlib.contextmanager
+def _alone(folder: Path, errors: list[str]):
+    """Hold the cache folder's lock: workers starting together on one host profile one after the other (timed
+    side by side, each would time the other's steps too: 2x slower on a 2-core host than either alone). After
+    `LOCK_WAIT_S` it profiles anyway (noted in `errors`)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".profile.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        errors.append(f"calibration cache {folder} has no lock ({e.strerror or e}): profiled beside others")
+        yield
+        return
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while not _locked(fd):
+            if time.monotonic() > deadline:
+                errors.append(f"calibration cache {folder}: another profile held its lock {LOCK_WAIT_S:g} s: "
+                              "profiled beside it")
+                break
+            time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _populated(executor) -> None:
+    """A shared KV pool is populated in the background at start (`pdserve.kv.device_pool`): that takes seconds
+    of the cores the profile would be timed on, so the profile waits for it (at most `BUDGET_S`)."""
+    prefault = getattr(getattr(executor, "kv_pool", None), "prefault", None)
+    if prefault is not None:
+        prefault.thread.join(BUDGET_S)
+
+
+def profile(engine, role: str) -> tuple[StepRow, ...]:
+    """Time the role's profile steps on a probe engine around `engine`'s executor (`BUDGET_S`, `LIMIT_S`)."""
     executor = engine.executor
     outputs_of = getattr(executor, "outputs_of", None)
     probe = _probe_engine(engine)  # (it points the executor's `outputs_of` at itself: given back below)
@@ -112,9 +170,9 @@ def profile(engine, role: str, deadline: float) -> tuple[StepRow, ...]:
         rows: list[StepRow] = []
         if role in ("prefill", "colocated"):
             share = PREFILL_SHARE if role == "colocated" else 1.0
-            rows += _prefill_rows(probe, start + share * (deadline - start))
+            rows += _prefill_rows(probe, start + share * BUDGET_S, start + share * LIMIT_S)
         if role in ("decode", "colocated"):
-            rows += _decode_rows(probe, deadline)
+            rows += _decode_rows(probe, start + BUDGET_S, start + LIMIT_S)
         return tuple(rows)
     finally:
         probe.abort(list(probe.scheduler.requests))
@@ -157,23 +215,30 @@ def _fits(probe, contexts) -> bool:
             and sum(-(-(n + room) // blocks.block_size) for n in contexts) <= blocks.num_blocks)
 
 
-def _prefill_rows(probe, deadline: float) -> list[StepRow]:
+def _prefill_rows(probe, deadline: float, limit: float) -> list[StepRow]:
     """One step per shape: its prompts added, then prefilled together (prefill only, the first token sampled,
-    as a PD prefill worker runs them). Past the first MIN_SAMPLES, a shape whose step a line fitted to the
-    steps so far (seconds ~ a + b x tokens) ends past `deadline` is not started."""
+    as a PD prefill worker runs them), `REPEATS` times. Past the first MIN_SAMPLES, a shape whose steps a line
+    fitted to the rows so far (seconds ~ a + b x tokens) ends past `deadline` is not started."""
     rows: list[StepRow] = []
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for salt, shape in enumerate(PREFILL_SHAPES, 1):
         if not _fits(probe, shape):
             continue
-        if len(rows) >= MIN_SAMPLES and time.perf_counter() + _line(rows, sum(shape)) > deadline:
+        now = time.perf_counter()
+        if now > limit or (len(rows) >= MIN_SAMPLES and now + REPEATS * _line(rows, sum(shape)) > deadline):
             break  # (the shapes after it are no smaller)
-        for i, n in enumerate(shape):
-            probe.add_request(_prompt(n, salt * 64 + i), params, prefill_only=True)
-        rows.append(_timed_step(probe))
-        while probe.has_unfinished():  # (nothing should be left: the shape fits one step)
-            probe.step()
+        rows.append(min((_prefill_step(probe, shape, salt * 64 + r * 8) for r in range(REPEATS)),
+                        key=lambda row: row.seconds))
     return rows
+
+
+def _prefill_step(probe, shape: tuple[int, ...], salt: int) -> StepRow:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, n in enumerate(shape):
+        probe.add_request(_prompt(n, salt + i), params, prefill_only=True)
+    row = _timed_step(probe)
+    while probe.has_unfinished():  # (nothing should be left: the shape fits one step)
+        probe.step()
+    return row
 
 
 def _line(rows: list[StepRow], tokens: int) -> float:
@@ -183,10 +248,10 @@ def _line(rows: list[StepRow], tokens: int) -> float:
     return a + b * tokens
 
 
-def _decode_rows(probe, deadline: float) -> list[StepRow]:
-    """Decode steps of each batch of `DECODE_BATCHES` (the first N requests; the others aborted). Past the
-    first MIN_SAMPLES steps, a batch whose steps would end past `deadline` (at the slowest step yet) is not
-    started."""
+def _decode_rows(probe, deadline: float, limit: float) -> list[StepRow]:
+    """Decode steps of each batch of `DECODE_BATCHES` (the first N requests; the others aborted), a row per
+    `REPEATS` steps (the fastest). Past the first MIN_SAMPLES rows, a batch whose steps would end past
+    `deadline` (at the slowest row yet) is not started."""
     if not _fits(probe, DECODE_CONTEXTS):
         return []
     params = SamplingParams(temperature=0, max_tokens=(DECODE_STEPS + 1) * len(DECODE_BATCHES) + 2, ignore_eos=True)
@@ -196,12 +261,13 @@ def _decode_rows(probe, deadline: float) -> list[StepRow]:
         probe.step()  # their prompts: set-up, not reported
     rows: list[StepRow] = []
     for batch in DECODE_BATCHES:
-        slowest = max((r.seconds for r in rows), default=0.0)
-        if len(rows) >= MIN_SAMPLES and time.perf_counter() + (DECODE_STEPS + 1) * slowest > deadline:
+        slowest, now = max((r.seconds for r in rows), default=0.0), time.perf_counter()
+        if now > limit or (len(rows) >= MIN_SAMPLES and now + (DECODE_STEPS + 1) * slowest > deadline):
             break
         probe.abort(ids[batch:])
         probe.step()  # the batch changed: untimed
-        rows += [_timed_step(probe) for _ in range(DECODE_STEPS)]
+        steps = [_timed_step(probe) for _ in range(DECODE_STEPS)]
+        rows += [min(steps[i:i + REPEATS], key=lambda row: row.seconds) for i in range(0, DECODE_STEPS, REPEATS)]
     return rows
 
 

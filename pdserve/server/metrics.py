@@ -284,8 +284,7 @@ class Metrics:
         calibration = s.get("calibration")
         if calibration:
             self.calibration_steps.labels(worker=w, source=calibration["source"]).set(calibration["steps"])
-            self._inc_total(self.fallbacks, (w, "calibration_cache"), calibration["cache_errors"],
-                            kind="calibration_cache")
+            self._inc_total(self.fallbacks, (w, "calibration"), calibration["fallbacks"], kind="calibration")
         self._inc_total(self.prefix_queries, (w, "queries"), s["prompt_tokens"], worker=w)
         self._inc_total(self.prompt_computed, (w, "computed"), s.get("prompt_tokens_computed", 0), worker=w)
         self._inc_total(self.fallbacks, (w, "grammar_error"), s.get("grammar_errors", 0), kind="grammar_error")

@@ -273,8 +273,10 @@ class Worker:
         spec = self.spec
         calibration = calibrate(self.engine, spec.role, spec.calibration, spec.model_dir)
         print(f"pdserve: worker {spec.name}: {calibration.describe()}", file=sys.stderr, flush=True)
+        budget = self.engine.scheduler.step_budget
         for row in calibration.steps:
-            self.engine.scheduler.step_budget.learn(row)
+            budget.learn(row)
+        budget.refresh_cap()
         return calibration
 
     def _maybe_stats(self) -> None:

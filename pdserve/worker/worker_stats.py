@@ -28,7 +28,7 @@ def worker_stats(w) -> dict:
            "capped_steps": sched.step_budget.num_capped_steps, "bad_commands": w.bad_commands,
            "step_budget_cold_starts": sched.step_budget.num_cold_start_steps,
            "calibration": {"source": w.calibration.source, "steps": len(w.calibration.steps),
-                           "cache_errors": w.calibration.cache_errors}}
+                           "fallbacks": w.calibration.fallbacks}}
     if w.prefill is not None:
         box = w.prefill.outbox
         out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(w.prefill.failures),

@@ -103,6 +103,15 @@ class StepBudget:
             self._predicted = self._base
         self.num_capped_steps += capped and self.last_cap < self.max_tokens
 
+    def refresh_cap(self) -> None:
+        """Set `last_cap` as a step with nothing decoding would have it now, counting nothing: a worker whose
+        profile the fit learned at load reports its cap before its first step (the conductor's admission
+        predicts prefill in chunks of it)."""
+        counts = self.num_capped_steps, self.num_cold_start_steps
+        self.begin(())
+        self.num_capped_steps, self.num_cold_start_steps = counts
+        self._left = self._predicted = None
+
     def take(self, n: int, start_pos: int) -> int:
         """Tokens granted to a prefill chunk that wants `n` tokens from position `start_pos` (0: none)."""
         if self._left is None:
