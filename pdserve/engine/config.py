@@ -54,6 +54,9 @@ class EngineConfig:
     queue_policy: str = default_of(SchedulerConfig, "queue_policy")
     """Waiting-queue and preemption order: tiered (by service tier, FCFS within one), fcfs or priority (the
     request's integer priority, lowest first)."""
+    tier_weights: str = default_of(SchedulerConfig, "tier_weights")
+    """The elastic tiers' (default, flex) weights under the tiered policy: dynamic (scaled each step by SLO
+    slack, queue age, transfer progress and decode load; `pdserve.core.sched.tier_weights`) or static."""
     service_tiers: tuple[str, ...] = ()
     """Service tiers (`--service-tier NAME:ttft_ms=X,tpot_ms=Y[,share=Z]`, repeatable): their SLOs and the
     priority tier's reserved share of every worker."""
@@ -73,7 +76,7 @@ class EngineConfig:
         pick(KvBlockSettings, self)
         attention_registry.check(self.attention_backend)
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                        queue_policy=self.queue_policy)  # the scheduler's own check of them
+                        queue_policy=self.queue_policy, tier_weights=self.tier_weights)  # the scheduler's own check
         self._check_tiers()
         pick(CodecSettings, self)
 

@@ -25,6 +25,7 @@ def build_engine_at(model_dir: Path, config: EngineConfig, detokenize: bool = Tr
     executor = ModelExecutor(model_dir, model_config, config, shared_kv, worker)
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=executor.info.max_model_len, queue_policy=config.queue_policy,
+                            tier_weights=config.tier_weights,
                             service_tiers=tuple(config.service_tiers))
     engine = LLMEngine(executor, sched, executor.info.num_kv_blocks, tokenizer if detokenize else None,
                        config.enable_prefix_caching, tokenizer.eos_token_ids, config.kv_eviction_policy)

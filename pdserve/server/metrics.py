@@ -70,6 +70,13 @@ class Metrics:
         self.kv_link_chunks = Counter("pdserve_kv_link_chunks", "KV chunks sent on a link (bytes / chunks: the "
                                       "chunk size, smaller while the link is congested)", ["link"], registry=r)
         self._link_history: dict[str, deque] = {}  # link -> (monotonic time, its running totals)
+        self.tier_weight = Gauge("pdserve_tier_weight", "An elastic service tier's weight on a worker now: its configured "
+                                 "weight x the dynamic factor (pdserve.core.sched.tier_weights)",
+                                 ["worker", "service_tier"], registry=r)
+        self.tier_weight_input = Gauge("pdserve_tier_weight_input", "The inputs of an elastic tier's dynamic weight: "
+                                       "slack_s (least time left before a waiting request's TTFT SLO), queue_age_s, "
+                                       "held_share (waiting requests whose KV link is held), decode_load",
+                                       ["worker", "service_tier", "input"], registry=r)
         self.kv_wire_bytes = Counter("pdserve_kv_wire_bytes", "KV chunk bytes queued for the links, by service tier "
                                      "and the format they travel in (--kv-wire-dtype)", ["service_tier", "format"],
                                      registry=r)
@@ -306,6 +313,11 @@ class Metrics:
         if "cadence_held_s" in s:  # a decode worker under --decode-cadence steady
             self._inc_total(self.cadence_held, (w, "cadence_held"), s["cadence_held_s"], worker=w)
             self.cadence_period.labels(worker=w).set(s["cadence_period_s"])
+        for tier, report in s.get("tier_weights", {}).items():
+            self.tier_weight.labels(worker=w, service_tier=tier).set(report["weight"])
+            for name, value in report.items():
+                if name != "weight" and value is not None:
+                    self.tier_weight_input.labels(worker=w, service_tier=tier, input=name).set(value)
         if "kv_transfers_lent" in s:  # a prefill worker
             self._observe_links(w, s.get("kv_links", {}))
             for key, n in s.get("kv_wire_bytes", {}).items():

@@ -60,6 +60,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     add_config_args(p, KvBlockSettings)
     add_config_args(p, CodecSettings)
     p.add_argument("--max-num-seqs", type=int, default=spec_default("max_num_seqs"))
+    p.add_argument("--tier-weights", default=spec_default("tier_weights"), choices=("dynamic", "static"),
+                   help="the elastic tiers' weights: dynamic (SLO slack, queue age, transfer progress, decode load: "
+                        "pdserve.core.sched.tier_weights) or static (as configured)")
     p.add_argument("--prefill-budget", type=int, default=spec_default("prefill_budget"),
                    help="token budget per prefill step")
     p.add_argument("--decode-budget", type=int, default=spec_default("decode_budget"),

@@ -31,7 +31,7 @@ from pdserve.core.role_planner import RolePlanner
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings, KvBlockSettings,
-                                   KvTierSettings, RoutingSettings, parse_link_share, pick, shared)
+                                   KvTierSettings, RoutingSettings, default_of, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
@@ -61,6 +61,7 @@ class ClusterSpec:
     block_size: int = shared(KvBlockSettings, "block_size")
     num_kv_blocks: int | None = shared(KvBlockSettings, "num_kv_blocks")  # per engine (default: what fits)
     max_num_seqs: int = 256
+    tier_weights: str = default_of(SchedulerConfig, "tier_weights")  # the elastic tiers' weights
     prefill_budget: int = 8192  # max_num_batched_tokens of prefill engines
     decode_budget: int = 2048  # of decode and colocated engines
     routing: str = shared(RoutingSettings, "routing")
@@ -183,7 +184,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
     def make_engine(name: str, role: str) -> SimEngine:
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,
-                              max_model_len=model.max_model_len, service_tiers=tuple(spec.service_tiers))
+                              max_model_len=model.max_model_len, service_tiers=tuple(spec.service_tiers),
+                              tier_weights=spec.tier_weights)
         return SimEngine(name, role, loop, time_model, cfg, blocks, spec.block_size, block_bytes, tiers, conductor,
                          spec.fast_forward, vocab_size=max(model.vocab, 1024),
                          kv_eviction_policy=spec.kv_eviction_policy,

@@ -30,7 +30,8 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        service_tiers=tuple(args.service_tier or ()), admission=args.admission,
                        admission_margin=args.admission_margin, delivery=args.delivery,
                        link_share=args.link_share, link_gbps=args.link_gbps,
-                       delivery_backlog_s=args.delivery_backlog_s, decode_cadence=args.decode_cadence,
+                       delivery_backlog_s=args.delivery_backlog_s, kv_wire_dtype=args.kv_wire_dtype,
+                       tier_weights=args.tier_weights, decode_cadence=args.decode_cadence,
                        idle_prewarm=args.idle_prewarm,
                        role_switching=args.role_switching, role_switch_s=args.role_switch_s)
 

@@ -27,6 +27,7 @@ def worker_stats(w) -> dict:
            "pinned_blocks": blocks.num_pinned_blocks, "prefill_cap": sched.step_budget.last_cap,
            "capped_steps": sched.step_budget.num_capped_steps, "bad_commands": w.bad_commands,
            "step_budget_cold_starts": sched.step_budget.num_cold_start_steps,
+           "tier_weights": sched.weights.report() if sched.weights is not None else {},
            "calibration": {"source": w.calibration.source, "steps": len(w.calibration.steps),
                            "fallbacks": w.calibration.fallbacks}}
     if w.prefill is not None:

@@ -43,15 +43,18 @@ def insert_in_order(queue: list, item, request_of: Callable[[object], Request], 
 
 class TieredPolicy:
     """Service tiers (`pdserve.core.service_tiers`): priority first, then default and flex by earliest virtual
-    deadline (arrival + the tier's TTFT horizon / weight). With every request in one tier it is FCFS."""
+    deadline (arrival + the tier's TTFT horizon / weight, the weight scaled by the elastic tiers' dynamic factor:
+    `pdserve.core.sched.tier_weights`). With every request in one tier it is FCFS."""
 
     def __init__(self, tiers: ServiceTiers | None = None) -> None:
         self.tiers = tiers or ServiceTiers()
         self._keys = {name: (t.rank, t.horizon_s) for name, t in self.tiers.tiers.items()}
+        self.factors: dict[str, float] = {}  # tier -> its weight's dynamic factor (absent: 1)
 
     def sort_key(self, request: Request) -> tuple:
         rank, horizon_s = self._keys[request.service_tier]
-        return (rank, request.arrival_s + horizon_s, request.arrival_seq)
+        return (rank, request.arrival_s + horizon_s / self.factors.get(request.service_tier, 1.0),
+                request.arrival_seq)
 
 
 QUEUE_POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "tiered": TieredPolicy}

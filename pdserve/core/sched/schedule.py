@@ -11,6 +11,7 @@ from pdserve.core.kvstore.block_manager import BlockId
 from pdserve.core.kvstore.kv_ops import KVLoad
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.sched.policy import QUEUE_POLICIES
+from pdserve.core.sched.tier_weights import check_tier_weights
 from pdserve.errors import InvalidRequestError, UnknownNameError
 
 
@@ -27,12 +28,16 @@ class SchedulerConfig:
     priority (the request's integer priority, lowest first)."""
     service_tiers: tuple[str, ...] = ()
     """`--service-tier` specs (`pdserve.core.service_tiers`): SLOs, the guaranteed share, weights."""
+    tier_weights: str = "dynamic"
+    """The elastic tiers' weights: dynamic (scaled each step by SLO slack, queue age, transfer progress and
+    decode load: `pdserve.core.sched.tier_weights`) or static (as configured)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        check_tier_weights(self.tier_weights)
         if self.queue_policy not in QUEUE_POLICIES:
             raise UnknownNameError(f"unknown queue policy {self.queue_policy!r}; choose from {sorted(QUEUE_POLICIES)}",
                                    param="queue_policy")

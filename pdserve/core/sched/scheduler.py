@@ -27,7 +27,8 @@ from pdserve.core.sched.hot_window import HotWindow
 from pdserve.core.sched.kv_reservations import KVReservations
 from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.pd.production_pace import ProductionPace
-from pdserve.core.sched.policy import QueuePolicy, make_queue_policy
+from pdserve.core.sched.policy import QueuePolicy, TieredPolicy, make_queue_policy
+from pdserve.core.sched.tier_weights import TierWeights
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sched.schedule import ExecutorOutput, ScheduledChunk, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.core.service_tiers import ServiceTiers
@@ -48,6 +49,10 @@ class Scheduler:
         self.blocks = block_manager
         tiers = ServiceTiers.from_specs(config.service_tiers)
         self.policy = policy or make_queue_policy(config.queue_policy, tiers)
+        self.weights: TierWeights | None = None  # the elastic tiers' dynamic weights (a tiered policy only)
+        if isinstance(self.policy, TieredPolicy):
+            self.weights = TierWeights(tiers, config.tier_weights)
+            self.policy.factors = self.weights.factors
         self.share = ReservedShare(tiers.reserved_share, config.max_num_seqs, block_manager.num_blocks)
         self.step_budget = StepBudget(tiers, config.max_num_batched_tokens, block_manager.block_size)
         self._taken_back: list[str] = []  # preempted outside a step (for a reservation): reported by the next
@@ -122,7 +127,23 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step --------------------------------------------------------------------------------------
+    def _reweigh(self) -> None:
+        """The elastic tiers' weights from this step's state (`pdserve.core.sched.tier_weights`): when they moved,
+        the waiting queue and the running batch are ordered anew."""
+        if self.weights is None or not self.weights.dynamic or not len(self.waiting):
+            return
+        decoding = sum(1 for r in self.running if r.status is RequestStatus.DECODING)
+        pace = self.pace
+
+        def held(rid: str) -> bool:
+            return pace is not None and pace.link_of(rid) in pace.held
+        if self.weights.update(self.blocks.clock(), self.waiting.requests(), decoding / self.config.max_num_seqs,
+                               held):
+            self.waiting.reorder()
+            self.running.sort(key=self.policy.sort_key)
+
     def schedule(self) -> SchedulerOutput:
+        self._reweigh()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []

@@ -38,6 +38,15 @@ class WaitingQueue:
         self._count -= 1
         return req
 
+    def reorder(self) -> None:
+        """The policy's keys changed (dynamic tier weights): the heap again in its order."""
+        self._heap = [(self.policy.sort_key(req), req) for _, req in self._heap if not req.is_finished]
+        heapq.heapify(self._heap)
+
+    def requests(self) -> list[Request]:
+        """The live waiting requests, in no particular order."""
+        return [req for _, req in self._heap if not req.is_finished]
+
     def ended(self) -> None:
         """A waiting request ended where it was (its entry goes when it reaches the head)."""
         self._count -= 1
