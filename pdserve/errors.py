@@ -27,6 +27,13 @@ class UnknownNameError(InvalidRequestError, ValueError):
     what is. A ValueError to a Python caller, a one-line error on the command line."""
 
 
+def check_choice(value, allowed, param: str) -> str:
+    """`value` if it is one of `allowed`, else a one-line `UnknownNameError` naming the allowed ones."""
+    if value not in allowed:
+        raise UnknownNameError(f"unknown {param} {value!r}; choose from {', '.join(allowed)}", param=param)
+    return value
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pdserve.core.kvstore.kv_codecs import CODECS
 from pdserve.core.service_tiers import SERVICE_TIERS
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import check_choice
 
 POOL, AUTO = "pool", "auto"
 COMPACT = "int8"  # what `auto` ships an elastic tier's KV in when its link is backed up
@@ -29,11 +29,7 @@ EXACT_TIERS = frozenset({"priority"})  # the guaranteed tier: never re-encoded b
 
 def check_wire_dtype(name: str) -> str:
     """`name` if it names a wire format choice, else a one-line error listing them."""
-    allowed = [POOL, AUTO, *(c for c in CODECS if c != "auto")]
-    if name not in allowed:
-        raise InvalidRequestError(f"unknown kv_wire_dtype {name!r}; choose from {', '.join(allowed)}",
-                                  param="kv_wire_dtype")
-    return name
+    return check_choice(name, [POOL, AUTO, *(c for c in CODECS if c != "auto")], "kv_wire_dtype")
 
 
 def tiers_ahead(tier: str) -> set[str]:

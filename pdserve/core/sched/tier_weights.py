@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from pdserve.core.request import Request
 from pdserve.core.service_tiers import ServiceTiers
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import check_choice
 
 ELASTIC = ("default", "flex")
 FACTOR_MIN, FACTOR_MAX = 0.25, 4.0
@@ -39,10 +39,7 @@ MODES = ("dynamic", "static")
 
 
 def check_tier_weights(mode: str) -> str:
-    if mode not in MODES:
-        raise InvalidRequestError(f"unknown tier_weights {mode!r}; choose from {', '.join(MODES)}",
-                                  param="tier_weights")
-    return mode
+    return check_choice(mode, MODES, "tier_weights")
 
 
 @dataclass(frozen=True)
