@@ -105,11 +105,27 @@ def test_a_changed_key_fresh_a_bad_cache_and_off(engine, built, tmp_path, monkey
     engine.steps_run = 0
     bounded = calibrate(engine, "prefill", "fresh", model_dir)
     assert bounded.steps == () and "only 0 profile steps" in bounded.describe()
+    assert not bounded.path.exists()  # too few to cache: the next start profiles again
     assert engine.steps_run <= 3  # the warm-up (a prompt and its token) and the release
 
     engine.steps_run = 0
     off = calibrate(engine, "decode", "off", model_dir)
     assert off.source == "off" and off.steps == () and engine.steps_run == 0
+
+
+def test_a_small_batch_and_token_budget_still_make_a_fit(built, tmp_path, monkeypatch):
+    """Shapes beyond the engine's batch or token budget are left out, the batches cut to its batch, and the
+    shapes that fit timed again: still a fit's worth of rows of each kind."""
+    from pdserve.engine.worker_engine import build_worker_engine
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    small, _ = build_worker_engine(built[1], {"num_threads": 1, "max_num_seqs": 2, "max_num_batched_tokens": 64,
+                                              "kv_cache_gb": 0.05}, worker="calibration-small")
+    got = calibrate(small, "colocated", "fresh", built[1])
+    prefill = [s for s in got.steps if s.prefill_tokens]
+    decode = [s for s in got.steps if not s.prefill_tokens]
+    assert len(prefill) >= MIN_SAMPLES and max(s.prefill_tokens for s in prefill) <= 64
+    assert len(decode) >= MIN_SAMPLES and {s.decode_seqs for s in decode} == {1, 2}
+    assert got.path.exists()
 
 
 def test_a_step_budget_that_learned_the_profile_caps_the_first_step(engine, built):

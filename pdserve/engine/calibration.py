@@ -19,13 +19,15 @@ the worker's loop times its steps:
 
 Workers that start together on one host profile one at a time (the cache folder's lock: side by side, each
 would time the other's steps too), and a worker that waited reads what one of its kind just wrote. A prefill
-worker's shared KV pool is populated first (`pdserve.kv.device_pool` does it in the background; it
-would take the cores the profile is timed on). A warm-up step goes first, unreported; shapes beyond the token budget, the batch or the KV pool are left out.
-Each row is the fastest of `REPEATS` timings of its shape (a moment another process held the cores is not the
-host's speed; a host that stays that busy shows in the live steps, which replace the profile's in the fits'
-windows). Of each kind, the first `MIN_SAMPLES` rows (what a fit needs: 2 x 944 prefill tokens; 16 decode steps
-after 368 tokens of set-up) are timed unless `LIMIT_S` has passed, the others only while their predicted end is
-within `BUDGET_S` of the start. The worker's startup log says how many rows it has, and how long they took.
+worker's shared KV pool is populated first (`pdserve.kv.device_pool` does it in the background; it would take
+the cores the profile is timed on). A warm-up step goes first, unreported. Shapes beyond the token budget, the
+batch or the KV pool are left out (the batches are cut to the engine's; with few shapes left, they are timed
+again). Each row is the fastest of `REPEATS` timings of its shape (a moment another process held the cores is
+not the host's speed; a host that stays that busy shows in the live steps, which replace the profile's in the
+fits' windows). Of each kind, the first `MIN_SAMPLES` rows (what a fit needs: 2 x 944 prefill tokens; 16
+decode steps after 368 tokens of set-up) are timed unless `LIMIT_S` has passed, the others only while their
+predicted end is within `BUDGET_S` of the start. A profile without a fit's worth of each kind is used but not
+cached. The worker's startup log says how many rows it has, and how long they took.
 
 Cache: `$PDSERVE_CALIBRATION_CACHE`, else `$XDG_CACHE_HOME/pdserve/calibration`, else
 `~/.cache/pdserve/calibration`; one JSON file per key (the key is in it): the CPU (vendor, model, flags; the GPU's
@@ -53,7 +55,7 @@ import numpy as np
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.sched.online_fit import MIN_SAMPLES, StepRow, nonnegative_lstsq
 
-VERSION = 2  # of the shapes and the file: a change re-profiles every host
+VERSION = 3  # of the shapes and the file: a change re-profiles every host
 BUDGET_S = 10.0  # past each kind's first MIN_SAMPLES rows, no step starts that is predicted to end past this
 LIMIT_S = 30.0  # nor any step at all past this (a host too slow for even a fit's worth: noted, fewer rows)
 PREFILL_SHARE = 0.6  # of the budget, a colocated worker's prefill steps' (then its decode steps')
@@ -61,8 +63,7 @@ PREFILL_SHARE = 0.6  # of the budget, a colocated worker's prefill steps' (then 
 PREFILL_SHAPES = ((16,), (32,), (64,), (128,), (256,), (16,) * 4, (32,) * 4, (64,) * 4,
                   (512,), (128,) * 4, (1024,), (256,) * 4, (2048,), (512,) * 4)
 DECODE_CONTEXTS = (128,) + (16,) * 15  # one long context, 15 short: batch size and context vary apart
-DECODE_BATCHES = (16, 4, 2, 1)  # the first N of the contexts decode together
-DECODE_STEPS = 4  # timed per batch, after one untimed (the batch changed)
+DECODE_BATCHES = (16, 4, 2, 1)  # the first N of the contexts decode together (at most the engine's batch)
 # each row is the fastest of this many timings of its shape: what the host does when no other process holds its
 # cores (a moment when one did is not its speed; the live steps show a host that stays that busy)
 REPEATS = 2
@@ -111,11 +112,18 @@ def calibrate(engine, role: str, mode: str, model_dir: str) -> Calibration:
             if steps is None:
                 _populated(engine.executor)
                 steps = profile(engine, role)
-                _write(path, key, steps, errors)
+                if _complete(steps, role):
+                    _write(path, key, steps, errors)
                 source = "profiled"
-    short = [f"only {len(steps)} profile steps fitted in {LIMIT_S:g} s (admission needs {MIN_SAMPLES})"
-             ] if len(steps) < MIN_SAMPLES else []
+    short = [] if _complete(steps, role) else [
+        f"only {len(steps)} profile steps in {LIMIT_S:g} s (a fit needs {MIN_SAMPLES} of each kind): not cached"]
     return Calibration(steps, source, time.perf_counter() - start, path, len(errors), tuple(errors + short))
+
+
+def _complete(steps: tuple[StepRow, ...], role: str) -> bool:
+    """A fit's worth of rows of each kind the role profiles (else it is not cached: the next start tries again)."""
+    prefill = sum(1 for s in steps if s.prefill_tokens)
+    return (role == "decode" or prefill >= MIN_SAMPLES) and (role == "prefill" or len(steps) - prefill >= MIN_SAMPLES)
 
 
 @contextlib.contextmanager
@@ -206,13 +214,21 @@ def _warm_up(probe) -> None:
         probe.step()
 
 
-def _fits(probe, contexts) -> bool:
-    """Prompts of these lengths fit one step, the batch, the model's length and the KV pool (with room to decode)."""
+def _fits(probe, contexts, decode_steps: int = 0) -> bool:
+    """Prompts of these lengths fit one step, the batch, the model's length and the KV pool (each with
+    `decode_steps` tokens more to decode)."""
     config, blocks = probe.scheduler.config, probe.block_manager
-    room = (DECODE_STEPS + 1) * len(DECODE_BATCHES) + 2
+    room = decode_steps + 2
     return (sum(contexts) <= config.max_num_batched_tokens and len(contexts) <= config.max_num_seqs
             and max(contexts) + room <= config.max_model_len
             and sum(-(-(n + room) // blocks.block_size) for n in contexts) <= blocks.num_blocks)
+
+
+def _prefill_shapes(probe) -> list[tuple[int, ...]]:
+    """The shapes that fit this engine, the first ones again until there are MIN_SAMPLES (a small token budget
+    or batch leaves few)."""
+    fitting = [shape for shape in PREFILL_SHAPES if _fits(probe, shape)] or [(probe.scheduler.config.max_num_batched_tokens,)]
+    return fitting + [fitting[i % len(fitting)] for i in range(MIN_SAMPLES - len(fitting))]
 
 
 def _prefill_rows(probe, deadline: float, limit: float) -> list[StepRow]:
@@ -220,9 +236,7 @@ def _prefill_rows(probe, deadline: float, limit: float) -> list[StepRow]:
     as a PD prefill worker runs them), `REPEATS` times. Past the first MIN_SAMPLES, a shape whose steps a line
     fitted to the rows so far (seconds ~ a + b x tokens) ends past `deadline` is not started."""
     rows: list[StepRow] = []
-    for salt, shape in enumerate(PREFILL_SHAPES, 1):
-        if not _fits(probe, shape):
-            continue
+    for salt, shape in enumerate(_prefill_shapes(probe), 1):
         now = time.perf_counter()
         if now > limit or (len(rows) >= MIN_SAMPLES and now + REPEATS * _line(rows, sum(shape)) > deadline):
             break  # (the shapes after it are no smaller)
@@ -248,26 +262,40 @@ def _line(rows: list[StepRow], tokens: int) -> float:
     return a + b * tokens
 
 
+def _decode_plan(probe) -> tuple[list[int], int, tuple[int, ...]] | None:
+    """The batches (`DECODE_BATCHES` within the engine's batch), the steps timed per batch (a fit's worth of rows
+    in all) and the contexts that fit (the long one shortened if need be); None: none fit."""
+    batches = sorted({min(b, probe.scheduler.config.max_num_seqs) for b in DECODE_BATCHES}, reverse=True)
+    per_batch = REPEATS * -(-MIN_SAMPLES // len(batches))
+    steps = (per_batch + 1) * len(batches)
+    for contexts in (DECODE_CONTEXTS[:batches[0]], (16,) * batches[0]):
+        if _fits(probe, contexts, steps):
+            return batches, per_batch, contexts
+    return None
+
+
 def _decode_rows(probe, deadline: float, limit: float) -> list[StepRow]:
-    """Decode steps of each batch of `DECODE_BATCHES` (the first N requests; the others aborted), a row per
-    `REPEATS` steps (the fastest). Past the first MIN_SAMPLES rows, a batch whose steps would end past
-    `deadline` (at the slowest row yet) is not started."""
-    if not _fits(probe, DECODE_CONTEXTS):
+    """Decode steps of each batch (the first N requests; the others aborted), a row per `REPEATS` steps (the
+    fastest). Past the first MIN_SAMPLES rows, a batch whose steps would end past `deadline` (at the slowest
+    row yet) is not started."""
+    plan = _decode_plan(probe)
+    if plan is None:
         return []
-    params = SamplingParams(temperature=0, max_tokens=(DECODE_STEPS + 1) * len(DECODE_BATCHES) + 2, ignore_eos=True)
-    ids = [probe.add_request(_prompt(n, 5000 + i), params) for i, n in enumerate(DECODE_CONTEXTS)]
+    batches, per_batch, contexts = plan
+    params = SamplingParams(temperature=0, max_tokens=(per_batch + 1) * len(batches) + 2, ignore_eos=True)
+    ids = [probe.add_request(_prompt(n, 5000 + i), params) for i, n in enumerate(contexts)]
     requests = probe.scheduler.requests
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
         probe.step()  # their prompts: set-up, not reported
     rows: list[StepRow] = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         slowest, now = max((r.seconds for r in rows), default=0.0), time.perf_counter()
-        if now > limit or (len(rows) >= MIN_SAMPLES and now + (DECODE_STEPS + 1) * slowest > deadline):
+        if now > limit or (len(rows) >= MIN_SAMPLES and now + (per_batch + 1) * slowest > deadline):
             break
         probe.abort(ids[batch:])
         probe.step()  # the batch changed: untimed
-        steps = [_timed_step(probe) for _ in range(DECODE_STEPS)]
-        rows += [min(steps[i:i + REPEATS], key=lambda row: row.seconds) for i in range(0, DECODE_STEPS, REPEATS)]
+        steps = [_timed_step(probe) for _ in range(per_batch)]
+        rows += [min(steps[i:i + REPEATS], key=lambda row: row.seconds) for i in range(0, per_batch, REPEATS)]
     return rows
 
 
