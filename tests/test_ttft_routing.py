@@ -174,3 +174,13 @@ def test_cache_events_report_what_came_and_left_each_slot_and_replay_to_the_same
         held = {h for h in slots if h}
         assert {h for h in range(10) if seen.reported.held["device"].prefix_len(np.array([h], np.uint64))} == held
     assert events.take({"device": np.array([7, 6, 0, 5], np.uint64)}) == ({}, {})  # nothing changed
+
+
+def test_a_reported_prefix_runs_on_across_tiers():
+    load = WorkerLoad("w", "decode")
+    load.reported.apply({"device": [1, 2], "host": [3], "disk": [5]}, {})
+    load.reported.apply({}, {})
+    load.reported.apply({}, {})
+    assert load.prefix_blocks([1, 2, 3, 4, 5]) == 3  # device then host; 4 is nowhere
+    load.reported.apply({}, {"host": [3]})
+    assert load.prefix_blocks([1, 2, 3, 4, 5]) == 2

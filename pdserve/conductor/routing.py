@@ -117,7 +117,11 @@ class ReportedBlocks:
         self._sent[0].put_many(keys, np.ones(len(keys), np.int64))
 
     def prefix_len(self, keys: np.ndarray) -> int:
-        return max([m.prefix_len(keys) for m in (*self.held.values(), *self._sent)], default=0)
+        """Leading `keys` held in some tier (or sent lately): a prefix may run on from device into host."""
+        held = np.zeros(len(keys), bool)
+        for m in (*self.held.values(), *self._sent):
+            held |= m.get_many(keys) >= 0
+        return int(held.argmin()) if not held.all() else len(keys)
 
     def clear(self) -> None:
         self.held.clear()

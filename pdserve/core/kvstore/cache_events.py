@@ -1,7 +1,8 @@
 """What a worker's caches stored and evicted since it last said: the `kv_cache` events routing reads
 (`pdserve.conductor.wire.KvCache`, `pdserve.conductor.routing.ReportedBlocks`).
 
-A tier is seen as one hash per slot (0: the slot holds nothing cached, `KVBlockManager.cached_hashes`); each
+A tier is seen as one hash per slot (0: the slot holds nothing cached, `KVBlockManager.cached_hashes` for the
+device pool, `TierIndex.cached_hashes` for the host and disk tiers: `tier_slots`); each
 `take` compares it with the last one taken, slot by slot (vectorised: O(slots), no per-block hooks), so one
 batch carries every block that left a slot (evicted, or reused for another hash) and every block that came
 into one. Applied in that order (evicted, then stored) the receiver's view equals the tier's. The first take
@@ -40,3 +41,14 @@ class CacheEvents:
                 stored[tier] = came.tolist()
             self._last[tier] = now.copy()
         return stored, evicted
+
+
+def tier_slots(blocks, tiers=None) -> dict[str, np.ndarray]:
+    """Each tier's hash per slot: the device pool's (`KVBlockManager.cached_hashes`) and, with lower tiers
+    (`pdserve.core.kvstore.kv_tiers.TieredKV`), the host's and the disk's."""
+    out = {"device": blocks.cached_hashes()}
+    for name in ("host", "disk"):
+        index = getattr(tiers, name, None)
+        if index is not None:
+            out[name] = index.cached_hashes()
+    return out

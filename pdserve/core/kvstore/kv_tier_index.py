@@ -84,6 +84,13 @@ class TierIndex:
     def __iter__(self) -> Iterator[MetaView]:
         return (self.cols.view(s) for s in self._lru.order().tolist())
 
+    def cached_hashes(self) -> np.ndarray:
+        """Each slot's block hash, 0 where the slot is free (uint64, a copy): what a worker's `kv_cache` events
+        diff (`pdserve.core.kvstore.cache_events`)."""
+        out = self.cols.block_hash.astype(np.uint64)
+        out[self._free_stack[:self._num_free]] = 0
+        return out
+
     def get(self, block_hash: int) -> MetaView | None:
         slot = self._slot.get(block_hash)
         return None if slot is None else self.cols.view(slot)
