@@ -8,15 +8,17 @@ the default model, its calibration cache in a new temporary folder, so `cached` 
 start), `--warmup` sequential requests first, then the burst: N streaming completions of `--tokens` random
 prompt tokens each (no prefix hits), all sent at once with the official `openai` SDK. Per run: requests
 accepted, refused (429 `slo_unattainable`), the share of the accepted whose first token came within the TTFT
-SLO (client side), admission's prediction error (observed - predicted TTFT at the conductor: median of the
-accepted, read from `pdserve_admission_prediction_error_seconds`' buckets) and what the workers' startup log
-says of their calibration.
+SLO (client side), how many were admitted without a prediction (`fallbacks{kind=admission_unpredicted}`),
+admission's prediction error (observed - predicted TTFT at the conductor: median of the accepted, the upper
+bound of its bucket in `pdserve_admission_prediction_error_seconds`) and the workers' profile steps
+(`pdserve_worker_calibration_steps`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import statistics
@@ -69,25 +71,29 @@ def histogram_median(metrics: dict, name: str) -> tuple[float | None, int]:
 
 def run(calibration: str, args: argparse.Namespace, log_dir: Path) -> dict:
     cache = tempfile.mkdtemp(prefix="pdserve-calibration-")
-    import os
     os.environ["PDSERVE_CALIBRATION_CACHE"] = cache
     log = log_dir / f"serve-{calibration}.log"
-    server = Server(["--service-tier", args.service_tier, "--calibration", calibration], log)
+    server = Server(["--service-tier", args.service_tier, "--calibration", calibration,
+                     "--admission-margin", str(args.admission_margin)], log)
     try:
         for i in range(args.warmup):
             asyncio.run(burst(server.url, 1, args.tokens, args.max_tokens, 1000 + i))
         results = asyncio.run(burst(server.url, args.burst, args.tokens, args.max_tokens, args.seed))
-        median, predicted = histogram_median(server.metrics(), "pdserve_admission_prediction_error_seconds")
+        metrics = server.metrics()
+        median, predicted = histogram_median(metrics, "pdserve_admission_prediction_error_seconds")
+        unpredicted = sum(v for (n, labels), v in metrics.items() if n == "pdserve_fallbacks_total"
+                          and dict(labels).get("kind") == "admission_unpredicted")
+        steps = {dict(labels)["worker"]: f"{dict(labels)['source']} {v:.0f}" for (n, labels), v in metrics.items()
+                 if n == "pdserve_worker_calibration_steps" and v}
     finally:
         server.stop()
     slo_s = float(re.search(r"ttft_ms=([\d.]+)", args.service_tier).group(1)) / 1000
     ttfts = [t for code, t in results if code == "ok" and t is not None]
     refused = [code for code, _ in results if code != "ok"]
-    calibrated = re.findall(r"worker (\S+): (time model [^\n;]*)", log.read_text())
     return {"calibration": calibration, "accepted": len(ttfts), "refused": len(refused),
             "codes": sorted(set(refused)), "within": sum(t <= slo_s for t in ttfts),
             "ttft_median": statistics.median(ttfts) if ttfts else None, "error_median_le": median,
-            "predicted": predicted, "workers": calibrated}
+            "predicted": predicted, "unpredicted": int(unpredicted), "workers": steps}
 
 
 def main() -> None:
@@ -98,21 +104,22 @@ def main() -> None:
     p.add_argument("--service-tier", default="default:ttft_ms=2500,tpot_ms=400")
     p.add_argument("--calibration", nargs="+", default=["off", "fresh"])
     p.add_argument("--warmup", type=int, default=0, help="sequential requests before the burst")
+    p.add_argument("--admission-margin", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="bench_results/admission_burst")
     args = p.parse_args()
     print(f"{args.burst} x {args.tokens}-token prompts at once, max_tokens {args.max_tokens}, {args.service_tier}, "
-          f"warm-up {args.warmup}")
+          f"--admission-margin {args.admission_margin:g}, warm-up {args.warmup}")
     print("| --calibration | accepted | refused (codes) | accepted within TTFT SLO | TTFT median (s) | "
-          "prediction error median (bucket le, s; n) | workers' startup log |")
-    print("|---|---|---|---|---|---|---|")
+          "admitted unpredicted | prediction error median (bucket le, s; n) | profile steps |")
+    print("|---|---|---|---|---|---|---|---|")
     for calibration in args.calibration:
         r = run(calibration, args, Path(args.log_dir))
         share = f"{r['within']}/{r['accepted']} ({100 * r['within'] / r['accepted']:.0f}%)" if r["accepted"] else "-"
         med = "-" if r["ttft_median"] is None else f"{r['ttft_median']:.2f}"
         print(f"| {calibration} | {r['accepted']} | {r['refused']} ({', '.join(r['codes']) or '-'}) | {share} | "
-              f"{med} | {r['error_median_le']} ({r['predicted']}) | "
-              f"{'; '.join(f'{w}: {line}' for w, line in r['workers'])} |", flush=True)
+              f"{med} | {r['unpredicted']} | {r['error_median_le']} ({r['predicted']}) | "
+              f"{', '.join(f'{w}: {v}' for w, v in sorted(r['workers'].items()))} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ class Calibration:
     def describe(self) -> str:
         """The worker's startup log line."""
         if self.source == "off":
-            return "time model not calibrated (--calibration off): admission predicts once 8 steps have run"
+            return f"time model not calibrated (--calibration off): admission predicts once {MIN_SAMPLES} steps ran"
         how = "read from the cache" if self.source == "cached" else "profiled"
         kinds = f"{sum(1 for s in self.steps if s.prefill_tokens)} prefill, " \
                 f"{sum(1 for s in self.steps if not s.prefill_tokens)} decode"
@@ -227,7 +227,8 @@ def _fits(probe, contexts, decode_steps: int = 0) -> bool:
 def _prefill_shapes(probe) -> list[tuple[int, ...]]:
     """The shapes that fit this engine, the first ones again until there are MIN_SAMPLES (a small token budget
     or batch leaves few)."""
-    fitting = [shape for shape in PREFILL_SHAPES if _fits(probe, shape)] or [(probe.scheduler.config.max_num_batched_tokens,)]
+    budget = probe.scheduler.config.max_num_batched_tokens
+    fitting = [shape for shape in PREFILL_SHAPES if _fits(probe, shape)] or [(min(budget, 16),)]
     return fitting + [fitting[i % len(fitting)] for i in range(MIN_SAMPLES - len(fitting))]
 
 
