@@ -104,3 +104,14 @@ def test_a_landing_is_reported_again_only_when_it_moved_past_the_threshold():
     assert lands.moved(5.0, eta.get) == [("b", eta["b"])]
     assert lands.reported["b"] == 5.0 + eta["b"]
     assert lands.moved(5.0, lambda rid: None) == [] and not lands  # left the link: forgotten
+
+
+def test_unproduced_bytes_count_the_transfers_taken_for_a_link_but_not_yet_computed():
+    b = books()  # r: 18 tokens in blocks of 4 -> 5 blocks, from block 1: 4 to go
+    other = b.open(Outbound("s", "addr", "x2", 0, 8, link="d0", tier="flex"))  # 2 blocks
+    b.open(Outbound("t", "addr", "x3", 0, 8, link="d1"))  # another link
+    assert b.unproduced_bytes("d0", {"default", "flex"}, 10.0) == 60.0
+    assert b.unproduced_bytes("d0", {"default"}, 10.0) == 40.0
+    assert b.unproduced_bytes("d0", {"default", "flex"}, 10.0, but=other) == 40.0
+    b.push("r", end=12)  # 3 blocks computed: 2 to go
+    assert b.unproduced_bytes("d0", {"default"}, 10.0) == 20.0

@@ -97,8 +97,10 @@ class PrefillSide:
         """The format `out` travels in (`pdserve.core.pd.wire_format`), from its link's state now."""
         if self.kv_format is None:
             return None
-        backlog = self.outbox.link_backlog(out.link, tiers_ahead(out.tier))
+        ahead = tiers_ahead(out.tier)
+        backlog = self.outbox.link_backlog(out.link, ahead)
         queued, rate = backlog[0] if backlog else (0.0, self.outbox.link_rate_of(out.link))
+        queued += self.books.unproduced_bytes(out.link, ahead, self.block_bytes, but=out)  # taken, not yet computed
         blocks = -(-out.num_tokens // self.block_size) - out.next_block
         compact = self._wire_codec(COMPACT)
         ratio = compact.token_bytes / self.codec.token_bytes if compact is not None else 1.0

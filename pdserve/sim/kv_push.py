@@ -73,10 +73,12 @@ class SimKVPath:
         egress, ingress = self.ports[engine], self.ports[cmd.link]
         blocks = -(-len(cmd.prompt) // self.block_size) - cmd.first_block
         consume = None if f.deadline_s == float("inf") else f.deadline_s - self.loop.now
-        out.wire_format = wire.policy.choose(
-            f.tier, wire.pool, blocks * self.block_bytes,
-            LinkView(self.links.queued_bytes(egress, tiers_ahead(f.tier)), min(egress.bandwidth, ingress.bandwidth)),
-            consume, wire.ratio(COMPACT))
+        ahead = tiers_ahead(f.tier)
+        queued = self.links.queued_bytes(egress, ahead) + self.books_of(engine).unproduced_bytes(
+            cmd.link, ahead, self.block_bytes, but=out)  # on the link, and taken but not yet computed
+        out.wire_format = wire.policy.choose(f.tier, wire.pool, blocks * self.block_bytes,
+                                             LinkView(queued, min(egress.bandwidth, ingress.bandwidth)), consume,
+                                             wire.ratio(COMPACT))
         f.wire_ratio = wire.ratio(out.wire_format)
 
     def abort(self, engine: str, rid: str) -> None:

@@ -168,5 +168,12 @@ class PrefillBooks:
         self.lent = [lent for lent in self.lent if lent.dest != dest]
         return gone, lent
 
+    def unproduced_bytes(self, link: str, tiers: set[str], block_bytes: float, but: Outbound | None = None) -> float:
+        """KV this worker took for `link` (transfers of `tiers`, other than `but`) and has not produced yet: the
+        backlog the link will carry beyond what is queued on it now."""
+        return sum((-(-out.num_tokens // self.block_size) - out.next_block) * block_bytes
+                   for out in self.outbound.values()
+                   if out is not but and out.link == link and out.tier in tiers and not out.failed)
+
     def failed_requests(self) -> list[str]:
         return [rid for rid, out in self.outbound.items() if out.failed]
