@@ -12,7 +12,8 @@ import pytest
 
 from pdserve.conductor.admission import Admission
 from pdserve.conductor.conductor_core import ConductorCore, Count, Send
-from pdserve.conductor.routing import WorkerLoad, make_routing_policy
+from pdserve.conductor.routing import WorkerLoad
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.conductor.ttft_routing import PairRequest, PredictedTtft
 from pdserve.conductor.wire import Ready, Reserve
 

@@ -186,16 +186,3 @@ class PrefixAffinity:
             return None
         total = max(min(len(block_hashes), AFFINITY_BLOCKS), 1)
         return min(live, key=lambda w: w.outstanding - self.weight * w.prefix_blocks(block_hashes) / total)
-
-
-POLICIES = ("least-loaded", "prefix-affinity", "predicted-ttft")
-
-
-def make_routing_policy(name: str) -> RoutingPolicy:
-    """predicted-ttft: `pdserve.conductor.ttft_routing` (it builds on this module's policies)."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
-    if name == "predicted-ttft":
-        from pdserve.conductor.ttft_routing import PredictedTtft
-        return PredictedTtft()
-    return {"least-loaded": LeastLoaded, "prefix-affinity": PrefixAffinity}[name]()

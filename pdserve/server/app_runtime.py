@@ -16,7 +16,7 @@ from pdserve.conductor.wire import Shutdown
 from pdserve.worker.wire_codec import pack
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.core.settings import KvBlockSettings, default_of
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.errors import PdserveError
 from pdserve.model.config import ModelConfig, model_fingerprint
 from pdserve.server.api import BodyLimit, SendTimeout, create_app

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.conductor.admission import Admission
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.core.sched.decode_cadence import DecodeCadence
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.kvstore import kv_codecs
