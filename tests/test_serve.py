@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import Server
+from serve_util import Server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -82,19 +82,13 @@ def test_kernel_fallbacks_reach_the_metrics(pd_server):
     worker that ran the prompt has reported its stats. Kernels off: every call counted."""
     before = pd_server.metric("pdserve_prefix_cache_query_tokens_total", worker="prefill-0")
     client(pd_server).completions.create(model=MODEL, prompt="Hi there", max_tokens=2)
-    deadline = time.monotonic() + 10
-    while (pd_server.metric("pdserve_prefix_cache_query_tokens_total", worker="prefill-0") == before
-           and time.monotonic() < deadline):
-        time.sleep(0.25)
-    assert pd_server.metric("pdserve_prefix_cache_query_tokens_total", worker="prefill-0") > before
+    assert pd_server.wait_metric("pdserve_prefix_cache_query_tokens_total", lambda v: v > before,
+                                 worker="prefill-0") > before
     assert pd_server.metric("pdserve_fallbacks_total", kind="kernel_torch_path") == 0
     server = Server("--mode", "colocated", env={"PDSERVE_KERNELS": "0"})  # every kernel call takes torch's path
     try:
         client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-        deadline = time.monotonic() + 5
-        while server.metric("pdserve_fallbacks_total", kind="kernel_torch_path") == 0 and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert server.metric("pdserve_fallbacks_total", kind="kernel_torch_path") > 0
+        assert server.wait_metric("pdserve_fallbacks_total", lambda v: v > 0, kind="kernel_torch_path") > 0
     finally:
         server.stop()
 
@@ -112,10 +106,7 @@ def test_models_and_health(pd_server):
 def test_completions_and_chat_equal_single_engine(pd_server, reference):
     check_completions_and_chat(pd_server, reference)
     assert pd_server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") >= 4
-    deadline = time.monotonic() + 5  # worker stats arrive every second or so
-    while pd_server.metric("pdserve_kv_chunks_sent_total", mode="in_place") == 0 and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert pd_server.metric("pdserve_kv_chunks_sent_total", mode="in_place") > 0  # shm: read in place
+    assert pd_server.wait_metric("pdserve_kv_chunks_sent_total", lambda v: v > 0, mode="in_place") > 0  # shm: in place
 
 
 def test_streaming_equals_non_streaming(pd_server, reference):
@@ -311,14 +302,6 @@ def shape_server(request):
     assert server.stop() == 0
 
 
-def _eventually(read, timeout_s: float = 5.0):
-    """Poll `read()` until it is truthy (worker stats arrive every 0.25 s); return its last value."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := read()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return value
-
-
 def test_other_shapes_equal_single_engine(shape_server, reference):
     server = shape_server
     if "--api-key" in server.args:
@@ -332,8 +315,8 @@ def test_other_shapes_equal_single_engine(shape_server, reference):
     if server.shape == "tcp":
         assert server.metric("pdserve_kv_transfer_failures_total") == 0
         assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="recompute") == 0
-        assert _eventually(lambda: server.metric("pdserve_kv_chunks_sent_total", worker="prefill-0",
-                                                 mode="payload")) > 0  # tcp: the bytes travel
+        assert server.wait_metric("pdserve_kv_chunks_sent_total", lambda v: v > 0, worker="prefill-0",
+                                  mode="payload") > 0  # tcp: the bytes travel
         assert server.metric("pdserve_kv_chunks_sent_total", mode="in_place") == 0
 
 
@@ -359,9 +342,9 @@ def test_priority_serves_an_urgent_request_before_queued_ones(shape_server):
         long = asyncio.create_task(run(c, "long", 0, 2000, started[1]))
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         queued = [asyncio.create_task(run(c, f"low{i}", 10, 4)) for i in range(2)]
-        assert await asyncio.to_thread(_eventually, lambda: server.metric("pdserve_num_requests_waiting") >= 2)
+        assert await asyncio.to_thread(wait_for, lambda: server.metric("pdserve_num_requests_waiting") >= 2)
         queued.append(asyncio.create_task(run(c, "urgent", -1, 4)))
-        assert await asyncio.to_thread(_eventually, lambda: server.metric("pdserve_num_requests_waiting") >= 3)
+        assert await asyncio.to_thread(wait_for, lambda: server.metric("pdserve_num_requests_waiting") >= 3)
         assert not short.done()  # the queue formed behind both slots
         await asyncio.wait_for(asyncio.gather(short, *queued), 120)
         long.cancel()  # the client leaves: the request is aborted
@@ -393,7 +376,7 @@ def test_listeners_bind_loopback_and_a_foreign_kv_peer_is_refused(shape_server, 
                 assert s.recv(1) == b""  # closed on us
             except ConnectionResetError:  # (closed with our bytes unread)
                 pass
-    assert _eventually(lambda: server.metric("pdserve_rejected_connections_total", endpoint="kv_tcp") == 2)
+    assert wait_for(lambda: server.metric("pdserve_rejected_connections_total", endpoint="kv_tcp") == 2)
     check_completions_and_chat(server, reference, (0,))  # our own peers are served as before
 
 
@@ -429,9 +412,9 @@ def test_a_foreign_process_cannot_command_a_worker_or_speak_for_one(shape_server
         def refused(endpoint: str) -> float:
             return server.metric("pdserve_rejected_connections_total", endpoint=endpoint) - before[endpoint]
 
-        assert _eventually(lambda: refused("control") >= 4)
+        assert wait_for(lambda: refused("control") >= 4)
         if len(targets) == 3:
-            assert _eventually(lambda: refused("kv_shm") >= 2)
+            assert wait_for(lambda: refused("kv_shm") >= 2)
         check_completions_and_chat(server, reference, (0,))  # the worker got no shutdown, nor the gateway a lie
         assert server.worker_pid(name) == pid
     finally:
@@ -459,10 +442,10 @@ def test_the_only_decode_worker_killed_is_restarted_and_its_requests_finish_unch
         stream = await c.completions.create(prompt=prompts[1], stream=True, **body)
         text = (await anext(stream)).choices[0].text
         assert await asyncio.to_thread(
-            _eventually, lambda: server.metric("pdserve_num_requests_running", worker=name) >= 2)
+            wait_for, lambda: server.metric("pdserve_num_requests_running", worker=name) >= 2)
         os.kill(server.worker_pid(name), signal.SIGKILL)
-        await asyncio.sleep(0.5)
-        healths.append(await asyncio.to_thread(httpx.get, server.url + "/health"))
+        healths.append(await asyncio.to_thread(  # once the gateway has seen it die
+            wait_for, lambda: httpx.get(server.url + "/health"), lambda r: r.status_code == 503, 30))
         async for chunk in stream:
             text += chunk.choices[0].text
         return [(await whole).choices[0].text, text]
@@ -489,7 +472,7 @@ def test_faults_corrupt_kv_dead_prefill_worker_and_clean_shutdown(reference):
         assert server.metric("pdserve_kv_transfer_time_seconds_count", outcome="delivered") == 0
         assert len(server.worker_pids()) == 2
         os.kill(server.worker_pid("prefill-0"), signal.SIGKILL)
-        _eventually(lambda: httpx.get(server.url + "/health").json()["status"] == "degraded", 10)
+        wait_for(lambda: httpx.get(server.url + "/health").json()["status"] == "degraded", timeout_s=10)
         health = httpx.get(server.url + "/health")  # the decode worker serves on: 200, degraded
         states = {w["name"]: (w["role"], w["state"]) for w in health.json()["workers"]}
         assert health.status_code == 200 and states == {"prefill-0": ("prefill", "dead"),
@@ -499,8 +482,7 @@ def test_faults_corrupt_kv_dead_prefill_worker_and_clean_shutdown(reference):
     finally:
         pids = server.worker_pids()
         assert server.stop() == 0
-    time.sleep(1)
-    assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in pids)
+    assert wait_for(lambda: all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in pids))
 
 
 def _is_zombie(pid: int) -> bool:
