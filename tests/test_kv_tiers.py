@@ -26,6 +26,7 @@ from pdserve.core.kvstore.block_manager import KVBlockManager
 from pdserve.core.kvstore.kv_meta import (BlockMeta, HeatPolicy, LifecycleConfig, LRUPolicy, Stage, Tier,
                                   make_eviction_policy, pick_victim, stage_of)
 from pdserve.core.kvstore.kv_tier_index import TierIndex
+from pdserve.core.kvstore.kv_ops import TierCapacity
 from pdserve.core.kvstore.kv_tiers import KVLoad, KVOp, TieredKV, TierHit, build_tiered_kv
 from pdserve.core.request import RequestStatus
 from pdserve.core.sampling_params import SamplingParams
@@ -214,7 +215,8 @@ def test_reserve_copies_metadata_from_the_tier_above():
                sla_class="gold", use_count=4, heat=2.5, heat_at_s=4.0)
     m = tier.reserve(1, 10.0, src)
     assert (m.tier, m.last_use_s, m.use_count, m.heat, m.heat_at_s) == (Tier.DISK, 5.0, 4, 2.5, 4.0)
-    assert (m.expected_use_at_s, m.pinned_until_s, m.codec, m.sla_class) == (9.0, 3.0, "int8", "gold")
+    assert (m.expected_use_at_s, m.pinned_until_s, m.sla_class) == (9.0, 3.0, "gold")
+    assert m.codec == tier.codec == "float32"  # its bytes are in this tier's format, not the one above's
     assert not m.ready
 
 
@@ -363,11 +365,7 @@ def test_restore_respects_capacity():
     check_index(tier)
 
 
-@dataclass(frozen=True)
-class Capacity:
-    host_blocks: int
-    disk_blocks: int
-    block_bytes: int
+Capacity = TierCapacity  # (host_blocks, disk_blocks, block_bytes[, tier codecs])
 
 
 def test_build_tiered_kv_restores_the_most_recently_used_and_deletes_the_rest():
@@ -586,10 +584,12 @@ def run_engine(engine: LLMEngine, io: LoopbackIO, outs: dict | None = None, max_
 
 
 def drain(engine: LLMEngine, io: LoopbackIO, max_steps: int = 100) -> None:
-    """Run every operation to its end (including the flushes their completions start)."""
+    """Run every operation to its end (including the flushes their completions start), and the loads of
+    promotions due (`kv_placement`: an idle worker steps for them)."""
     for _ in range(max_steps):
         io.release()
-        if engine.tiers.num_ops_in_flight == 0 and not io.queue and not io.done:
+        if (engine.tiers.num_ops_in_flight == 0 and not io.queue and not io.done
+                and not engine.scheduler.has_pending_loads):
             break
         engine.step()
     else:
@@ -852,8 +852,9 @@ def test_restored_disk_blocks_are_served():
     serve(engine, io, "a", a)
     drain(engine, io)
     files = dict(io.disk)
-    # Second run, same folder: only disk, nothing on the device or in host.
-    restored = [(h, 0.0, 1.0) for h in files]
+    # Second run, same folder: only disk, nothing on the device or in host (files an hour old).
+    stamp = time.time() - 3600.0
+    restored = [(h, stamp, stamp) for h in files]
     engine2, io2 = tiered_engine(num_blocks=8, host=6, disk=64, restored=restored)
     io2.disk.update(files)
     again = serve(engine2, io2, "a2", a)

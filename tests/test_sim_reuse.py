@@ -40,9 +40,10 @@ def _workload(n=24, length_scale=0.03):
 
 
 def _reference(workload, prompts, cfg, num_blocks, block_size, tm):
-    """LLMEngine + FakeExecutor on a virtual clock: arrivals up to now join before each step."""
+    """LLMEngine + FakeExecutor on a virtual clock (the engine's too: which cached block is evicted first
+    depends on time, `kv_meta.StagedPolicy`): arrivals up to now join before each step."""
     executor = ConstFake(block_size=block_size, vocab_size=32000)
-    engine = LLMEngine(executor, cfg, num_blocks)
+    engine = LLMEngine(executor, cfg, num_blocks, clock=lambda: clock)
     reqs, clock, i = workload.requests, 0.0, 0
     while i < len(reqs) or engine.has_unfinished():
         sched = engine.scheduler

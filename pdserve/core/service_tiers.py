@@ -32,6 +32,13 @@ _WEIGHTS = {"priority": 1.0, "default": 1.0, "flex": 0.5}
 _RANK = {"priority": 0, "default": 1, "flex": 1}  # priority always ahead; default and flex by deadline
 
 
+def retention_weight(name: str) -> float:
+    """How much a block a tier's requests use is worth keeping in a KV tier, relative to `default`'s: the
+    tier's weight, doubled for the guaranteed tier (so at equal heat a priority prefix outlives a default one,
+    which outlives a flex one; `pdserve.core.kvstore.kv_meta.StagedPolicy`). An unknown name counts as default."""
+    return _WEIGHTS.get(name, 1.0) * (2.0 if _RANK.get(name) == 0 else 1.0)
+
+
 @dataclass(frozen=True)
 class ServiceTier:
     name: str

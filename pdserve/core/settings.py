@@ -203,10 +203,23 @@ class KvTierSettings:
     kv_disk_gb: float = setting(16.0, "Disk KV tier size per worker, in GiB (serve, worker: with --kv-disk-dir; "
                                 "simulate: per engine, 0 none, needs a host tier).")
     kv_eviction_policy: str = setting("lru", "Which cached KV block leaves a full tier first: lru or heat (decayed "
-                                      "use count).")
+                                      "use count); under --kv-placement write-through.")
+    kv_placement: str = setting("staged", "How KV moves between the device, host and disk tiers: write-through "
+                                "(copied down as produced, evicted by --kv-eviction-policy, nothing moved up ahead "
+                                "of a request) or staged (copied down the same way; blocks expected back, from "
+                                "their prefix's think time, are prefetched disk -> host -> device ahead of that "
+                                "use, and a full tier evicts by stage, class and expected use: decayed, one-off "
+                                "and flex blocks first).")
+    kv_max_age_s: float = setting(86400.0, "KV retention limit: a block in the host or disk tier produced longer "
+                                  "ago than this is never served (dropped, recomputed), nor restored from an "
+                                  "earlier run's disk tier.")
 
     def __post_init__(self) -> None:
         from pdserve.core.kvstore.kv_meta import EVICTION_POLICIES
+        from pdserve.core.kvstore.kv_placement import PLACEMENTS
+        _require(self.kv_placement in PLACEMENTS, f"unknown kv_placement {self.kv_placement!r}; choose from "
+                 f"{', '.join(PLACEMENTS)}", "kv_placement")
+        _require(self.kv_max_age_s > 0, f"kv_max_age_s must be positive, got {self.kv_max_age_s!r}", "kv_max_age_s")
         _require(self.kv_host_gb >= 0, f"kv_host_gb must be >= 0, got {self.kv_host_gb!r}", "kv_host_gb")
         _require(self.kv_disk_gb >= 0, f"kv_disk_gb must be >= 0, got {self.kv_disk_gb!r}", "kv_disk_gb")
         if self.kv_eviction_policy not in EVICTION_POLICIES:

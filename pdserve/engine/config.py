@@ -51,6 +51,8 @@ class EngineConfig:
     blocks are read from the host tier layer by layer, so a context may outgrow the device pool (needs a
     host tier; colocated workers and LLM only)."""
     kv_eviction_policy: str = shared(KvTierSettings, "kv_eviction_policy")
+    kv_placement: str = shared(KvTierSettings, "kv_placement")
+    kv_max_age_s: float = shared(KvTierSettings, "kv_max_age_s")
     queue_policy: str = default_of(SchedulerConfig, "queue_policy")
     """Waiting-queue and preemption order: tiered (by service tier, FCFS within one), fcfs or priority (the
     request's integer priority, lowest first)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.kvstore.block_manager import KVBlockManager
 from pdserve.core.kvstore.kv_meta import LifecycleConfig, Stage, make_eviction_policy
+from pdserve.core.kvstore.kv_placement import KVLifecycle
 from pdserve.core.kvstore.kv_tiers import TieredKV, build_tiered_kv
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
@@ -54,21 +55,26 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, enable_prefix_caching: bool = True,
                  eos_token_ids: tuple[int, ...] = (),
                  kv_eviction_policy: str = default_of(KvTierSettings, "kv_eviction_policy"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 kv_placement: str = default_of(KvTierSettings, "kv_placement"),
+                 kv_max_age_s: float = default_of(KvTierSettings, "kv_max_age_s"), kv_format: str = "float32") -> None:
+        """`kv_format`: the KV pool's codec as its blocks record it (`auto` resolved to the model dtype)."""
         self.executor = executor
         self.tokenizer = tokenizer
         lifecycle = LifecycleConfig()
-        eviction = make_eviction_policy(kv_eviction_policy, lifecycle)
+        eviction = make_eviction_policy(kv_eviction_policy, lifecycle, kv_placement)
         self.block_manager = KVBlockManager(num_kv_blocks, executor.block_size, enable_prefix_caching,
-                                            eviction=eviction, lifecycle=lifecycle, clock=clock)
+                                            eviction=eviction, lifecycle=lifecycle, clock=clock, codec=kv_format)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         # Host and disk tiers, when the executor has them (`kv_io` moves their bytes)
         self.kv_io = getattr(executor, "kv_io", None)
         self.tiers: TieredKV | None = None
         if self.kv_io is not None and enable_prefix_caching:
             self.tiers = build_tiered_kv(self.block_manager, self.kv_io.capacity, eviction, lifecycle,
-                                         self.kv_io.restored(), wall_now=time.time())
+                                         self.kv_io.restored(), wall_now=time.time(), max_age_s=kv_max_age_s)
             self.scheduler.tiers = self.tiers
+        # the blocks' metadata set from what this worker sees, and the placement that reads it
+        self.kv_lifecycle = self.scheduler.lifecycle = KVLifecycle(self.block_manager, self.tiers, kv_placement)
         self.eos_token_ids = eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -129,7 +135,10 @@ class LLMEngine:
     def poll_kv(self) -> None:
         """Take in the tier operations the I/O runner finished, and let expired prewarm pins go (also called
         by an idle worker loop)."""
-        self.block_manager.expire_pins(self.block_manager.clock())
+        now = self.block_manager.clock()
+        self.block_manager.expire_pins(now)
+        if self.kv_lifecycle.next_due_s() <= now:
+            self.kv_lifecycle.run_due(now)
         if self.tiers is not None:
             for op_id, failures in self.kv_io.poll():
                 self.tiers.complete(op_id, failures)
@@ -139,17 +148,20 @@ class LLMEngine:
         """Blocks per tier and lifecycle stage, capacities, prefix-hit tokens per tier, bytes moved per tier
         and direction, corrupt blocks dropped: what a worker's stats carry to the metrics."""
         blocks, hits = self.block_manager, self.scheduler.stats.num_prefix_hit_tokens
+        placement = self.kv_lifecycle.report()
         if self.tiers is None:
             counts = blocks.stage_counts(blocks.clock())
             stages = {"device": {s.value: counts.get(s, 0) for s in Stage}}  # zeros too: gauges must drop
             return {"stages": stages, "capacity": {"device": blocks.num_blocks}, "hits": {"device": hits},
-                    "bytes_in": {}, "bytes_out": {}, "corrupt": {}, "disk_full": 0}
+                    "bytes_in": {}, "bytes_out": {}, "corrupt": {}, "disk_full": 0, "placement": placement,
+                    "unservable": {}}
         st = self.tiers.stats
         lower = {t.value: n for t, n in st.hit_tokens.items()}
         as_dict = lambda c: {t.value: n for t, n in c.items()}  # noqa: E731
         return {"stages": self.tiers.stage_counts(), "capacity": self.tiers.capacities(),
                 "hits": {"device": hits - sum(lower.values()), **lower}, "bytes_in": as_dict(st.bytes_in),
-                "bytes_out": as_dict(st.bytes_out), "corrupt": as_dict(st.corrupt), "disk_full": st.disk_full}
+                "bytes_out": as_dict(st.bytes_out), "corrupt": as_dict(st.corrupt), "disk_full": st.disk_full,
+                "placement": placement, "unservable": dict(st.unservable)}
 
     def _outputs_of(self, request_id: str) -> list[int]:
         req = self.scheduler.requests.get(request_id)

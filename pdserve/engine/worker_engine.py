@@ -27,8 +27,11 @@ def build_engine_at(model_dir: Path, config: EngineConfig, detokenize: bool = Tr
                             max_model_len=executor.info.max_model_len, queue_policy=config.queue_policy,
                             tier_weights=config.tier_weights,
                             service_tiers=tuple(config.service_tiers))
-    engine = LLMEngine(executor, sched, executor.info.num_kv_blocks, tokenizer if detokenize else None,
-                       config.enable_prefix_caching, tokenizer.eos_token_ids, config.kv_eviction_policy)
+    info = executor.info
+    engine = LLMEngine(executor, sched, info.num_kv_blocks, tokenizer if detokenize else None,
+                       config.enable_prefix_caching, tokenizer.eos_token_ids, config.kv_eviction_policy,
+                       kv_placement=config.kv_placement, kv_max_age_s=config.kv_max_age_s,
+                       kv_format=info.dtype if info.kv_cache_dtype == "auto" else info.kv_cache_dtype)
     if long_context and engine.tiers is not None:
         engine.scheduler.enable_long_context(config.kv_hot_window_tokens)
     return engine

@@ -31,12 +31,15 @@ from pdserve.kv.transcode import transcode
 
 class TierIO:
     def __init__(self, device_layers: Sequence[torch.Tensor], host: HostKVStore, disk: DiskKVStore | None,
-                 disk_blocks: int = 0, disk_recode: tuple[KVCodec, KVCodec] | None = None) -> None:
+                 disk_blocks: int = 0, disk_recode: tuple[KVCodec, KVCodec] | None = None,
+                 codecs: tuple[str, str] | None = None) -> None:
+        """`codecs`: the names of the host and disk tiers' codecs (the blocks' metadata records them)."""
         self.layers = device_layers
         self.host = host
         self.disk = disk
         self.disk_recode = disk_recode  # (host codec, disk codec) when they differ
-        self.capacity = TierCapacity(host.num_slots, disk_blocks if disk is not None else 0, host.slot_nbytes)
+        self.capacity = TierCapacity(host.num_slots, disk_blocks if disk is not None else 0, host.slot_nbytes,
+                                     *(codecs or (None, None)))
         self.busy_s = collections.Counter()  # seconds spent per operation kind (bandwidth = bytes / time)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done: collections.deque = collections.deque()

@@ -147,6 +147,14 @@ class Metrics:
                                   "tier", ["worker", "tier", "direction"], registry=r)
         self.tier_corrupt = Counter("pdserve_kv_tier_corrupt", "KV blocks found damaged in a tier and dropped "
                                     "(never served)", ["worker", "tier"], registry=r)
+        self.tier_moves = Counter("pdserve_kv_tier_moves", "KV blocks moved between tiers (pdserve.core.kvstore."
+                                  "kv_placement): promotion (up; stage active: a request's hit, decay: ahead of an "
+                                  "expected use), demotion (left a tier, lives on below) or drop (left with no copy "
+                                  "below, dst none), by the block's lifecycle stage then",
+                                  ["worker", "kind", "stage", "src", "dst"], registry=r)
+        self.kv_prefetch = Counter("pdserve_kv_prefetch_blocks", "KV blocks moved up ahead of an expected use "
+                                   "(--kv-placement staged): issued, used (read by a request since) or wasted "
+                                   "(evicted or lapsed unread)", ["worker", "outcome"], registry=r)
         self.prefix_queries = Counter("pdserve_prefix_cache_query_tokens", "Prompt tokens looked up in the "
                                       "prefix cache", ["worker"], registry=r)
         self.prompt_computed = Counter("pdserve_prompt_tokens_computed", "Prompt tokens a worker ran through the "
@@ -386,6 +394,17 @@ class Metrics:
         for tier, n in kv["corrupt"].items():
             self._inc_total(self.tier_corrupt, (w, f"corrupt:{tier}"), n, worker=w, tier=tier)
         self._inc_total(self.fallbacks, (w, "kv_disk_full"), kv["disk_full"], kind="kv_disk_full")
+        for why, n in kv.get("unservable", {}).items():  # stale or in another codec: dropped, recomputed
+            self._inc_total(self.fallbacks, (w, f"kv_unservable:{why}"), n, kind=f"kv_unservable_{why}")
+        placement = kv.get("placement")
+        if placement:
+            for m in placement["moves"]:
+                labels = {k: m[k] for k in ("kind", "stage", "src", "dst")}
+                self._inc_total(self.tier_moves, (w, "move:" + ":".join(labels.values())), m["blocks"], worker=w,
+                                **labels)
+            for outcome, n in placement["prefetch"].items():
+                self.kv_prefetch.labels(worker=w, outcome=outcome)  # every outcome's series, from the start
+                self._inc_total(self.kv_prefetch, (w, f"prefetch:{outcome}"), n, worker=w, outcome=outcome)
 
     def count(self, metric: str, labels: tuple) -> None:
         """A `Count` action of the conductor core."""

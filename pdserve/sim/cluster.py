@@ -70,6 +70,8 @@ class ClusterSpec:
     host_kv_gb: float = SIM_KV_TIERS.kv_host_gb  # --kv-host-gb: host KV tier per engine, GiB (0: none)
     disk_kv_gb: float = SIM_KV_TIERS.kv_disk_gb  # --kv-disk-gb: disk KV tier per engine (0: none; needs a host tier)
     kv_eviction_policy: str = shared(KvTierSettings, "kv_eviction_policy")  # in every tier
+    kv_placement: str = shared(KvTierSettings, "kv_placement")
+    kv_max_age_s: float = shared(KvTierSettings, "kv_max_age_s")
     kv_host_cache_dtype: str | None = shared(CodecSettings, "kv_host_cache_dtype")  # default: the pool's
     kv_disk_cache_dtype: str | None = shared(CodecSettings, "kv_disk_cache_dtype")  # default: the host tier's
     host_link_gb_s: float | None = None  # per GPU, GB/s each way; None: the GPU preset's
@@ -100,7 +102,8 @@ class ClusterSpec:
             raise InvalidRequestError("engine counts and tp must be positive")
         # the shared settings' own checks (pdserve.core.settings), then the simulator's
         pick(KvBlockSettings, self)
-        KvTierSettings(self.host_kv_gb, self.disk_kv_gb, self.kv_eviction_policy)
+        KvTierSettings(self.host_kv_gb, self.disk_kv_gb, self.kv_eviction_policy, self.kv_placement,
+                       self.kv_max_age_s)
         if self.disk_kv_gb and not self.host_kv_gb:
             raise InvalidRequestError("a disk KV tier needs a host tier: set --kv-host-gb > 0", param="kv_disk_gb")
         ServiceTiers.from_specs(self.service_tiers)  # a bad spec fails here, in one line
@@ -151,7 +154,7 @@ def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, model: ModelSpec) -> TierSpec 
         name, model.num_layers, model.num_kv_heads, model.hd, model.dtype_bytes) for name in codecs)
     return tier_spec(spec.host_kv_gb, spec.disk_kv_gb, host_bytes, bw(spec.host_link_gb_s, gpu.host_link_bw),
                      bw(spec.disk_read_gb_s, gpu.disk_read_bw), bw(spec.disk_write_gb_s, gpu.disk_write_bw),
-                     disk_bytes)
+                     disk_bytes, codecs)
 
 
 def sim_wire(spec: ClusterSpec, model: ModelSpec) -> SimWire:
@@ -188,7 +191,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
                               tier_weights=spec.tier_weights)
         return SimEngine(name, role, loop, time_model, cfg, blocks, spec.block_size, block_bytes, tiers, conductor,
                          spec.fast_forward, vocab_size=max(model.vocab, 1024),
-                         kv_eviction_policy=spec.kv_eviction_policy,
+                         kv_eviction_policy=spec.kv_eviction_policy, kv_placement=spec.kv_placement,
+                         kv_max_age_s=spec.kv_max_age_s, kv_format=model.kv_format,
                          cadence=DecodeCadence() if role == "decode" and spec.decode_cadence == "steady" else None)
 
     for role, n in roles.items():
@@ -254,7 +258,7 @@ def kv_tier_stats(e: SimEngine, duration_s: float) -> dict:
             "hit_tokens": {t: rep["hits"].get(t, 0) for t in STORAGE_TIERS},
             "bytes_in": {t: rep["bytes_in"].get(t, 0) for t in STORAGE_TIERS},
             "bytes_out": {t: rep["bytes_out"].get(t, 0) for t in STORAGE_TIERS},
-            "stages": rep["stages"],
+            "stages": rep["stages"], "placement": rep["placement"],
             "io": e.kv_io.stats(duration_s) if e.kv_io is not None else None}
 
 

@@ -70,7 +70,9 @@ class SimEngine:
                  num_blocks: int, block_size: int, block_bytes: int, tiers: TierSpec | None, hooks: EngineHooks,
                  fast_forward: bool = True, vocab_size: int = 32000,
                  kv_eviction_policy: str = default_of(KvTierSettings, "kv_eviction_policy"),
-                 cadence: DecodeCadence | None = None) -> None:
+                 cadence: DecodeCadence | None = None,
+                 kv_placement: str = default_of(KvTierSettings, "kv_placement"),
+                 kv_max_age_s: float = default_of(KvTierSettings, "kv_max_age_s"), kv_format: str = "bfloat16") -> None:
         self.name, self.role, self.loop, self.hooks = name, role, loop, hooks
         self.cadence = cadence  # a decode engine's step cadence (`--decode-cadence steady`)
         self._cadence_log: list[tuple[float, float, float | None, bool]] = []  # a window's steps, for the cadence
@@ -78,7 +80,8 @@ class SimEngine:
         self.kv_io = SimTierIO(tiers, self.clock) if tiers is not None else None
         self.executor = SimExecutor(time_model, block_size, vocab_size, kv_io=self.kv_io)
         self.engine = LLMEngine(self.executor, config, num_blocks, kv_eviction_policy=kv_eviction_policy,
-                                clock=self.clock)
+                                clock=self.clock, kv_placement=kv_placement, kv_max_age_s=kv_max_age_s,
+                                kv_format=kv_format)
         self.tiers = self.engine.tiers  # the real TieredKV (None without a host tier)
         if tiers is not None:  # a reservation's host hits, loaded ahead of its KV: what a copy engine moves
             # during the lightest decode step's forward, per step (the rest in later steps)
@@ -139,7 +142,7 @@ class SimEngine:
                 # started (a prefetch), and the engine wakes when an operation ends if a reservation waits.
                 self.engine.poll_kv()
                 self.kv_io.start(now)
-                if self.hooks.has_pending(self):
+                if self.hooks.has_pending(self) or self.engine.kv_lifecycle.next_wake_s() < float("inf"):
                     self._arm_kv_wake()
             return
         hold = self.hooks.hold_production_s(self)
@@ -192,8 +195,12 @@ class SimEngine:
                 self.peak_tier_blocks[name] = len(tier)
 
     def _arm_kv_wake(self) -> None:
-        """Wake when the next tier operation ends: work may be waiting for it."""
+        """Wake when the next tier operation ends (work may be waiting for it), or when the placement's next
+        move ahead of an expected use is due (`KVLifecycle.next_wake_s`)."""
         t = self.kv_io.next_done_s() if self.kv_io is not None else None
+        move = self.engine.kv_lifecycle.next_wake_s()
+        if move < float("inf"):
+            t = move if t is None else min(t, move)
         if t is None:
             return
         t = max(t, self.loop.now)
@@ -206,7 +213,8 @@ class SimEngine:
         if t != self._kv_wake_s:
             return  # an earlier wake-up took its place
         self._kv_wake_s = None
-        if not self.busy and (self.scheduler.num_waiting or self.hooks.has_pending(self)):
+        if not self.busy and (self.scheduler.num_waiting or self.hooks.has_pending(self)
+                              or self.engine.kv_lifecycle.next_wake_s() <= self.loop.now):
             self.busy = True
             self.loop.at(self.loop.now, self._boundary)
 
@@ -215,6 +223,8 @@ class SimEngine:
         wake = self._wake_s(now, decode=True)
         window = fastforward.plan(self.scheduler, self.executor.time_model, now + wake, self.executor.token_id,
                                   pace=self._window_pace(now, wake), boundary_s=now)
+        if window is not None and self.engine.kv_lifecycle.next_wake_s() < window.ends[-1]:
+            window = fastforward.cut_before(window, self.engine.kv_lifecycle.next_wake_s(), now + wake)
         if window is None:
             return False
         self.window, self._window_open_s = window, now  # the window's steps start at now + wake
@@ -302,7 +312,8 @@ class _WindowTierWork:
     def before(self, i: int) -> None:  # LLMEngine.step's poll_kv; SimExecutor.execute starts what it submits
         e = self.e
         e._clock_s = t = self.starts[i - 1]
-        if e.kv_io.due(t) or e.engine.block_manager.has_pins or e.tiers.has_new_ops:
+        if (e.kv_io.due(t) or e.engine.block_manager.has_pins or e.tiers.has_new_ops
+                or e.engine.kv_lifecycle.next_due_s() <= t):
             e.engine.poll_kv()
             e.kv_io.start(t)
             e._observe_tiers()

@@ -18,6 +18,7 @@ A step with host -> device loads pending (a reservation's host hits) is never fa
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Protocol
@@ -100,6 +101,18 @@ def plan(sched: Scheduler, time_model: TimeModel, now: float, token_id: int, max
         t = t + time_model.step_time(StepShape.decode(n, ctx + n * i))
         ends.append(t)
     return Window(running, now, ends, allocs)
+
+
+def cut_before(window: Window, t: float, first_start_s: float) -> Window | None:
+    """`window` without the steps that start at or after `t` (the first starts at `first_start_s`): a tier move
+    due then (`KVLifecycle.next_wake_s`) takes effect at the next boundary, as stepping would; None when fewer
+    than MIN_STEPS are left."""
+    k = bisect.bisect_left(window.ends, t) + 1 if first_start_s < t else 0  # steps starting before t
+    if k >= len(window.ends):
+        return window
+    if k < MIN_STEPS:
+        return None
+    return Window(window.requests, window.start_s, window.ends[:k], [a for a in window.allocs if a[0] <= k])
 
 
 class StepWork(Protocol):

@@ -110,6 +110,13 @@ class ModelSpec:
                                             self.dtype_bytes)
 
     @property
+    def kv_format(self) -> str:
+        """The codec the KV blocks record (`auto`: the model's dtype), as the real worker names it."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return {1: "float8", 2: "bfloat16", 4: "float32"}.get(self.dtype_bytes, "bfloat16")
+
+    @property
     def kv_dequant_overhead(self) -> float:
         """Decoding the KV codes, as a share of the time attention takes to read their bytes."""
         return kv_codecs.CODECS[self.kv_cache_dtype].dequant_overhead

@@ -21,6 +21,7 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        prefill_budget=args.prefill_budget, decode_budget=args.decode_budget, routing=args.routing,
                        link_latency_s=args.link_latency_us * 1e-6, host_kv_gb=args.kv_host_gb,
                        disk_kv_gb=args.kv_disk_gb, kv_eviction_policy=args.kv_eviction_policy,
+                       kv_placement=args.kv_placement, kv_max_age_s=args.kv_max_age_s,
                        kv_host_cache_dtype=args.kv_host_cache_dtype, kv_disk_cache_dtype=args.kv_disk_cache_dtype,
                        host_link_gb_s=args.host_link_gb_s, disk_read_gb_s=args.disk_read_gb_s,
                        disk_write_gb_s=args.disk_write_gb_s,

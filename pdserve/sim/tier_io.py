@@ -48,6 +48,7 @@ class TierSpec:
     disk_read_bw: float
     disk_write_bw: float
     disk_block_bytes: int | None = None  # a block in the disk tier's codec; None: block_bytes
+    codecs: tuple[str, str] | None = None  # the host and disk tiers' codec names (None: the pool's)
 
     def link_bytes(self, link: str) -> int:
         """Bytes of one block on `link` (the disk's links carry the disk tier's codec)."""
@@ -55,11 +56,12 @@ class TierSpec:
 
     @property
     def capacity(self) -> TierCapacity:
-        return TierCapacity(self.host_blocks, self.disk_blocks, self.block_bytes)
+        return TierCapacity(self.host_blocks, self.disk_blocks, self.block_bytes, *(self.codecs or (None, None)))
 
 
 def tier_spec(host_gb: float, disk_gb: float, block_bytes: int, host_link_bw: float, disk_read_bw: float,
-              disk_write_bw: float, disk_block_bytes: int | None = None) -> TierSpec | None:
+              disk_write_bw: float, disk_block_bytes: int | None = None,
+              codecs: tuple[str, str] | None = None) -> TierSpec | None:
     """Tiers sized as the real worker sizes them (`pdserve.kv.tier_io.build_tier_io`): host slots of one
     block each (`block_bytes`, in the host tier's codec), disk files of one block (`disk_block_bytes`, in the
     disk tier's; default the host's) plus the file header; None without a host tier."""
@@ -69,7 +71,8 @@ def tier_spec(host_gb: float, disk_gb: float, block_bytes: int, host_link_bw: fl
     disk_bytes = block_bytes if disk_block_bytes is None else disk_block_bytes
     host_blocks = kv_codecs.tier_blocks(host_gb, block_bytes)
     disk_blocks = kv_codecs.tier_blocks(disk_gb, disk_bytes + HEADER.size) if disk_gb else 0
-    return TierSpec(host_blocks, disk_blocks, block_bytes, host_link_bw, disk_read_bw, disk_write_bw, disk_bytes)
+    return TierSpec(host_blocks, disk_blocks, block_bytes, host_link_bw, disk_read_bw, disk_write_bw, disk_bytes,
+                    codecs)
 
 
 class SimTierIO:

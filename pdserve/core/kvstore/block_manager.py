@@ -28,7 +28,7 @@ import numpy as np
 
 from pdserve.core.kvstore.block_hash import BlockHash, hash_blocks, hash_blocks_array
 from pdserve.core.kvstore.block_holds import PrewarmPins
-from pdserve.core.kvstore.kv_columns import MetaColumns, MetaView
+from pdserve.core.kvstore.kv_columns import MetaColumns, MetaView, claim_class, name_code
 from pdserve.core.kvstore.kv_meta import EvictionPolicy, LifecycleConfig, LRUPolicy, Stage, Tier, pick_victim
 from pdserve.core.kvstore.lru_queue import new_queue
 from pdserve.core.kvstore.u64map import new_map
@@ -61,7 +61,8 @@ class KVBlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  cache_salt: bytes = b"", eviction: EvictionPolicy | None = None,
-                 lifecycle: LifecycleConfig | None = None, *, clock: Callable[[], float]) -> None:
+                 lifecycle: LifecycleConfig | None = None, *, clock: Callable[[], float], codec: str = "float32"
+                 ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -70,7 +71,8 @@ class KVBlockManager:
         self._salt = cache_salt
         self._ref = np.zeros(num_blocks, np.int32)
         self._registered = np.zeros(num_blocks, bool)  # full, hashed and in the prefix cache (metadata valid)
-        self.cols = MetaColumns(num_blocks, Tier.DEVICE)
+        self.codec = codec  # the pool's KV format (`MetaColumns.codec` of every block)
+        self.cols = MetaColumns(num_blocks, Tier.DEVICE, codec)
         self._free = new_queue(num_blocks)
         self._free.push_many(np.arange(num_blocks))
         self._cached = new_map(num_blocks)  # block hash -> block id (compiled, bulk calls)
@@ -92,6 +94,10 @@ class KVBlockManager:
         self._deferred: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._cold: dict[str, int] = {}  # long contexts: leading blocks a request moved off the device
         self._pins = PrewarmPins(self.cols, self._registered, self.block_ids, self.hold, self.free)
+        # registered blocks leaving the prefix cache for reuse: (block ids, their stage names) (counted by
+        # `pdserve.core.kvstore.kv_placement`)
+        self.on_evict: Callable[[np.ndarray, np.ndarray], None] | None = None
+        self._prefetch_used = 0  # blocks moved up ahead of a use that a request's hit took since last asked
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -151,13 +157,13 @@ class KVBlockManager:
         return PrefixHit(tuple(hit), tuple(hashes), self.block_size)
 
     # ---- mutations -----------------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None
-                 ) -> list[BlockId] | None:
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None,
+                 sla_class: str | None = None) -> list[BlockId] | None:
         """Grow `request_id`'s table to cover `num_tokens` tokens; return the ids appended, or None.
 
         `prefix` may only be given for a request holding no blocks: its blocks are shared (ref count +1)
-        instead of allocated. On None nothing changed (not enough free blocks). The caller owns the
-        returned ids until it calls `free(request_id)`.
+        instead of allocated, and become `sla_class`'s when it is worth more (`kv_columns.claim_class`). On None
+        nothing changed (not enough free blocks). The caller owns the returned ids until it calls `free(request_id)`.
         """
         table = self._tables.get(request_id, [])
         hit = prefix.block_ids if prefix else ()
@@ -168,6 +174,8 @@ class KVBlockManager:
         if max(num_new, 0) + revived > self._free.size:
             return None
         appended = self._take_refs(hit)
+        if hit and sla_class is not None:
+            claim_class(self.cols, np.asarray(hit, np.int64), sla_class)
         if num_new > 0:
             appended += self._pop_free_many(num_new)
         if table:
@@ -179,9 +187,10 @@ class KVBlockManager:
         return appended
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          decode: bool = False) -> None:
-        """Register the request's blocks that became full and computed, so later requests can hit them.
-        `decode`: they hold generated tokens (a decode step's): handed to the tiers in units (`offload_unit`)."""
+                          decode: bool = False, sla_class: str = "default") -> None:
+        """Register the request's blocks that became full and computed, so later requests can hit them, as
+        `sla_class`'s (the request's service tier). `decode`: they hold generated tokens (a decode step's):
+        handed to the tiers in units (`offload_unit`)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request_id]
@@ -193,7 +202,7 @@ class KVBlockManager:
         first = len(hashes)
         if num_full == first + 1:  # a decode step's: one block, in scalar steps
             self._cache_one(request_id, table[first - cold], self._sequence_hashes(request_id, token_ids,
-                                                                                   num_full)[first], decode)
+                                                                                   num_full)[first], decode, sla_class)
             return
         new_hashes = self._sequence_hashes(request_id, token_ids, num_full)[first:num_full]
         hashes.extend(new_hashes)
@@ -208,10 +217,12 @@ class KVBlockManager:
         new_ids, new_keys = ids[fresh], keys[fresh]
         self._registered[new_ids] = True
         self.cols.fresh(new_ids, new_keys, self.clock(), 1, True)
+        if sla_class != "default":
+            self.cols.sla_class[new_ids] = name_code(sla_class)
         if self.newly_cached is not None:
             self._hand_over(request_id, new_ids, new_keys, decode)
 
-    def _cache_one(self, request_id: str, block_id: int, block_hash: BlockHash, decode: bool) -> None:
+    def _cache_one(self, request_id: str, block_id: int, block_hash: BlockHash, decode: bool, sla_class: str) -> None:
         """`cache_full_blocks` for one block (what most calls are): the same steps on scalars."""
         self._hashes[request_id].append(block_hash)
         if self._registered[block_id] or block_hash in self._cached:  # (a duplicate stays unregistered)
@@ -219,6 +230,8 @@ class KVBlockManager:
         self._cached[block_hash] = block_id
         self._registered[block_id] = True
         self.cols.fresh(block_id, block_hash, self.clock(), 1, True)
+        if sla_class != "default":
+            self.cols.sla_class[block_id] = name_code(sla_class)
         if self.newly_cached is not None:
             self._hand_over(request_id, np.array([block_id], np.int64), np.array([block_hash], np.uint64), decode)
 
@@ -299,6 +312,10 @@ class KVBlockManager:
             registered = ids[self._registered[ids]]
             if len(registered):
                 self.cols.touch(registered, self.clock(), self.lifecycle.heat_half_life_s)
+                ahead = registered[self.cols.prefetched[registered]]
+                if len(ahead):  # moved up ahead of this use (`kv_placement`): used
+                    self._prefetch_used += len(ahead)
+                    self.cols.prefetched[ahead] = False
         return list(block_ids)
 
     def forget(self, request_id: str) -> None:
@@ -335,20 +352,49 @@ class KVBlockManager:
             if len(ids) == 1:  # a decode step's one block, in scalar steps
                 block_id = int(ids[0])
                 if self._registered[block_id]:
+                    if self.on_evict is not None:
+                        self._evicted(ids)
                     block_hash = int(self.cols.block_hash[block_id])
                     if self._cached.get(block_hash) == block_id:
                         del self._cached[block_hash]
                     self._registered[block_id] = False
                 self._ref[block_id] = 1
                 return [block_id]
+        elif hasattr(self.eviction, "scores"):
+            ids = self._victims(count)
         else:
             ids = np.fromiter((self._victim() for _ in range(count)), np.int64, count)
         registered = ids[self._registered[ids]]
         if len(registered):
+            if self.on_evict is not None:
+                self._evicted(registered)
             self._cached.del_many(self.cols.block_hash[registered], only_if=registered)
             self._registered[registered] = False
         self._ref[ids] = 1
         return ids.tolist()
+
+    def _evicted(self, ids: np.ndarray) -> None:
+        """Tell `on_evict` which registered blocks leave, with their stage (free blocks: active or decay)."""
+        active = self.clock() - self.cols.last_use_s[ids] < self.lifecycle.active_s
+        self.on_evict(ids, np.where(active, Stage.ACTIVE.value, Stage.DECAY.value))
+
+    def _victims(self, count: int) -> np.ndarray:
+        """A policy that scores columns (`StagedPolicy.scores`): the first `count` unregistered free blocks (they
+        hold nothing anyone could hit), the rest the lowest-scoring of the first `count + eviction_sample - 1`
+        free blocks (least recently freed first), taken off the queue."""
+        want, seen = count + self.lifecycle.eviction_sample - 1, []
+        for run in self._free.runs():
+            seen.append(run[:want - sum(map(len, seen))].copy())
+            if sum(map(len, seen)) >= want:
+                break
+        cand = np.concatenate(seen)
+        free = cand[~self._registered[cand]][:count]
+        if len(free) < count:
+            reg = cand[self._registered[cand]]
+            order = np.argsort(self.eviction.scores(self.cols, reg, self.clock()), kind="stable")
+            free = np.concatenate([free, reg[np.sort(order[:count - len(free)])]])
+        self._free.remove_many(free)
+        return free
 
     def _victim(self) -> BlockId:
         """Take the policy's pick among the `eviction_sample` least recently freed blocks off the queue (an
@@ -397,6 +443,31 @@ class KVBlockManager:
 
     def cached_block(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
+
+    def cached_ids(self, hashes: np.ndarray) -> np.ndarray:
+        """The block cached under each of `hashes` (uint64), -1 where none is."""
+        return self._cached.get_many(hashes)
+
+    def adopt(self, block_ids: np.ndarray, hashes: np.ndarray, src: MetaColumns, src_slots: np.ndarray) -> int:
+        """Blocks a holder took (`allocate`) were loaded with the KV of `hashes` from `src`'s `src_slots` (a
+        promotion ahead of an expected use, `pdserve.core.kvstore.kv_placement`): they join the prefix cache with
+        that metadata, flagged `prefetched`, and are not copied down again (they came from below). A hash cached
+        meanwhile keeps its block (that block stays unregistered). Returns how many joined."""
+        if not len(block_ids):
+            return 0
+        fresh = self._cached.put_new(hashes, block_ids)
+        ids = block_ids[fresh]
+        if len(ids):
+            self._registered[ids] = True
+            self.cols.copy_from(src, src_slots[fresh], ids)
+            self.cols.ready[ids] = True
+            self.cols.prefetched[ids] = True
+        return len(ids)
+
+    def take_prefetch_used(self) -> int:
+        """Blocks moved up ahead of a use that requests' hits took since the last call."""
+        used, self._prefetch_used = self._prefetch_used, 0
+        return used
 
     def cached_as(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
         """Whether each block is still the one cached under its hash (the prefix cache maps hashes[j] to

@@ -18,7 +18,8 @@ from collections import Counter
 import numpy as np
 
 from pdserve.core.kvstore import native
-from pdserve.core.kvstore.kv_meta import BlockMeta, LifecycleConfig, Stage, Tier
+from pdserve.core.kvstore.kv_meta import PATTERNS, BlockMeta, LifecycleConfig, Stage, Tier
+from pdserve.core.service_tiers import retention_weight
 
 _NAMES: list[str] = ["float32", "default"]
 _CODES: dict[str, int] = {"float32": 0, "default": 1}
@@ -34,26 +35,52 @@ def name_code(name: str) -> int:
     return code
 
 
-# field -> (dtype, value of a fresh slot); every one is copied down to the tier below except the last four
+_WEIGHTS: list = [np.ones(0)]
+
+
+def class_weights() -> np.ndarray:
+    """`service_tiers.retention_weight` of every name code (indexed by the `sla_class` column)."""
+    if len(_WEIGHTS[0]) != len(_NAMES):
+        _WEIGHTS[0] = np.array([retention_weight(n) for n in _NAMES])
+    return _WEIGHTS[0]
+
+
+def claim_class(cols, slots: np.ndarray, name: str) -> None:
+    """Blocks at `slots` are used by a request of class `name`: it becomes theirs if it is worth more."""
+    code = name_code(name)
+    weights = class_weights()
+    better = slots[weights[cols.sla_class[slots]] < weights[code]]
+    cols.sla_class[better] = code
+
+
+# field -> (dtype, value of a fresh slot); every one is copied down to the tier below except `_NOT_COPIED`
 _FIELDS = {"produced_at_s": (np.float64, 0.0), "last_use_s": (np.float64, 0.0), "use_count": (np.int64, 0),
            "heat": (np.float64, 0.0), "heat_at_s": (np.float64, 0.0), "expected_use_at_s": (np.float64, math.nan),
            "pinned_until_s": (np.float64, 0.0), "prewarmed": (np.bool_, False), "codec": (np.int16, 0),
-           "sla_class": (np.int16, 1), "block_hash": (np.uint64, 0), "reclaiming": (np.bool_, False),
-           "ready": (np.bool_, True), "busy": (np.int32, 0), "from_tier": (np.int8, 0)}
-_COPIED = list(_FIELDS)[:-4]
+           "sla_class": (np.int16, 1), "pattern": (np.int8, 0), "block_hash": (np.uint64, 0),
+           "reclaiming": (np.bool_, False), "ready": (np.bool_, True), "busy": (np.int32, 0),
+           "from_tier": (np.int8, 0), "prefetched": (np.bool_, False)}
+# (`codec` is each tier's own: a copy into a tier is in that tier's format, `kv_codecs.tier_codecs`)
+_NOT_COPIED = ("codec", "reclaiming", "ready", "busy", "from_tier", "prefetched")
+_COPIED = [name for name in _FIELDS if name not in _NOT_COPIED]
 _SET_BY_FRESH = {"block_hash", "produced_at_s", "last_use_s", "heat_at_s", "use_count", "heat", "ready"}
 _RESET = [(name, value) for name, (_, value) in _FIELDS.items() if name not in _SET_BY_FRESH]
 _FRESH = [name for name, _ in _RESET] + ["produced_at_s", "last_use_s", "heat_at_s", "use_count", "heat", "ready"]
-_AFTER_COPY = (("reclaiming", False), ("ready", False), ("busy", 0), ("from_tier", 0))
-_RESET_VALUES = tuple(value for _, value in _RESET)
-_AFTER_COPY_VALUES = tuple(value for _, value in _AFTER_COPY)
+_AFTER_COPY = (("codec", 0), ("reclaiming", False), ("ready", False), ("busy", 0), ("from_tier", 0),
+               ("prefetched", False))
 
 
 class MetaColumns:
-    def __init__(self, num_slots: int, tier: Tier) -> None:
+    def __init__(self, num_slots: int, tier: Tier, codec: str = "float32") -> None:
+        """`codec`: the format this tier holds its blocks in (what a fresh slot's `codec` says)."""
         self.tier = tier
         for name, (dtype, fresh) in _FIELDS.items():
             setattr(self, name, np.full(num_slots, fresh, dtype))
+        self.codec[:] = name_code(codec)
+        own = lambda pairs: [(n, name_code(codec) if n == "codec" else v) for n, v in pairs]  # noqa: E731
+        self._reset, self._after = own(_RESET), own(_AFTER_COPY)
+        self._reset_values = tuple(value for _, value in self._reset)
+        self._after_copy_values = tuple(value for _, value in self._after)
         self._views: dict[int, MetaView] = {}
         self._rows = native.load()  # copy_rows / fill_rows, or None: numpy (counted)
         if self._rows is None:
@@ -61,6 +88,10 @@ class MetaColumns:
         self._copied = tuple(getattr(self, name) for name in _COPIED)
         self._fresh = tuple(getattr(self, name) for name in _FRESH)
         self._after_copy = tuple(getattr(self, name) for name, _ in _AFTER_COPY)
+
+    def class_weight(self, slots: np.ndarray) -> np.ndarray:
+        """`service_tiers.retention_weight` of each slot's `sla_class`."""
+        return class_weights()[self.sla_class[slots]]
 
     def view(self, slot: int) -> MetaView:
         v = self._views.get(slot)
@@ -73,11 +104,11 @@ class MetaColumns:
         if not isinstance(slots, int) and len(slots) == 1:  # a scalar store is ~10x cheaper than a fancy one
             slots, hashes = int(slots[0]), int(hashes[0])
         elif self._rows is not None and not isinstance(slots, int):
-            self._rows.fill_rows(self._fresh, (*_RESET_VALUES, now, now, now, use_count, float(use_count), ready),
+            self._rows.fill_rows(self._fresh, (*self._reset_values, now, now, now, use_count, float(use_count), ready),
                                  np.ascontiguousarray(slots, np.int64))
             self.block_hash[slots] = hashes
             return
-        for name, value in _RESET:
+        for name, value in self._reset:
             getattr(self, name)[slots] = value
         self.block_hash[slots] = hashes
         self.produced_at_s[slots] = now
@@ -95,25 +126,19 @@ class MetaColumns:
             slots = np.ascontiguousarray(slots, np.int64)
             self._rows.copy_rows(self._copied, src._copied, slots, np.ascontiguousarray(src_slots, np.int64))
             self.last_use_s[slots] = np.maximum(self.last_use_s[slots], 0.0)
-            self._rows.fill_rows(self._after_copy, _AFTER_COPY_VALUES, slots)
+            self._rows.fill_rows(self._after_copy, self._after_copy_values, slots)
             return
         for name in _COPIED:
             getattr(self, name)[slots] = getattr(src, name)[src_slots]
         self.last_use_s[slots] = np.maximum(self.last_use_s[slots], 0.0)
-        self.reclaiming[slots] = False
-        self.ready[slots] = False
-        self.busy[slots] = 0
-        self.from_tier[slots] = 0
+        for name, value in self._after:
+            getattr(self, name)[slots] = value
 
     def set_from(self, slot: int, meta) -> None:
         """Slot `slot` takes the fields of a `BlockMeta` (or a view of another tier)."""
         for name in _COPIED:
             value = getattr(meta, name)
-            if name in ("codec", "sla_class"):
-                value = name_code(value)
-            elif name == "expected_use_at_s" and value is None:
-                value = math.nan
-            getattr(self, name)[slot] = value
+            getattr(self, name)[slot] = _code(name, value)
 
     def touch(self, slots: np.ndarray, now: float, half_life_s: float, by_request: bool = True) -> None:
         """One use of each of `slots` (distinct): heat decayed to now, + 1."""
@@ -144,7 +169,8 @@ class MetaColumns:
         v = self.view(slot)
         return BlockMeta(v.block_hash, self.tier, slot if slot_number is None else slot_number, v.produced_at_s,
                          v.last_use_s, v.use_count, v.heat, v.heat_at_s, v.expected_use_at_s, v.pinned_until_s,
-                         v.prewarmed, v.codec, v.sla_class, v.reclaiming, v.ready, v.busy, v.from_tier)
+                         v.prewarmed, v.codec, v.sla_class, v.reclaiming, v.ready, v.busy, v.from_tier, v.pattern,
+                         v.prefetched)
 
 
 class _Field:
@@ -155,6 +181,8 @@ class _Field:
         value = getattr(view.cols, self.name)[view.slot].item()
         if self.name in ("codec", "sla_class"):
             return _NAMES[value]
+        if self.name == "pattern":
+            return PATTERNS[value]
         if self.name == "from_tier":
             return _TIERS[value]
         if self.name == "expected_use_at_s" and math.isnan(value):
@@ -162,13 +190,20 @@ class _Field:
         return self.kind(value)
 
     def __set__(self, view: MetaView, value) -> None:
-        if self.name in ("codec", "sla_class"):
-            value = name_code(value)
-        elif self.name == "from_tier":
-            value = _TIERS.index(value)
-        elif self.name == "expected_use_at_s" and value is None:
-            value = math.nan
-        getattr(view.cols, self.name)[view.slot] = value
+        getattr(view.cols, self.name)[view.slot] = _code(self.name, value)
+
+
+def _code(name: str, value):
+    """A `BlockMeta` value as its column stores it (names as codes, None as nan)."""
+    if name in ("codec", "sla_class"):
+        return name_code(value)
+    if name == "pattern":
+        return PATTERNS.index(value)
+    if name == "from_tier":
+        return _TIERS.index(value)
+    if name == "expected_use_at_s" and value is None:
+        return math.nan
+    return value
 
 
 class MetaView:

@@ -26,6 +26,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
+from pdserve.core.service_tiers import retention_weight
+
 
 class Tier(str, enum.Enum):
     DEVICE = "device"
@@ -34,6 +38,17 @@ class Tier(str, enum.Enum):
 
 
 STORAGE_TIERS = tuple(t.value for t in Tier)  # where KV lives, top down (service tiers: SERVICE_TIERS)
+
+
+class Pattern(str, enum.Enum):
+    """How a block's prefix is reused (`pdserve.core.kvstore.prefix_patterns` infers it from its history)."""
+    UNKNOWN = "unknown"  # no history yet
+    ONE_OFF = "one_off"  # used once; its expected reuse did not come
+    RECURRING = "recurring"  # turns of a conversation: each turn extends it, after a think time
+    PERIODIC = "periodic"  # the same prefix asked again at a regular interval
+
+
+PATTERNS = tuple(p.value for p in Pattern)  # the `pattern` column's codes (`kv_columns`)
 
 
 class Stage(str, enum.Enum):
@@ -72,6 +87,8 @@ class BlockMeta:
     ready: bool = True  # False while its bytes are being written into this tier
     busy: int = 0  # in-flight reads of its bytes (a load or a copy down): not evictable meanwhile
     from_tier: Tier | None = None  # where it came from when promoted (a disk hit prefetched to host)
+    pattern: str = "unknown"  # its prefix's access pattern (`Pattern`): retention reads it
+    prefetched: bool = False  # moved up ahead of an expected use and not used since (`kv_placement`)
 
     def heat_now(self, now: float, half_life_s: float) -> float:
         return self.heat * math.exp2(-(now - self.heat_at_s) / half_life_s) if self.heat else 0.0
@@ -129,13 +146,66 @@ class HeatPolicy:
 
 EVICTION_POLICIES: dict[str, type] = {"lru": LRUPolicy, "heat": HeatPolicy}
 
+EXPECT_FLOOR_S = 1.0  # an expected use nearer than this counts as this near
+ONE_OFF_WEIGHT = 0.25  # a one-off prefix's block counts a quarter
 
-def make_eviction_policy(name: str, config: LifecycleConfig | None = None) -> EvictionPolicy:
+
+class StagedPolicy:
+    """The stage-driven placement's eviction order (`--kv-placement staged`, `pdserve.core.kvstore.kv_placement`),
+    lowest first, by how soon a block is likely to be read again (Belady's rule, estimated): its use rate so far
+    (decayed heat per half-life, x ONE_OFF_WEIGHT for a one-off prefix: a DECAY block's falls, so decay demotes
+    it to the tier below first) plus, when its prefix is expected back (`expected_use_at_s`, from its think
+    time), the chance it comes back (`reuse_p`, per pattern, learnt by `prefix_patterns`) over the time until
+    then (at least EXPECT_FLOOR_S; once overdue, as long as it is overdue: a late use's remaining wait grows);
+    all x its class's `retention_weight` (at equal heat and expectation a guaranteed tier's prefix outlives a
+    flex one). `scores` is the same over columns of slots."""
+
+    def __init__(self, config: LifecycleConfig | None = None) -> None:
+        self.half_life_s = (config or LifecycleConfig()).heat_half_life_s
+        # per `kv_columns.PATTERNS` code: unknown, one_off, recurring, periodic (set as they are learnt)
+        self.reuse_p = np.array([0.3, 0.05, 0.5, 0.8])
+
+    def score(self, meta: BlockMeta, now: float) -> float:
+        rate = meta.heat_now(now, self.half_life_s) / self.half_life_s
+        if meta.pattern == Pattern.ONE_OFF:
+            rate *= ONE_OFF_WEIGHT
+        if meta.expected_use_at_s is not None:
+            rate += self.reuse_p[PATTERNS.index(meta.pattern)] / max(abs(meta.expected_use_at_s - now), EXPECT_FLOOR_S)
+        return retention_weight(meta.sla_class) * rate + meta.last_use_s * 1e-12
+
+    def scores(self, cols, slots, now: float):
+        """`score` of each of `slots` of `cols` (a `kv_columns.MetaColumns`), as an array."""
+        heat = cols.heat[slots]
+        heat = np.where(heat != 0, heat * np.exp2(-(now - cols.heat_at_s[slots]) / self.half_life_s), 0.0)
+        pattern = cols.pattern[slots]
+        rate = np.where(pattern == PATTERNS.index(Pattern.ONE_OFF.value), ONE_OFF_WEIGHT, 1.0) * heat / self.half_life_s
+        ahead = np.maximum(np.abs(cols.expected_use_at_s[slots] - now), EXPECT_FLOOR_S)  # (nan: not expected)
+        rate = rate + np.where(np.isnan(ahead), 0.0, self.reuse_p[pattern] / ahead)
+        return cols.class_weight(slots) * rate + cols.last_use_s[slots] * 1e-12
+
+
+def make_eviction_policy(name: str, config: LifecycleConfig | None = None, placement: str = "write-through"
+                         ) -> EvictionPolicy:
+    """The policy every tier evicts by: `name`'s under write-through placement; the staged placement's own."""
+    if placement == "staged":
+        return StagedPolicy(config)
     if name not in EVICTION_POLICIES:
         raise ValueError(f"unknown KV eviction policy {name!r}; choose from {sorted(EVICTION_POLICIES)}")
     if name == "heat":
         return HeatPolicy((config or LifecycleConfig()).heat_half_life_s)
     return EVICTION_POLICIES[name]()
+
+
+def servable(meta: BlockMeta, now: float, codec: str, max_age_s: float) -> str | None:
+    """Whether a lower tier's block may be served to the device pool now: None if so, else why not: "stale"
+    (produced more than `max_age_s` ago: the KV retention limit, `--kv-max-age-s`) or "codec" (its bytes are in
+    another format than `codec`, the tier's, which its loads decode into the pool's). `TieredKV` applies this
+    rule over columns."""
+    if now - meta.produced_at_s > max_age_s:
+        return "stale"
+    if meta.codec != codec:
+        return "codec"
+    return None
 
 
 def pick_victim(candidates: Iterable[BlockMeta], policy: EvictionPolicy, now: float, sample: int

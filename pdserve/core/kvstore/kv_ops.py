@@ -41,6 +41,8 @@ class TierCapacity:
     host_blocks: int
     disk_blocks: int
     block_bytes: int
+    host_codec: str | None = None  # the format each tier holds (None: the pool's; the disk's: the host's)
+    disk_codec: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,20 @@ class TierStats:
     corrupt: Counter = field(default_factory=Counter)  # by Tier: blocks found damaged, dropped
     failed_ops: Counter = field(default_factory=Counter)  # by kind
     disk_full: int = 0  # writes refused for lack of space (the disk tier then stops writing)
+    unservable: Counter = field(default_factory=Counter)  # by why (stale, codec): found, dropped, not served
+
+
+@dataclass
+class PlacementStats:
+    """Blocks moved between tiers by cause (`pdserve.core.kvstore.kv_placement`): `moves` counts (kind, stage,
+    src, dst) -> blocks, kind promotion (up: a request's hit is `active`, one ahead of an expected use `decay`),
+    demotion (a block left a tier and lives on below) or drop (it left with no copy below, dst `none`), stage the
+    block's lifecycle stage when it moved; `prefetch` counts blocks moved up ahead of an expected use (issued),
+    read by a request since (used), and evicted or lapsed unread (wasted)."""
+    moves: Counter = field(default_factory=Counter)
+    prefetch: Counter = field(default_factory=Counter)
+
+    def report(self) -> dict:
+        return {"moves": [{"kind": k, "stage": s, "src": a, "dst": b, "blocks": n}
+                          for (k, s, a, b), n in sorted(self.moves.items())],
+                "prefetch": {k: self.prefetch[k] for k in ("issued", "used", "wasted")}}

@@ -55,7 +55,7 @@ class _Entries(Mapping):
 class TierIndex:
     def __init__(self, tier: Tier, capacity_blocks: int, policy: EvictionPolicy,
                  config: LifecycleConfig | None = None, high_watermark: float = 0.95,
-                 low_watermark: float = 0.90, keep_evicted: bool = True) -> None:
+                 low_watermark: float = 0.90, keep_evicted: bool = True, codec: str = "float32") -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"{tier.value} tier needs a positive capacity, got {capacity_blocks} blocks")
         self.tier = tier
@@ -64,7 +64,8 @@ class TierIndex:
         self.config = config or LifecycleConfig()
         self.high = max(1, int(capacity_blocks * high_watermark))
         self.low = max(0, int(capacity_blocks * low_watermark))
-        self.cols = MetaColumns(capacity_blocks, tier)
+        self.codec = codec  # the format its blocks are in (its I/O runner decodes it into the pool's on a load)
+        self.cols = MetaColumns(capacity_blocks, tier, codec)
         self._slot = new_map(capacity_blocks)  # block hash -> slot
         self._lru = new_queue(capacity_blocks)  # occupied slots, least recently used first
         # free slots: a stack, its top at _num_free - 1 (slot 0 first)
@@ -77,6 +78,8 @@ class TierIndex:
         self.evicted: list[int] = []  # hashes of dropped entries whose bytes the owner may delete (disk files)
         self.keep_evicted = keep_evicted  # (a host tier's owner has nothing to delete: it keeps none)
         self.num_evicted = 0
+        # entries evicted: (their slots, stage names), before the slots are reused (`kv_placement` counts them)
+        self.on_evict = None
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -111,6 +114,16 @@ class TierIndex:
         slots = self._slot.get_many(hashes)
         return slots[slots >= 0]
 
+    present = _present
+
+    def present_mask(self, hashes: np.ndarray) -> np.ndarray:
+        """Per hash: 0 not here, 1 here and ready, 2 here and being written."""
+        slots = self._slot.get_many(hashes)
+        out = np.zeros(len(slots), np.int8)
+        here = slots >= 0
+        out[here] = np.where(self.cols.ready[slots[here]], 1, 2)
+        return out
+
     def slot(self, block_hash: int) -> int:
         return self._slot[block_hash]
 
@@ -142,8 +155,12 @@ class TierIndex:
     def _touch_slots(self, slots: np.ndarray, now: float) -> None:
         self.cols.touch(slots, now, self.config.heat_half_life_s)
         self._lru.push_many(slots)
+        self.unmark(slots)  # wanted again: no longer on their way out
+
+    def unmark(self, slots: np.ndarray) -> None:
+        """Entries at `slots` are wanted again (an expected use): no longer on their way out."""
         marked = slots[self.cols.reclaiming[slots]]
-        if len(marked):  # wanted again: no longer on their way out
+        if len(marked):
             self.cols.reclaiming[marked] = False
             self._marked -= len(marked)
 
@@ -275,6 +292,11 @@ class TierIndex:
                 self._reclaim_after = int(pick[-1])
                 self._marked += len(pick)
             return self._marked
+        if hasattr(self.policy, "scores"):  # the `need` lowest of the first need + sample - 1 unmarked ones
+            pick = self._lowest_unmarked(need, now)
+            cols.reclaiming[pick] = True
+            self._marked += len(pick)
+            return self._marked
         # Each mark is the lowest-scoring of the first `eviction_sample` evictable unmarked candidates (least
         # recently used first): a window over the LRU order that moves on by one after each mark.
         candidates = (cols.view(s) for run in list(self._lru.runs())
@@ -301,6 +323,9 @@ class TierIndex:
         cols = self.cols
         if isinstance(self.policy, LRUPolicy):
             victims = self._lru.pop_evictable(count, cols.ready, cols.busy, cols.pinned_until_s, now)
+        elif hasattr(self.policy, "scores"):
+            victims = self._lowest(count, now)
+            self._lru.remove_many(victims)
         else:
             picked = []
             for _ in range(count):
@@ -311,6 +336,8 @@ class TierIndex:
                 picked.append(victim)
             victims = np.array(picked, np.int64)
         if len(victims):
+            if self.on_evict is not None:
+                self.on_evict(victims, self._stage_names(victims, now))
             hashes = cols.block_hash[victims]
             self._slot.del_many(hashes)
             self._free(victims, unlinked=True)
@@ -318,6 +345,46 @@ class TierIndex:
                 self.evicted.extend(hashes.tolist())
             self.num_evicted += len(victims)
         return len(victims)
+
+    def _lowest(self, count: int, now: float) -> np.ndarray:
+        """A policy that scores columns: the evictable marked entries first (least recently used first), the
+        rest the lowest-scoring of the first `count + eviction_sample - 1` evictable ones."""
+        cols, want = self.cols, count + self.config.eviction_sample - 1
+        marked, other, n = [], [], 0
+        for run in self._lru.runs():
+            run = run[cols.evictable(run, now)]
+            mark = cols.reclaiming[run]
+            marked.append(run[mark])
+            other.append(run[~mark])
+            n += len(run)
+            if n >= want:
+                break
+        if not n:
+            return np.zeros(0, np.int64)
+        picked = np.concatenate(marked)[:count]
+        rest = np.concatenate(other)[:want]
+        if len(picked) < count and len(rest):
+            order = np.argsort(self.policy.scores(cols, rest, now), kind="stable")
+            picked = np.concatenate([picked, rest[np.sort(order[:count - len(picked)])]])
+        return picked.astype(np.int64)
+
+    def _lowest_unmarked(self, count: int, now: float) -> np.ndarray:
+        cols, want, runs, n = self.cols, count + self.config.eviction_sample - 1, [], 0
+        for run in self._lru.runs():
+            run = run[cols.evictable(run, now) & ~cols.reclaiming[run]]
+            runs.append(run)
+            n += len(run)
+            if n >= want:
+                break
+        rest = np.concatenate(runs)[:want] if runs else np.zeros(0, np.int64)
+        order = np.argsort(self.policy.scores(cols, rest, now), kind="stable")
+        return rest[np.sort(order[:count])]
+
+    def _stage_names(self, slots: np.ndarray, now: float) -> np.ndarray:
+        """Each entry's stage as `stage_of` names it (evictable entries: reclaim, active or decay)."""
+        cols = self.cols
+        active = now - cols.last_use_s[slots] < self.config.active_s
+        return np.where(cols.reclaiming[slots], "reclaim", np.where(active, "active", "decay"))
 
     def _pick(self, now: float) -> int | None:
         """A policy other than LRU: the first evictable marked block, else its pick of a sample."""

@@ -30,9 +30,10 @@ import numpy as np
 
 from pdserve.core.kvstore.block_hash import BlockHash
 from pdserve.core.kvstore.block_manager import BlockId, KVBlockManager
-from pdserve.core.kvstore.kv_columns import TIER_CODE
+from pdserve.core.kvstore.kv_columns import TIER_CODE, name_code
 from pdserve.core.kvstore.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
-from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierHit, TierStats  # noqa: F401 (KVLoad, TierHit re-exported)
+from pdserve.core.kvstore.kv_ops import (KVLoad, KVOp, PlacementStats, TierHit,  # noqa: F401 (KVLoad, TierHit
+                                         TierStats)  # re-exported)
 from pdserve.core.kvstore.kv_tier_index import TierIndex
 
 
@@ -44,7 +45,7 @@ PREFETCH_HOLD_S = 5.0  # a block prefetched from disk stays in host at least thi
 
 class TieredKV:
     def __init__(self, blocks: KVBlockManager, host: TierIndex | None, disk: TierIndex | None,
-                 block_bytes: int) -> None:
+                 block_bytes: int, max_age_s: float = math.inf) -> None:
         if disk is not None and host is None:
             raise ValueError("a disk KV tier needs a host tier to stage through")
         self.blocks = blocks
@@ -54,6 +55,11 @@ class TieredKV:
         self.block_bytes = block_bytes
         self.disk_writable = disk is not None
         self.stats = TierStats()
+        self.moves = PlacementStats()  # promotions, demotions, prefetches (`kv_placement`)
+        self.max_age_s = max_age_s  # KV produced longer ago is never served (`kv_meta.servable`)
+        self.lifecycle = None  # a `kv_placement.KVLifecycle`, whose due work `after_step` runs
+        self._ahead: set[int] = set()  # prefetch operations ahead of an expected use (not a request's)
+        self._ahead_done = False  # the operation `complete` is finishing is one of those
         self._ids = itertools.count()
         self._ops: dict[int, KVOp] = {}
         self._new_ops: list[KVOp] = []
@@ -73,6 +79,9 @@ class TieredKV:
             return TierHit()
         if self.disk is None:
             num_ready, in_flight = self.host.ready_prefix(hashes)
+            if num_ready:
+                servable = self._servable(self.host, hashes[:num_ready])
+                in_flight, num_ready = in_flight and servable == num_ready, servable
             return TierHit(tuple(hashes[:num_ready]), in_flight)
         host_run: list[BlockHash] = []
         to_fetch: list[BlockHash] = []
@@ -84,16 +93,34 @@ class TieredKV:
                 if not meta.ready:
                     in_flight = True
                     break
+                if not self._servable(self.host, [h]):
+                    break
                 in_host.append(meta)
                 if not to_fetch:
                     host_run.append(h)
                 continue
-            if self.disk is None or self.disk.ready(h) is None:
+            if self.disk.ready(h) is None or not self._servable(self.disk, [h]):
                 break
             to_fetch.append(h)
         if to_fetch and self._prefetch(to_fetch, in_host):
             in_flight = True  # else no host slot could be had: serve the host run, recompute the rest
         return TierHit(tuple(host_run), in_flight)
+
+    def _servable(self, tier: TierIndex, hashes: Sequence[BlockHash]) -> int:
+        """How many leading `hashes` (ready in `tier`) may be served (`kv_meta.servable`: not older than the
+        retention limit, in the tier's own format, the one its loads decode); those that may not are dropped
+        (unless being read), counted."""
+        slots, now = tier.slots(hashes), self.blocks.clock()
+        cols = tier.cols
+        stale = now - cols.produced_at_s[slots] > self.max_age_s
+        bad = stale | (cols.codec[slots] != name_code(tier.codec))
+        if not bad.any():
+            return len(slots)
+        for slot, why in zip(slots[bad].tolist(), np.where(stale[bad], "stale", "codec").tolist()):
+            self.stats.unservable[why] += 1
+            if not cols.busy[slot]:
+                tier.discard(int(cols.block_hash[slot]))
+        return int(np.argmax(bad))
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[BlockId], count: bool = True
              ) -> list[KVLoad]:
@@ -113,6 +140,8 @@ class TieredKV:
                     self.stats.hit_tokens[tier] += n * self.blocks.block_size
         cols.pinned_until_s[slots[from_disk]] = 0.0  # the prefetch hold: it has been used
         cols.from_tier[slots] = 0
+        self._used(cols, slots)
+        self.moves.moves[("promotion", Stage.ACTIVE.value, Tier.HOST.value, Tier.DEVICE.value)] += len(slots)
         used = list(dict.fromkeys(hashes))
         host.touch_many(used, now)
         if self.disk is not None:  # in use: not the disk tier's next victim either
@@ -120,6 +149,18 @@ class TieredKV:
         slot_list = slots.tolist()
         loads = list(map(KVLoad._make, zip(block_ids, slot_list)))
         self._loading.update(zip(zip(block_ids, slot_list), hashes))
+        self.stats.bytes_out[Tier.HOST] += len(loads) * self.block_bytes
+        self.stats.bytes_in[Tier.DEVICE] += len(loads) * self.block_bytes
+        return loads
+
+    def promote(self, hashes: np.ndarray, block_ids: Sequence[BlockId]) -> list[KVLoad]:
+        """Loads of host entries `hashes` (distinct, ready) into device blocks `block_ids` a holder took, ahead of
+        an expected use (`kv_placement`): busy until `loads_done`, not counted as hits or uses."""
+        slots = self.host.slots(hashes)
+        self.host.cols.busy[slots] += 1
+        slot_list = slots.tolist()
+        loads = list(map(KVLoad._make, zip(block_ids, slot_list)))
+        self._loading.update(zip(zip(block_ids, slot_list), hashes.tolist()))
         self.stats.bytes_out[Tier.HOST] += len(loads) * self.block_bytes
         self.stats.bytes_in[Tier.DEVICE] += len(loads) * self.block_bytes
         return loads
@@ -141,6 +182,7 @@ class TieredKV:
                 return count, self.host.get(h) is not None
             meta.busy += 1
             if count_hits:
+                self._used(self.host.cols, np.array([meta.slot]))
                 self.stats.hit_tokens[meta.from_tier or Tier.HOST] += self.blocks.block_size
                 if meta.from_tier is Tier.DISK:
                     meta.pinned_until_s = 0.0  # the prefetch hold: it has been used
@@ -182,6 +224,13 @@ class TieredKV:
         self.stats.bytes_in[Tier.HOST] += len(arrived) * self.block_bytes
         self._flush(arrived)
 
+    def _used(self, cols, slots: np.ndarray) -> None:
+        """A request reads these host entries: those prefetched ahead of it are used prefetches."""
+        ahead = slots[cols.prefetched[slots]]
+        if len(ahead):
+            self.moves.prefetch["used"] += len(ahead)
+            cols.prefetched[ahead] = False
+
     def host_slot(self, block_hash: BlockHash) -> int:
         return self.host.slot(block_hash)
 
@@ -195,6 +244,8 @@ class TieredKV:
             cached, self.blocks.newly_cached = self.blocks.newly_cached, []
             self._offload(cached)
         now = self.blocks.clock()
+        if self.lifecycle is not None and self.lifecycle.next_due_s() <= now:
+            self.lifecycle.run_due(now)
         for tier in self.tiers():
             tier.reclaim(now)
         if self.disk is not None and (self.disk.evicted or self.stale):
@@ -214,7 +265,7 @@ class TieredKV:
         """From when `after_step` would do something if nothing else changes: -inf at once, inf never."""
         if self.blocks.newly_cached or self._new_ops or self.stale:
             return -math.inf
-        due = math.inf
+        due = self.lifecycle.next_due_s() if self.lifecycle is not None else math.inf
         for tier in self._tiers:
             if tier.evicted:
                 return -math.inf
@@ -236,6 +287,8 @@ class TieredKV:
         other text. Hashes not in it succeeded."""
         op = self._ops.pop(op_id)
         failures = failures or {}
+        self._ahead_done = op_id in self._ahead
+        self._ahead.discard(op_id)
         if op.kind == "offload" and not failures:  # the common case, in one pass
             self.host.commit_slots(op.hashes, op.dst)
             self._moved(Tier.DEVICE, Tier.HOST, len(op.hashes))
@@ -281,10 +334,15 @@ class TieredKV:
         self.host.commit(h)
         meta = self.host.get(h)
         meta.from_tier = Tier.DISK
+        self._moved(Tier.DISK, Tier.HOST)
+        if self._ahead_done:  # ahead of an expected use: no request waits, nothing pinned
+            meta.prefetched = True
+            self.moves.moves[("promotion", Stage.DECAY.value, Tier.DISK.value, Tier.HOST.value)] += 1
+            return
         # Held until the waiting request loads it (or PREFETCH_HOLD_S passes): two lookups prefetching into
         # a small host tier must not evict each other's blocks forever.
         meta.pinned_until_s = max(meta.pinned_until_s, self.blocks.clock() + PREFETCH_HOLD_S)
-        self._moved(Tier.DISK, Tier.HOST)
+        self.moves.moves[("promotion", Stage.ACTIVE.value, Tier.DISK.value, Tier.HOST.value)] += 1
 
     def _done_delete(self, h: BlockHash, failed: str | None) -> None:
         pass
@@ -322,39 +380,43 @@ class TieredKV:
             self._flush(keys[rest].tolist())  # in host already (e.g. loaded from there): make sure disk has it
 
     def _flush(self, hashes: Sequence[BlockHash]) -> None:
-        if self.disk is None or not self.disk_writable:
+        """Copy the host-ready entries of `hashes` to disk (those not there yet, while it has room)."""
+        if self.disk is None or not self.disk_writable or not len(hashes):
             return
-        now = self.blocks.clock()
-        todo, slots = [], []
-        for h in hashes:
-            host_meta = self.host.ready(h)
-            if host_meta is None or self.disk.reserve(h, now, host_meta) is None:
-                continue
-            host_meta.busy += 1
-            todo.append(h)
-            slots.append(host_meta.slot)
-        if todo:
-            self._submit("flush", tuple(todo), tuple(slots))
+        keys = np.fromiter(dict.fromkeys(_ints(hashes)), np.uint64)
+        keys = keys[self.host.present_mask(keys) == 1]
+        if not len(keys):
+            return
+        src = self.host.slots(keys)
+        booked, _, _ = self.disk.reserve_many(keys, self.blocks.clock(), self.host.cols, src)
+        if len(booked):
+            src = src[booked]
+            self.host.cols.busy[src] += 1
+            self._submit("flush", tuple(keys[booked].tolist()), tuple(src.tolist()))
 
-    def _prefetch(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = ()) -> int:
-        """Start fetching `hashes` into host without evicting the host entries `keep`; how many started."""
-        now = self.blocks.clock()
-        todo, slots = [], []
+    def prefetch_ahead(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = ()) -> int:
+        """Start reading disk blocks `hashes` into host ahead of an expected use (`kv_placement`), without
+        evicting the host entries `keep`; how many started."""
+        return self._prefetch(hashes, keep, ahead=True)
+
+    def _prefetch(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = (), ahead: bool = False) -> int:
+        """Start fetching `hashes` (distinct, on disk) into host without evicting the host entries `keep`; how
+        many started (the first ones, while host had room)."""
+        keys = np.asarray(hashes, np.uint64)
         for meta in keep:
             meta.busy += 1
         try:
-            for h in hashes:
-                meta = self.host.reserve(h, now, self.disk.get(h))
-                if meta is None:
-                    break  # host full of busy or pinned blocks: fetch the rest later
-                todo.append(h)
-                slots.append(meta.slot)
+            booked, slots, _ = self.host.reserve_many(keys, self.blocks.clock(), self.disk.cols,
+                                                      self.disk.slots(keys))
         finally:
             for meta in keep:
                 meta.busy -= 1
-        if todo:
-            self._submit("prefetch", tuple(todo), dst=tuple(slots))
-        return len(todo)
+        if not len(booked):  # (fewer than asked: host full of busy or pinned blocks, the rest later)
+            return 0
+        op = self._submit("prefetch", tuple(keys[booked].tolist()), dst=tuple(slots.tolist()))
+        if ahead:
+            self._ahead.add(op.op_id)
+        return len(booked)
 
     # ---- what the metrics show --------------------------------------------------------------------------
     def stage_counts(self) -> dict[str, dict[str, int]]:
@@ -385,13 +447,18 @@ def capacity_blocks(blocks: KVBlockManager, tiers: TieredKV | None) -> int:
 
 
 def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, lifecycle: LifecycleConfig,
-                    restored: Sequence[tuple[int, float, float]] = (), wall_now: float | None = None) -> TieredKV:
-    """Tiers sized by `capacity` (`host_blocks`, `disk_blocks`, `block_bytes`), the disk tier re-indexing
-    `restored` blocks [(hash, produced-at, last use) in wall-clock seconds] from an earlier run, aged by
-    `wall_now` (the wall clock now, which the caller reads: core reads no clock)."""
-    host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle, keep_evicted=False)
-    disk = TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle) if capacity.disk_blocks else None
-    tiers = TieredKV(blocks, host, disk, capacity.block_bytes)
+                    restored: Sequence[tuple[int, float, float]] = (), wall_now: float | None = None,
+                    max_age_s: float = math.inf) -> TieredKV:
+    """Tiers sized by `capacity` (`host_blocks`, `disk_blocks`, `block_bytes`, each tier's codec), the disk
+    tier re-indexing `restored` blocks [(hash, produced-at, last use) in wall-clock seconds] from an earlier run,
+    aged by `wall_now` (the wall clock now, which the caller reads: core reads no clock); those produced more
+    than `max_age_s` ago are deleted instead (the retention limit, `kv_meta.servable`)."""
+    named = lambda name: blocks.codec if name in (None, "auto") else name  # noqa: E731 ("auto": the pool's)
+    host_codec, disk_codec = named(capacity.host_codec), named(capacity.disk_codec or capacity.host_codec)
+    host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle, keep_evicted=False, codec=host_codec)
+    disk = (TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle, codec=disk_codec)
+            if capacity.disk_blocks else None)
+    tiers = TieredKV(blocks, host, disk, capacity.block_bytes, max_age_s)
     if disk is not None and restored:
         if wall_now is None:
             raise ValueError("restored blocks need wall_now, the wall clock they were stamped by")
@@ -401,6 +468,10 @@ def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, 
         tiers.stale.extend(block_hash for block_hash, _, _ in restored[:over])  # the least recently used go
         for block_hash, produced, used in restored[over:]:
             age_produced, age_used = max(wall_now - produced, 0.0), max(wall_now - used, 0.0)
+            if age_produced > max_age_s:
+                tiers.stats.unservable["stale"] += 1
+                tiers.stale.append(block_hash)
+                continue
             meta = BlockMeta(block_hash, Tier.DISK, -1, now - age_produced, now - age_used, heat_at_s=now)
             if not disk.restore(meta):
                 tiers.stale.append(block_hash)  # over this run's capacity: deleted by the first step

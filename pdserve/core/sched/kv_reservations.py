@@ -13,6 +13,10 @@ context's hot window; the scheduler hands it the last two as it gets them.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from pdserve.core.kvstore.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.sched.hot_window import HotWindow
 from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
@@ -30,6 +34,7 @@ class KVReservations:
         self.window: HotWindow | None = None  # (set by the scheduler: `Scheduler.enable_long_context`)
         self._reserved: dict[str, Request] = {}  # request id -> request in WAITING_FOR_KV
         self._loads: dict[str, list[KVLoad]] = {}  # request id -> loads of its host hits, not emitted yet
+        self._expected: dict[str, float] = {}  # request id -> predicted first consumption of its KV (`expect`)
 
     def __len__(self) -> int:
         return len(self._reserved)
@@ -52,7 +57,7 @@ class KVReservations:
                 prefix.block_hashes[len(prefix.block_ids):])
             if lower.waiting:
                 return None
-            ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix)
+            ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix, request.service_tier)
             if ids is None:
                 return None
             if lower.host:  # loaded into the fresh blocks `allocate` appended right after the device hit
@@ -87,7 +92,8 @@ class KVReservations:
             self.tiers.commit_cold(req.cold_hashes)
         req.num_computed_tokens = (req.num_prompt_tokens if first_token is not None
                                    else min(req.num_cached_prompt_tokens, req.num_prompt_tokens - 1))
-        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
+        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens,
+                                      sla_class=req.service_tier)
         req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
         if first_token is not None:
             req.prefilled_s = req.first_token_s = self.blocks.clock()
@@ -108,6 +114,14 @@ class KVReservations:
     def cancel(self, request_id: str) -> None:
         """The request ended (finished or aborted; its blocks are the caller's to free): no longer reserved."""
         del self._reserved[request_id]
+        self._expected.pop(request_id, None)
+
+    def expect(self, request_id: str, at_s: float) -> None:
+        """The request's delivered KV is predicted to be first consumed at `at_s` (`Scheduler.expect_kv`)."""
+        if request_id not in self._reserved:
+            return
+        self._expected[request_id] = at_s
+        self.blocks.cols.expected_use_at_s[np.asarray(self.blocks.block_ids(request_id), np.int64)] = at_s
 
     def drop_loads(self, request_id: str) -> None:
         """Never load the request's host hits (it ended or lost its blocks, which may be reused meanwhile)."""
@@ -117,12 +131,16 @@ class KVReservations:
 
     def step_loads(self, ahead_blocks: int | None) -> tuple[list[KVLoad], list[KVLoad]]:
         """This step's loads of host hits: (those of delivered requests, which read them now; those ahead of
-        the KV, at most `ahead_blocks` (None: all), oldest reservation first). Each load is emitted once; a
-        request whose KV lands with some not emitted yet gets them from the step that first reads it."""
+        the KV, at most `ahead_blocks` (None: all), the earliest expected consumption first (`expect`), then the
+        oldest reservation). Each load is emitted once; a request whose KV lands with some not emitted yet gets
+        them from the step that first reads it."""
         needed: list[KVLoad] = []
         ahead: list[KVLoad] = []
         left = ahead_blocks
-        for rid, loads in list(self._loads.items()):
+        order = list(self._loads.items())
+        if self._expected:
+            order.sort(key=lambda item: self._expected.get(item[0], math.inf))
+        for rid, loads in order:
             if rid not in self._reserved:
                 needed += loads
                 take = len(loads)
@@ -137,6 +155,7 @@ class KVReservations:
         return needed, ahead
 
     def _take(self, request_id: str) -> Request:
+        self._expected.pop(request_id, None)
         req = self._reserved.pop(request_id, None)
         if req is None:
             raise KeyError(f"{request_id!r} is not waiting for KV")

@@ -25,6 +25,7 @@ import bisect
 from pdserve.core.kvstore.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.sched.hot_window import HotWindow
 from pdserve.core.sched.kv_reservations import KVReservations
+from pdserve.core.kvstore.kv_placement import KVLifecycle
 from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.pd.production_pace import ProductionPace
 from pdserve.core.sched.policy import QueuePolicy, TieredPolicy, make_queue_policy
@@ -70,6 +71,7 @@ class Scheduler:
         self.ahead_load_blocks: int | None = None
         self.window: HotWindow | None = None  # long contexts (see `enable_long_context`)
         self.pace: ProductionPace | None = None  # a prefill worker's per-link pacing, set before each step
+        self.lifecycle: KVLifecycle | None = None  # the blocks' metadata and placement (set by the engine)
         self.stats = SchedulerStats()
 
     # ---- intake ----------------------------------------------------------------------------------------
@@ -77,6 +79,13 @@ class Scheduler:
         self.check_new(request)
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        self._arrived(request)
+
+    def _arrived(self, request: Request) -> None:
+        """Its prompt's prefix may continue an earlier turn here (`KVLifecycle.arrived`: a think time)."""
+        if self.lifecycle is not None:
+            prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)  # (memoized)
+            self.lifecycle.arrived(request.request_id, prefix.block_hashes, self.blocks.clock())
 
     def check_new(self, request: Request) -> None:
         """Raise for a request that could never be served here (duplicate id, empty, over the context)."""
@@ -108,8 +117,8 @@ class Scheduler:
 
     @property
     def has_pending_loads(self) -> bool:
-        """Host tier hits of reservations wait to be loaded by the next step."""
-        return self.reservations.has_loads
+        """Host tier hits of reservations, or promotions ahead of an expected use, wait for the next step."""
+        return self.reservations.has_loads or (self.lifecycle is not None and self.lifecycle.has_loads)
 
     @property
     def num_waiting(self) -> int:
@@ -165,6 +174,10 @@ class Scheduler:
                 self.stats.prefill_yields_by_tier[req.service_tier] += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         needed, ahead = self.reservations.step_loads(self.ahead_load_blocks)
+        if self.lifecycle is not None and self.lifecycle.has_loads:  # promotions: in what reservations left
+            left = None if self.ahead_load_blocks is None else self.ahead_load_blocks - len(ahead)
+            if left is None or left > 0:
+                ahead = ahead + self.lifecycle.take_loads(left)
         loads, self._step_loads = needed + self._step_loads, []
         return SchedulerOutput(tuple(chunks), finished, tuple(preempted + taken), tuple(loads), tuple(ahead))
 
@@ -207,6 +220,8 @@ class Scheduler:
         finished: list[Request] = []
         if scheduled.kv_loads or scheduled.kv_loads_ahead:
             self._tiers.loads_done(scheduled.kv_loads + scheduled.kv_loads_ahead)
+            if scheduled.kv_loads_ahead and self.lifecycle is not None:
+                self.lifecycle.loads_done()
         for chunk in scheduled.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.is_finished or req.status is RequestStatus.PREEMPTED:
@@ -215,7 +230,7 @@ class Scheduler:
             self.stats.num_prompt_tokens_computed += max(
                 min(chunk.start_pos + chunk.num_tokens, req.num_prompt_tokens) - chunk.start_pos, 0)
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                          decode=chunk.start_pos >= req.num_prompt_tokens)
+                                          decode=chunk.start_pos >= req.num_prompt_tokens, sla_class=req.service_tier)
             if chunk.request_id in result.prompt_logprobs:  # (from the start again after a preemption)
                 if chunk.start_pos == 0:
                     req.prompt_logprobs = [None]  # the first prompt token has no logprob
@@ -280,6 +295,7 @@ class Scheduler:
             return None
         hit_tokens = self.reservations.reserve(request)
         if hit_tokens is not None:
+            self._arrived(request)
             self.requests[request.request_id] = request
             self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.stats.num_prefix_hit_tokens += hit_tokens
@@ -295,6 +311,12 @@ class Scheduler:
         if status is not None:
             self._finish(req, status)
         return req
+
+    def expect_kv(self, request_id: str, at_s: float) -> None:
+        """A reserved request's delivered KV is predicted to be first consumed at `at_s` (the conductor's
+        consumption prediction, `pdserve.conductor.consumption`; the delivery's deadline): its blocks expect
+        that use, and its host hits not loaded yet go before those of reservations expected later."""
+        self.reservations.expect(request_id, at_s)
 
     def kv_failed(self, request_id: str) -> None:
         """Delivery failed: drop the reserved blocks (their content is not trusted) and recompute here."""
@@ -360,7 +382,7 @@ class Scheduler:
                     continue
                 if n == 0:
                     break  # this step's prefill allowance is spent
-            ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix)
+            ids = self.blocks.allocate(req.request_id, hit_tokens + n, prefix, req.service_tier)
             if ids is None:
                 break  # head of line waits for blocks; later requests do not overtake it
             self.waiting.pop()
@@ -445,6 +467,12 @@ class Scheduler:
         self.reservations.drop_loads(req.request_id)  # never loaded into blocks freed (and reused) meanwhile
         req.status = status
         req.finished_s = self.blocks.clock()
+        if self.lifecycle is not None:  # its use of its blocks ended: when is its prefix expected back?
+            if status in _PINNABLE:
+                self.lifecycle.ended(req.request_id, self.blocks.registered_hashes(req.request_id),
+                                     req.num_prompt_tokens // self.blocks.block_size, req.finished_s)
+            else:
+                self.lifecycle.forget(req.request_id)
         if req.pin is not None and status in _PINNABLE:
             pin_id, ttl_s = req.pin
             self.stats.num_pinned_blocks[pin_id] = self.blocks.pin(f"prewarm:{pin_id}", req.request_id,
