@@ -51,9 +51,15 @@ async def one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int) ->
 
 async def burst(url: str, n: int, tokens: int, max_tokens: int, seed: int) -> list[tuple[str, float | None]]:
     rng = random.Random(seed)
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     prompts = [[rng.randrange(100, 20000) for _ in range(tokens)] for _ in range(n)]
-    return await asyncio.gather(*(one(client, p, max_tokens) for p in prompts))
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        return await asyncio.gather(*(one(client, p, max_tokens) for p in prompts))
+
+
+async def warm_then_burst(url: str, args: argparse.Namespace) -> list[tuple[str, float | None]]:
+    for i in range(args.warmup):  # one after the other
+        await burst(url, 1, args.tokens, args.max_tokens, 1000 + i)
+    return await burst(url, args.burst, args.tokens, args.max_tokens, args.seed)
 
 
 def histogram_median(metrics: dict, name: str) -> tuple[float | None, int]:
@@ -76,9 +82,7 @@ def run(calibration: str, args: argparse.Namespace, log_dir: Path) -> dict:
     server = Server(["--service-tier", args.service_tier, "--calibration", calibration,
                      "--admission-margin", str(args.admission_margin)], log)
     try:
-        for i in range(args.warmup):
-            asyncio.run(burst(server.url, 1, args.tokens, args.max_tokens, 1000 + i))
-        results = asyncio.run(burst(server.url, args.burst, args.tokens, args.max_tokens, args.seed))
+        results = asyncio.run(warm_then_burst(server.url, args))
         metrics = server.metrics()
         median, predicted = histogram_median(metrics, "pdserve_admission_prediction_error_seconds")
         unpredicted = sum(v for (n, labels), v in metrics.items() if n == "pdserve_fallbacks_total"
