@@ -106,7 +106,7 @@ class KVLifecycle:
             cols.expected_use_at_s[slots] = value
             if code is not None:
                 cols.pattern[slots] = code
-        if at_s is not None and self.tiers is not None:  # wanted again: not on their way out of a tier
+        if at_s is not None and self.staged and self.tiers is not None:  # wanted again: not on its way out
             for tier in self.tiers.tiers():
                 tier.unmark(tier.present(keys))
 
