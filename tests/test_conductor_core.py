@@ -24,7 +24,7 @@ from pdserve.conductor.recovery import HEARD_S, MAX_RENEW_S
 from pdserve.server.conductor_driver import Conductor
 from pdserve.conductor.actions import stale
 from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe, Send
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.conductor.wire import Abort, KvFailed, Ready, Redirect, Renew, Reserve, from_dict, to_dict
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import ServiceTiers

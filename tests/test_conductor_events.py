@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.server.conductor_driver import Conductor
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.server.metrics import Metrics
 

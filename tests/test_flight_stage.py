@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.conductor.conductor_core import ConductorCore
 from pdserve.conductor.flight_state import TRANSITIONS, FlightState, IllegalTransition, Stage
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.conductor.wire import Ready
 
 BS = 16

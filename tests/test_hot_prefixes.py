@@ -11,7 +11,8 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.conductor.actions import stale
 from pdserve.conductor.conductor_core import ConductorCore, Count, Send
 from pdserve.conductor.hot_prefixes import HALF_LIFE_S, MAX_HOT, DecayedCounts, HotPrefixes
-from pdserve.conductor.routing import WorkerLoad, make_routing_policy
+from pdserve.conductor.routing import WorkerLoad
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.conductor.wire import Ready
 from pdserve.core.kvstore.block_hash import hash_blocks
 from pdserve.sim.cluster import ClusterSpec, build

@@ -5,7 +5,7 @@ one that leaves early hands what it had to the others."""
 from __future__ import annotations
 
 from pdserve.conductor.conductor_core import ConductorCore, Count, Send
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.conductor.wire import Ready
 
 PARAMS = {"max_tokens": 8}

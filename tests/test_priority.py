@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.server.conductor_driver import Conductor
-from pdserve.conductor.routing import make_routing_policy
+from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.worker.spec import WorkerSpec
 from pdserve.conductor.wire import Abort, from_dict
 from pdserve.core.sampling_params import SamplingParams

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.conductor.routing import AFFINITY_BLOCKS, LeastLoaded, PrefixAffinity, WorkerLoad, make_routing_policy
+from pdserve.conductor.routing import AFFINITY_BLOCKS, LeastLoaded, PrefixAffinity, WorkerLoad
+from pdserve.conductor.routing_policies import make_routing_policy
 
 PROMPT = list(range(100, 108))  # the block hashes of an 8-block prompt
 
