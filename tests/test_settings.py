@@ -14,8 +14,9 @@ from pdserve.conductor.admission import Admission
 from pdserve.worker.joined import worker_spec
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
-from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CodecSettings, DeliverySettings,
-                                   KvBlockSettings, KvTierSettings, RoutingSettings, SupervisionSettings, default_of)
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, CodecSettings,
+                                   DeliverySettings, KvBlockSettings, KvTierSettings, RoutingSettings,
+                                   SupervisionSettings, default_of)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError
@@ -24,14 +25,14 @@ from pdserve.sim.cluster import SIM_KV_TIERS, ClusterSpec
 from pdserve.sim.engine import SimEngine
 
 SLICES = (DeliverySettings, AdmissionSettings, CadenceSettings, KvTierSettings, CodecSettings, SupervisionSettings,
-          RoutingSettings, KvBlockSettings)
+          RoutingSettings, KvBlockSettings, CalibrationSettings)
 # Which settings each command takes (the rest of a slice is not that command's setting).
 COMMANDS = {
     "serve": {s: {f.name for f in dataclasses.fields(s)} for s in SLICES},
     "worker": {SupervisionSettings: {"kv_timeout_s", "drain_timeout_s"},
                DeliverySettings: {"delivery", "delivery_backlog_s"}, CadenceSettings: {"decode_cadence"},
                KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"},
-               KvBlockSettings: {"block_size", "num_kv_blocks"}},
+               KvBlockSettings: {"block_size", "num_kv_blocks"}, CalibrationSettings: {"calibration"}},
     "simulate": {DeliverySettings: {f.name for f in dataclasses.fields(DeliverySettings)},
                  AdmissionSettings: {"admission", "admission_margin"}, CadenceSettings: {"decode_cadence"},
                  KvTierSettings: {"kv_host_gb", "kv_disk_gb", "kv_eviction_policy"}, CodecSettings: {"kv_cache_dtype"},
@@ -122,6 +123,9 @@ def test_a_bad_shared_setting_is_refused_alike_everywhere():
     for make in (ServeConfig, ClusterSpec, AdmissionSettings):
         with pytest.raises(InvalidRequestError, match="--admission must be predict or off"):
             make(admission="maybe")
+    for make in (ServeConfig, CalibrationSettings):
+        with pytest.raises(InvalidRequestError, match="--calibration must be one of cached, fresh, off"):
+            make(calibration="always")
     with pytest.raises(InvalidRequestError, match="eviction"):
         EngineConfig(kv_eviction_policy="fifo")
     with pytest.raises(InvalidRequestError, match="eviction"):
