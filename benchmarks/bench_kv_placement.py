@@ -12,8 +12,9 @@ sim: `pdserve.sim` on an H100 cluster (Qwen2.5-7B, roofline), the Mooncake conve
   ahead) and `staged` (expected use from think time, class- and expectation-aware eviction, prefetch).
 serve: the real server (`pdserve serve`, the default model on this CPU, one colocated worker) with a host and a
   disk tier, replaying the conversations `benchmarks/bench_kv_tiers.py --select conversations` selects (later
-  turns and the turns they extend, of the trace's first --window requests, lengths x --length-scale), once per
-  placement, one server after the other; hit ratios from /metrics deltas over each replay.
+  turns and the turns they extend, of the trace's first --window requests, lengths x --length-scale), each
+  placement --serve-rounds times, one server at a time, alternating which goes first; hit ratios from /metrics
+  deltas over each replay; medians over the rounds.
 
 "Later turn": a request whose leading hash_ids share more than block 0 (the system prefix every request
 starts with) with an earlier request (as bench_kv_tiers.py). Device hit ratio: prefix-hit tokens found on the
@@ -96,6 +97,8 @@ def part_sim(args) -> dict:
 
 
 def part_serve(args, out_dir: Path) -> dict:
+    """Each placement --serve-rounds times, alternating (the first round write-through first, the next staged
+    first, ...), so a load that drifts on a shared host weighs on both alike; medians over the rounds."""
     records = kvt.select_trace(args.window, "conversations", args.singles_every)
     trace = out_dir / "selected_trace.jsonl"
     kvt.write_trace(records, trace)
@@ -105,12 +108,23 @@ def part_serve(args, out_dir: Path) -> dict:
     disk = int(facts["distinct_kv_blocks"] * args.disk_fraction)
     res = {"facts": {k: v for k, v in facts.items() if k != "later"}, "num_kv_blocks": pool,
            "host_blocks": host, "disk_blocks": disk}
-    for placement in PLACEMENTS:
-        with tempfile.TemporaryDirectory(prefix="kvp-disk-") as disk_dir:
-            server_args = ["--num-kv-blocks", str(pool), "--kv-host-gb", str(kvt.gb_for(host)),
-                           "--kv-disk-dir", disk_dir, "--kv-disk-gb", str(kvt.gb_for(disk)),
-                           "--kv-placement", placement]
-            res[placement] = kvt.replay("colocated", placement, server_args, trace, facts, args, out_dir)
+    runs: dict[str, list] = {p: [] for p in PLACEMENTS}
+    for i in range(args.serve_rounds):
+        for placement in PLACEMENTS if i % 2 == 0 else PLACEMENTS[::-1]:
+            with tempfile.TemporaryDirectory(prefix="kvp-disk-") as disk_dir:
+                server_args = ["--num-kv-blocks", str(pool), "--kv-host-gb", str(kvt.gb_for(host)),
+                               "--kv-disk-dir", disk_dir, "--kv-disk-gb", str(kvt.gb_for(disk)),
+                               "--kv-placement", placement]
+                runs[placement].append(kvt.replay("colocated", f"{placement}-{i}", server_args, trace, facts,
+                                                  args, out_dir))
+    for placement, rs in runs.items():
+        ratios = [next(iter(r["workers"].values()))["hit_ratio_of_replay_prompt_tokens"] for r in rs]
+        res[placement] = {"rounds": rs, "median": {
+            "later_ttft_p50_s": kvt.pct([r["ttft_s"]["later"]["p50"] for r in rs], 50),
+            "later_ttft_p90_s": kvt.pct([r["ttft_s"]["later"]["p90"] for r in rs], 50),
+            "all_ttft_p50_s": kvt.pct([r["ttft_s"]["all"]["p50"] for r in rs], 50),
+            "hit_ratio": {t: kvt.pct([x.get(t, 0.0) for x in ratios], 50) for t in ("device", "host", "disk")},
+            "errors": sum(r["errors"] for r in rs)}}
     return res
 
 
@@ -133,13 +147,12 @@ def print_tables(rep: dict) -> None:
         s = rep["serve"]
         print(f"\nreal server: {s['facts']['requests']} requests, {s['facts']['later_turns']} later turns")
         for p in PLACEMENTS:
-            r = s[p]
-            w = next(iter(r["workers"].values()))
-            ratio = w["hit_ratio_of_replay_prompt_tokens"]
-            print(f"{p:14} | later TTFT p50 / p90 ms {ms(r['ttft_s']['later']['p50'])} / "
-                  f"{ms(r['ttft_s']['later']['p90'])} | all p50 {ms(r['ttft_s']['all']['p50'])} | device hits "
-                  f"{ratio.get('device', 0):.1%} host {ratio.get('host', 0):.1%} disk {ratio.get('disk', 0):.1%}"
-                  f" | errors {r['errors']}")
+            m = s[p]["median"]
+            ratio = m["hit_ratio"]
+            rounds = " ".join(f"{ms(r['ttft_s']['later']['p50'])}" for r in s[p]["rounds"])
+            print(f"{p:14} | later TTFT p50 / p90 ms {ms(m['later_ttft_p50_s'])} / {ms(m['later_ttft_p90_s'])} "
+                  f"(rounds' p50: {rounds}) | all p50 {ms(m['all_ttft_p50_s'])} | device hits "
+                  f"{ratio['device']:.1%} host {ratio['host']:.1%} disk {ratio['disk']:.1%} | errors {m['errors']}")
 
 
 def main() -> int:
@@ -147,13 +160,13 @@ def main() -> int:
     p.add_argument("--parts", default="sim,serve")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sim-model", default="qwen2.5-7b")
-    p.add_argument("--sim-requests", type=int, default=2000)
-    p.add_argument("--sim-max-input", type=int, default=32000)
+    p.add_argument("--sim-requests", type=int, default=1200)
+    p.add_argument("--sim-max-input", type=int, default=16000)
     p.add_argument("--sim-prefill", type=int, default=2)
     p.add_argument("--sim-decode", type=int, default=2)
-    p.add_argument("--sim-blocks", type=int, default=8000)
-    p.add_argument("--sim-host-gb", type=float, default=32.0)
-    p.add_argument("--sim-disk-gb", type=float, default=128.0)
+    p.add_argument("--sim-blocks", type=int, default=6000)
+    p.add_argument("--sim-host-gb", type=float, default=16.0)
+    p.add_argument("--sim-disk-gb", type=float, default=64.0)
     p.add_argument("--tier-mix", default="priority=0.2,default=0.6,flex=0.2")
     p.add_argument("--window", type=int, default=600)
     p.add_argument("--singles-every", type=int, default=4)
@@ -162,6 +175,7 @@ def main() -> int:
     p.add_argument("--device-fraction", type=float, default=0.25)
     p.add_argument("--host-fraction", type=float, default=0.5)
     p.add_argument("--disk-fraction", type=float, default=2.0)
+    p.add_argument("--serve-rounds", type=int, default=2)
     args = p.parse_args()
     if args.quick:
         args.sim_requests, args.window, args.time_scale = 400, 250, 2.0
@@ -169,13 +183,14 @@ def main() -> int:
     out_dir = kvt.ROOT / "bench_results" / name
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
-    rep = {"cpu": kvt.host_cpu(), "date": datetime.date.today().isoformat(), "argv": sys.argv[1:]}
-    if "sim" in parts:
-        rep["sim"] = part_sim(args)
-    if "serve" in parts:
-        rep["serve"] = part_serve(args, out_dir)
-    print_tables(rep)
     path = kvt.ROOT / "bench_results" / f"{name}.json"
+    rep = json.loads(path.read_text()) if path.is_file() else {}  # a part run alone keeps the others'
+    rep.update({"cpu": kvt.host_cpu(), "date": datetime.date.today().isoformat()})
+    if "sim" in parts:
+        rep["sim"] = {**part_sim(args), "argv": sys.argv[1:]}
+    if "serve" in parts:
+        rep["serve"] = {**part_serve(args, out_dir), "argv": sys.argv[1:]}
+    print_tables(rep)
     path.write_text(json.dumps(rep, indent=1, default=str))
     print(f"\nwrote {path} (cpu: {rep['cpu']})")
     return 0

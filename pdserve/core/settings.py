@@ -204,12 +204,13 @@ class KvTierSettings:
                                 "simulate: per engine, 0 none, needs a host tier).")
     kv_eviction_policy: str = setting("lru", "Which cached KV block leaves a full tier first: lru or heat (decayed "
                                       "use count); under --kv-placement write-through.")
-    kv_placement: str = setting("staged", "How KV moves between the device, host and disk tiers: write-through "
-                                "(copied down as produced, evicted by --kv-eviction-policy, nothing moved up ahead "
-                                "of a request) or staged (copied down the same way; blocks expected back, from "
-                                "their prefix's think time, are prefetched disk -> host -> device ahead of that "
-                                "use, and a full tier evicts by stage, class and expected use: decayed, one-off "
-                                "and flex blocks first).")
+    kv_placement: str = setting("write-through", "How KV moves between the device, host and disk tiers: "
+                                "write-through (copied down as produced, evicted by --kv-eviction-policy, nothing "
+                                "moved up ahead of a request) or staged (copied down the same way; blocks expected "
+                                "back, from their prefix's think time, are prefetched disk -> host -> device ahead "
+                                "of that use, and a full tier evicts by stage, class and expected use: decayed, "
+                                "one-off and flex blocks first). Default write-through: on the Mooncake "
+                                "conversation trace staged is not better (BENCHMARKS.md).")
     kv_max_age_s: float = setting(86400.0, "KV retention limit: a block in the host or disk tier produced longer "
                                   "ago than this is never served (dropped, recomputed), nor restored from an "
                                   "earlier run's disk tier.")
