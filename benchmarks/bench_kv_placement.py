@@ -1,7 +1,7 @@
 """Stage-driven KV placement vs plain LRU write-through on a multi-turn workload (issue 39 items 2 and 3):
 later-turn TTFT and the device hit ratio, both placements over the same workload in the same run.
 
-    .venv/bin/python benchmarks/bench_kv_placement.py --parts sim[,serve] [--quick]
+    .venv/bin/python benchmarks/bench_kv_placement.py --parts sim[,sim-steady][,serve] [--quick]
 
 sim: `pdserve.sim` on an H100 cluster (Qwen2.5-7B, roofline), the Mooncake conversation trace
   ($PDSERVE_TRACES), its first --sim-requests requests (prompts up to --sim-max-input tokens), service tiers
@@ -10,6 +10,8 @@ sim: `pdserve.sim` on an H100 cluster (Qwen2.5-7B, roofline), the Mooncake conve
   each tier keeps decides the hits. Each placement is one `simulate` of the same workload (same prompts, same
   tiers): `--kv-placement write-through` (copied down as produced, least recently used first, nothing moved up
   ahead) and `staged` (expected use from think time, class- and expectation-aware eviction, prefetch).
+sim-steady: the same cluster (a --steady-host-gb host tier) on synthetic conversations whose think times are
+  steady (`steady_workload`): where an expected use can be predicted.
 serve: the real server (`pdserve serve`, the default model on this CPU, one colocated worker) with a host and a
   disk tier, replaying the conversations `benchmarks/bench_kv_tiers.py --select conversations` selects (later
   turns and the turns they extend, of the trace's first --window requests, lengths x --length-scale), each
@@ -46,14 +48,15 @@ def later_turns(wl) -> list[bool]:
     return out
 
 
-def sim_run(args, placement: str, wl, later: list[bool], mix) -> dict:
+def sim_run(args, placement: str, wl, later: list[bool], mix, host_gb: float | None = None) -> dict:
     from pdserve.bench.tier_mix import workload_tiers
     from pdserve.sim.cluster import ClusterSpec, simulate
     from pdserve.sim.hardware import get_gpu, get_model
     from pdserve.sim.timemodel import RooflineTimeModel
     model, gpu = get_model(args.sim_model), get_gpu("h100")
     spec = ClusterSpec(mode="pd", num_prefill=args.sim_prefill, num_decode=args.sim_decode,
-                       num_kv_blocks=args.sim_blocks, host_kv_gb=args.sim_host_gb, disk_kv_gb=args.sim_disk_gb,
+                       num_kv_blocks=args.sim_blocks, host_kv_gb=host_gb or args.sim_host_gb,
+                       disk_kv_gb=args.sim_disk_gb,
                        kv_placement=placement, seed=0)
     tiers = workload_tiers(mix, len(wl), 0) if mix else None
     run = simulate(wl, spec, model, gpu, RooflineTimeModel(model, gpu, 1), tiers=tiers)
@@ -96,6 +99,38 @@ def part_sim(args) -> dict:
     return out
 
 
+def steady_workload(args):
+    """Conversations whose think times are steady (where an expected use can be predicted): --steady-convs
+    conversations of --steady-turns turns, starting uniformly over --steady-span-s; turn 1 is 4 hash blocks
+    (2,048 tokens), each later turn adds 2 (1,024 tokens: the answer and the next question), --steady-think-s
+    +-10% after the previous turn's arrival; 200 output tokens."""
+    import numpy as np
+
+    from pdserve.workloads import RequestSpec, Workload
+    rng = np.random.default_rng(0)
+    reqs = []
+    for c in range(args.steady_convs):
+        t, blocks = rng.uniform(0, args.steady_span_s), [10_000_000 + 1000 * c + k for k in range(4)]
+        for _ in range(args.steady_turns):
+            reqs.append(RequestSpec(float(t), 512 * len(blocks), 200, tuple(blocks)))
+            t += args.steady_think_s * rng.uniform(0.9, 1.1)
+            blocks = blocks + [blocks[-1] + 1, blocks[-1] + 2]
+    return Workload(sorted(reqs, key=lambda r: r.arrival_s), "steady-conversations")
+
+
+def part_sim_steady(args) -> dict:
+    from pdserve.bench.tier_mix import parse_tier_mix
+    wl = steady_workload(args)
+    later = later_turns(wl)
+    mix = parse_tier_mix(args.tier_mix) if args.tier_mix else None
+    out = {"requests": len(wl.requests), "later_turns": sum(later), "flags": {
+        k: v for k, v in vars(args).items() if k.startswith(("sim_", "steady_")) or k == "tier_mix"}}
+    for placement in PLACEMENTS:
+        print(f"[sim-steady] {placement} ...", flush=True)
+        out[placement] = sim_run(args, placement, wl, later, mix, host_gb=args.steady_host_gb)
+    return out
+
+
 def part_serve(args, out_dir: Path) -> dict:
     """Each placement --serve-rounds times, alternating (the first round write-through first, the next staged
     first, ...), so a load that drifts on a shared host weighs on both alike; medians over the rounds."""
@@ -130,9 +165,11 @@ def part_serve(args, out_dir: Path) -> dict:
 
 def print_tables(rep: dict) -> None:
     ms = kvt.ms
-    if "sim" in rep:
-        s = rep["sim"]
-        print(f"\nsimulator: {s['requests']} requests, {s['later_turns']} later turns")
+    for part in ("sim", "sim-steady"):
+        if part not in rep:
+            continue
+        s = rep[part]
+        print(f"\n{part}: {s['requests']} requests, {s['later_turns']} later turns")
         print("placement      | later TTFT p50 / p90 ms | first-turn TTFT p50 ms | device hits (prefill) | "
               "prefetch issued/used/wasted")
         for p in PLACEMENTS:
@@ -168,6 +205,11 @@ def main() -> int:
     p.add_argument("--sim-host-gb", type=float, default=16.0)
     p.add_argument("--sim-disk-gb", type=float, default=64.0)
     p.add_argument("--tier-mix", default="priority=0.2,default=0.6,flex=0.2")
+    p.add_argument("--steady-convs", type=int, default=240)
+    p.add_argument("--steady-turns", type=int, default=6)
+    p.add_argument("--steady-span-s", type=float, default=300.0)
+    p.add_argument("--steady-think-s", type=float, default=30.0)
+    p.add_argument("--steady-host-gb", type=float, default=4.0)
     p.add_argument("--window", type=int, default=600)
     p.add_argument("--singles-every", type=int, default=4)
     p.add_argument("--length-scale", type=float, default=1 / 64)
@@ -188,6 +230,8 @@ def main() -> int:
     rep.update({"cpu": kvt.host_cpu(), "date": datetime.date.today().isoformat()})
     if "sim" in parts:
         rep["sim"] = {**part_sim(args), "argv": sys.argv[1:]}
+    if "sim-steady" in parts:
+        rep["sim-steady"] = {**part_sim_steady(args), "argv": sys.argv[1:]}
     if "serve" in parts:
         rep["serve"] = {**part_serve(args, out_dir), "argv": sys.argv[1:]}
     print_tables(rep)
