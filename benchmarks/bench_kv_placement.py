@@ -12,7 +12,7 @@ sim: `pdserve.sim` on an H100 cluster (Qwen2.5-7B, roofline), the Mooncake conve
   ahead) and `staged` (expected use from think time, class- and expectation-aware eviction, prefetch).
 sim-steady: the same cluster (a --steady-host-gb host tier) on synthetic conversations whose think times are
   steady (`steady_workload`): where an expected use can be predicted.
-serve: the real server (`pdserve serve`, the default model on this CPU, one colocated worker) with a host and a
+serve: the real server (`pdserve serve`, the default model on this CPU, 1 prefill + 1 decode worker) with a host and a
   disk tier, replaying the conversations `benchmarks/bench_kv_tiers.py --select conversations` selects (later
   turns and the turns they extend, of the trace's first --window requests, lengths x --length-scale), each
   placement --serve-rounds times, one server at a time, alternating which goes first; hit ratios from /metrics
@@ -150,15 +150,17 @@ def part_serve(args, out_dir: Path) -> dict:
                 server_args = ["--num-kv-blocks", str(pool), "--kv-host-gb", str(kvt.gb_for(host)),
                                "--kv-disk-dir", disk_dir, "--kv-disk-gb", str(kvt.gb_for(disk)),
                                "--kv-placement", placement]
-                runs[placement].append(kvt.replay("colocated", f"{placement}-{i}", server_args, trace, facts,
-                                                  args, out_dir))
-    for placement, rs in runs.items():
-        ratios = [next(iter(r["workers"].values()))["hit_ratio_of_replay_prompt_tokens"] for r in rs]
+                runs[placement].append(kvt.replay("pd", f"{placement}-{i}", server_args, trace, facts, args,
+                                                  out_dir))
+    for placement, rs in runs.items():  # the prefill worker's hits: those shorten TTFT (the decode worker's, KV sent)
+        ratios = [r["workers"]["prefill-0"]["hit_ratio_of_replay_prompt_tokens"] for r in rs]
+        decode = [r["workers"]["decode-0"]["hit_ratio_of_replay_prompt_tokens"] for r in rs]
         res[placement] = {"rounds": rs, "median": {
             "later_ttft_p50_s": kvt.pct([r["ttft_s"]["later"]["p50"] for r in rs], 50),
             "later_ttft_p90_s": kvt.pct([r["ttft_s"]["later"]["p90"] for r in rs], 50),
             "all_ttft_p50_s": kvt.pct([r["ttft_s"]["all"]["p50"] for r in rs], 50),
             "hit_ratio": {t: kvt.pct([x.get(t, 0.0) for x in ratios], 50) for t in ("device", "host", "disk")},
+            "decode_hit_ratio": {t: kvt.pct([x.get(t, 0.0) for x in decode], 50) for t in ("device", "host", "disk")},
             "errors": sum(r["errors"] for r in rs)}}
     return res
 
@@ -188,8 +190,9 @@ def print_tables(rep: dict) -> None:
             ratio = m["hit_ratio"]
             rounds = " ".join(f"{ms(r['ttft_s']['later']['p50'])}" for r in s[p]["rounds"])
             print(f"{p:14} | later TTFT p50 / p90 ms {ms(m['later_ttft_p50_s'])} / {ms(m['later_ttft_p90_s'])} "
-                  f"(rounds' p50: {rounds}) | all p50 {ms(m['all_ttft_p50_s'])} | device hits "
-                  f"{ratio['device']:.1%} host {ratio['host']:.1%} disk {ratio['disk']:.1%} | errors {m['errors']}")
+                  f"(rounds' p50: {rounds}) | all p50 {ms(m['all_ttft_p50_s'])} | prefill device hits "
+                  f"{ratio['device']:.1%} host {ratio['host']:.1%} disk {ratio['disk']:.1%} | decode device hits "
+                  f"{m['decode_hit_ratio']['device']:.1%} | errors {m['errors']}")
 
 
 def main() -> int:
