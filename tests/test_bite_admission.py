@@ -96,3 +96,30 @@ def test_nothing_is_predicted_before_enough_steps():
     assert adm.check(ttft_tier(1), "p", "p", 100, 0, 0, 0, 0, 0.0) is None  # unpredicted: admitted
     adm.observe_steps("p", [(100, 10000, 0, 0, 1.0)])
     assert adm.check(ttft_tier(1), "p", "p", 100, 0, 0, 0, 0, 0.0).reason == "slo_ttft"
+
+
+def test_the_current_step_counts_what_is_left_of_it_by_how_long_it_has_run():
+    """A burst's second request arrives a few ms after the first one's step began: all of that step is ahead
+    of it (not half). The longer the step has run, the less of it is left; past its predicted time, none."""
+    adm = admission()
+    step = P_A + P_B * 1000 + P_C * 1000 * 1000  # the 1,000 tokens in the current step, prompts of ~1,000
+    own = P_A + P_B * 1000 + P_C * 1000 * 1000
+    assert adm.predict_ttft_s("p", "d", 1000, 1000, 0, 0, busy_s=0.0) == pytest.approx(
+        step + own + DELIVERY_S, rel=1e-6)
+    assert adm.predict_ttft_s("p", "d", 1000, 1000, 0, 0, busy_s=0.25 * step) == pytest.approx(
+        0.75 * step + own + DELIVERY_S, rel=1e-6)
+    assert adm.predict_ttft_s("p", "d", 1000, 1000, 0, 0, busy_s=10.0) == pytest.approx(own + DELIVERY_S, rel=1e-6)
+    assert adm.predict_ttft_s("p", "d", 1000, 1000, 0, 0) == pytest.approx(0.5 * step + own + DELIVERY_S, rel=1e-6)
+
+
+def test_before_any_delivery_the_tail_is_the_decode_workers_first_step_and_the_read_time_never_has_it():
+    adm = admission()
+    own = P_A + P_B * 500 + P_C * 500 * 500
+    first_step = D_A + D_CTX * 4 * CONTEXT + D_SEQ * 4  # 3 decoding, this one the fourth
+    fresh = Admission(0.1, 4096)
+    fresh.models = {"p": adm.models["p"], "d": adm.models["d"]}
+    adm.models["d"].delivery_s = None  # (the decode worker has delivered nothing yet)
+    assert fresh.predict_ttft_s("p", "d", 500, 0, 0, 3) == pytest.approx(own + first_step, rel=1e-6)
+    fresh.observe_delivery("d", 2.0)  # a backed-up link's tail, learnt
+    assert fresh.predict_ttft_s("p", "d", 500, 0, 0, 3) == pytest.approx(own + 2.0, rel=1e-6)
+    assert fresh.predict_read_s("p", "d", 500, 0, 0, 3) == pytest.approx(own + first_step, rel=1e-6)

@@ -517,3 +517,41 @@ def test_a_renewed_transfer_lapsing_again_is_one_failure_in_the_metrics():
     got = metrics.registry.get_sample_value
     assert got("pdserve_kv_transfer_failures_total", {"reason": "failed_timeout", "outcome": "held"}) == 1
     assert got("pdserve_kv_transfer_failures_total", {"reason": "failed_timeout", "outcome": "recompute"}) == 1
+
+
+def test_a_bursts_second_request_waits_for_all_of_the_first_ones_step_and_less_once_it_has_run():
+    """The conductor's clock of each prefill worker's step (`Backlog.busy_s`): it starts when an idle worker
+    gets a prompt and again at each prompt prefilled there, and admission's prediction counts what is left of it."""
+    from tests.test_bite_admission import admission
+    adm = admission()
+    core = ConductorCore("pd", make_routing_policy("least-loaded"), ServiceTiers.from_specs(("default:ttft_ms=1e6",)),
+                         adm, idle_prewarm=False)
+    core.add_worker("p", "prefill")
+    core.add_worker("d", "decode")
+    prompt = lambda k: [k * 1000 + i for i in range(512)]  # noqa: E731
+    core.arrive("a", prompt(1), {}, 10.0)
+    alone = adm.last_ttft_s
+    core.arrive("b", prompt(2), {}, 10.001)  # 1 ms into a's step: all of it is ahead
+    step = adm.model("p").prefill_s(512, prompt=512)
+    assert adm.last_ttft_s == pytest.approx(alone + step - 0.001, rel=1e-6)
+    core.reserved("a", core.flights["a"].xfer, True, "addr", 0, 10.002)
+    core.prefilled("a", 10.0 + step)  # a's step ended: b's began
+    core.arrive("c", prompt(3), {}, 10.0 + 1.5 * step)  # b's step is half done
+    assert adm.last_ttft_s == pytest.approx(alone + 0.5 * step, rel=1e-6)
+
+
+def test_the_prefill_command_carries_when_its_kv_would_be_read_were_the_link_free():
+    """`read_in_s` (what `--kv-wire-dtype auto` weighs the link's backlog against) is the deadline without the
+    decode worker's learned delivery tail: on a backed-up link that tail holds the link's past waits."""
+    from tests.test_bite_admission import admission
+    adm = admission()
+    adm.observe_delivery("d", 3.0)  # the link was slow: the tail learnt is ~0.6 s, far over a decode step
+    core = ConductorCore("pd", make_routing_policy("least-loaded"), admission=adm, idle_prewarm=False)
+    core.add_worker("p", "prefill")
+    core.add_worker("d", "decode")
+    core.arrive("a", list(range(512)), {}, 0.0)
+    [send] = [a for a in core.reserved("a", core.flights["a"].xfer, True, "addr", 0, 0.1) if isinstance(a, Send)]
+    cmd = send.cmd
+    tail, first_step = adm.model("d").delivery_s, adm.first_step_s("d", 0)
+    assert cmd.deadline_in_s - cmd.read_in_s == pytest.approx(tail - first_step, rel=1e-6)
+    assert cmd.read_in_s == pytest.approx(adm.predict_prefill_s("p", 512, 0, 0) + first_step, rel=1e-6)

@@ -497,7 +497,7 @@ def test_auto_wire_format_ships_late_elastic_kv_as_int8_and_priority_exact(tiny_
         firsts[g.reservation.request.request_id] = g.first_block
     for rid, prompt, tier in (("a", a, "default"), ("b", b, "priority")):
         pair.prefill.add(rid, prompt, GREEDY, pair.decode.receiver.address, f"{rid}#0", firsts[rid],
-                         service_tier=tier, deadline_in_s=0.05)
+                         service_tier=tier, deadline_in_s=0.05, read_in_s=0.05)
     pool = pair.prefill.kv_format
     assert (pair.prefill.outbound["a"].wire_format, pair.prefill.outbound["b"].wire_format) == ("int8", pool)
     pair.prefill.outbox.link_rate = None  # (then as fast as the transport goes)

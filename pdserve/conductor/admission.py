@@ -5,12 +5,15 @@ prefill `a + b * tokens + c * tokens^2` per chunk, decode `a + b * context + c *
 parts with one `a`: `pdserve.sim.timemodel.FittedTimeModel`), refreshed from the worker's live step times (real workers report
 their recent steps in their `stats` events; the simulator reports every simulated step). From it:
 
-    TTFT = half of the worker's current step, taken to hold up to a budget of its backlog (tokens of the
-           request's tier rank or better first)
+    TTFT = what is left of the worker's current step, taken to hold up to a budget of its backlog (tokens of
+           the request's tier rank or better first): its predicted time less how long it has run (the
+           conductor's `Backlog.busy_s`: since the worker's backlog last went from empty to queued, or since its
+           last prompt came out prefilled); half of it when that is not known
          + prefill of (what is left of the backlog ahead of this request + its own uncached tokens), in chunks
            of the worker's token budget, the last one topped up with what is left of the backlog behind it
            (lower tiers batched into the same step); each chunk also carries a colocated worker's decode batch
-         + the delivery tail (prefill done -> first token at the gateway, a moving average of live ones)
+         + the delivery tail (prefill done -> first token at the gateway, a moving average of live ones; until
+           the decode worker has delivered one, its first decode step with this request in its batch)
     TPOT = one decode step of the decode worker's batch with this request in it, stretched by the share of
            its recent time spent on prefill chunks (colocated interference), at most the step budget's
            0.85 x the tier's TPOT SLO (the worker caps prefill to keep it) unless the decode step alone is longer
@@ -150,20 +153,40 @@ class Admission:
             model.delivery_s + DELIVERY_EWMA * (seconds - model.delivery_s))
 
     def predict_ttft_s(self, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
-                       decoding: int) -> float | None:
-        """`ahead`: backlog tokens of the request's tier rank or better; `behind`: the rest. The worker's
-        current step holds up to a budget of the backlog (the tokens ahead first) and is half done on average;
-        what is left of `ahead` goes before the request, what is left of `behind` shares its last step."""
+                       decoding: int, busy_s: float | None = None) -> float | None:
+        """`ahead`: backlog tokens of the request's tier rank or better; `behind`: the rest; `busy_s`: how
+        long the producer's current step has run. The current step holds up to a budget of the backlog (the
+        tokens ahead first); what is left of `ahead` goes before the request, what is left of `behind` shares
+        its last step."""
         colocated = producer == decoder
-        t = self.predict_prefill_s(producer, tokens, ahead, behind, decoding if colocated else 0)
+        t = self.predict_prefill_s(producer, tokens, ahead, behind, decoding if colocated else 0, busy_s)
         if t is None:
             return None
-        return t + (0.0 if colocated else (self.model(decoder).delivery_s or 0.0))
+        return t + (0.0 if colocated else self.delivery_tail_s(decoder, decoding))
 
-    def predict_prefill_s(self, producer: str, tokens: int, ahead: int, behind: int, decoding: int = 0
-                          ) -> float | None:
+    def predict_read_s(self, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
+                       decoding: int, busy_s: float | None = None) -> float | None:
+        """When the decode worker would first read the prompt's KV if the link took no time: its prefill (as
+        `predict_ttft_s`) and the decode worker's first step, without the learned delivery tail (which holds
+        the link's past waits). What `--kv-wire-dtype auto` weighs the link's backlog against."""
+        t = self.predict_prefill_s(producer, tokens, ahead, behind, 0, busy_s)
+        return None if t is None else t + self.first_step_s(decoder, decoding)
+
+    def first_step_s(self, decoder: str, decoding: int) -> float:
+        """The decode worker's next step with one more request in its batch (0 before its model predicts)."""
+        return self.model(decoder).decode_s(decoding + 1) or 0.0
+
+    def delivery_tail_s(self, decoder: str, decoding: int) -> float:
+        """Prefill done -> first token: the decode worker's moving average of live ones; before its first,
+        its first step (no link wait known yet)."""
+        learned = self.model(decoder).delivery_s
+        return self.first_step_s(decoder, decoding) if learned is None else learned
+
+    def predict_prefill_s(self, producer: str, tokens: int, ahead: int, behind: int, decoding: int = 0,
+                          busy_s: float | None = None) -> float | None:
         """Queueing and prefill on `producer` until its prompt of `tokens` uncached tokens is prefilled (TTFT
-        without the delivery tail); `decoding`: a colocated worker's decode batch, carried by each chunk."""
+        without the delivery tail); `decoding`: a colocated worker's decode batch, carried by each chunk;
+        `busy_s`: how long its current step has run (None: not known, taken as half done)."""
         model = self.model(producer)
         in_step = min(ahead + behind, model.budget)
         ahead_left = max(ahead - in_step, 0)
@@ -172,11 +195,12 @@ class Admission:
         if t is None:
             return None
         if in_step:
-            t += 0.5 * (model.prefill_s(in_step, prompt=tokens) or 0.0)
+            step = model.prefill_s(in_step, prompt=tokens) or 0.0
+            t += 0.5 * step if busy_s is None else step - min(max(busy_s, 0.0), step)
         return t
 
     def check(self, tier: ServiceTier, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
-              decoding: int, outstanding: int, now: float) -> Rejection | None:
+              decoding: int, outstanding: int, now: float, busy_s: float | None = None) -> Rejection | None:
         if outstanding >= self.max_outstanding:
             return Rejection("queue_full", f"worker {decoder} has {outstanding} requests queued; try again later",
                              1.0, code="queue_full")
@@ -185,7 +209,7 @@ class Admission:
             return None
         slack = 1.0 + self.margin
         if tier.ttft_ms is not None:
-            ttft = self.last_ttft_s = self.predict_ttft_s(producer, decoder, tokens, ahead, behind, decoding)
+            ttft = self.last_ttft_s = self.predict_ttft_s(producer, decoder, tokens, ahead, behind, decoding, busy_s)
             if ttft is not None and ttft * 1000.0 > tier.ttft_ms * slack:
                 return Rejection("slo_ttft", f"predicted time to first token {ttft * 1000:.0f} ms exceeds the "
                                  f"{tier.name} tier's {tier.ttft_ms:g} ms SLO ({ahead} prompt tokens queued ahead, "

@@ -57,12 +57,13 @@ class Books:
     def pick(self, role: str, hashes) -> WorkerLoad | None:
         return self.policy.pick(self.role(role), hashes)
 
-    def route(self, hashes, tokens: int | None = None, rank: int = 0) -> tuple[WorkerLoad | None, WorkerLoad | None]:
+    def route(self, hashes, tokens: int | None = None, rank: int = 0, now: float | None = None
+              ) -> tuple[WorkerLoad | None, WorkerLoad | None]:
         """(the decode or colocated worker, the prefill worker in PD mode). A pair policy
         (`pdserve.conductor.ttft_routing`) picks both at once when the prompt's length `tokens` is known."""
         pair = getattr(self.policy, "pick_pair", None)
         if pair is not None and self.mode == "pd" and tokens is not None:
-            first, second, notes = pair(self, PairRequest(hashes, tokens, rank))
+            first, second, notes = pair(self, PairRequest(hashes, tokens, rank, now))
             self.notes.extend(notes)
             return first, second
         first = self.pick("colocated" if self.mode == "colocated" else "decode", hashes)

@@ -186,7 +186,7 @@ class ConductorCore:
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
         hashes = HashRun(self.books.affinity(prompt))
-        first, second = self._follow(follow) or self.books.route(hashes, len(prompt), self.tiers[tier].rank)
+        first, second = self._follow(follow) or self.books.route(hashes, len(prompt), self.tiers[tier].rank, now)
         noted = self._route_notes(hashes, first, second)
         if first is None:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "no_worker"))),
@@ -195,6 +195,7 @@ class ConductorCore:
             return [Count("admission_rejected", (("service_tier", tier), ("reason", "server_overloaded"))),
                     Fail(rid, 429, f"the {tier} tier's queue is full ({self.max_queue} requests waiting); "
                          "try again later", "server_overloaded", 1.0)]
+        self.backlog[(second or first).name].arriving(now)
         rejection = None if follow else self._admit(f, first, second, hashes, now)
         predicted = self.admission.last_ttft_s if self.admission is not None and not follow else None
         seen = [] if predicted is None else [Observe("predicted_ttft", (("service_tier", tier),), predicted)]
@@ -234,7 +235,7 @@ class ConductorCore:
         ahead = sum(n for r, n in tokens.items() if r <= rank)
         return self.admission.check(self.tiers[f.tier], producer.name, first.name, len(f.prompt) - cached, ahead,
                                     sum(tokens.values()) - ahead, self.backlog[first.name].decoding,
-                                    first.outstanding, now)
+                                    first.outstanding, now, self.backlog[producer.name].busy_s(now))
 
     def _predicts(self, tier: str) -> bool:
         return self.admission is not None and self.admission.predict and self.tiers[tier].ttft_ms is not None
@@ -267,28 +268,31 @@ class ConductorCore:
         f.kv_addr, f.first_block = kv_addr, first_block
         if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
             return self.recovery.prefill_gone(f)
-        deadline = self._predict_dispatch(f, first_block, now)
+        deadline, read = self._predict_dispatch(f, first_block, now)
         f.advance(Stage.DISPATCHED)
         return [Send(f.prefill, Prefill(**f.request_fields(), dest=kv_addr, link=f.decode, xfer=f.xfer,
                                         first_block=first_block,
-                                        deadline_in_s=None if deadline is None else deadline - now))]
+                                        deadline_in_s=None if deadline is None else deadline - now,
+                                        read_in_s=None if read is None else read - now))]
 
     def reserve_waiting(self, rid: str, xfer: str, now: float = 0.0) -> list:
         return self.staging.reserve_waiting(rid, xfer, now)
 
-    def _predict_dispatch(self, f: FlightState, first_block: int, now: float) -> float | None:
-        """Ahead of it at the prefill worker: the prompts dispatched there before it and not yet prefilled
-        (of its tier rank or better; the others may share its last step)."""
+    def _predict_dispatch(self, f: FlightState, first_block: int, now: float) -> tuple[float | None, float | None]:
+        """(its predicted first consumption, the same were the link free: `ConsumptionPredictor.at_dispatch`).
+        Ahead of it at the prefill worker: the prompts dispatched there before it and not yet prefilled (of its
+        tier rank or better; the others may share its last step)."""
         rank = self.tiers[f.tier].rank
         tokens = self.backlog[f.prefill].dispatched
         ahead = sum(n for r, n in tokens.items() if r <= rank)
         behind = sum(tokens.values()) - ahead
         tokens[rank] += f.queued_tokens
         f.dispatched_s = now
-        predicted = self.consumption.at_dispatch(now, f.prefill, f.decode, f.queued_tokens, ahead, behind)
+        predicted, read = self.consumption.at_dispatch(now, f.prefill, f.decode, f.queued_tokens, ahead, behind,
+                                                       self.backlog[f.prefill].busy_s(now))
         blocks = -(-len(f.resumed_prompt) // self.block_size) - first_block
         f.prediction = Prediction(blocks, predicted, predicted, tier=f.tier)
-        return predicted
+        return predicted, read
 
     def prefilled(self, rid: str, now: float, landing_in_s: float | None = None, failed: bool = False) -> list:
         """`landing_in_s`: the prefill worker's link's estimate of when the transfer's last chunk is out;
@@ -300,6 +304,8 @@ class ConductorCore:
         if f.stage is not Stage.DECODING:  # (a report after the first token leaves the timeline the token set)
             f.prefilled_s, f.prefilled_by = now, prefill
         f.gave_up = failed
+        if prefill is not None and f.stage is not Stage.DECODING:
+            self.backlog[prefill].stepped(now)
         self.books.release_prefill(f)
         if f.stage not in (Stage.LOCAL_PREFILL, Stage.DECODING):  # (else its decode worker took over)
             f.advance(Stage.PREFILLED)
@@ -367,6 +373,8 @@ class ConductorCore:
         if f.stage is not Stage.DECODING:  # the first token from where it runs now
             self.books.waiting[f.tier] -= 1
             f.first_token_s = f.first_token_s or now
+            if f.prefill is None and f.prefilled_s is None:  # prefilled where it runs (colocated, recomputed)
+                self.backlog[f.decode].stepped(now)
             if f.prefilled_s is not None and self.admission is not None:
                 self.admission.observe_delivery(f.decode, now - f.prefilled_s)
             elif f.prefilled_s is None and f.prefill is not None and f.dispatched_s is not None:

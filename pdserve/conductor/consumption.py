@@ -59,12 +59,15 @@ class ConsumptionPredictor:
         self.tail: dict = {}
         self.samples: dict = {}
 
-    def at_dispatch(self, now: float, producer: str, decoder: str, tokens: int, ahead: int, behind: int
-                    ) -> float | None:
+    def at_dispatch(self, now: float, producer: str, decoder: str, tokens: int, ahead: int, behind: int,
+                    busy_s: float | None = None) -> tuple[float | None, float | None]:
+        """(predicted first consumption, the same were the link free: prefill and the decode worker's first step
+        without its learned delivery tail, `Admission.predict_read_s`), each None until the models predict."""
         if self.admission is None:
-            return None
-        ttft = self.admission.predict_ttft_s(producer, decoder, tokens, ahead, behind, 0)
-        return None if ttft is None else now + ttft
+            return None, None
+        ttft = self.admission.predict_ttft_s(producer, decoder, tokens, ahead, behind, 0, busy_s)
+        read = self.admission.predict_read_s(producer, decoder, tokens, ahead, behind, 0, busy_s)
+        return None if ttft is None else now + ttft, None if read is None else now + read
 
     def at_prefilled(self, p: Prediction, now: float, decoder: str, landing_in_s: float | None) -> None:
         p.landed_s = now + (landing_in_s or 0.0)

@@ -133,3 +133,17 @@ class Backlog:
     tokens: dict = field(default_factory=lambda: {0: 0, 1: 0})
     dispatched: dict = field(default_factory=lambda: {0: 0, 1: 0})  # of those, sent to the prefill worker
     decoding: int = 0
+    since: float | None = None  # when its current prefill step is taken to have begun (None: not known yet)
+
+    def arriving(self, now: float) -> None:
+        """A prompt is about to be queued here: an idle worker starts on it now."""
+        if not any(self.tokens.values()):
+            self.since = now
+
+    def stepped(self, now: float) -> None:
+        """A prompt came out prefilled here: its step ended, the next one (if any is queued) begins."""
+        self.since = now
+
+    def busy_s(self, now: float) -> float | None:
+        """How long the current step has run, as far as the conductor's clock saw its start."""
+        return None if self.since is None else max(now - self.since, 0.0)

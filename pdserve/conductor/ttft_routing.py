@@ -55,6 +55,7 @@ class PairRequest:
     hashes: Sequence
     tokens: int
     rank: int = 0
+    now: float | None = None  # the conductor's clock (how long each prefill worker's step has run)
 
 
 class PredictedTtft:
@@ -94,7 +95,8 @@ class PredictedTtft:
             tokens = max(req.tokens - p.prefix_blocks(req.hashes) * bs, 1)
             backlog = books.backlog[p.name].tokens
             ahead = sum(n for r, n in backlog.items() if r <= req.rank)
-            total = admission.predict_prefill_s(p.name, tokens, ahead, sum(backlog.values()) - ahead)
+            busy = None if req.now is None else books.backlog[p.name].busy_s(req.now)
+            total = admission.predict_prefill_s(p.name, tokens, ahead, sum(backlog.values()) - ahead, 0, busy)
             alone = admission.predict_prefill_s(p.name, tokens, 0, 0)
             if total is None or alone is None:
                 return None

@@ -94,6 +94,7 @@ class Prefill(RequestFields):
     xfer: str
     first_block: int
     deadline_in_s: float | None = None  # predicted first consumption, from now (the delivery deadline)
+    read_in_s: float | None = None  # when it would first be read were the link free, from now (`auto` wire slack)
 
 
 @message("stage")

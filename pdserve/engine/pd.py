@@ -75,9 +75,10 @@ class PrefillSide:
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
             priority: int = 0, pin: tuple[str, float] | None = None, service_tier: str = "default",
-            link: str | None = None, deadline_in_s: float | None = None) -> None:
+            link: str | None = None, deadline_in_s: float | None = None, read_in_s: float | None = None) -> None:
         """`deadline_in_s`: the conductor's predicted first consumption of this KV, from now (the delivery
-        deadline under `--delivery scheduled`)."""
+        deadline under `--delivery scheduled`); `read_in_s`: the same were the link free (the wire format's
+        slack)."""
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier)
         self.engine.scheduler.check_new(req)  # fail now, even when it waits for its stage pass
@@ -90,11 +91,12 @@ class PrefillSide:
         out = self.books.open(Outbound(
             request_id, dest, xfer, first_block, len(prompt), link or dest, service_tier,
             float("inf") if deadline_in_s is None else now + deadline_in_s, by_copy=long))
-        out.wire_format = self._wire_format(out, deadline_in_s)
+        out.wire_format = self._wire_format(out, read_in_s)
         self._alive(out, now)  # queued here: the receiver's lease runs from now, renewed
 
-    def _wire_format(self, out: Outbound, consume_in_s: float | None) -> str | None:
-        """The format `out` travels in (`pdserve.core.pd.wire_format`), from its link's state now."""
+    def _wire_format(self, out: Outbound, read_in_s: float | None) -> str | None:
+        """The format `out` travels in (`pdserve.core.pd.wire_format`), from its link's state now and when the
+        decode worker would read it were the link free."""
         if self.kv_format is None:
             return None
         ahead = tiers_ahead(out.tier)
@@ -105,7 +107,7 @@ class PrefillSide:
         compact = self._wire_codec(COMPACT)
         ratio = compact.token_bytes / self.codec.token_bytes if compact is not None else 1.0
         return self.wire.choose(out.tier, self.kv_format, blocks * self.block_bytes, LinkView(queued, rate),
-                                consume_in_s, ratio)
+                                read_in_s, ratio)
 
     def _wire_codec(self, fmt: str):
         if fmt not in self._wire_codecs:

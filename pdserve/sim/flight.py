@@ -33,6 +33,7 @@ class Flight:
     superseded: float = 0.0  # partly filled blocks sent again later
     wire_ratio: float = 1.0  # its transfer's bytes per pool byte (`--kv-wire-dtype`)
     deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
+    read_s: float | None = None  # the same were the link free (`--kv-wire-dtype auto`'s slack)
     first_token: int | None = None  # sampled by the prefill worker
     failed: bool = False
     finished: bool = False

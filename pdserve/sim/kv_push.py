@@ -72,7 +72,7 @@ class SimKVPath:
             return
         egress, ingress = self.ports[engine], self.ports[cmd.link]
         blocks = -(-len(cmd.prompt) // self.block_size) - cmd.first_block
-        consume = None if f.deadline_s == float("inf") else f.deadline_s - self.loop.now
+        consume = None if f.read_s is None else f.read_s - self.loop.now
         ahead = tiers_ahead(f.tier)
         queued = self.links.queued_bytes(egress, ahead) + self.books_of(engine).unproduced_bytes(
             cmd.link, ahead, self.block_bytes, but=out)  # on the link, and taken but not yet computed

@@ -35,6 +35,8 @@ class SimCommands:
         f = self.sim.flights.get(cmd.rid)
         if cmd.deadline_in_s is not None:
             f.deadline_s = self.sim.loop.now + cmd.deadline_in_s
+        if cmd.read_in_s is not None:
+            f.read_s = self.sim.loop.now + cmd.read_in_s
         add = lambda: self._add(f, self._request(cmd, prefill_only=True), cmd)  # noqa: E731
         self._post(lambda: self.sim.staging.add_prefill(self.engine, cmd.rid, add),
                    self.sim.links.latency_s + 2 * self.sim.control_s)

@@ -35,7 +35,8 @@ class WorkerCommands:
 
     def prefill(self, cmd: Prefill) -> None:
         self.prefill_side.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
-                         cmd.priority, _pin(cmd.pin), _tier(cmd.tier), link=cmd.link, deadline_in_s=cmd.deadline_in_s)
+                         cmd.priority, _pin(cmd.pin), _tier(cmd.tier), link=cmd.link, deadline_in_s=cmd.deadline_in_s,
+                              read_in_s=cmd.read_in_s)
 
     def stage(self, cmd: Stage) -> None:
         self.prefill_side.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))

@@ -8,7 +8,10 @@ prefill worker takes it, by the real worker on its links' measured state and by 
   deliver it exact before its predicted consumption: when what is queued ahead of it on the link (its own tier
   and better) plus its own bytes, at the link's measured rate, take longer than the time until the decode
   worker is predicted to read it (its consumption slack). A transfer with no prediction, or a link whose rate
-  is not known yet, travels exact.
+  is not known yet, travels exact. The time until it is read is the conductor's prediction as if the link took
+  no time (the prompt's prefill and the decode worker's first step: `Admission.predict_read_s`, the `Prefill`
+  command's `read_in_s`), not its delivery deadline, whose learned delivery tail already holds the link's past
+  waits (on a steadily backed-up link exact KV would "fit" by construction).
 
 The receiver decodes a chunk in another format into its pool's (`pdserve.kv.transcode`); each chunk names
 its format (`kv` in its header).
@@ -56,7 +59,7 @@ class WireFormat:
     def choose(self, tier: str, pool_format: str, own_bytes: float, link: LinkView,
                consume_in_s: float | None, compact_ratio: float) -> str:
         """The format of a transfer of `own_bytes` (in the pool's format `pool_format`) in service tier `tier`,
-        predicted to be read `consume_in_s` from now; `compact_ratio`: COMPACT's bytes per pool byte."""
+        predicted to be read `consume_in_s` from now were the link free; `compact_ratio`: COMPACT's bytes per pool byte."""
         if self.mode == POOL:
             return pool_format
         if self.mode != AUTO:
