@@ -79,8 +79,8 @@ def run(calibration: str, args: argparse.Namespace, log_dir: Path) -> dict:
     cache = tempfile.mkdtemp(prefix="pdserve-calibration-")
     os.environ["PDSERVE_CALIBRATION_CACHE"] = cache
     log = log_dir / f"serve-{calibration}.log"
-    server = Server(["--service-tier", args.service_tier, "--calibration", calibration,
-                     "--admission-margin", str(args.admission_margin)], log)
+    margin = [] if args.admission_margin is None else ["--admission-margin", str(args.admission_margin)]
+    server = Server(["--service-tier", args.service_tier, "--calibration", calibration, *margin], log)
     try:
         results = asyncio.run(warm_then_burst(server.url, args))
         metrics = server.metrics()
@@ -108,12 +108,13 @@ def main() -> None:
     p.add_argument("--service-tier", default="default:ttft_ms=2500,tpot_ms=400")
     p.add_argument("--calibration", nargs="+", default=["off", "fresh"])
     p.add_argument("--warmup", type=int, default=0, help="sequential requests before the burst")
-    p.add_argument("--admission-margin", type=float, default=0.1)
+    p.add_argument("--admission-margin", type=float, default=None, help="default: the server's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="bench_results/admission_burst")
     args = p.parse_args()
     print(f"{args.burst} x {args.tokens}-token prompts at once, max_tokens {args.max_tokens}, {args.service_tier}, "
-          f"--admission-margin {args.admission_margin:g}, warm-up {args.warmup}")
+          f"--admission-margin {'default' if args.admission_margin is None else args.admission_margin}, "
+          f"warm-up {args.warmup}")
     print("| --calibration | accepted | refused (codes) | accepted within TTFT SLO | TTFT median (s) | "
           "admitted unpredicted | prediction error median (bucket le, s; n) | profile steps |")
     print("|---|---|---|---|---|---|---|---|")

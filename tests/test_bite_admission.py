@@ -123,3 +123,13 @@ def test_before_any_delivery_the_tail_is_the_decode_workers_first_step_and_the_r
     fresh.observe_delivery("d", 2.0)  # a backed-up link's tail, learnt
     assert fresh.predict_ttft_s("p", "d", 500, 0, 0, 3) == pytest.approx(own + 2.0, rel=1e-6)
     assert fresh.predict_read_s("p", "d", 500, 0, 0, 3) == pytest.approx(own + first_step, rel=1e-6)
+
+
+def test_a_worker_whose_steps_an_slo_caps_has_its_last_step_taken_whole():
+    """Its scheduler fills a capped step with whatever is queued when the step starts, prompts that come later
+    included: a prompt's last chunk is predicted as a whole capped step (uncapped, as its own tokens)."""
+    adm = admission()
+    chunk = lambda n: P_A + P_B * n + P_C * n * min(n, 1000)  # noqa: E731 - a step of n tokens of a 1,000 prompt
+    assert adm.predict_prefill_s("p", 1000, 0, 0) == pytest.approx(chunk(1000), rel=1e-6)  # budget 2,048
+    adm.model("p").budget = 400  # its step budget's cap, reported in its stats
+    assert adm.predict_prefill_s("p", 1000, 0, 0) == pytest.approx(3 * chunk(400), rel=1e-6)

@@ -72,7 +72,7 @@ def _replay_on_real_conductor(decisions, tmp_path, stage_blocks: dict, stage_max
         events.bind(f"ipc://{tmp_path}/events")
         metrics = Metrics()
         conductor = Conductor(ctx, events, "pd", make_routing_policy("prefix-affinity"), metrics,
-                              ServiceTiers.from_specs(TIER_SPECS), Admission(0.1), clock=lambda: now[0])
+                              ServiceTiers.from_specs(TIER_SPECS), Admission(), clock=lambda: now[0])
         pulls = {}
         for name in names:
             pulls[name] = ctx.socket(zmq.PULL)

@@ -59,7 +59,8 @@ class WorkerModel:
     """One least-squares fit over every step, pure and mixed: seconds ~ a + b * prefill tokens + c * sum of
     their squares + d * decode context + e * decode batch (a mixed step costs both parts and one `a`, as the
     fitted time model has it), so a colocated worker, whose steps are mostly mixed, is modelled too."""
-    budget: int = default_of(SchedulerConfig, "max_num_batched_tokens")  # the worker's (its `ready` says)
+    budget: int = default_of(SchedulerConfig, "max_num_batched_tokens")  # prefill tokens a step may carry
+    max_budget: int = default_of(SchedulerConfig, "max_num_batched_tokens")  # the worker's (its `ready` says)
     fit: OnlineFit = field(default_factory=lambda: OnlineFit(5))
     mean_context: float = 0.0  # per decoding request, a moving average
     delivery_s: float | None = None
@@ -111,12 +112,20 @@ class WorkerModel:
         prefill = data[:, 1:3] @ self.fit.coef[1:3]
         return float(min(prefill.sum() / max(data[:, -1].sum(), 1e-9), 0.9))
 
+    @property
+    def capped(self) -> bool:
+        """Its steps are held below its token budget by an SLO (`pdserve.core.sched.step_budget`)."""
+        return self.budget < self.max_budget
+
     def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0, prompt: int | None = None
                   ) -> float | None:
         """`tokens` in budget-sized chunks; the last one is topped up with `fill` more tokens (lower tiers'
-        prompts batched into the same step); each chunk of a colocated worker also carries its decode batch."""
+        prompts batched into the same step), or, on a capped worker, to a whole chunk: its scheduler fills a
+        capped step with whatever is queued when it starts, prompts that arrive later included, so a prompt's
+        last step is as long as the cap lets it be (over-predicting a lone prompt by at most one step, a
+        quarter of the tightest TTFT SLO); each chunk of a colocated worker also carries its decode batch."""
         full, rest = divmod(max(tokens, 0), self.budget)
-        rest = min(rest + fill, self.budget) if rest else 0
+        rest = (self.budget if self.capped else min(rest + fill, self.budget)) if rest else 0
         prompt = prompt or self.budget
         one = self._prefill_chunk_s(self.budget, prompt) if full else 0.0
         last = self._prefill_chunk_s(rest, prompt) if rest else 0.0

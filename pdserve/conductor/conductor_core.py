@@ -124,7 +124,8 @@ class ConductorCore:
             load.max_recent_blocks = min(info.kv_capacity_blocks, MAX_RECENT_BLOCKS)
         self.staging.worker_ready(name, info)
         if self.admission is not None:
-            self.admission.model(name).budget = info.max_num_batched_tokens
+            model = self.admission.model(name)
+            model.budget = model.max_budget = info.max_num_batched_tokens
         return moved + (self.recovery.adopt_orphans() if self.recovery.orphans else [])
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:

@@ -153,8 +153,9 @@ class AdmissionSettings:
     admission: str | None = setting(None, "Prediction-based admission: predict (refuse at once, with 429 "
                                     "slo_unattainable, a request whose predicted TTFT or TPOT misses its service "
                                     "tier's SLO) or off; default: predict when any tier has an SLO.")
-    admission_margin: float = setting(0.1, "How far (a fraction of the SLO) a prediction may exceed the SLO before "
-                                      "the request is refused; negative: how far below the SLO it must stay (headroom "
+    admission_margin: float = setting(-0.1, "How far (a fraction of the SLO) a prediction may exceed the SLO before "
+                                      "the request is refused (0: past its SLO; the default -0.1, past 90% of it, is "
+                                      "headroom for the time model's error: +5-10% in a burst on a 2-core host); negative: how far below the SLO it must stay (headroom "
                                       "for a host whose speed varies: -0.3 refuses past 0.7 of the SLO).")
     max_outstanding: int = setting(4096, "Most requests one worker may have in flight; more are refused (429 "
                                    "queue_full), whatever their tier.")
