@@ -23,7 +23,7 @@ run: setup
 
 # ~12-19 min of tests on 2 cores (fresh clones: AMD EPYC Zen 4 12m41s-16m38s; Intel Xeon, 2026-12-06, 18m07s and 18m43s; +~3 min setup); `test-all` adds the other transport/mode of the slowest serve tests
 test: setup
-	$(PY) -m pytest -q -m "not extended"
+	$(PY) -m pytest -q -m "not extended" --durations=25
 
 test-all: setup
 	$(PY) -m pytest -q
