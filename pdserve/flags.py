@@ -25,7 +25,7 @@ def add_config_args(parser: argparse.ArgumentParser, config, skip: frozenset[str
         if f.name in skip:
             continue
         flags = ["--" + f.name.replace("_", "-"), *aliases.pop(f.name, [])]
-        help_ = helps[f.name] + "".join(f" ({old}: deprecated)" for old in flags[1:])
+        help_ = helps[f.name].replace("%", "%%") + "".join(f" ({old}: deprecated)" for old in flags[1:])  # literal %
         if flags[1:] and (hints[f.name] is bool or typing.get_origin(hints[f.name]) is tuple):
             raise ValueError(f"deprecated spellings of --{f.name} would not warn: only single-value flags have them")
         default = f.default if config is cls else getattr(config, f.name)

@@ -155,7 +155,7 @@ class AdmissionSettings:
                                     "tier's SLO) or off; default: predict when any tier has an SLO.")
     admission_margin: float = setting(-0.1, "How far (a fraction of the SLO) a prediction may exceed the SLO before "
                                       "the request is refused (0: past its SLO; the default -0.1, past 90% of it, is "
-                                      "headroom for the time model's error: +5-10% in a burst on a 2-core host); negative: how far below the SLO it must stay (headroom "
+                                      "headroom for the time model's error, 5-10 percent in a burst on a 2-core host); negative: how far below the SLO it must stay (headroom "
                                       "for a host whose speed varies: -0.3 refuses past 0.7 of the SLO).")
     max_outstanding: int = setting(4096, "Most requests one worker may have in flight; more are refused (429 "
                                    "queue_full), whatever their tier.")
