@@ -58,7 +58,7 @@ def test_each_shared_flag_has_the_slice_name_default_and_help(command):
             action = actions[name]
             assert action.option_strings[0] == "--" + name.replace("_", "-")
             old = "".join(f" ({o}: deprecated)" for o in action.option_strings[1:] if not o.startswith("--no-"))
-            assert action.help == _field(slice_cls, name).metadata["help"] + old, name
+            assert action.help == _field(slice_cls, name).metadata["help"].replace("%", "%%") + old, name  # (literal %)
             want = getattr(SIM_KV_TIERS, name) if command == "simulate" and slice_cls is KvTierSettings else \
                 default_of(slice_cls, name)
             assert action.default == want, (command, name)
