@@ -279,7 +279,7 @@ def test_tcp_payload_split_across_polls_asks_again_where_the_rest_goes():
 
     def frame(i: int, payload: bytes) -> tuple[bytes, int]:
         meta = encode_meta({"kind": "chunk", "i": i})
-        head = PREFIX.pack(len(meta), len(payload), xxhash.xxh3_64_intdigest(payload)) + meta
+        head = PREFIX.pack(len(meta), len(payload), xxhash.xxh3_64_intdigest(payload), 0) + meta  # plain
         return head + payload, len(head)
 
     def poll_until(n, got):

@@ -11,8 +11,14 @@ process's environment is readable only by its user). A tcp sender opens every co
 The receiver reads nothing else from a connection before a valid hello; one whose MAC does not verify,
 whose time is more than `MAX_SKEW_S` off, or whose nonce it has seen (a replay) is closed and counted
 (`pdserve_rejected_connections_total{endpoint="kv_tcp"}`). One round trip less than a challenge, and the
-receiver stays non-blocking. A process without the variable (a test pairing sender and receiver in one
-process) uses a secret of its own, so its peers must be in the same process.
+receiver stays non-blocking. The receiver answers a valid hello with a reply of its own:
+
+    16 bytes random nonce
+    32 bytes HMAC-SHA256(secret, "reply" || the hello's nonce || this nonce)
+
+which proves the receiver to the sender, and gives both ends the two nonces the connection's record key is
+derived from (`pdserve.transfer.kv_seal`). A process without the variable (a test pairing sender and receiver
+in one process) uses a secret of its own, so its peers must be in the same process.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections import OrderedDict
 
 ENV = "PDSERVE_DEPLOYMENT_SECRET"
 HELLO = struct.Struct("<Q16s32s")
+REPLY = struct.Struct("<16s32s")
 MAX_SKEW_S = 60.0
 MAX_NONCES = 65536
 
@@ -76,6 +83,26 @@ class HelloCheck:
         while len(self.seen) > MAX_NONCES:
             self.seen.popitem(last=False)
         return True
+
+
+def hello_nonce(data: bytes) -> bytes:
+    return HELLO.unpack(data)[1]
+
+
+def reply(secret: bytes, sender_nonce: bytes) -> tuple[bytes, bytes]:
+    """The receiver's answer to a verified hello, and its nonce."""
+    nonce = secrets.token_bytes(16)
+    return REPLY.pack(nonce, _reply_mac(secret, sender_nonce, nonce)), nonce
+
+
+def check_reply(secret: bytes, sender_nonce: bytes, data: bytes) -> bytes | None:
+    """The receiver's nonce from its reply, or None when the reply is not this deployment's."""
+    nonce, mac = REPLY.unpack(data)
+    return nonce if hmac.compare_digest(mac, _reply_mac(secret, sender_nonce, nonce)) else None
+
+
+def _reply_mac(key: bytes, sender_nonce: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, b"reply" + sender_nonce + nonce, hashlib.sha256).digest()
 
 
 def _mac(key: bytes, stamp: int, nonce: bytes) -> bytes:

@@ -1,6 +1,8 @@
 """`tcp` transport: records over a plain TCP stream per (sender, receiver) pair. Works across hosts.
 
-Framing: `<IIQ` (meta length, payload length, xxh3-64 of the payload), msgpack meta, payload. The sender
+Framing: `<IIQB` (meta length, payload length, xxh3-64 of the payload, protection mode), msgpack meta,
+payload, and for a protected record a 16-byte tag (`pdserve.transfer.kv_seal`: plain, mac or aead by the
+chunk's sensitivity label and whether the connection crosses hosts). The sender
 hashes a chunk's pieces first (a record fits the core's L2, so the send then reads them from cache) and
 sends prefix, meta and payload with one `sendmsg` straight from its KV pool's views (the kernel's copy is
 the only one). The receiver reads prefix and meta, asks its caller where the payload goes,
@@ -21,10 +23,12 @@ import struct
 import time
 
 from pdserve.transfer.base import (Capabilities, FaultInjector, Place, Received, TransferError, checksum,
-                                   decode_record, encode_meta, scratch_place)
-from pdserve.transfer.peer_auth import HELLO, HelloCheck, hello
+                                   copy_into, decode_record, encode_meta, scratch_place)
+from pdserve.transfer.kv_seal import MODE_CODES, MODES, TAG, AuthFailure, Seal, crosses_hosts
+from pdserve.transfer.peer_auth import (HELLO, REPLY, HelloCheck, check_reply, deployment_secret, hello,
+                                        hello_nonce, reply)
 
-PREFIX = struct.Struct("<IIQ")
+PREFIX = struct.Struct("<IIQB")
 
 
 class ForeignPeer(Exception):
@@ -50,6 +54,8 @@ class TcpSender:
         self._timeout_s = timeout_s
         self._secret = secret  # None: the deployment's (`peer_auth.deployment_secret`)
         self._sockets: dict[str, socket.socket] = {}
+        self._seals: dict[str, Seal] = {}  # each connection's record protection (`kv_seal`)
+        self.protected_bytes = {mode: 0 for mode in MODES}  # payload bytes sent, by mode
         self.faults = faults or FaultInjector()
         self.bytes_sent = 0
         self.max_chunk_bytes = 8 << 20  # callers split larger payloads, so chunks pipeline on the wire
@@ -67,12 +73,36 @@ class TcpSender:
             sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             try:
-                _send_all(sock, [hello(self._secret)], deadline)  # this deployment's: `peer_auth`
+                self._seals[dest] = self._handshake(sock, deadline)  # this deployment's: `peer_auth`
             except OSError as e:
                 sock.close()
                 raise TransferError(f"tcp hello to {dest} failed: {e or 'timed out'}") from e
             self._sockets[dest] = sock
         return sock
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> Seal:
+        """The hello; the connection's key waits for the receiver's reply (`_keyed`)."""
+        secret = deployment_secret() if self._secret is None else self._secret
+        first = hello(secret)
+        _send_all(sock, [first], deadline)
+        return Seal(secret, hello_nonce(first), crosses_hosts(sock.getpeername()[0]))
+
+    def _keyed(self, sock: socket.socket, seal: Seal, mode: str, deadline: float) -> None:
+        """Key `seal` from the receiver's reply: waited for (up to `deadline`) only when a protected record
+        needs it, taken when already there otherwise (a receiver polls only while it expects KV)."""
+        if seal.keyed:
+            return
+        if mode == "plain":
+            sock.settimeout(0)  # (a socket with a timeout would wait for it even under MSG_DONTWAIT)
+            try:
+                if len(sock.recv(REPLY.size, socket.MSG_PEEK)) < REPLY.size:
+                    return
+            except BlockingIOError:
+                return
+        theirs = check_reply(seal.secret, seal.sender_nonce, _recv_exact(sock, REPLY.size, deadline))
+        if theirs is None:
+            raise ConnectionError("the receiver's reply is not this deployment's")
+        seal.key(theirs)
 
     def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
         nbytes = sum(len(p) for p in pieces)
@@ -94,18 +124,26 @@ class TcpSender:
         meta = encode_meta(header)
         sock = self._socket(dest, deadline)
         try:
+            seal = self._seals[dest]
+            mode = seal.mode_for(header)
+            self._keyed(sock, seal, mode, deadline)
             # Hashed first (a record fits the core's L2), so the send then reads the pieces from cache.
-            digest = checksum(pieces) if nbytes else 0
-            _send_all(sock, [PREFIX.pack(len(meta), nbytes, digest) + meta, *self.faults.maybe_corrupt(pieces)],
-                      deadline)
+            digest = checksum(pieces) if nbytes and mode == "plain" else 0
+            head = PREFIX.pack(len(meta), nbytes, digest, MODE_CODES[mode]) + meta
+            body = seal.seal(mode, head, pieces, nbytes)
+            _send_all(sock, [head, *self.faults.maybe_corrupt(body)], deadline)
+            if nbytes:
+                self.protected_bytes[mode] += nbytes
         except OSError as e:  # timeout, reset, broken pipe: this connection is done
             self._sockets.pop(dest, None)
+            self._seals.pop(dest, None)
             sock.close()
             raise TransferError(f"tcp send to {dest} failed: {e or 'timed out'}") from e
 
     def forget(self, dest: str) -> None:
         """`dest` died (or restarted): drop its connection; a later send to it connects afresh."""
         sock = self._sockets.pop(dest, None)
+        self._seals.pop(dest, None)
         if sock is not None:
             sock.close()
 
@@ -130,6 +168,20 @@ def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
             bufs[0] = bufs[0][sent:]
 
 
+def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no reply to the hello before the deadline")
+        sock.settimeout(remaining)
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the receiver closed the connection at the hello")
+        data += chunk
+    return bytes(data)
+
+
 class _Stream:
     """One accepted connection: a record parser that writes payloads where `place` says."""
 
@@ -144,10 +196,13 @@ class _Stream:
         self.placed: list[memoryview] | None = None  # all of it (None: dropping it)
         self.left = 0  # payload bytes still to read
         self.scratch = memoryview(bytearray(1 << 20))
+        self.seal: Seal | None = None  # once the hello is verified (`kv_seal`)
+        self.mode = "plain"  # the current record's
+        self.sealed = bytearray()  # a protected record's payload and tag, read whole before it is opened
 
-    def read(self, place: Place) -> list[Received]:
-        """Every record complete so far; raises EOFError when the peer closed."""
-        out: list[Received] = []
+    def read(self, place: Place, out: list[Received]) -> None:
+        """Every record complete so far, into `out`; raises EOFError when the peer closed, `AuthFailure` when a
+        record fails its protection (`self.header` is that record's, unverified)."""
         if self.placed is not None:
             self._replace(place)
         try:
@@ -158,9 +213,9 @@ class _Stream:
                     self._read_head(place)
                 if self.header is not None:
                     self._read_payload()
-                    out.append(self._finish())
+                    out.append(self._finish(place))
         except BlockingIOError:
-            return out
+            return
 
     def _read_hello(self) -> None:
         while len(self.hello) < HELLO.size:
@@ -170,6 +225,11 @@ class _Stream:
             self.hello += chunk
         if not self.check.verify(bytes(self.hello)):
             raise ForeignPeer("a connection without this deployment's hello")
+        theirs = hello_nonce(bytes(self.hello))
+        answer, ours = reply(self.check.secret, theirs)
+        if self.sock.send(answer) != len(answer):  # (a fresh socket's buffer takes 48 bytes)
+            raise ValueError("the hello's reply did not fit the socket")
+        self.seal = Seal(self.check.secret, theirs, crosses_hosts(self.sock.getpeername()[0])).key(ours)
         self.hello = None
 
     def _recv_into(self, view: memoryview) -> int:
@@ -181,14 +241,23 @@ class _Stream:
     def _read_head(self, place: Place) -> None:
         while self.filled < len(self.head):
             self.filled += self._recv_into(memoryview(self.head)[self.filled:])
-        meta_len, nbytes, digest = PREFIX.unpack_from(self.head)
+        meta_len, nbytes, digest, mode = PREFIX.unpack_from(self.head)
         if meta_len > _MAX_META:
             raise ValueError(f"record meta of {meta_len} bytes")
         if len(self.head) == PREFIX.size and meta_len:
             self.head += bytes(meta_len)  # now read the meta
             return self._read_head(place)
+        if mode >= len(MODES):
+            raise ValueError(f"record protection mode {mode}")
         self.header = decode_record(bytes(self.head[PREFIX.size:]), nbytes, digest)
-        self.left = nbytes
+        self.mode, self.left = MODES[mode], nbytes
+        if self.mode != "plain":  # read whole, opened, then placed (`_finish`)
+            self.left = nbytes + TAG
+            if len(self.sealed) < self.left:
+                self.sealed = bytearray(self.left)
+            self.views = [memoryview(self.sealed)[:self.left]]
+            return
+        self.seal.check(self.mode, self.header)
         self.placed = place(self.header) if nbytes else None
         self.views = list(self.placed) if self.placed is not None else None
         if self.placed is not None and sum(len(v) for v in self.placed) != nbytes:
@@ -224,12 +293,39 @@ class _Stream:
             if n:
                 self.views[0] = self.views[0][n:]
 
-    def _finish(self) -> Received:
+    def _finish(self, place: Place) -> Received:
+        if self.mode != "plain":
+            return self._open(place)
+        self.seal.next_nonce()  # (every record takes the counter's next value)
         header, placed = self.header, self.placed
-        self.head, self.filled, self.header, self.views, self.placed = bytearray(PREFIX.size), 0, None, None, None
+        self._next_record()
         if placed is None:
             return Received(header)
         return Received(header, placed, checksum(placed) == header["checksum"])
+
+    def _open(self, place: Place) -> Received:
+        """A protected record: verified (decrypted) first; only then is it placed (`AuthFailure` if not)."""
+        header, nbytes = self.header, self.header.get("nbytes", 0)
+        payload = self.seal.open(self.mode, bytes(self.head), memoryview(self.sealed), nbytes)
+        self.seal.check(self.mode, header)
+        self._next_record()
+        placed = place(header) if nbytes else None
+        if placed is None:
+            return Received(header)
+        copy_into(placed, [payload])
+        return Received(header, placed, True)
+
+    def _next_record(self) -> None:
+        self.head, self.filled, self.header, self.views, self.placed = bytearray(PREFIX.size), 0, None, None, None
+        self.mode = "plain"
+
+
+def _refused(header: dict, reason: str) -> Received:
+    """What a record refused by its protection means to the receiver: its transfer (as the unverified header
+    names it) fails, through the checksum path for a chunk (never used), as the sender's failure otherwise."""
+    if header.get("kind") == "chunk":
+        return Received(header, [], False)
+    return Received({"kind": "fail", "xfer": header.get("xfer"), "reason": reason})
 
 
 class TcpReceiver:
@@ -241,6 +337,7 @@ class TcpReceiver:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._streams: dict[socket.socket, _Stream] = {}
         self.num_bad_records = 0
+        self.auth_failures = 0  # records refused by their protection (`kv_seal`): the connection is dropped
         self.auth = HelloCheck(secret)  # `auth.rejected`: foreign connections refused
 
     wakeup = None  # its sockets are plain TCP: a caller with transfers in flight polls (`arm` is a no-op)
@@ -255,7 +352,11 @@ class TcpReceiver:
                 self._accept()
         for stream in list(self._streams.values()):  # read every connection until it would block
             try:
-                out += stream.read(place)
+                stream.read(place, out)
+            except AuthFailure as e:  # tampered, replayed, reordered or foreign: its transfer fails
+                self.auth_failures += 1
+                out.append(_refused(stream.header or {}, str(e)))
+                self._drop(stream)
             except (EOFError, ForeignPeer):  # (a foreign one: refused and counted, `auth.rejected`)
                 self._drop(stream)
             except (OSError, ValueError) as e:  # a broken stream: nothing more from it is trusted

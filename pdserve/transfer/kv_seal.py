@@ -1,0 +1,142 @@
+"""Per-connection protection of tcp records: ChaCha20-Poly1305 (`cryptography`) keyed per connection.
+
+After the hello (`pdserve.transfer.peer_auth`: the sender's nonce, the receiver's in its reply) both ends
+derive the connection's key, HKDF-SHA256 of the deployment secret salted with both nonces, for the one
+direction records travel (sender -> receiver). Every record on the connection takes the next value of a
+64-bit counter, plain ones too, and a protected record's AEAD nonce is that counter: a replayed, reordered,
+dropped or foreign record fails its tag, and the receiver refuses it and trusts nothing more on that
+connection (the sender reconnects, with fresh nonces and key).
+
+Modes (`pdserve.core.pd.sensitivity.protection` picks one per record by its label and path):
+
+    plain  payload as is, xxh3-64 in the prefix (a checksum against accidents, not against anyone)
+    mac    payload as is + a 16-byte tag over prefix, meta and payload (ChaCha20-Poly1305 with an empty
+           plaintext and all of it as associated data: Poly1305 keyed per record)
+    aead   payload encrypted + a 16-byte tag; prefix and meta are associated data (authenticated, not secret)
+
+A path crosses hosts when the connection's peer address is not a loopback address (127.0.0.0/8, ::1), as
+each end sees it: a connection to this host's own non-loopback address counts as crossing (protection errs
+on the side of more). For tests on one machine, `PDSERVE_KV_CROSS_HOST=always` in a process's environment
+(test-only) makes every tcp connection of that process count as crossing hosts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from pdserve.core.pd.sensitivity import DEFAULT, MODES, acceptable, protection
+
+TAG = 16
+CROSS_HOST_ENV = "PDSERVE_KV_CROSS_HOST"
+_INFO = b"pdserve kv tcp v1: sender to receiver"
+
+
+class AuthFailure(Exception):
+    """A record whose tag does not verify, or that is protected less than its label and path ask."""
+
+
+def crosses_hosts(peer_host: str) -> bool:
+    """Whether a connection to `peer_host` (an address) leaves this host (the module docstring)."""
+    if os.environ.get(CROSS_HOST_ENV) == "always":
+        return True
+    try:
+        addr = ipaddress.ip_address(peer_host.split("%")[0])
+    except ValueError:
+        return True
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return not (mapped or addr).is_loopback
+
+
+class Seal:
+    """One connection's protection, at either end: its key, its record counter, whether it crosses hosts."""
+
+    def __init__(self, secret: bytes, sender_nonce: bytes, crosses: bool) -> None:
+        self.secret, self.sender_nonce = secret, sender_nonce
+        self._aead: ChaCha20Poly1305 | None = None  # keyed once the receiver's nonce is known
+        self.crosses = crosses
+        self.seq = 0
+        self._buf = bytearray()  # reused: [meta-and-prefix | payload | tag] (mac) or the plaintext (aead)
+        self._out = bytearray()
+
+    def key(self, receiver_nonce: bytes) -> Seal:
+        key = HKDF(hashes.SHA256(), 32, salt=self.sender_nonce + receiver_nonce, info=_INFO).derive(self.secret)
+        self._aead = ChaCha20Poly1305(key)
+        return self
+
+    @property
+    def keyed(self) -> bool:
+        return self._aead is not None
+
+    def mode_for(self, header: dict) -> str:
+        return protection(_label(header), self.crosses)
+
+    def next_nonce(self) -> bytes:
+        nonce = self.seq.to_bytes(12, "little")
+        self.seq += 1
+        return nonce
+
+    # ---- sender ------------------------------------------------------------------------------------------
+    def seal(self, mode: str, head: bytes, pieces: list, nbytes: int) -> list:
+        """The wire buffers that follow `head` (prefix + meta) for a record in `mode`; takes its counter."""
+        nonce = self.next_nonce()
+        if mode == "plain":
+            return pieces
+        if mode == "mac":
+            buf = _fill(self._grow("_buf", len(head) + nbytes), [head, *pieces])
+            return [*pieces, self._aead.encrypt(nonce, b"", buf[:len(head) + nbytes])]
+        plain = _fill(self._grow("_buf", nbytes), pieces)
+        out = self._grow("_out", nbytes + TAG)
+        self._aead.encrypt_into(nonce, plain[:nbytes], head, out[:nbytes + TAG])
+        return [out[:nbytes + TAG]]
+
+    # ---- receiver ----------------------------------------------------------------------------------------
+    def open(self, mode: str, head: bytes, record: memoryview, nbytes: int) -> memoryview:
+        """The payload of a protected record read whole (`record`: payload or ciphertext, then the tag),
+        verified (AEAD: decrypted); raises `AuthFailure`. Takes its counter."""
+        nonce = self.next_nonce()
+        try:
+            if mode == "mac":
+                aad = _fill(self._grow("_buf", len(head) + nbytes), [head, record[:nbytes]])
+                self._aead.decrypt(nonce, record[nbytes:nbytes + TAG], aad[:len(head) + nbytes])
+                return record[:nbytes]
+            out = self._grow("_out", nbytes)
+            self._aead.decrypt_into(nonce, record[:nbytes + TAG], head, out[:nbytes])
+            return out[:nbytes]
+        except InvalidTag:
+            raise AuthFailure(f"a {mode} record failed its tag (tampered, replayed, reordered or foreign)")
+
+    def check(self, mode: str, header: dict) -> None:
+        """Refuse a record protected less than its label and path ask (`AuthFailure`)."""
+        label = _label(header)
+        if not acceptable(mode, label, self.crosses):
+            raise AuthFailure(f"a {mode} record where {protection(label, self.crosses)} is required")
+
+    def _grow(self, name: str, size: int) -> memoryview:
+        buf = getattr(self, name)
+        if len(buf) < size:
+            buf = bytearray(size)
+            setattr(self, name, buf)
+        return memoryview(buf)
+
+
+def _label(header: dict) -> str | None:
+    """A record's label: a chunk's (the default when it names none), None for a control record."""
+    return header.get("label", DEFAULT) if header.get("kind") == "chunk" else None
+
+
+def _fill(dest: memoryview, sources: list) -> memoryview:
+    at = 0
+    for src in sources:
+        view = memoryview(src).cast("B")
+        dest[at:at + len(view)] = view
+        at += len(view)
+    return dest
+
+
+MODE_CODES = {mode: i for i, mode in enumerate(MODES)}  # the prefix's mode byte
