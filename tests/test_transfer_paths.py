@@ -12,7 +12,7 @@ import pytest
 from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.paths import DOWN_S, PROBE_TRANSFERS, REPROBE_EVERY, PathChooser, parse_dest
-from serve_util import Server
+from serve_util import Server, wait_for
 
 
 class Clock:
@@ -129,3 +129,23 @@ def test_serve_with_transport_auto_probes_both_paths_and_delivers_every_transfer
         assert server.metric("pdserve_kv_transfer_failures_total") == 0
     finally:
         server.stop()
+
+
+def test_a_sender_of_one_transport_takes_its_own_path_of_a_composite_address():
+    # a worker that joined a `--transport auto` deployment (tcp) is handed the decode worker's composite address
+    receiver = make_receiver("auto", "ipc:///tmp/pdserve-onepath-test", "127.0.0.1")
+    sender = make_sender("tcp", timeout_s=2.0)
+    try:
+        assert receiver.address.startswith("paths:")
+        sender.send_chunk(receiver.address, {"kind": "chunk", "xfer": "x"}, [memoryview(b"kv" * 512)])
+        got = wait_for(lambda: receiver.poll(50), timeout_s=5.0)
+        assert [g.payload for g in got] == [b"kv" * 512]
+        assert set(sender.sender._sockets) == {parse_dest(receiver.address)["tcp"]}  # the tcp path, not shm
+        # a peer with no path of this transport: refused at once, named (no connect is tried)
+        with pytest.raises(TransferError, match="no tcp path"):
+            sender.send_chunk("paths:shm=ipc:///tmp/x", {"kind": "chunk", "xfer": "y"}, [memoryview(b"z")])
+        with pytest.raises(TransferError, match="expected ipc://"):
+            sender.send_control("udp://h:1", {"kind": "done", "xfer": "y"})
+    finally:
+        sender.close()
+        receiver.close()

@@ -60,7 +60,7 @@ def test_a_registered_transport_is_accepted_everywhere(registered):
     assert transfer.names() == ("shm", "tcp", "copy", "auto")
     assert ServeConfig(transport="copy").transport == "copy"
     sender, receiver = transfer.make_sender("copy"), transfer.make_receiver("copy")
-    assert isinstance(sender, CopyingSender) and receiver.address.startswith("tcp://")
+    assert isinstance(sender.sender, CopyingSender) and receiver.address.startswith("tcp://")
     auto = transfer.make_sender("auto", ring_mb=1)
     assert isinstance(auto, PathSender) and set(auto.senders) == {"shm", "tcp", "copy"}
     for s in (sender, auto):

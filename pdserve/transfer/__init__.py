@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer.base import Capabilities, KVReceiver, KVSender
-from pdserve.transfer.paths import MultiReceiver, PathSender
+from pdserve.transfer.paths import MultiReceiver, OnePath, PathSender
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from pdserve.transfer.tcp import TcpReceiver, TcpSender
 
@@ -54,10 +54,12 @@ def capabilities(transport: str) -> Capabilities:
 
 
 def make_sender(transport: str, ring_mb: int = 16, timeout_s: float = 10.0) -> KVSender:
-    """`auto`: one of each, each transfer on the path measured best for its pair (`pdserve.transfer.paths`)."""
+    """`auto`: one of each, each transfer on the path measured best for its pair (`pdserve.transfer.paths`);
+    one transport: it takes its own path of a peer's composite address (`OnePath`: a worker joining an `auto`
+    deployment)."""
     if check(transport) == AUTO:
-        return PathSender({t: make_sender(t, ring_mb, timeout_s) for t in TRANSPORTS})
-    return TRANSPORTS[transport].make_sender(ring_mb, timeout_s)
+        return PathSender({t: TRANSPORTS[t].make_sender(ring_mb, timeout_s) for t in TRANSPORTS})
+    return OnePath(transport, TRANSPORTS[transport].make_sender(ring_mb, timeout_s))
 
 
 def make_receiver(transport: str, address: str = "", host: str = "127.0.0.1") -> KVReceiver:

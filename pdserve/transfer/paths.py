@@ -2,7 +2,10 @@
 on the path measured best for that pair, and moves to another when one fails.
 
 A decode worker under `auto` listens on every transport (`MultiReceiver`); its address is the composite
-`paths:shm=ipc://...;tcp=tcp://host:port` (a plain `ipc://` or `tcp://` address is a one-path peer). The
+`paths:shm=ipc://...;tcp=tcp://host:port` (a plain `ipc://` or `tcp://` address is a one-path peer). A
+sender of one transport (a worker that joined an `auto` deployment: tcp) takes its own path of a composite
+address (`OnePath`), as a Mooncake initiator picks the protocol it has from a segment's descriptors; a peer
+with no such path is a `TransferError` at the transfer's first send, not a lapse. The
 prefill worker's `PathSender` keeps one sender per transport and, per destination, a `PathChooser`:
 
 * a transfer stays on one path from its first chunk to its `done` (the receiver's `done` must come after the
@@ -43,6 +46,17 @@ def parse_dest(dest: str) -> dict[str, str]:
         if dest.startswith(scheme):
             return {path: dest}
     raise ValueError(f"KV address {dest!r}: expected ipc://, tcp:// or {PREFIX}")
+
+
+def path_address(dest: str, path: str) -> str:
+    """`path`'s address in `dest` (composite or plain); `TransferError` when it has none."""
+    try:
+        addr = parse_dest(dest).get(path)
+    except ValueError as e:
+        raise TransferError(str(e)) from e
+    if addr is None:
+        raise TransferError(f"KV address {dest!r} has no {path} path")
+    return addr
 
 
 @dataclass
@@ -176,6 +190,52 @@ class PathSender:
     def close(self) -> None:
         for s in self.senders.values():
             s.close()
+
+
+class OnePath:
+    """A sender of one transport (`path`) that takes a peer's address whole: a composite `paths:` one is read
+    for `path`'s address (`path_address`). Every other attribute, read or set, is the wrapped sender's."""
+
+    _OWN = frozenset({"path", "sender", "_addrs"})
+
+    def __init__(self, path: str, sender: KVSender) -> None:
+        self.path, self.sender = path, sender
+        self._addrs: dict[str, str] = {}  # dest -> its `path` address
+
+    def __getattr__(self, name: str):
+        return getattr(self.sender, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.sender, name, value)
+
+    def _addr(self, dest: str) -> str:
+        addr = self._addrs.get(dest)
+        if addr is None:
+            addr = self._addrs[dest] = path_address(dest, self.path)
+        return addr
+
+    def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
+        return self.sender.send_chunk(self._addr(dest), header, pieces)
+
+    def send_control(self, dest: str, header: dict) -> None:
+        self.sender.send_control(self._addr(dest), header)
+
+    def position(self, dest: str):
+        return self.sender.position(self._addr(dest))
+
+    def consumed(self, dest: str, mark) -> bool:
+        return self.sender.consumed(self._addr(dest), mark)
+
+    def forget(self, dest: str) -> None:
+        addr = self._addrs.pop(dest, None)
+        if addr is not None:  # (never sent to: nothing to forget)
+            self.sender.forget(addr)
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 class MultiReceiver:
