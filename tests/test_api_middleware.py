@@ -72,13 +72,20 @@ async def _fast_reader(app, metrics) -> None:
 
 def test_api_keys_from_flags_and_file(tmp_path):
     path = tmp_path / "keys"
-    path.write_text("# team keys\nalpha flex\n\nbeta\ngamma priority\n")
+    path.write_text("# team keys\nalpha flex\n\nbeta\ngamma priority\ndelta secret\nomega public flex\n")
     cfg = ServeConfig(api_key=("k1", "k2"), api_key_tier="default", api_keys_file=str(path))
-    assert api_keys(cfg) == {"k1": "default", "k2": "default", "alpha": "flex", "beta": "default",
-                             "gamma": "priority"}
+    assert {k: v.tier for k, v in api_keys(cfg).items()} == {
+        "k1": "default", "k2": "default", "alpha": "flex", "beta": "default", "gamma": "priority",
+        "delta": "default", "omega": "flex"}
+    # the KV sensitivity column (issue 40): a label in either position; none -> the deployment's default
+    assert {k: v.sensitivity for k, v in api_keys(cfg).items()} == {
+        "k1": None, "k2": None, "alpha": None, "beta": None, "gamma": None, "delta": "secret", "omega": "public"}
     assert api_keys(ServeConfig()) == {}
-    path.write_text("alpha gold\n")
-    with pytest.raises(InvalidRequestError, match="line 1"):
-        api_keys(ServeConfig(api_keys_file=str(path)))
+    for bad in ("alpha gold\n", "alpha secret public\n", "alpha flex default\n", "alpha flex secret x\n"):
+        path.write_text(bad)
+        with pytest.raises(InvalidRequestError, match="line 1"):
+            api_keys(ServeConfig(api_keys_file=str(path)))
+    with pytest.raises(InvalidRequestError, match="kv_sensitivity"):
+        ServeConfig(kv_sensitivity="confidential")
     with pytest.raises(InvalidRequestError, match="cannot read"):
         api_keys(ServeConfig(api_keys_file=str(tmp_path / "missing")))

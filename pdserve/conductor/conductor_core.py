@@ -52,6 +52,7 @@ from pdserve.conductor.recovery import Recovery
 from pdserve.conductor.routing import MAX_RECENT_BLOCKS, HashRun, RoutingPolicy, WorkerLoad
 from pdserve.conductor.staging import StagePlan, Staging
 from pdserve.conductor.wire import Abort, KvFailed, Prefill, Ready
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.core.settings import KvBlockSettings, default_of
 
@@ -179,11 +180,12 @@ class ConductorCore:
 
     # ---- requests ---------------------------------------------------------------------------------------
     def arrive(self, rid: str, prompt: list, params: dict, now: float, *, tier: str = "default",
-               priority: int = 0, pin: tuple | None = None, follow: tuple = ()) -> list:
+               priority: int = 0, pin: tuple | None = None, follow: tuple = (),
+               sensitivity: str = DEFAULT_LABEL) -> list:
         """`follow`: the workers another sequence of the same prompt runs on (n > 1): this one goes there too,
         where the prompt's KV is cached, while they can take it; admitted with that one (a request's sequences
         are admitted as one: no queue limit or SLO check refuses a sibling halfway)."""
-        f = FlightState(rid, prompt, params, tier, now, priority, pin)
+        f = FlightState(rid, prompt, params, tier, now, priority, pin, sensitivity)
         if self.roles is not None:
             self.roles.arrived(now, len(prompt), params.get("max_tokens") or 0)
         hashes = HashRun(self.books.affinity(prompt))

@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.conductor.consumption import Prediction
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 
 
 class Stage(enum.Enum):
@@ -76,6 +77,7 @@ class FlightState:
     arrival_s: float
     priority: int = 0
     pin: tuple | None = None
+    sensitivity: str = DEFAULT_LABEL  # its KV's label (`pdserve.core.pd.sensitivity`)
     decode: str | None = None
     prefill: str | None = None
     xfer: str = ""
@@ -123,7 +125,7 @@ class FlightState:
             if params.get("grammar"):  # (its matcher takes the outputs it moved with first)
                 params["grammar_replay"] = self.offset
         return {"rid": self.rid, "prompt": self.resumed_prompt, "params": params, "priority": self.priority,
-                "pin": self.pin, "tier": self.tier}
+                "pin": self.pin, "tier": self.tier, "sensitivity": self.sensitivity}
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.settings import KvBlockSettings, default_of
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 
 KINDS: dict[str, type] = {}
 
@@ -73,6 +74,7 @@ class RequestFields:
     tier: str = field(default="default", kw_only=True)
 
 
+    sensitivity: str = field(default=DEFAULT_LABEL, kw_only=True)  # its KV's label (`core.pd.sensitivity`)
 @message("generate")
 class Generate(RequestFields):
     """Colocated: run the whole request here."""

@@ -32,6 +32,7 @@ from collections import Counter
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.pd.prefill_books import Lent, Outbound, PrefillBooks
 from pdserve.core.pd.production_pace import ProductionPace
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.pd.wire_format import COMPACT, LinkView, WireFormat, tiers_ahead
 from pdserve.core.sched.stage_passes import WARM_PARAMS, WARM_PRIORITY, WARM_TIER, StagePasses
 from pdserve.core.sched.schedule import SchedulerOutput
@@ -75,7 +76,8 @@ class PrefillSide:
 
     def add(self, request_id: str, prompt: list[int], params, dest: str, xfer: str, first_block: int,
             priority: int = 0, pin: tuple[str, float] | None = None, service_tier: str = "default",
-            link: str | None = None, deadline_in_s: float | None = None, read_in_s: float | None = None) -> None:
+            link: str | None = None, deadline_in_s: float | None = None, read_in_s: float | None = None,
+            sensitivity: str = DEFAULT_LABEL) -> None:
         """`deadline_in_s`: the conductor's predicted first consumption of this KV, from now (the delivery
         deadline under `--delivery scheduled`); `read_in_s`: the same were the link free (the wire format's
         slack)."""
@@ -90,7 +92,7 @@ class PrefillSide:
         now = time.monotonic()
         out = self.books.open(Outbound(
             request_id, dest, xfer, first_block, len(prompt), link or dest, service_tier,
-            float("inf") if deadline_in_s is None else now + deadline_in_s, by_copy=long))
+            float("inf") if deadline_in_s is None else now + deadline_in_s, by_copy=long, sensitivity=sensitivity))
         out.wire_format = self._wire_format(out, read_in_s)
         self._alive(out, now)  # queued here: the receiver's lease runs from now, renewed
 
@@ -176,7 +178,8 @@ class PrefillSide:
         per_chunk = self.outbox.chunk_blocks(out.link, one, most)
         for i in range(0, len(block_ids), per_chunk):
             ids = block_ids[i:i + per_chunk]
-            header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids)}
+            header = {"kind": "chunk", "xfer": out.xfer, "layer": layer, "first": first + i, "count": len(ids),
+                      "label": out.sensitivity}
             if self.kv_format is not None:
                 header["kv"] = out.wire_format or self.kv_format
             pieces, copied = _pieces(tensor, ids), False

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.version import __version__
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
+from pdserve.core.pd.sensitivity import resolve as resolve_label
 from pdserve.server.gateway import Gateway
 from pdserve.server.choices import Collected, Shape
 from pdserve.server.families import Family, best, merged
@@ -116,9 +117,10 @@ class _SlowReader(Exception):
 ON_CUT = "pdserve.on_cut"  # scope key: callables that abort a response's requests when SendTimeout cuts it
 
 
-def _key_check(keys: dict[str, str | None]):
+def _key_check(keys: dict):
     """The middleware admitting /v1/* requests with a known `Authorization: Bearer` key (401 otherwise); the
-    key's default service tier goes with the request (`request.state.key_tier`)."""
+    key's default service tier and KV sensitivity label go with the request (`request.state.key_tier`,
+    `request.state.key_sensitivity`)."""
     async def check(request: Request, call_next):
         if request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
@@ -127,13 +129,15 @@ def _key_check(keys: dict[str, str | None]):
             if not match:
                 return JSONResponse(error_body("invalid or missing API key", "authentication_error", None,
                                                "invalid_api_key"), status_code=401)
-            request.state.key_tier = keys[match[0]]
+            defaults = keys[match[0]]
+            request.state.key_tier, request.state.key_sensitivity = defaults.tier, defaults.sensitivity
         return await call_next(request)
     return check
 
 
-def create_app(gateway: Gateway, keys: dict[str, str | None] | None = None) -> FastAPI:
-    """`keys`: the accepted API keys and their default service tiers (none: no key needed)."""
+def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
+    """`keys`: the accepted API keys and their defaults (`launch.KeyDefaults`: service tier, KV sensitivity;
+    none: no key needed)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     if keys:
         app.middleware("http")(_key_check(keys))
@@ -280,7 +284,8 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
             "model": gateway.model_name, "service_tier": tier}
     n = body.n
     runs = max(n, getattr(body, "best_of", None) or 1)  # sequences generated per prompt
-    families = [Family(gateway, p, sp, runs, body.priority, tier, _trace(gateway, http, body), runs > n)
+    label = resolve_label(body.kv_sensitivity, getattr(http.state, "key_sensitivity", None), gateway.kv_sensitivity)
+    families = [Family(gateway, p, sp, runs, body.priority, tier, _trace(gateway, http, body), runs > n, label)
                 for p, sp in zip(prompts, params)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -61,7 +61,7 @@ async def run_gateway(cfg, procs, model_dir: str, stop: asyncio.Event | None = N
         await _wait_ready(conductor, procs, cfg.ready_timeout_s)
         gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
                           min(w.info["max_model_len"] for w in conductor.workers.values()))
-        gateway.auto_tier = cfg.api_key_tier
+        gateway.auto_tier, gateway.kv_sensitivity = cfg.api_key_tier, cfg.kv_sensitivity
         gateway.cluster = procs if hasattr(procs, "add") else None  # (Ray: workers placed and scaled live)
         app = SendTimeout(BodyLimit(create_app(gateway, api_keys(cfg)), cfg.max_body_bytes), cfg.stream_timeout_s,
                           metrics)

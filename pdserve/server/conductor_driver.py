@@ -25,6 +25,7 @@ from pdserve.conductor.routing import RoutingPolicy, WorkerLoad
 from pdserve.conductor.wire import (Beat, Checkpointed, Consumed, Error, Leave, Leaving, Left, PeerGone, Prefilled, Ready,
                                   KvCache, Refused, Relanded, Release, Reserved, ReserveWaiting, Staged, Stats, Tokens,
                                   Transfer, Unpin, Welcome, WireError, to_dict)
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.worker.wire_codec import pack, unpack
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
@@ -186,14 +187,14 @@ class Conductor:
     # ---- requests ---------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams, priority: int = 0,
                      pin: tuple[str, float] | None = None, tier: str = "default", trace: dict | None = None,
-                     follow: list[str] | None = None) -> Flight:
+                     follow: list[str] | None = None, sensitivity: str = DEFAULT_LABEL) -> Flight:
         """`pin`: (prewarm id, ttl_s): every worker the request runs on keeps its prompt's blocks; `follow`: the
         workers to run on (another sequence of the same prompt's). A refused request's stream holds just its
         error."""
         flight = Flight(rid, asyncio.Queue(), tier, trace=trace)
         self.flights[rid] = flight
         actions = self.core.arrive(rid, prompt, params_dict(params), self.clock(), tier=tier, priority=priority,
-                                   pin=pin, follow=tuple(follow or ()))
+                                   pin=pin, follow=tuple(follow or ()), sensitivity=sensitivity)
         state = self.core.flights.get(rid)
         if state is not None:
             flight.workers = [w for w in (state.decode, state.prefill) if w is not None]

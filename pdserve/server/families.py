@@ -19,13 +19,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.sampling_params import SamplingParams
 
 
 class Family:
     def __init__(self, gateway, prompt: list[int], params: SamplingParams, count: int, priority: int, tier: str,
-                 trace: dict | None, score: bool = False) -> None:
-        self.gateway, self.prompt, self.count = gateway, prompt, count
+                 trace: dict | None, score: bool = False, sensitivity: str = DEFAULT_LABEL) -> None:
+        self.gateway, self.prompt, self.count, self.sensitivity = gateway, prompt, count, sensitivity
         self.priority, self.tier, self.trace = priority, tier, trace
         force = score and params.logprobs is None  # best_of ranks by the sampled tokens' logprobs
         self.params = [replace(params, seed=None if params.seed is None else params.seed + i,
@@ -38,7 +39,7 @@ class Family:
     async def start(self) -> None:
         """Submit the first sequence (raises the conductor's refusal before any response starts)."""
         self.first = await self.gateway.start(self.prompt, self.params[0], self.priority, tier=self.tier,
-                                              trace=self.trace)
+                                              trace=self.trace, sensitivity=self.sensitivity)
         self.flights.append(self.first)
 
     async def abort(self) -> None:
@@ -69,7 +70,8 @@ class Family:
         if self.stopped:
             return
         flight = await self.gateway.start(self.prompt, self.params[i], self.priority, tier=self.tier,
-                                          trace=self.trace, follow=self.first.workers if self.first else None)
+                                          trace=self.trace, follow=self.first.workers if self.first else None,
+                                          sensitivity=self.sensitivity)
         self.flights.append(flight)
         async for d in self.gateway.stream(flight, self.prompt, self.params[i]):
             yield d

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.server.conductor_driver import Conductor, Flight
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -63,6 +64,7 @@ class Gateway:
         self.pins: dict[str, Pin] = {}  # live prewarms
         self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
         self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
+        self.kv_sensitivity = DEFAULT_LABEL  # the deployment's KV label (`--kv-sensitivity`)
         self.cluster = None  # --cluster ray: where workers are placed, added and removed (`RayWorkers`)
         self.grammars = Grammars(tokenizer)  # structured output (`pdserve.server.structured`)
 
@@ -118,13 +120,14 @@ class Gateway:
         return {"id": pin_id, "object": "kv.prewarm", "deleted": True}
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0, pin: Pin | None = None,
-                    tier: str = "default", trace: dict | None = None, follow: list[str] | None = None) -> Flight:
+                    tier: str = "default", trace: dict | None = None, follow: list[str] | None = None,
+                    sensitivity: str = DEFAULT_LABEL) -> Flight:
         """Submit a request (`follow`: on these workers, while they can take it); raises `WorkerError` at once
         if the conductor refused it on arrival (no worker, a full queue, a predicted SLO miss: 429 with
         `retry_after_s`), before any response has started."""
         flight = await self.conductor.submit(uuid.uuid4().hex, prompt_ids, params, priority,
                                              None if pin is None else (pin.pin_id, pin.ttl_s), tier, trace,
-                                             follow)
+                                             follow, sensitivity)
         if flight.rid not in self.conductor.flights:  # refused on arrival: its stream holds just the error
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             raise WorkerError(flight.events.get_nowait())

@@ -15,10 +15,12 @@ import sys
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core.cost import check_priced, parse_prices
 from pdserve.core.kvstore import kv_codecs
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL, LABELS, check_label
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, DeliverySettings,
                                    RoutingSettings, SupervisionSettings, parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
@@ -54,12 +56,18 @@ class ServeConfig:
     """An API key: with any key given, /v1/* requests must send one as `Authorization: Bearer <key>` (401
     otherwise)."""
     api_keys_file: str | None = None
-    """A file of API keys, one per line, each optionally followed by its default service tier (`KEY flex`);
-    blank lines and lines starting with # are skipped."""
+    """A file of API keys, one per line, each optionally followed by its default service tier and/or its KV's
+    sensitivity label (`KEY flex`, `KEY secret`, `KEY flex secret`); blank lines and lines starting with # are
+    skipped."""
     api_key_tier: str | None = None
     """The default service tier of the --api-key keys (and of every request when no key is set): what
     `service_tier` auto (or none) means; default: default."""
     stream_timeout_s: float = 60.0
+    kv_sensitivity: str = DEFAULT_LABEL
+    """The sensitivity label of a request's KV when neither its API key (--api-keys-file) nor the request
+    (`kv_sensitivity`) names one: public, internal or secret. On the tcp path secret KV is always encrypted,
+    internal KV whenever it crosses hosts, public KV authenticated (not encrypted) when it crosses hosts
+    (`pdserve.core.pd.sensitivity`)."""
     """A streaming client that takes no data for this long (it stopped reading) is cut off and its request
     aborted, so a slow reader holds no growing buffer."""
     kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")
@@ -133,6 +141,7 @@ class ServeConfig:
                                       param="api_key_tier")
         if not self.stream_timeout_s > 0:
             raise InvalidRequestError("--stream-timeout-s must be positive", param="stream_timeout_s")
+        check_label(self.kv_sensitivity)
         if self.max_queue is not None and self.max_queue < 1:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
@@ -188,9 +197,16 @@ class ServeConfig:
 SERVE_FIELDS = {f.name for f in fields(ServeConfig)}
 
 
-def api_keys(cfg: ServeConfig) -> dict[str, str | None]:
-    """Every accepted API key -> its default service tier (None: the server's default)."""
-    keys = {key: cfg.api_key_tier for key in cfg.api_key}
+class KeyDefaults(NamedTuple):
+    """What an API key's requests get when they do not say: a service tier and a KV sensitivity label (None:
+    the server's default)."""
+    tier: str | None
+    sensitivity: str | None = None
+
+
+def api_keys(cfg: ServeConfig) -> dict[str, KeyDefaults]:
+    """Every accepted API key -> its defaults."""
+    keys = {key: KeyDefaults(cfg.api_key_tier) for key in cfg.api_key}
     if cfg.api_keys_file is None:
         return keys
     try:
@@ -202,15 +218,22 @@ def api_keys(cfg: ServeConfig) -> dict[str, str | None]:
         fields = line.split()
         if not fields or fields[0].startswith("#"):
             continue
-        if len(fields) > 2 or (len(fields) == 2 and fields[1] not in ("priority", "default", "flex")):
-            raise InvalidRequestError(f"--api-keys-file line {number}: expected `KEY [priority|default|flex]`",
-                                      param="api_keys_file")
-        keys[fields[0]] = fields[1] if len(fields) == 2 else cfg.api_key_tier
+        keys[fields[0]] = _key_line(fields[1:], number, cfg.api_key_tier)
     return keys
 
 
 def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -> list[WorkerSpec]:
     roles = (["prefill"] * cfg.prefill + ["decode"] * cfg.decode) if cfg.mode == "pd" else ["colocated"] * cfg.instances
+def _key_line(columns: list[str], number: int, tier: str | None) -> KeyDefaults:
+    """A key's columns after the key: at most a tier and a label, in either order."""
+    tiers = [c for c in columns if c in ("priority", "default", "flex")]
+    labels = [c for c in columns if c in LABELS]
+    if len(tiers) > 1 or len(labels) > 1 or len(tiers) + len(labels) != len(columns):
+        raise InvalidRequestError(f"--api-keys-file line {number}: expected `KEY [priority|default|flex] "
+                                  f"[{'|'.join(LABELS)}]`", param="api_keys_file")
+    return KeyDefaults(tiers[0] if tiers else tier, labels[0] if labels else None)
+
+
     if engine.get("num_threads") is None:  # share the cores out; each worker is its own process
         engine = dict(engine, num_threads=max(1, (os.cpu_count() or 1) // len(roles)))
     counts: dict[str, int] = {}

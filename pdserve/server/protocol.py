@@ -77,6 +77,7 @@ class _Common(BaseModel):
     logprobs: bool | int | None = None
     priority: int = 0  # extension (vLLM): lower runs first under the priority queue policy
     service_tier: str | None = None  # OpenAI: auto | priority | default | flex (`pdserve.core.service_tiers`)
+    kv_sensitivity: str | None = None  # extension (pdserve): public | internal | secret (`core.pd.sensitivity`)
     response_format: dict | None = None  # text | json_object | json_schema (`pdserve.server.structured`)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pdserve.conductor.wire import (Abort, Generate, KvFailed, PeerGone, Prefill, Redirect, Renew, Reserve, Stage,
                                   Unpin, Warm)
+from pdserve.core.pd.sensitivity import check_label
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.service_tiers import SERVICE_TIERS
 from pdserve.errors import InvalidRequestError
@@ -36,7 +37,7 @@ class WorkerCommands:
     def prefill(self, cmd: Prefill) -> None:
         self.prefill_side.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
                          cmd.priority, _pin(cmd.pin), _tier(cmd.tier), link=cmd.link, deadline_in_s=cmd.deadline_in_s,
-                              read_in_s=cmd.read_in_s)
+                              read_in_s=cmd.read_in_s, sensitivity=check_label(cmd.sensitivity))
 
     def stage(self, cmd: Stage) -> None:
         self.prefill_side.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.pd.delivery import RELAND_S
 from pdserve.core.pd.push_range import PushRange, push_range
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 
 
 @dataclass(eq=False)
@@ -43,6 +44,7 @@ class Outbound:
     wire_format: str | None = None  # the KV format it travels in (`pdserve.core.pd.wire_format`)
     first_token: int | None = None  # sampled here; sent with the closing record
     logprobs: dict | None = None  # and its logprobs, the prompt's, when asked for
+    sensitivity: str = DEFAULT_LABEL  # its KV's label: in every chunk's header (`pdserve.core.pd.sensitivity`)
 
     @property
     def holder(self) -> str:
