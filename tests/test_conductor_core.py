@@ -213,9 +213,9 @@ def test_core_refuses_with_no_live_worker_and_fails_requests_of_a_dead_decode_wo
     (send,) = actions
     assert send == Send("decode-0", Reserve("a", list(range(40)), {}, "a#0", priority=0, pin=None, tier="default"))
     # the prefill worker dies before the reservation is granted: the decode worker recomputes
-    assert Send("decode-0", KvFailed("a#0")) in core.worker_died("prefill-0")
+    assert Send("decode-0", KvFailed("a#0", "prefill_gone")) in core.worker_died("prefill-0")
     assert core.reserved("a", "a#0", True, "addr", 0) == [Count("fallbacks", (("kind", "no_prefill_worker"),)),
-                                                          Send("decode-0", KvFailed("a#0"))]
+                                                          Send("decode-0", KvFailed("a#0", "no_prefill_worker"))]
     died = core.worker_died("decode-0")
     assert [a for a in died if isinstance(a, Fail)] == [Fail("a", 503, "worker decode-0 died while serving this "
                                                               "request and no live worker is left to move it "
@@ -451,7 +451,8 @@ def test_a_lapsed_lease_moves_the_prompt_off_the_stalled_prefill_worker_until_it
     # prefilled, yet the KV never arrived whole: only the decode worker can recompute it
     core.prefilled("a", 3.1)
     actions = core.transfer_outcome("a", "held", new, 5.0)
-    assert actions == [Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", KvFailed(new))]
+    assert actions == [Count("kv_recovery", (("choice", "recompute"),)),
+                       Send("decode-0", KvFailed(new, "failed_timeout"))]
 
 
 def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time():
@@ -486,10 +487,12 @@ def test_a_lapsed_lease_of_a_sender_heard_lately_is_renewed_for_a_bounded_time()
     core.arrive("c", list(range(200, 240)), {}, 128.0)
     core.reserved("c", "c#3", True, "addr", 0, 128.1)
     assert core.flights["c"].prefill == "prefill-1"
-    core.prefilled("c", 129.0, failed=True)  # its worker gave up sending: heard, yet nothing more will come
+    # its worker gave up sending (heard, yet nothing more will come): the decode worker recomputes at once,
+    # not after its lease lapses (issue 40: a transfer that cannot start fails fast, with its reason)
+    assert core.prefilled("c", 129.0, failed=True)[:2] == [
+        Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", KvFailed("c#3", "failed_send"))]
     core.workers["prefill-1"].heard_s = 130.5
-    assert core.transfer_outcome("c", "held", "c#3", 131.0) == [
-        Count("kv_recovery", (("choice", "recompute"),)), Send("decode-0", KvFailed("c#3"))]
+    assert core.transfer_outcome("c", "held", "c#3", 131.0) == []  # (a lapse crossing that choice: decided)
 
 
 def test_a_relanded_transfer_is_predicted_again_and_checked_against_each_prediction():

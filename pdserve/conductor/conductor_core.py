@@ -267,10 +267,10 @@ class ConductorCore:
             self.books.release_prefill(f)
             f.advance(Stage.LOCAL_PREFILL)
             return [Count("fallbacks", (("kind", "no_prefill_worker"),)),
-                    Send(f.decode, KvFailed(f.xfer))]
+                    Send(f.decode, KvFailed(f.xfer, "no_prefill_worker"))]
         f.kv_addr, f.first_block = kv_addr, first_block
         if self.workers[f.prefill].stalled:  # routed there before its lease lapsed: move it now
-            return self.recovery.prefill_gone(f)
+            return self.recovery.prefill_gone(f, "failed_timeout")
         deadline, read = self._predict_dispatch(f, first_block, now)
         f.advance(Stage.DISPATCHED)
         return [Send(f.prefill, Prefill(**f.request_fields(), dest=kv_addr, link=f.decode, xfer=f.xfer,
@@ -299,7 +299,8 @@ class ConductorCore:
 
     def prefilled(self, rid: str, now: float, landing_in_s: float | None = None, failed: bool = False) -> list:
         """`landing_in_s`: the prefill worker's link's estimate of when the transfer's last chunk is out;
-        `failed`: it gave up on the delivery (its sender will send nothing more: no lease is renewed for it)."""
+        `failed`: it gave up on the delivery (its sender will send nothing more: no lease is renewed for it); its
+        decode worker, still waiting for that KV, recomputes it at once (`Recovery.send_failed`)."""
         f = self.flights.get(rid)
         if f is None:
             return stale("prefilled")
@@ -314,7 +315,8 @@ class ConductorCore:
             f.advance(Stage.PREFILLED)
         if f.prediction is not None:
             self.consumption.at_prefilled(f.prediction, now, f.decode, landing_in_s)
-        return self.staging.next(prefill, now)
+        recover = self.recovery.send_failed(f) if failed and f.stage is Stage.PREFILLED else []
+        return recover + self.staging.next(prefill, now)
 
     def staged(self, rid: str, ok: bool, now: float = 0.0) -> list:
         return self.staging.staged(rid, ok, now)

@@ -137,9 +137,10 @@ class Recovery:
         return [Fail(f.rid, 503, "its worker died and no live worker is left to move it to", "worker_died")
                 for f in waiting]
 
-    def prefill_gone(self, f: FlightState) -> list:
+    def prefill_gone(self, f: FlightState, reason: str = "prefill_gone") -> list:
         """Its prefill worker died or stalled: move the prompt to another usable prefill worker, unless none is
-        left or the decode worker would recompute it sooner (both predicted by admission's step models)."""
+        left or the decode worker would recompute it sooner (both predicted by admission's step models;
+        `reason`: the recompute's, as its usage reports it)."""
         books = self.books
         books.release_prefill(f)
         hashes = books.affinity(f.resumed_prompt)
@@ -155,7 +156,7 @@ class Recovery:
         if other is None:
             f.advance(Stage.LOCAL_PREFILL)
             return [Count("kv_recovery", (("choice", "recompute"),)),
-                    Send(f.decode, KvFailed(f.xfer))]
+                    Send(f.decode, KvFailed(f.xfer, reason))]
         f.prefill, f.dispatched_s = other.name, None
         other.outstanding += 1
         f.queued_tokens = max(tokens - other.prefix_blocks(hashes) * books.block_size, 1)
@@ -175,6 +176,8 @@ class Recovery:
         stopped, unreachable) it is stalled, routing passes it by until it reports again, and the prompt moves
         to another prefill worker unless recomputing on the decode worker is predicted faster or none is left
         (`prefill_gone`)."""
+        if f.stage is Stage.LOCAL_PREFILL:
+            return []  # its decode worker was already told to recompute it (`send_failed`)
         sender = None if f.gave_up else self.books.workers.get(f.prefill or f.prefilled_by or "")
         if f.lapsed_s is None:
             f.lapsed_s = now
@@ -184,8 +187,17 @@ class Recovery:
                     Send(f.decode, Renew(xfer))]
         if f.prefill is None:  # prefilled, yet its KV never arrived whole: only the decode worker can help
             f.advance(Stage.LOCAL_PREFILL)
-            return [Count("kv_recovery", (("choice", "recompute"),)), Send(f.decode, KvFailed(xfer))]
+            return [Count("kv_recovery", (("choice", "recompute"),)),
+                    Send(f.decode, KvFailed(xfer, "failed_timeout"))]
         stalled = self.books.workers[f.prefill]
         stalled.stalled = True
         return ([Count("kv_leases_lapsed", (("worker", stalled.name),)), Send(stalled.name, Abort(f.rid))]
-                + self.prefill_gone(f))
+                + self.prefill_gone(f, "failed_timeout"))
+
+    def send_failed(self, f: FlightState) -> list:
+        """Its prefill worker prefilled the prompt but gave up on sending its KV (a send failed: the decode
+        worker unreachable on its transport, the link broken): the decode worker, which still waits for that
+        KV, recomputes it now instead of after its lease lapses."""
+        f.advance(Stage.LOCAL_PREFILL)
+        return [Count("kv_recovery", (("choice", "recompute"),)),
+                Send(f.decode, KvFailed(f.xfer, "failed_send"))]

@@ -10,7 +10,9 @@ Request fields travel as the worker makes its request from them (`LLMEngine.make
 token ids, the sampling parameters as a dict (`pdserve.core.sampling_params.params_dict`), the priority, a
 prewarm pin `(id, until_s)` and the service tier. Token items (`Tokens.items`) are dicts with `rid`, `i`
 (the token's index in the output), `t` (the token id), `fin` (its finish reason or None), `cached`, and with a
-first token `queue_s` and `prefill_s`; with logprobs asked for, `lp` (and with the first token `plp`).
+first token `queue_s` and `prefill_s`; with logprobs asked for, `lp` (and with the first token `plp`). A
+decode or colocated worker's first token carries `kv`: how its prompt KV arrived (`usage.kv_transfer`,
+`pdserve.core.pd.kv_arrival`).
 """
 
 from __future__ import annotations
@@ -118,8 +120,10 @@ class Abort:
 
 @message("kv_failed")
 class KvFailed:
-    """Decode: the KV of `xfer` will not come; recompute the prompt here."""
+    """Decode: the KV of `xfer` will not come; recompute the prompt here (`reason`: why, its
+    `usage.kv_transfer.recompute_reason`, `pdserve.core.pd.kv_arrival`)."""
     xfer: str
+    reason: str = "failed_timeout"
 
 
 @message("redirect")

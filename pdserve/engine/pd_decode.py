@@ -56,11 +56,11 @@ class DecodeSide:
         here, and the rest computed here (no prefill worker) when they all hit."""
         req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier)
         self.engine.scheduler.check_new(req)  # fail fast, before a checkpoint is adopted
-        local = 1
+        local, adopted = 1, 0
         if restore and self.checkpoints is not None:
-            self.checkpoints.adopt(restore["peer"], prompt[:restore["tokens"]])
+            adopted = self.checkpoints.adopt(restore["peer"], prompt[:restore["tokens"]])
             local = max(len(prompt) - restore["tokens"], 1)
-        self.books.reserve(req, xfer, local)
+        self.books.reserve(req, xfer, local, adopted)
 
     def try_reserve(self) -> list[Grant]:
         """Grant queued reservations in policy order while blocks last (`DecodeBooks.grant`), each expecting
@@ -217,16 +217,19 @@ class DecodeSide:
         starts over, with what arrived meanwhile kept. False when it had ended (completed meanwhile)."""
         return self.books.unhold(xfer) is not None and self.inbound.resume(xfer)
 
-    def peer_failed(self, xfer: str) -> None:
-        """The conductor says this KV will not come: recompute the prompt here."""
+    def peer_failed(self, xfer: str, reason: str = "failed_timeout") -> None:
+        """The conductor says this KV will not come (`reason`: why): recompute the prompt here."""
         held = self.books.unhold(xfer)
         if held is None:
-            self.inbound.fail(xfer, TransferState.FAILED_PEER)
+            inbound = self.inbound.get(xfer)
+            if inbound is not None and not inbound.state.ended:
+                self.books.give_up(inbound.request_id, reason)
+                self.inbound.fail(xfer, TransferState.FAILED_PEER)
             return
         dropped = self.inbound.drop(xfer)
         if dropped is None:
             return  # it completed meanwhile: already delivered
-        self.books.lapse_failed(held, dropped.num_bytes)
+        self.books.lapse_failed(held, dropped.num_bytes, reason)
 
     def settle(self) -> list[tuple[Inbound, str, Request | None]]:
         """Act on ended transfers: deliver or recompute. Returns [(transfer, outcome, request)] for reporting;

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.version import __version__
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
+from pdserve.core.pd.kv_arrival import merge as merge_kv
 from pdserve.core.pd.sensitivity import resolve as resolve_label
 from pdserve.server.gateway import Gateway
 from pdserve.server.choices import Collected, Shape
@@ -303,10 +304,11 @@ async def _respond(gateway: Gateway, http: Request, body, prompts, params, shape
         return Response(status_code=499)
     generated = sum(r.num_tokens for seqs in results for r in seqs)
     cached = sum(seqs[0].cached for seqs in results)  # (the first sequence's: it computed the prompt)
+    kv = merge_kv([seqs[0].kv for seqs in results if seqs[0].kv])
     if runs > n:
         results = [best(seqs, n) for seqs in results]
     choices = [shape.choice(i * n + j, r, prompts[i], i) for i, seqs in enumerate(results) for j, r in enumerate(seqs)]
-    usage = _usage(sum(len(p) for p in prompts), generated, cached)
+    usage = _usage(sum(len(p) for p in prompts), generated, cached, kv)
     return {**meta, "object": "chat.completion" if shape.chat else "text_completion", "choices": choices,
             "usage": usage}
 
@@ -353,7 +355,7 @@ async def _collect(stream, echo_only: bool) -> Collected:
     async for d in stream:
         if d.prompt_logprobs is not None:
             out.prompt_logprobs = d.prompt_logprobs
-        out.cached = d.cached_tokens
+        out.cached, out.kv = d.cached_tokens, d.kv_transfer or out.kv
         if echo_only:  # (its one generated token is not part of the answer)
             out.reason = "length"
             break
@@ -361,9 +363,12 @@ async def _collect(stream, echo_only: bool) -> Collected:
     return out
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int, kv: dict | None = None) -> dict:
+    """OpenAI's usage, and `kv_transfer` (an extension OpenAI clients keep in `model_extra`): how the prompt's KV
+    reached its decode worker (`pdserve.core.pd.kv_arrival`)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+            "kv_transfer": kv or merge_kv([])}
 
 
 async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: bool, continuous: bool = False):
@@ -378,6 +383,7 @@ async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: 
         return f"data: {json.dumps(payload)}\n\n"
 
     made, cached, logs, started = [0] * count, 0, [shape.stream() for _ in range(count)], [False] * count
+    kv = None
     calls = [ToolStream(shape.tools) for _ in range(count)] if shape.tools is not None else None
     try:
         async for i, d in merged(family.streams()):
@@ -385,6 +391,7 @@ async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: 
                 started[i] = True
                 yield event(i, {"delta": {"role": "assistant", "content": ""}}, None)
             cached = d.cached_tokens if i == 0 else cached
+            kv = d.kv_transfer if i == 0 and d.kv_transfer else kv
             if shape.echo and d.num_tokens == 1:  # the prompt first, with its logprobs when asked for
                 yield event(i, {"text": shape.prompt_texts[0]}, "length" if shape.echo_only else None,
                             logprobs=logs[i].prompt(prompt, d.prompt_logprobs))
@@ -392,7 +399,7 @@ async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: 
                 continue
             made[i] = d.num_tokens
             logprobs = logs[i].token(d)
-            usage = _usage(len(prompt), sum(made), cached) if continuous else None
+            usage = _usage(len(prompt), sum(made), cached, kv) if continuous else None
             if calls is not None:  # tool calls: their pieces as they complete
                 deltas = calls[i].feed(d.text)
                 reason = calls[i].finish_reason(d.finish_reason)
@@ -406,5 +413,5 @@ async def _sse(family: Family, prompt, meta: dict, shape: Shape, include_usage: 
     except PdserveError as e:
         yield f"data: {json.dumps(error_body(e.message, e.error_type, e.param, e.code))}\n\n"
     if include_usage:
-        yield event(0, {}, None, _usage(len(prompt), sum(made), cached), choices=False)
+        yield event(0, {}, None, _usage(len(prompt), sum(made), cached, kv), choices=False)
     yield "data: [DONE]\n\n"

@@ -18,6 +18,7 @@ class Collected:
     num_tokens: int = 0
     reason: str | None = None
     cached: int = 0
+    kv: dict | None = None  # how its prompt KV reached its decode worker (`usage.kv_transfer`)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None

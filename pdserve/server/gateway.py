@@ -51,6 +51,7 @@ class Delta:
     token_id: int | None = None  # the token this delta is for
     logprob: list | None = None  # its logprobs entry, when asked for (`pdserve.model.logprobs`)
     prompt_logprobs: list | None = None  # with the first delta, when asked for: one entry per prompt token
+    kv_transfer: dict | None = None  # how its prompt KV reached its decode worker (`pdserve.core.pd.kv_arrival`)
 
 
 class Gateway:
@@ -147,7 +148,7 @@ class Gateway:
         """The deltas of a started request; it is aborted in the workers if the consumer stops early."""
         rid, tier, arrival = flight.rid, flight.tier, flight.arrival_s
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        count, last, finished, cached = 0, arrival, False, 0
+        count, last, finished, cached, kv = 0, arrival, False, 0, None
         token_times: list[float] = []  # when each token reached the gateway (inter-token jitter)
         try:
             while not finished:
@@ -161,13 +162,16 @@ class Gateway:
                 if count == 0:
                     self.metrics.observe_first_token(item, "decode" if self.conductor.mode == "pd" else "colocated")
                 count, last, cached = count + 1, now, item.get("cached", cached)
+                if "kv" in item:  # (a moved request: the worker that took it reports again)
+                    kv = item["kv"]
+                    self.metrics.observe_kv_arrival(kv)
                 token_times.append(now)
                 self.metrics.observe_tokens(tier, len(prompt_ids) - cached if count == 1 else 0, 1)
                 stopped = detok.push([item["t"]])
                 finished = stopped or bool(item["fin"])
                 reason = "stop" if stopped else item["fin"]
                 yield Delta(detok.take_new_text(final=finished), count, finished, reason, cached, item["t"],
-                            item.get("lp"), item.get("plp") if count == 1 else None)
+                            item.get("lp"), item.get("plp") if count == 1 else None, kv)
             self.metrics.e2e.observe(time.monotonic() - arrival)
             self.metrics.observe_stream(tier, token_times)
             self.metrics.requests.labels(finish_reason=reason, service_tier=tier).inc()

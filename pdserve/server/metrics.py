@@ -212,6 +212,10 @@ class Metrics:
         self.kv_recovery = Counter("pdserve_kv_recovery", "Prompts whose prefill worker died or stalled: moved to another "
                                    "prefill worker (redispatch) or recomputed by their decode worker (recompute)",
                                    ["choice"], registry=r)
+        self.kv_recomputed_tokens = Counter("pdserve_kv_recomputed_tokens", "Prompt tokens a decode worker computed "
+                                            "because their KV did not come from the prefill worker, by reason "
+                                            "(usage.kv_transfer.recompute_reason, pdserve.core.pd.kv_arrival)",
+                                            ["reason"], registry=r)
         self.streams_cut = Counter("pdserve_streams_cut", "Responses cut because the client took no data for "
                                    "--stream-timeout-s (it stopped reading); their requests were aborted",
                                    registry=r)
@@ -465,6 +469,11 @@ class Metrics:
             self.queue.labels(worker_role="prefill").observe(e.queue_s)
         if e.prefill_s is not None:
             self.prefill.labels(worker_role="prefill").observe(e.prefill_s)
+
+    def observe_kv_arrival(self, kv: dict) -> None:
+        """How a request's prompt KV reached its decode worker (a first token's `kv`, `usage.kv_transfer`)."""
+        if kv["recomputed_tokens"]:
+            self.kv_recomputed_tokens.labels(reason=kv["recompute_reason"] or "unknown").inc(kv["recomputed_tokens"])
 
     def observe_first_token(self, item: dict, role: str) -> None:
         if item.get("queue_s") is not None:

@@ -26,6 +26,7 @@ class WorkerCommands:
             tokens = restore["tokens"]
             adopted = self.decode_side.checkpoints.adopt(restore["peer"], cmd.prompt[:tokens])
             self.decode_side.stats.checkpoint_fallbacks += adopted < tokens
+            self.decode_side.books.restored(cmd.rid, adopted)
         req = self.engine.make_request(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority,
                                        pin=_pin(cmd.pin), service_tier=_tier(cmd.tier))
         self.engine.scheduler.add_request(req)
@@ -54,7 +55,7 @@ class WorkerCommands:
             self.prefill_side.drop_stage(cmd.rid)
 
     def kv_failed(self, cmd: KvFailed) -> None:
-        self.decode_side.peer_failed(cmd.xfer)
+        self.decode_side.peer_failed(cmd.xfer, cmd.reason)
 
     def renew(self, cmd: Renew) -> None:  # its sender was heard: busy, not hung
         self.decode_side.renew(cmd.xfer)

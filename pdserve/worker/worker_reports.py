@@ -41,6 +41,8 @@ class WorkerReports:
                 self.emit(Tokens([{"rid": req.request_id, "i": 0, "t": inbound.first_token,
                                    "fin": req.status.finish_reason if req.is_finished else None,
                                    "cached": req.num_cached_prompt_tokens,
+                                   "kv": self.decode.books.kv_usage(req.request_id, req.num_prompt_tokens,
+                                                                    req.num_cached_prompt_tokens),
                                    "queue_s": _diff(req.scheduled_s, req.arrival_s), "prefill_s": None,
                                    **(inbound.logprobs or {})}], self.name))
 
@@ -75,6 +77,9 @@ class WorkerReports:
             if len(out.token_ids) == 1:
                 item.update(queue_s=_diff(out.scheduled_s, out.arrival_s),
                             prefill_s=_diff(out.prefilled_s, out.scheduled_s))
+                if self.decode is not None:  # how its prompt KV arrived (`usage.kv_transfer`)
+                    item["kv"] = self.decode.books.kv_usage(out.request_id, len(out.prompt_token_ids),
+                                                            out.num_cached_tokens)
             items.append(item)
         if items:
             self.emit(Tokens(items, self.name))

@@ -10,6 +10,8 @@ meanwhile). Each ended transfer is settled: delivered (the request decodes on fr
 token) or recomputed here; the step that first reads delivered KV is reported as its consumption. A transfer
 whose lease lapsed (its sender silent for the timeout) may be *held* live for the conductor's choice instead of
 recomputed at once (`hold`: renew, redirect, or give up → `lapse_failed`), counted once however often it lapses.
+How each request's prompt KV arrived (delivered, recomputed and why, cached, from a checkpoint) is kept until its
+first token reports it (`kv_usage`, `pdserve.core.pd.kv_arrival`).
 
 The real decode worker (`pdserve.engine.pd_decode.DecodeSide`: transports, torch pools, leases) and the
 simulator (`pdserve.sim.conductor`: the link model) drive these same books; each moves the bytes its own way.
@@ -21,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from pdserve.core.pd.kv_arrival import DELIVERED, RECOMPUTED, KvArrival
 from pdserve.core.sched.policy import insert_in_order
 from pdserve.core.request import Request
 
@@ -74,12 +77,15 @@ class DecodeBooks:
         self.stats = DecodeStats()
         self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
         self.held: dict[str, Held] = {}  # lapsed transfers, still live, waiting for the conductor's choice
+        self.arrivals: dict[str, KvArrival] = {}  # request id -> how its prompt KV arrived, until its first token
+        self.given_up: dict[str, str] = {}  # request id -> the conductor's reason its KV will not come
 
-    def reserve(self, request: Request, xfer: str, local: int = 1) -> Reservation:
+    def reserve(self, request: Request, xfer: str, local: int = 1, checkpoint: int = 0) -> Reservation:
         """Queue a reservation; `grant` grants it when blocks are free. Raises for a request that could never
-        be served (fail fast, before queueing)."""
+        be served (fail fast, before queueing). `checkpoint`: prompt tokens adopted from a checkpoint."""
         self.scheduler.check_new(request)
         res = Reservation(request, xfer, local)
+        self.arrivals[request.request_id] = KvArrival(checkpoint=checkpoint)
         insert_in_order(self.pending, res, _request_of, self.scheduler.policy)
         return res
 
@@ -119,8 +125,12 @@ class DecodeBooks:
         first; what arrived is wasted)."""
         if request_id not in self.scheduler.requests:
             self.stats.wasted_bytes["aborted"] += num_bytes
+            self.arrivals.pop(request_id, None)
             return "aborted", None
+        arrival = self.arrivals.setdefault(request_id, KvArrival())
         if delivered:
+            if first_token is not None:  # (none: nothing had to come, the tail is computed here)
+                arrival.how = DELIVERED
             req = self.scheduler.kv_delivered(request_id, first_token)
             self.stats.transfers_completed += 1
             if num_bytes and not req.is_finished:
@@ -128,8 +138,22 @@ class DecodeBooks:
             return "delivered", req
         self.stats.failures[failure] += 1
         self.stats.wasted_bytes[failure] += num_bytes  # dropped, never consumed
+        arrival.how, arrival.reason = RECOMPUTED, self.given_up.pop(request_id, failure)
         self.scheduler.kv_failed(request_id)
         return "recompute", None
+
+    def give_up(self, request_id: str, reason: str) -> None:
+        """The conductor says the KV of `request_id`'s live transfer will not come (`reason`); it ends failed."""
+        self.given_up[request_id] = reason
+
+    def kv_usage(self, request_id: str, prompt_tokens: int, cached: int) -> dict:
+        """Its first token is out: how its prompt KV arrived (`KvArrival.usage`), forgotten here."""
+        self.given_up.pop(request_id, None)
+        return self.arrivals.pop(request_id, KvArrival()).usage(prompt_tokens, cached)
+
+    def restored(self, request_id: str, tokens: int) -> None:
+        """A request run here whole (colocated) adopted `tokens` prompt tokens from a checkpoint."""
+        self.arrivals[request_id] = KvArrival(checkpoint=tokens)
 
     def consumed(self, request_ids: Iterable[str]) -> list[str]:
         """Of the requests a step just read, those whose delivered KV it read first."""
@@ -154,15 +178,19 @@ class DecodeBooks:
         """A transfer restarted from another prefill worker: what arrived under the old one is overwritten."""
         self.stats.wasted_bytes["failed_timeout" if was_held else "redirected"] += num_bytes
 
-    def lapse_failed(self, held: Held, num_bytes: float) -> None:
-        """The conductor gave up on a held transfer (`num_bytes` of it arrived): dropped, never consumed; the
-        prompt is computed here."""
+    def lapse_failed(self, held: Held, num_bytes: float, reason: str = "failed_timeout") -> None:
+        """The conductor gave up on a held transfer (`num_bytes` of it arrived; `reason`: why): dropped, never
+        consumed; the prompt is computed here."""
         self.stats.wasted_bytes["failed_timeout"] += num_bytes
+        self.arrivals[held.request_id] = KvArrival(RECOMPUTED, reason,
+                                                   self.arrivals.get(held.request_id, KvArrival()).checkpoint)
         if held.request_id in self.scheduler.requests:
             self.scheduler.kv_failed(held.request_id)
 
     def abort(self, request_id: str) -> None:
         self.unread.discard(request_id)
+        self.arrivals.pop(request_id, None)
+        self.given_up.pop(request_id, None)
         self.pending = [r for r in self.pending if r.request.request_id != request_id]
         self.held = {x: h for x, h in self.held.items() if h.request_id != request_id}
 
