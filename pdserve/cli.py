@@ -65,9 +65,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
     cfg = ServeConfig(**{k: tuple(v or ()) if isinstance(getattr(ServeConfig, k, None), tuple) else v
                          for k, v in values.items()})  # repeatable flags: tuples
-    engine = dataclasses.asdict(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    from pdserve.engine.codec_gate import gate_serve
+    for result in gate_serve(config, cfg):  # refuses (one line) a KV codec that fails this model
+        print(result.line(), file=sys.stderr)
+    engine = dataclasses.asdict(config)
     engine.pop("model")
     return serve(cfg, engine)
+
+
+def cmd_check_kv(args: argparse.Namespace) -> int:
+    """Exit 0 when every KV codec of the config passes the gate on its model, 1 when one fails."""
+    import json
+    config = engine_config_from_args(args)
+    from pdserve.engine.codec_gate import check_codecs, engine_codecs
+    codecs = engine_codecs(config)
+    if not codecs:
+        raise PdserveError("check-kv compares a KV codec with exact KV: pass --kv-cache-dtype (not auto), "
+                           "--kv-host-cache-dtype or --kv-disk-cache-dtype")
+    results = check_codecs(config, codecs, use_cache=False)
+    for r in results:
+        print(json.dumps(r.as_json()) if args.json else r.line())
+    return 0 if all(r.passed for r in results) else 1
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -177,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv, skip=frozenset({"model"}))
     srv.set_defaults(func=cmd_serve)
     _add_worker_parser(sub)
+    check = sub.add_parser("check-kv", help="KV codec gate: a fixed text through exact and coded KV on this model "
+                                            "(perplexity change, top-1 and greedy agreement, pass or fail)")
+    check.add_argument("--json", action="store_true", help="one JSON object per codec instead of one line")
+    add_engine_args(check)
+    check.set_defaults(func=cmd_check_kv)
     exp = sub.add_parser("export-hf", help="write the served model as a Hugging Face directory (for peers)")
     exp.add_argument("--output", required=True, help="directory to write")
     exp.add_argument("--model", default=None, help="model to export; default: the embedded default model")

@@ -252,6 +252,20 @@ class CodecSettings:
 
 
 @dataclass(frozen=True)
+class CodecGateSettings:
+    """Whether `pdserve serve` checks its KV codecs on its model before it starts (`pdserve.engine.codec_gate`)."""
+    kv_codec_gate: str = setting("on", "on: before starting, run a fixed text through exact KV and through each "
+                                 "KV codec it would use (--kv-cache-dtype, per-role, tier and wire dtypes; not auto) "
+                                 "and refuse to start, naming the codec and its numbers, when perplexity rises "
+                                 "past +4% or top-1 agreement falls under 85% (as `pdserve check-kv`; a few seconds "
+                                 "per codec, cached per host, model and codec). off: no check.")
+
+    def __post_init__(self) -> None:
+        _require(self.kv_codec_gate in ("on", "off"),
+                 f"--kv-codec-gate must be on or off, got {self.kv_codec_gate!r}", "kv_codec_gate")
+
+
+@dataclass(frozen=True)
 class SupervisionSettings:
     """How long the deployment waits on a transfer or a draining worker before it acts."""
     kv_timeout_s: float = setting(30.0, "A KV delivery whose prefill worker sent nothing (not even an `alive` "

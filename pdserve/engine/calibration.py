@@ -327,29 +327,44 @@ def cache_path(key: dict) -> Path:
 
 def _read(path: Path, key: dict, errors: list[str]) -> tuple[StepRow, ...] | None:
     """The cached steps for `key`, or None (none cached; or unreadable: noted in `errors`, profiled again)."""
+    data = read_keyed(path, key, errors, "calibration cache")
+    try:
+        return None if data is None else tuple(StepRow(**row) for row in data["steps"])
+    except (KeyError, TypeError) as e:
+        errors.append(f"calibration cache {path} unreadable ({e}): profiled again")
+        return None
+
+
+def _write(path: Path, key: dict, steps: tuple[StepRow, ...], errors: list[str]) -> None:
+    write_keyed(path, key, {"steps": [asdict(s) for s in steps]}, errors, "calibration cache")
+
+
+def read_keyed(path: Path, key: dict, errors: list[str], what: str) -> dict | None:
+    """A cache file's data if it was written for `key` (the calibration's and the KV codec gate's,
+    `pdserve.engine.codec_gate`), else None (none cached; or unreadable: noted in `errors`, measured again)."""
     if not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
         if data["key"] != key:
             raise ValueError("its key differs")
-        return tuple(StepRow(**row) for row in data["steps"])
+        return data
     except (OSError, ValueError, KeyError, TypeError) as e:
-        errors.append(f"calibration cache {path} unreadable ({e}): profiled again")
+        errors.append(f"{what} {path} unreadable ({e}): measured again")
         return None
 
 
-def _write(path: Path, key: dict, steps: tuple[StepRow, ...], errors: list[str]) -> None:
-    """Write to a temporary name and rename: a worker starting meanwhile reads the old file or the new one."""
+def write_keyed(path: Path, key: dict, data: dict, errors: list[str], what: str) -> None:
+    """Write `data` under `key` to a temporary name and rename: a worker starting meanwhile reads the old file
+    or the new one."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
         with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "steps": [asdict(s) for s in steps]}, f, indent=1)
+            json.dump({"key": key, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **data}, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:
-        errors.append(f"calibration cache {path} not written ({e.strerror or e})")
+        errors.append(f"{what} {path} not written ({e.strerror or e})")
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

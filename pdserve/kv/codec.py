@@ -70,10 +70,12 @@ class KVCodec:
             codes = q[:, 0::2] | (q[:, 1::2] << 4)
             params = torch.cat([scale, lo], dim=2).half().view(n, -1)
         else:
-            top = 127.0 if self.name == "int8" else FP8_MAX
+            top = FP8_MAX if self.name == "fp8_e4m3" else 127.0
             scale = _nonzero(x.abs().amax(dim=1, keepdim=True) / top)
+            if self.name == kv_codecs.BROKEN:  # test-only (`kv_codecs.TEST_CODEC_ENV`): clips, deliberately
+                scale = scale / kv_codecs.BROKEN_SHRINK
             y = (x / scale).clamp_(-top, top)
-            if self.name == "int8":
+            if self.name != "fp8_e4m3":
                 codes = torch.round(y).to(torch.int8).view(torch.uint8)
             else:
                 codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -121,7 +123,7 @@ class KVCodec:
             p = params.view(torch.float16).float().view(-1, 2, 2)
             x = (q * p[:, :, 0:1] + p[:, :, 1:2]).view(-1, self.head_dim)
         else:
-            kind = torch.int8 if self.name == "int8" else torch.float8_e4m3fn
+            kind = torch.float8_e4m3fn if self.name == "fp8_e4m3" else torch.int8
             x = codes.view(kind).float() * params.view(torch.float32)
         return x.view(*lead, self.head_dim)
 

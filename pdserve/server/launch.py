@@ -21,8 +21,9 @@ from pdserve.worker.spec import WorkerSpec
 from pdserve.core.cost import check_priced, parse_prices
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL, LABELS, check_label
-from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, DeliverySettings,
-                                   RoutingSettings, SupervisionSettings, parse_link_share, pick, shared)
+from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, CodecGateSettings,
+                                   DeliverySettings, RoutingSettings, SupervisionSettings, parse_link_share, pick,
+                                   shared)
 from pdserve.errors import InvalidRequestError
 from pdserve import transfer
 from pdserve.transfer import peer_auth
@@ -62,12 +63,12 @@ class ServeConfig:
     api_key_tier: str | None = None
     """The default service tier of the --api-key keys (and of every request when no key is set): what
     `service_tier` auto (or none) means; default: default."""
-    stream_timeout_s: float = 60.0
     kv_sensitivity: str = DEFAULT_LABEL
     """The sensitivity label of a request's KV when neither its API key (--api-keys-file) nor the request
     (`kv_sensitivity`) names one: public, internal or secret. On the tcp path secret KV is always encrypted,
     internal KV whenever it crosses hosts, public KV authenticated (not encrypted) when it crosses hosts
     (`pdserve.core.pd.sensitivity`)."""
+    stream_timeout_s: float = 60.0
     """A streaming client that takes no data for this long (it stopped reading) is cut off and its request
     aborted, so a slow reader holds no growing buffer."""
     kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")
@@ -90,6 +91,7 @@ class ServeConfig:
     admission_margin: float = shared(AdmissionSettings, "admission_margin")
     max_outstanding: int = shared(AdmissionSettings, "max_outstanding")
     calibration: str = shared(CalibrationSettings, "calibration")
+    kv_codec_gate: str = shared(CodecGateSettings, "kv_codec_gate")
     max_queue: int | None = None
     """Most requests of one service tier waiting for their first token; more are refused at once with 429
     server_overloaded and Retry-After (default: no bound)."""
@@ -139,15 +141,15 @@ class ServeConfig:
         if self.api_key_tier not in (None, "priority", "default", "flex"):
             raise InvalidRequestError(f"--api-key-tier must be priority, default or flex, got {self.api_key_tier!r}",
                                       param="api_key_tier")
+        check_label(self.kv_sensitivity)
         if not self.stream_timeout_s > 0:
             raise InvalidRequestError("--stream-timeout-s must be positive", param="stream_timeout_s")
-        check_label(self.kv_sensitivity)
         if self.max_queue is not None and self.max_queue < 1:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
         for settings in (DeliverySettings, AdmissionSettings, CalibrationSettings, CadenceSettings, SupervisionSettings,
-                         RoutingSettings):
+                         RoutingSettings, CodecGateSettings):
             pick(settings, self)
         for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
             if getattr(self, name) is not None:
@@ -222,8 +224,6 @@ def api_keys(cfg: ServeConfig) -> dict[str, KeyDefaults]:
     return keys
 
 
-def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -> list[WorkerSpec]:
-    roles = (["prefill"] * cfg.prefill + ["decode"] * cfg.decode) if cfg.mode == "pd" else ["colocated"] * cfg.instances
 def _key_line(columns: list[str], number: int, tier: str | None) -> KeyDefaults:
     """A key's columns after the key: at most a tier and a label, in either order."""
     tiers = [c for c in columns if c in ("priority", "default", "flex")]
@@ -234,6 +234,8 @@ def _key_line(columns: list[str], number: int, tier: str | None) -> KeyDefaults:
     return KeyDefaults(tiers[0] if tiers else tier, labels[0] if labels else None)
 
 
+def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -> list[WorkerSpec]:
+    roles = (["prefill"] * cfg.prefill + ["decode"] * cfg.decode) if cfg.mode == "pd" else ["colocated"] * cfg.instances
     if engine.get("num_threads") is None:  # share the cores out; each worker is its own process
         engine = dict(engine, num_threads=max(1, (os.cpu_count() or 1) // len(roles)))
     counts: dict[str, int] = {}

@@ -20,6 +20,7 @@ memory comes out of the same KV budget: `residual_bytes_per_seq` per sequence th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
@@ -42,6 +43,15 @@ CODECS: dict[str, CodecSpec] = {s.name: s for s in (
     CodecSpec("int8", 8, 4, 0.05),
     CodecSpec("int4", 4, 8, 0.15, residual=True),  # unpacking two codes per byte, then a multiply-add
 )}
+
+# TEST ONLY: with this environment variable set, `broken_int8` is a codec too: int8 whose scale is a sixteenth of
+# the right one, so every value past 1/16 of its token's absmax is clipped. It exists so tests can show that the
+# KV codec gate (`pdserve.engine.codec_gate`) refuses a codec that ruins the model; never set it in a deployment.
+TEST_CODEC_ENV = "PDSERVE_TEST_BROKEN_KV_CODEC"
+BROKEN = "broken_int8"
+BROKEN_SHRINK = 16.0  # its scale is the right one / this
+if os.environ.get(TEST_CODEC_ENV) == "1":
+    CODECS[BROKEN] = CodecSpec(BROKEN, 8, 4, 0.05)
 
 
 def check(name: str, param: str = "kv_cache_dtype") -> str:
