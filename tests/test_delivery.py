@@ -281,7 +281,7 @@ def test_a_real_links_landing_estimates_are_reported_again_when_they_move():
             self.deadline_s, self.failed, self.by_copy = 1.0, None, False
 
     box = Outbox(sender=None, policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
-    side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0, True))
+    side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0))
     a, b = Out("a", "default"), Out("b", "priority")
     for out in (a, b):
         side.books.outbound[out.rid] = out
@@ -331,7 +331,7 @@ def test_a_landing_follows_a_transport_slower_than_its_throttle_and_is_reported_
         tier, link, dest, deadline_s, failed, by_copy, num_chunks, last_sent_s = "default", "d0", "d", 1.0, None, False, 0, 0
 
     box = Outbox(sender=Sender(), policy=DeliveryPolicy("scheduled"), hold=lambda out, ids: None, link_rate=1e6)
-    side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0, True))
+    side = SimpleNamespace(outbox=box, books=PrefillBooks(16, 30.0))
     side.books.outbound["a"] = Out()
     try:
         with box.cond:  # queued before the lane may take any

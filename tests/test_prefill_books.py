@@ -5,8 +5,8 @@ from pdserve.core.pd.delivery import RELAND_S
 from pdserve.core.pd.prefill_books import Landings, Outbound, PrefillBooks
 
 
-def books(scheduled=True, lease_s=30.0):
-    b = PrefillBooks(block_size=4, lease_s=lease_s, scheduled=scheduled)
+def books(lease_s=30.0):
+    b = PrefillBooks(block_size=4, lease_s=lease_s)
     b.open(Outbound("r", "addr", "x1", next_block=1, num_tokens=18, link="d0"))
     return b
 
@@ -22,9 +22,12 @@ def test_a_step_pushes_its_full_blocks_and_advances_only_after_the_last_layer():
     assert (span.first, span.full, span.partial, span.final) == (2, 4, True, True)
 
 
-def test_fifo_sends_a_partial_block_ahead_scheduled_does_not():
-    assert books(scheduled=False).push("r", end=10)[1].partial
-    assert not books(scheduled=True).push("r", end=10)[1].partial
+def test_a_partly_filled_block_goes_only_with_the_prompts_last_step():
+    b = books()
+    _, span = b.push("r", end=10)  # block 2 half filled: nothing of it yet (it would be sent again, complete)
+    assert (span.full, span.partial, span.num_blocks) == (2, False, 1)
+    _, span = b.push("r", end=18)  # blocks 2, 3 and the tail block 4, partly filled
+    assert (span.first, span.partial, span.num_blocks) == (2, True, 3)
 
 
 def test_unknown_or_failed_transfers_push_nothing():

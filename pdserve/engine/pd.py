@@ -53,7 +53,7 @@ class PrefillSide:
         self.block_size = engine.block_manager.block_size
         policy = policy or DeliveryPolicy()
         # transfers, closings, loans, keepalives, landings: the decisions the simulator runs too
-        self.books = PrefillBooks(self.block_size, lease_s, policy.scheduled)
+        self.books = PrefillBooks(self.block_size, lease_s)
         self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
         self.outbox = Outbox(sender, policy, self._hold, link_rate, failures=self.failures,
@@ -162,14 +162,12 @@ class PrefillSide:
             out, span = pushed
             if span.first < span.full:
                 self._push(out, layer, span.first, list(chunk.block_ids[span.first - cold:span.full - cold]))
-            if span.partial:  # its bytes as they are now: a copy (the next step writes more tokens into it)
-                self._push(out, layer, span.full, [chunk.block_ids[span.full - cold]], partial=True,
-                           useful=span.final)
+            if span.partial:  # the prompt's last block, partly filled: sent as a copy
+                self._push(out, layer, span.full, [chunk.block_ids[span.full - cold]], partial=True)
         self.outbox.pump()
         self.keepalive()  # also during a step longer than a third of the lease
 
-    def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], partial: bool = False,
-              useful: bool = True) -> None:
+    def _push(self, out: Outbound, layer: int, first: int, block_ids: list[int], partial: bool = False) -> None:
         tensor = self.layers[layer]
         # Bounded chunks: a shm ring holds several at once, and a tcp message never grows with the prompt;
         # smaller while the link is congested (`Outbox.chunk_blocks`).
@@ -189,7 +187,7 @@ class PrefillSide:
                 pieces = [memoryview(bytes(p)) for p in pieces]
             nbytes = sum(len(p) for p in pieces) if copied else chunk_nbytes(tensor, len(ids))
             self.wire_bytes[(out.tier, header.get("kv", "auto"))] += nbytes
-            self.outbox.push(Chunk(out, header, pieces, nbytes, ids, partial, useful, copy=copied))
+            self.outbox.push(Chunk(out, header, pieces, nbytes, ids, partial, copy=copied))
 
     def _hold(self, out: Outbound, ids: list[int]) -> None:
         new = [b for b in ids if b not in out.held]

@@ -62,7 +62,7 @@ class Metrics:
         self.kv_link_util = Gauge("pdserve_kv_link_utilization", "Share of the last LINK_WINDOW_S seconds a prefill "
                                   "worker spent sending KV chunks on a link (prefill worker -> decode worker)",
                                   ["link"], registry=r)
-        self.kv_link_effective = Gauge("pdserve_kv_link_effective_utilization", "Useful KV bytes a link carried "
+        self.kv_link_effective = Gauge("pdserve_kv_link_effective_utilization", "KV bytes a link carried "
                                        "over the last LINK_WINDOW_S seconds / (its capacity x the time it had "
                                        "something to send); capacity: --link-gbps, else the transport's measured "
                                        "rate", ["link"], registry=r)
@@ -374,8 +374,8 @@ class Metrics:
                 self.kv_link_util.labels(link=link).set(min((totals["busy_s"] - old["busy_s"]) / (now - t0), 1.0))
             demand = totals["demand_s"] - old["demand_s"]
             if demand > 0 and totals.get("capacity"):
-                useful = totals["useful_bytes"] - old["useful_bytes"]
-                self.kv_link_effective.labels(link=link).set(min(useful / (totals["capacity"] * demand), 1.0))
+                sent = totals["bytes"] - old["bytes"]
+                self.kv_link_effective.labels(link=link).set(min(sent / (totals["capacity"] * demand), 1.0))
             self._inc_total(self.kv_link_bytes, (w, f"link:{dest}"), totals["bytes"], link=link)
             self._inc_total(self.kv_link_chunks, (w, f"chunks:{dest}"), totals.get("chunks", 0), link=link)
 

@@ -30,7 +30,6 @@ class Flight:
     flows: int = 0  # flows in the air
     in_air: list = field(default_factory=list)  # those flows (`sim.link.Flow`)
     delivered: float = 0.0  # bytes landed at the decode worker
-    superseded: float = 0.0  # partly filled blocks sent again later
     wire_ratio: float = 1.0  # its transfer's bytes per pool byte (`--kv-wire-dtype`)
     deadline_s: float = float("inf")  # the core's predicted consumption: its flows' delivery deadline
     read_s: float | None = None  # the same were the link free (`--kv-wire-dtype auto`'s slack)

@@ -59,7 +59,7 @@ class SimKVPath:
         """`engine`'s prefill books (no lease lapses are modelled: its leases never run out)."""
         books = self.books.get(engine)
         if books is None:
-            books = self.books[engine] = PrefillBooks(self.block_size, float("inf"), self.links.policy.scheduled)
+            books = self.books[engine] = PrefillBooks(self.block_size, float("inf"))
         return books
 
     def open(self, engine: str, f: Flight, cmd: Prefill) -> None:
@@ -116,8 +116,6 @@ class SimKVPath:
         span = pushed[1]
         if span.num_blocks:
             nbytes = span.num_blocks * self.block_bytes * f.wire_ratio
-            if span.superseded:
-                f.superseded += self.block_bytes * f.wire_ratio
             self.life.bytes_sent += nbytes
             ports = (self.ports[p.name], self.ports[f.decode.name])
             last = f.in_air[-1] if f.in_air else None  # the transfer's flow still in the air takes the chunk
@@ -187,8 +185,8 @@ class SimKVPath:
 
     # ---- consumption -----------------------------------------------------------------------------------------
     def consumed(self, f: Flight, start_s: float) -> None:
-        """The decode step beginning at `start_s` read `f`'s delivered KV first (superseded bytes never)."""
-        blocks = round((f.delivered - f.superseded) / (self.block_bytes * f.wire_ratio))
-        self.life.bytes_consumed += f.delivered - f.superseded
+        """The decode step beginning at `start_s` read `f`'s delivered KV first."""
+        blocks = round(f.delivered / (self.block_bytes * f.wire_ratio))
+        self.life.bytes_consumed += f.delivered
         self.life.blocks_consumed += blocks
         self.report("consumed", f.rid, start_s)

@@ -42,7 +42,6 @@ class LinkStats:
     busy_s: float = 0.0  # inside the transport's sends that went through
     busy_since: float | None = None  # a send in progress since (monotonic)
     bytes: int = 0
-    useful_bytes: int = 0
     chunks: int = 0
     demand_s: float = 0.0
     demand_since: float | None = None
@@ -73,7 +72,7 @@ class LinkStats:
     def as_dict(self, link_rate: float | None, now: float) -> dict:
         demand = self.demand_s + (now - self.demand_since if self.demand_since is not None else 0.0)
         busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
-        return {"busy_s": busy, "bytes": self.bytes, "useful_bytes": self.useful_bytes, "demand_s": demand,
+        return {"busy_s": busy, "bytes": self.bytes, "demand_s": demand,
                 "capacity": self.rate(link_rate), "chunks": self.chunks}
 
 

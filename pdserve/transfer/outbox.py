@@ -13,7 +13,7 @@ about CHUNK_QUANTUM_S of its measured rate, so a more urgent transfer's chunk wa
 behind one already picked; an idle link takes chunks as large as the transport allows.
 
 Per link it keeps the numbers of the link metrics: busy seconds (inside the transport's send), bytes sent,
-useful bytes (not later superseded by a complete block), demand seconds (something queued or sending).
+demand seconds (something queued or sending).
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ class Chunk:
     pieces: list
     nbytes: int
     ids: list[int]  # pool blocks it reads
-    partial: bool = False  # a partly filled block's bytes as they were (a copy)
-    useful: bool = True  # False: a partly filled block the complete one will supersede
+    partial: bool = False  # the prompt's partly filled last block (a copy)
     copy: bool = False  # its bytes are a copy (re-encoded into the transfer's wire format): nothing to hold
     dequeued: bool = False  # sent, or dropped with its transfer
 
@@ -139,7 +138,6 @@ class Outbox:
         self.bytes_sent += chunk.nbytes
         stats.bytes += chunk.nbytes
         stats.chunks += 1
-        stats.useful_bytes += chunk.nbytes if chunk.useful else 0
 
     def chunk_blocks(self, link: str, block_bytes: int, most: int) -> int:
         """Blocks per new chunk on `link` (`block_bytes`: one block of one layer; `most`: the transport's

@@ -87,11 +87,9 @@ class Landings:
 
 
 class PrefillBooks:
-    def __init__(self, block_size: int, lease_s: float, scheduled: bool) -> None:
-        """`scheduled`: delivery under `--delivery scheduled` (a partial block is never sent ahead)."""
+    def __init__(self, block_size: int, lease_s: float) -> None:
         self.block_size = block_size
         self.lease_s = lease_s
-        self.scheduled = scheduled
         self.outbound: dict[str, Outbound] = {}  # producing here (or queued for a step)
         self.closing: dict[str, Outbound] = {}  # prefilled here, chunks still queued for the link
         self.lent: list[Lent] = []
@@ -113,7 +111,7 @@ class PrefillBooks:
         out = self.outbound.get(rid)
         if out is None or out.failed:
             return None
-        span = push_range(out.next_block, end, out.num_tokens, self.block_size, self.scheduled, cold)
+        span = push_range(out.next_block, end, out.num_tokens, self.block_size, cold)
         if advance:
             out.next_block = span.next_block
         return out, span
