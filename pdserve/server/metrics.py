@@ -181,6 +181,13 @@ class Metrics:
         self.kv_path_transfers = Counter("pdserve_kv_path_transfers", "KV transfers a prefill worker started, by "
                                          "the transport path chosen for them (--transport auto)", ["worker", "path"],
                                          registry=r)
+        self.kv_protected_bytes = Counter("pdserve_kv_protected_bytes", "KV payload bytes a prefill worker sent, by "
+                                          "path and protection (aead: encrypted and authenticated, mac: "
+                                          "authenticated, plain: neither; by sensitivity label and whether the "
+                                          "path crosses hosts)", ["path", "mode"], registry=r)
+        self.kv_auth_failures = Counter("pdserve_kv_auth_failures", "KV records a decode worker refused: tampered, "
+                                        "replayed, reordered, foreign or protected less than their label asks "
+                                        "(their transfer fails; the prompt is recomputed)", ["path"], registry=r)
         self.kv_idle_prewarms = Counter("pdserve_kv_idle_prewarms", "Hot prompt prefixes an idle prefill worker "
                                         "computed ahead (outcome: done or dropped)", ["worker", "outcome"],
                                         registry=r)
@@ -348,6 +355,11 @@ class Metrics:
                             kind="kv_path_failover")
         for endpoint, n in s.get("rejected_connections", {}).items():
             self._inc_total(self.rejected_connections, (w, f"rejected:{endpoint}"), n, endpoint=endpoint)
+        for key, n in s.get("kv_protected_bytes", {}).items():  # {"tcp:aead": bytes}
+            path, mode = key.split(":")
+            self._inc_total(self.kv_protected_bytes, (w, f"protected:{key}"), n, path=path, mode=mode)
+        for path, n in s.get("kv_auth_failures", {}).items():
+            self._inc_total(self.kv_auth_failures, (w, f"auth:{path}"), n, path=path)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
         # KV bookkeeping structures made in Python: the compiled module could not be built or loaded

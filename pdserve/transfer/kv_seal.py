@@ -140,3 +140,16 @@ def _fill(dest: memoryview, sources: list) -> memoryview:
 
 
 MODE_CODES = {mode: i for i, mode in enumerate(MODES)}  # the prefix's mode byte
+
+
+def protection_report(endpoint) -> tuple[dict[str, int], dict[str, int]]:
+    """A sender's payload bytes by path and mode ({"tcp:aead": n}) and a receiver's refused records by path
+    ({"tcp": n}), summed over the paths of an `auto` one (`senders`, `receivers`)."""
+    parts = getattr(endpoint, "senders", None) or getattr(endpoint, "receivers", None) or {"tcp": endpoint}
+    sent, refused = {}, {}
+    for path, part in parts.items():
+        for mode, n in getattr(part, "protected_bytes", {}).items():
+            sent[f"{path}:{mode}"] = n
+        if hasattr(part, "auth_failures"):
+            refused[path] = part.auth_failures
+    return sent, refused

@@ -9,6 +9,7 @@ def worker_stats(w) -> dict:
     """A worker's `stats` event's values (`pdserve.conductor.wire.Stats`): its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
     from pdserve.core.kvstore import native
     from pdserve.model import kernels
+    from pdserve.transfer.kv_seal import protection_report
     sched, blocks = w.engine.scheduler, w.engine.block_manager
     out = {"running": sched.num_running, "waiting": sched.num_waiting,
            "waiting_for_kv": sched.num_waiting_for_kv, "blocks_used": blocks.num_used_blocks,
@@ -41,7 +42,8 @@ def worker_stats(w) -> dict:
                    kv_wasted_bytes=dict(w.prefill.wasted_bytes),
                    kv_staged_now=len(w.prefill.stages.staged),
                    kv_path_transfers=dict(getattr(w.prefill.sender, "transfers", {})),
-                   kv_path_failovers=getattr(w.prefill.sender, "failovers", 0))
+                   kv_path_failovers=getattr(w.prefill.sender, "failovers", 0),
+                   kv_protected_bytes=protection_report(w.prefill.sender)[0])
     if w.decode is not None:
         st = w.decode.stats
         out.update(kv_bytes_received=st.bytes_received, kv_chunks_transcoded=st.chunks_transcoded,
@@ -50,7 +52,8 @@ def worker_stats(w) -> dict:
                    kv_late_chunks=w.decode.inbound.num_late_chunks,
                    kv_lease_renewals=w.decode.inbound.num_renewals,
                    pending_reservations=len(w.decode.pending),
-                   kv_checkpoint_fallbacks=st.checkpoint_fallbacks)
+                   kv_checkpoint_fallbacks=st.checkpoint_fallbacks,
+                   kv_auth_failures=protection_report(w.decode.receiver)[1])
     cadence = getattr(w, "cadence", None)
     if cadence is not None:  # --decode-cadence steady
         out.update(cadence.stats())
