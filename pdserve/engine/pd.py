@@ -56,6 +56,10 @@ class PrefillSide:
         self.books = PrefillBooks(self.block_size, lease_s)
         self.lease_s = lease_s
         self.failures: Counter[str] = Counter()
+        self.reported_ok: set[str] = set()  # ended prefilled with no failure so far, their closing record not sent
+        # (request id, why): transfers whose sends failed after their request was reported prefilled; the worker
+        # reports them again (`prefilled` with the failure), so their decode worker stops waiting at once
+        self.late_failures: list[tuple[str, str]] = []
         self.outbox = Outbox(sender, policy, self._hold, link_rate, failures=self.failures,
                              on_closed=self._closed)
         self.water = water or WaterLevel()
@@ -82,7 +86,7 @@ class PrefillSide:
         deadline under `--delivery scheduled`); `read_in_s`: the same were the link free (the wire format's
         slack)."""
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
-                                       service_tier=service_tier)
+                                       service_tier=service_tier, sensitivity=sensitivity)
         self.engine.scheduler.check_new(req)  # fail now, even when it waits for its stage pass
         self.stages.add_real(request_id, req.arrival_s, lambda: self.engine.scheduler.add_request(req))
         window = self.engine.scheduler.window
@@ -117,10 +121,10 @@ class PrefillSide:
         return self._wire_codecs[fmt]
 
     def stage(self, request_id: str, prompt: list[int], params, priority: int = 0,
-              service_tier: str = "default") -> None:
+              service_tier: str = "default", sensitivity: str = DEFAULT_LABEL) -> None:
         """Compute a prompt ahead, with no transfer (`pdserve.core.sched.stage_passes`)."""
         self.stages.stage(self.engine.make_request(request_id, prompt, params, priority, prefill_only=True,
-                                                   service_tier=service_tier))
+                                                   service_tier=service_tier, sensitivity=sensitivity))
 
     def warm(self, request_id: str, prompt: list[int]) -> None:
         """Compute a hot prefix ahead, for no request in particular (`pdserve.conductor.hot_prefixes`)."""
@@ -238,12 +242,19 @@ class PrefillSide:
         if now:
             self.outbox.drop(out)
         self.outbox.close(out, prefilled, first_token)
+        if prefilled and not out.failed:
+            self.reported_ok.add(request_id)
         return out.failed
 
     def _closed(self, out: Outbound, mark: int) -> None:
         """`out`'s closing record went (`mark`: the sender's position after it): what the receiver reads in
-        place stays lent until it took it."""
+        place stays lent until it took it. One whose sends failed after its request was reported prefilled
+        is a late failure (`late_failures`)."""
         self.books.drained(out)
+        if out.rid in self.reported_ok:
+            self.reported_ok.discard(out.rid)
+            if out.failed:
+                self.late_failures.append((out.rid, out.failed))
         self.books.lend(out, mark, time.monotonic())
 
     def peer_gone(self, dest: str) -> int:
@@ -252,6 +263,7 @@ class PrefillSide:
         (a restarted worker at the same address gets a fresh ring or connection). Returns how many ended."""
         gone, lent = self.books.peer_gone(dest)
         for out in gone:
+            self.reported_ok.discard(out.rid)
             self.outbox.drop(out)
             if out.held:
                 self.engine.block_manager.free(out.holder)

@@ -96,6 +96,9 @@ class WorkerReports:
             self.prefill.drop_stage(rid)
             failed = self.prefill.finish(rid, prefilled=False)
             self.emit(Prefilled(rid, failed))
+        late, self.prefill.late_failures = self.prefill.late_failures, []
+        for rid, failed in late:  # reported prefilled, then its sends failed: its decode worker still waits
+            self.emit(Prefilled(rid, failed))
 
 
 def _logprobs(out) -> dict:
