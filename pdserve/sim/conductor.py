@@ -263,6 +263,9 @@ class SimConductor(EngineHooks):
         rec.token_times.append(at_s)
         if rec.first_token_s is None:
             rec.first_token_s = at_s
+            books = self.books.get(engine.name)
+            if books is not None:  # how its KV arrived: a real worker's usage, kept until its first token
+                books.kv_usage(f.rid, 0, 0)
         if rec.first_token_s == at_s or finished:  # the core hears of the first and the last token
             self._act(self._core("token", f.rid, len(token_ids) - 1, finished, at_s))
         if finished:
