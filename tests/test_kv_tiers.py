@@ -1272,3 +1272,26 @@ def test_commit_slots_commits_only_slots_still_holding_their_hash():
     assert tier.ready(11) is not None and tier.ready(13) is not None
     assert tier.get(12) is None and tier.ready(99) is None  # neither the dropped hash nor the slot's new owner
     check_index(tier)
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_secret_requests_blocks_never_reach_an_unsealed_disk(sealed):
+    """A `secret`-labelled request's KV is copied to host like any other, but written to the disk tier only
+    when its files are sealed (`--kv-disk-key-file`); otherwise kept off it, counted (issue 40)."""
+    engine, io = tiered_engine(num_blocks=8, host=64, disk=64)
+    engine.tiers.disk_sealed = sealed
+    secret, plain = prompts(2, 17, seed=11)
+    engine.scheduler.add_request(engine.make_request("s", secret, greedy(3), sensitivity="secret"))
+    outs = run_engine(engine, io)
+    assert outs["s"][-1].token_ids == expected(secret, 3)
+    serve(engine, io, "p", plain)
+    drain(engine, io)
+    hashes = lambda p: KVBlockManager(8, BS, clock=time.monotonic).find_prefix(p).block_hashes  # noqa: E731
+    assert all(h in io.disk for h in hashes(plain))
+    on_disk = [h in io.disk for h in hashes(secret)]
+    assert all(h in engine.tiers.host.entries for h in hashes(secret))  # host holds them either way
+    if sealed:
+        assert all(on_disk) and engine.tiers.stats.secret_off_disk == 0
+    else:
+        assert not any(on_disk) and engine.tiers.stats.secret_off_disk >= len(on_disk) == 4
+        assert engine.kv_report()["secret_off_disk"] == engine.tiers.stats.secret_off_disk

@@ -41,6 +41,10 @@ class EngineConfig:
     kv_host_gb: float = shared(KvTierSettings, "kv_host_gb")
     kv_disk_dir: str | None = None
     """Disk KV tier directory (none: no disk tier). Blocks in host are copied there too; it survives restarts."""
+    kv_disk_key_file: str | None = None
+    """A file of at least 32 secret bytes: the disk tier's blocks (and so KV checkpoints) are written encrypted
+    and authenticated (ChaCha20-Poly1305, a key derived from it; `pdserve.kv.block_seal`). A folder written under
+    another key is emptied at start (counted), never read."""
     kv_disk_gb: float = shared(KvTierSettings, "kv_disk_gb")
     kv_checkpoint_tokens: int = 256
     """With a disk tier (`pdserve serve`): a decode worker reports a request's KV checkpoint (its leading blocks,
@@ -96,4 +100,10 @@ class EngineConfig:
                                           param="kv_disk_dir")
             from pdserve.kv.disk_store import check_writable
             check_writable(self.kv_disk_dir)
+        if self.kv_disk_key_file is not None:
+            if self.kv_disk_dir is None:
+                raise InvalidRequestError("kv_disk_key_file seals the disk KV tier: set kv_disk_dir too",
+                                          param="kv_disk_key_file")
+            from pdserve.kv.block_seal import BlockSeal
+            BlockSeal.from_key_file(self.kv_disk_key_file, "")  # readable, long enough: else a one-line error
 

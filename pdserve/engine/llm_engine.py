@@ -96,13 +96,13 @@ class LLMEngine:
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
                      prefill_only: bool = False, pin: tuple[str, float] | None = None,
-                     service_tier: str = "default") -> Request:
+                     service_tier: str = "default", sensitivity: str = "internal") -> Request:
         vocab = self.executor.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                        arrival_s=time.monotonic(), priority=priority, prefill_only=prefill_only, pin=pin,
-                       service_tier=service_tier)
+                       service_tier=service_tier, sensitivity=sensitivity)
 
     def abort(self, request_ids: list[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
@@ -154,14 +154,16 @@ class LLMEngine:
             stages = {"device": {s.value: counts.get(s, 0) for s in Stage}}  # zeros too: gauges must drop
             return {"stages": stages, "capacity": {"device": blocks.num_blocks}, "hits": {"device": hits},
                     "bytes_in": {}, "bytes_out": {}, "corrupt": {}, "disk_full": 0, "placement": placement,
-                    "unservable": {}}
+                    "unservable": {}, "disk_key_mismatch": 0, "secret_off_disk": 0}
         st = self.tiers.stats
         lower = {t.value: n for t, n in st.hit_tokens.items()}
         as_dict = lambda c: {t.value: n for t, n in c.items()}  # noqa: E731
         return {"stages": self.tiers.stage_counts(), "capacity": self.tiers.capacities(),
                 "hits": {"device": hits - sum(lower.values()), **lower}, "bytes_in": as_dict(st.bytes_in),
                 "bytes_out": as_dict(st.bytes_out), "corrupt": as_dict(st.corrupt), "disk_full": st.disk_full,
-                "placement": placement, "unservable": dict(st.unservable)}
+                "placement": placement, "unservable": dict(st.unservable),
+                "disk_key_mismatch": int(getattr(getattr(self.kv_io, "disk", None), "key_mismatch", False)),
+                "secret_off_disk": st.secret_off_disk}
 
     def _outputs_of(self, request_id: str) -> list[int]:
         req = self.scheduler.requests.get(request_id)

@@ -49,12 +49,13 @@ class DecodeSide:
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
                 pin: tuple[str, float] | None = None, service_tier: str = "default",
-                restore: dict | None = None) -> None:
+                restore: dict | None = None, sensitivity: str = "internal") -> None:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
         could never be served (the caller turns that into an error for the client). `restore`: {peer, tokens},
         a request moved off the dead worker `peer` whose first `tokens` tokens' KV it left on disk: adopted
         here, and the rest computed here (no prefill worker) when they all hit."""
-        req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier)
+        req = self.engine.make_request(request_id, prompt, params, priority, pin=pin, service_tier=service_tier,
+                                       sensitivity=sensitivity)
         self.engine.scheduler.check_new(req)  # fail fast, before a checkpoint is adopted
         local, adopted = 1, 0
         if restore and self.checkpoints is not None:

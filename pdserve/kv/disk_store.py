@@ -5,7 +5,10 @@
 another model, dtype or block size never reads these files, because it looks in another folder.
 
 File: a 64-byte header (magic, format version, block hash, payload length, xxh3-64 of the payload,
-produced-at wall time) then the payload (one host slot: every layer of the block). A file is written to a
+produced-at wall time) then the payload (one host slot: every layer of the block). With a key
+(`--kv-disk-key-file`, `pdserve.kv.block_seal`) the payload is sealed (nonce, ChaCha20-Poly1305 ciphertext and
+tag; the header, magic `PDKVENC1`, is its associated data and its checksum is of the sealed bytes); a store
+with a key reads only sealed files, one without only plain ones (`scan` tells them apart by size). A file is written to a
 temporary name and renamed into place, so a kill mid-write leaves a stray temporary (removed at the next
 start), never a file under a block's name with half its bytes; a file damaged later (torn, truncated,
 overwritten) fails the header or checksum check on read and is deleted, never served.
@@ -22,8 +25,10 @@ from pathlib import Path
 import xxhash
 
 from pdserve.errors import InvalidRequestError
+from pdserve.kv.block_seal import OVERHEAD, BlockSeal, SealBroken
 
 MAGIC = b"PDKVBLK1"
+MAGIC_SEALED = b"PDKVENC1"
 HEADER = struct.Struct("<8sQQQd24x")  # magic, block hash, payload bytes, xxh3-64 of payload, produced-at
 assert HEADER.size == 64
 
@@ -63,12 +68,20 @@ def check_writable(directory: str) -> Path:
 
 
 class DiskKVStore:
-    def __init__(self, root: str, identity: str, worker: str, payload_nbytes: int) -> None:
+    def __init__(self, root: str, identity: str, worker: str, payload_nbytes: int,
+                 seal: BlockSeal | None = None) -> None:
         self.dir = check_writable(root) / identity / worker
         self.dir.mkdir(parents=True, exist_ok=True)
         self.payload_nbytes = payload_nbytes
+        self.seal = seal
+        self.magic = MAGIC if seal is None else MAGIC_SEALED
+        self.file_nbytes = HEADER.size + payload_nbytes + (0 if seal is None else OVERHEAD)
         for stray in self.dir.glob("*.tmp*"):  # a write killed half way in an earlier run
             stray.unlink(missing_ok=True)
+        self.key_mismatch = seal is not None and not seal.claim(self.dir)
+        if self.key_mismatch:  # sealed under another key: unreadable here, the tier starts empty
+            for old in self.dir.glob("*.kv"):
+                old.unlink(missing_ok=True)
 
     def path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}.kv"
@@ -86,15 +99,18 @@ class DiskKVStore:
                 block_hash = int(name[:16], 16)
             except (OSError, ValueError):
                 continue
-            if st.st_size == HEADER.size + self.payload_nbytes:
+            if st.st_size == self.file_nbytes:
                 found.append((block_hash, st.st_mtime, st.st_atime))
         found.sort(key=lambda t: t[2])
         return found
 
     def write(self, block_hash: int, payload: memoryview, produced_at: float | None = None) -> None:
-        """Write one block atomically. Raises OSError (errno ENOSPC when the disk is full)."""
-        header = HEADER.pack(MAGIC, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload),
-                             time.time() if produced_at is None else produced_at)
+        """Write one block atomically (sealed with a key). Raises OSError (errno ENOSPC when the disk is full)."""
+        produced_at = time.time() if produced_at is None else produced_at
+        if self.seal is not None:
+            aad = HEADER.pack(MAGIC_SEALED, block_hash, len(payload), 0, produced_at)
+            payload = self.seal.seal(aad, payload)
+        header = HEADER.pack(self.magic, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload), produced_at)
         final = self.path(block_hash)
         tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
         try:
@@ -107,27 +123,40 @@ class DiskKVStore:
             raise
 
     def read_into(self, block_hash: int, out: memoryview) -> None:
-        """Read one block into `out`, verified. Raises CorruptBlock (the file is deleted) or FileNotFoundError."""
+        """Read one block into `out`, verified (and opened, with a key). Raises CorruptBlock (the file is
+        deleted) or FileNotFoundError."""
         path = self.path(block_hash)
+        body = out if self.seal is None else memoryview(bytearray(len(out) + OVERHEAD))
         with open(path, "rb") as f:
             header = f.read(HEADER.size)
-            n = f.readinto(out) if len(header) == HEADER.size else 0
+            n = f.readinto(body) if len(header) == HEADER.size else 0
             extra = f.read(1)
-        problem = self._check(header, n, extra, block_hash, out)
+        problem = self._check(header, n, extra, block_hash, body) or self._open(header, body, out)
         if problem:
             path.unlink(missing_ok=True)
             raise CorruptBlock(f"{path.name}: {problem}")
 
-    def _check(self, header: bytes, n: int, extra: bytes, block_hash: int, out: memoryview) -> str:
+    def _check(self, header: bytes, n: int, extra: bytes, block_hash: int, body: memoryview) -> str:
         if len(header) < HEADER.size:
             return "truncated header"
         magic, stored_hash, nbytes, checksum, _ = HEADER.unpack(header)
-        if magic != MAGIC or stored_hash != block_hash or nbytes != len(out):
+        if magic != self.magic or stored_hash != block_hash or nbytes != len(body):
             return "header does not match"
         if n != nbytes or extra:
             return f"payload has {n}{'+' if extra else ''} bytes, header says {nbytes}"
-        if xxhash.xxh3_64_intdigest(out) != checksum:
+        if xxhash.xxh3_64_intdigest(body) != checksum:
             return "checksum mismatch"
+        return ""
+
+    def _open(self, header: bytes, body: memoryview, out: memoryview) -> str:
+        """A sealed body opened into `out` ("" when done or not sealed; else why not)."""
+        if self.seal is None:
+            return ""
+        magic, block_hash, _, _, produced_at = HEADER.unpack(header)
+        try:
+            out[:] = self.seal.open(HEADER.pack(magic, block_hash, len(out), 0, produced_at), bytes(body))
+        except SealBroken as e:
+            return str(e)
         return ""
 
     def delete(self, block_hash: int) -> None:

@@ -39,7 +39,7 @@ class TierIO:
         self.disk = disk
         self.disk_recode = disk_recode  # (host codec, disk codec) when they differ
         self.capacity = TierCapacity(host.num_slots, disk_blocks if disk is not None else 0, host.slot_nbytes,
-                                     *(codecs or (None, None)))
+                                     *(codecs or (None, None)), disk_sealed=getattr(disk, "seal", None) is not None)
         self.busy_s = collections.Counter()  # seconds spent per operation kind (bandwidth = bytes / time)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done: collections.deque = collections.deque()
@@ -163,14 +163,16 @@ def build_tier_io(config, model_config, model_dir, layers: Sequence[torch.Tensor
                        recode=None if host_codec is codec else (codec, host_codec))
     disk, disk_blocks, disk_recode = None, 0, None
     if config.kv_disk_dir:
-        from pdserve.kv.disk_store import HEADER, model_identity
+        from pdserve.kv.block_seal import BlockSeal
+        from pdserve.kv.disk_store import model_identity
         disk_codec = _tier_codec(disk_name, host_codec)
         identity = model_identity(model_dir, disk_codec.format, config.block_size, "L2HBD")
         block_bytes = _block_bytes(disk_codec, model_config, config.block_size)
-        disk = DiskKVStore(config.kv_disk_dir, identity, worker, block_bytes)
-        disk_blocks = kv_codecs.tier_blocks(config.kv_disk_gb, block_bytes + HEADER.size)
+        seal = None if config.kv_disk_key_file is None else BlockSeal.from_key_file(config.kv_disk_key_file, identity)
+        disk = DiskKVStore(config.kv_disk_dir, identity, worker, block_bytes, seal)
+        disk_blocks = kv_codecs.tier_blocks(config.kv_disk_gb, disk.file_nbytes)
         disk_recode = None if disk_codec is host_codec else (host_codec, disk_codec)
-    return TierIO(layers, host, disk, disk_blocks, disk_recode)
+    return TierIO(layers, host, disk, disk_blocks, disk_recode, (host_name, disk_name))
 
 
 def _tier_codec(name: str, above: KVCodec) -> KVCodec:

@@ -410,6 +410,10 @@ class Metrics:
         for tier, n in kv["corrupt"].items():
             self._inc_total(self.tier_corrupt, (w, f"corrupt:{tier}"), n, worker=w, tier=tier)
         self._inc_total(self.fallbacks, (w, "kv_disk_full"), kv["disk_full"], kind="kv_disk_full")
+        self._inc_total(self.fallbacks, (w, "kv_disk_key_mismatch"), kv.get("disk_key_mismatch", 0),
+                        kind="kv_disk_key_mismatch")  # its disk folder was sealed under another key: emptied
+        self._inc_total(self.fallbacks, (w, "kv_secret_off_disk"), kv.get("secret_off_disk", 0),
+                        kind="kv_secret_off_disk")  # secret blocks kept off a disk tier with no key
         for why, n in kv.get("unservable", {}).items():  # stale or in another codec: dropped, recomputed
             self._inc_total(self.fallbacks, (w, f"kv_unservable:{why}"), n, kind=f"kv_unservable_{why}")
         placement = kv.get("placement")

@@ -28,12 +28,13 @@ class WorkerCommands:
             self.decode_side.stats.checkpoint_fallbacks += adopted < tokens
             self.decode_side.books.restored(cmd.rid, adopted)
         req = self.engine.make_request(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority,
-                                       pin=_pin(cmd.pin), service_tier=_tier(cmd.tier))
+                                       pin=_pin(cmd.pin), service_tier=_tier(cmd.tier),
+                                       sensitivity=check_label(cmd.sensitivity))
         self.engine.scheduler.add_request(req)
 
     def reserve(self, cmd: Reserve) -> None:
         self.decode_side.reserve(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.xfer, cmd.priority,
-                            _pin(cmd.pin), _tier(cmd.tier), cmd.restore)
+                            _pin(cmd.pin), _tier(cmd.tier), cmd.restore, check_label(cmd.sensitivity))
 
     def prefill(self, cmd: Prefill) -> None:
         self.prefill_side.add(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.dest, cmd.xfer, cmd.first_block,
@@ -41,7 +42,8 @@ class WorkerCommands:
                               read_in_s=cmd.read_in_s, sensitivity=check_label(cmd.sensitivity))
 
     def stage(self, cmd: Stage) -> None:
-        self.prefill_side.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier))
+        self.prefill_side.stage(cmd.rid, cmd.prompt, SamplingParams(**cmd.params), cmd.priority, _tier(cmd.tier),
+                                check_label(cmd.sensitivity))
 
     def warm(self, cmd: Warm) -> None:
         self.prefill_side.warm(cmd.rid, cmd.prompt)

@@ -187,10 +187,11 @@ class KVBlockManager:
         return appended
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          decode: bool = False, sla_class: str = "default") -> None:
+                          decode: bool = False, sla_class: str = "default", secret: bool = False) -> None:
         """Register the request's blocks that became full and computed, so later requests can hit them, as
-        `sla_class`'s (the request's service tier). `decode`: they hold generated tokens (a decode step's):
-        handed to the tiers in units (`offload_unit`)."""
+        `sla_class`'s (the request's service tier); `secret`: a `secret`-labelled request's (the tiers never
+        write them to an unsealed disk). `decode`: they hold generated tokens (a decode step's): handed to the
+        tiers in units (`offload_unit`)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request_id]
@@ -202,7 +203,8 @@ class KVBlockManager:
         first = len(hashes)
         if num_full == first + 1:  # a decode step's: one block, in scalar steps
             self._cache_one(request_id, table[first - cold], self._sequence_hashes(request_id, token_ids,
-                                                                                   num_full)[first], decode, sla_class)
+                                                                                   num_full)[first], decode, sla_class,
+                            secret)
             return
         new_hashes = self._sequence_hashes(request_id, token_ids, num_full)[first:num_full]
         hashes.extend(new_hashes)
@@ -219,10 +221,12 @@ class KVBlockManager:
         self.cols.fresh(new_ids, new_keys, self.clock(), 1, True)
         if sla_class != "default":
             self.cols.sla_class[new_ids] = name_code(sla_class)
+        self.cols.secret[new_ids] = secret
         if self.newly_cached is not None:
             self._hand_over(request_id, new_ids, new_keys, decode)
 
-    def _cache_one(self, request_id: str, block_id: int, block_hash: BlockHash, decode: bool, sla_class: str) -> None:
+    def _cache_one(self, request_id: str, block_id: int, block_hash: BlockHash, decode: bool, sla_class: str,
+                   secret: bool = False) -> None:
         """`cache_full_blocks` for one block (what most calls are): the same steps on scalars."""
         self._hashes[request_id].append(block_hash)
         if self._registered[block_id] or block_hash in self._cached:  # (a duplicate stays unregistered)
@@ -232,6 +236,7 @@ class KVBlockManager:
         self.cols.fresh(block_id, block_hash, self.clock(), 1, True)
         if sla_class != "default":
             self.cols.sla_class[block_id] = name_code(sla_class)
+        self.cols.secret[block_id] = secret
         if self.newly_cached is not None:
             self._hand_over(request_id, np.array([block_id], np.int64), np.array([block_hash], np.uint64), decode)
 

@@ -59,7 +59,8 @@ _FIELDS = {"produced_at_s": (np.float64, 0.0), "last_use_s": (np.float64, 0.0), 
            "pinned_until_s": (np.float64, 0.0), "prewarmed": (np.bool_, False), "codec": (np.int16, 0),
            "sla_class": (np.int16, 1), "pattern": (np.int8, 0), "block_hash": (np.uint64, 0),
            "reclaiming": (np.bool_, False), "ready": (np.bool_, True), "busy": (np.int32, 0),
-           "from_tier": (np.int8, 0), "prefetched": (np.bool_, False)}
+           "from_tier": (np.int8, 0), "prefetched": (np.bool_, False), "secret": (np.bool_, False)}
+# (`secret`: a `secret`-labelled request's KV, `pdserve.core.pd.sensitivity`: never written to an unsealed disk)
 # (`codec` is each tier's own: a copy into a tier is in that tier's format, `kv_codecs.tier_codecs`)
 _NOT_COPIED = ("codec", "reclaiming", "ready", "busy", "from_tier", "prefetched")
 _COPIED = [name for name in _FIELDS if name not in _NOT_COPIED]

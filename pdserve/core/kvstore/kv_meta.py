@@ -89,6 +89,7 @@ class BlockMeta:
     from_tier: Tier | None = None  # where it came from when promoted (a disk hit prefetched to host)
     pattern: str = "unknown"  # its prefix's access pattern (`Pattern`): retention reads it
     prefetched: bool = False  # moved up ahead of an expected use and not used since (`kv_placement`)
+    secret: bool = False  # a `secret`-labelled request's KV: never written to an unsealed disk tier
 
     def heat_now(self, now: float, half_life_s: float) -> float:
         return self.heat * math.exp2(-(now - self.heat_at_s) / half_life_s) if self.heat else 0.0

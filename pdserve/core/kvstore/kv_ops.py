@@ -43,6 +43,7 @@ class TierCapacity:
     block_bytes: int
     host_codec: str | None = None  # the format each tier holds (None: the pool's; the disk's: the host's)
     disk_codec: str | None = None
+    disk_sealed: bool = False  # its files are encrypted (`--kv-disk-key-file`): secret KV may go there
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class TierStats:
     failed_ops: Counter = field(default_factory=Counter)  # by kind
     disk_full: int = 0  # writes refused for lack of space (the disk tier then stops writing)
     unservable: Counter = field(default_factory=Counter)  # by why (stale, codec): found, dropped, not served
+    secret_off_disk: int = 0  # secret blocks not written to an unsealed disk tier (each time one was offered)
 
 
 @dataclass

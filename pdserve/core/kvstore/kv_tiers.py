@@ -54,6 +54,7 @@ class TieredKV:
         self._tiers = [t for t in (host, disk) if t is not None]  # (asked at every simulated step)
         self.block_bytes = block_bytes
         self.disk_writable = disk is not None
+        self.disk_sealed = False  # (`TierCapacity.disk_sealed`) unsealed: a secret block never goes to disk
         self.stats = TierStats()
         self.moves = PlacementStats()  # promotions, demotions, prefetches (`kv_placement`)
         self.max_age_s = max_age_s  # KV produced longer ago is never served (`kv_meta.servable`)
@@ -388,6 +389,13 @@ class TieredKV:
         if not len(keys):
             return
         src = self.host.slots(keys)
+        if not self.disk_sealed:  # secret KV is never written in the clear (`pdserve.core.pd.sensitivity`)
+            secret = self.host.cols.secret[src]
+            if secret.any():
+                self.stats.secret_off_disk += int(np.count_nonzero(secret))
+                keys, src = keys[~secret], src[~secret]
+                if not len(keys):
+                    return
         booked, _, _ = self.disk.reserve_many(keys, self.blocks.clock(), self.host.cols, src)
         if len(booked):
             src = src[booked]
@@ -459,6 +467,7 @@ def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, 
     disk = (TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle, codec=disk_codec)
             if capacity.disk_blocks else None)
     tiers = TieredKV(blocks, host, disk, capacity.block_bytes, max_age_s)
+    tiers.disk_sealed = getattr(capacity, "disk_sealed", False)
     if disk is not None and restored:
         if wall_now is None:
             raise ValueError("restored blocks need wall_now, the wall clock they were stamped by")

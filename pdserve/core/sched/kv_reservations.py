@@ -93,7 +93,7 @@ class KVReservations:
         req.num_computed_tokens = (req.num_prompt_tokens if first_token is not None
                                    else min(req.num_cached_prompt_tokens, req.num_prompt_tokens - 1))
         self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens,
-                                      sla_class=req.service_tier)
+                                      sla_class=req.service_tier, secret=req.sensitivity == "secret")
         req.status = RequestStatus.PREFILLING if first_token is None else RequestStatus.DECODING
         if first_token is not None:
             req.prefilled_s = req.first_token_s = self.blocks.clock()

@@ -230,7 +230,8 @@ class Scheduler:
             self.stats.num_prompt_tokens_computed += max(
                 min(chunk.start_pos + chunk.num_tokens, req.num_prompt_tokens) - chunk.start_pos, 0)
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                          decode=chunk.start_pos >= req.num_prompt_tokens, sla_class=req.service_tier)
+                                          decode=chunk.start_pos >= req.num_prompt_tokens, sla_class=req.service_tier,
+                                          secret=req.sensitivity == "secret")
             if chunk.request_id in result.prompt_logprobs:  # (from the start again after a preemption)
                 if chunk.start_pos == 0:
                     req.prompt_logprobs = [None]  # the first prompt token has no logprob
