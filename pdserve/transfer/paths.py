@@ -203,6 +203,8 @@ class OnePath:
         self._addrs: dict[str, str] = {}  # dest -> its `path` address
 
     def __getattr__(self, name: str):
+        if name in self._OWN:  # (not set yet: no recursion through `self.sender`)
+            raise AttributeError(name)
         return getattr(self.sender, name)
 
     def __setattr__(self, name: str, value) -> None:
