@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.paths import DOWN_S, PROBE_TRANSFERS, REPROBE_EVERY, PathChooser, parse_dest
+from pdserve.transfer.paths import PROBE_TRANSFERS, REPROBE_EVERY, PathChooser, parse_dest
 from serve_util import Server, wait_for
 
 
@@ -48,9 +48,9 @@ def test_a_failed_path_is_avoided_for_a_while():
         chooser.pick("d", ["shm", "tcp"])
     chooser.observe("d", "shm", 1000, 0.0001)
     chooser.observe("d", "tcp", 1000, 0.01)
-    chooser.failed("d", "shm")
+    chooser.breakers.of("d", "shm").failed(clock.t, seconds=chooser.breakers.policy.slow_s)  # its breaker opens
     assert {chooser.pick("d", ["shm", "tcp"]) for _ in range(10)} == {"tcp"}
-    clock.t = DOWN_S + 1
+    clock.t = chooser.breakers.policy.cool_s + 0.001  # half-open: it may take a probe
     assert chooser.pick("d", ["shm", "tcp"]) == "shm"
     assert chooser.pick("d", ["shm"], exclude="shm") is None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.core.pd.breaker import BreakerPolicy
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer.base import Capabilities, KVReceiver, KVSender
 from pdserve.transfer.paths import MultiReceiver, OnePath, PathSender
@@ -56,7 +57,9 @@ def capabilities(transport: str) -> Capabilities:
 def make_sender(transport: str, ring_mb: int = 16, timeout_s: float = 10.0) -> KVSender:
     """`auto`: one of each, each transfer on the path measured best for its pair (`pdserve.transfer.paths`);
     one transport: it takes its own path of a peer's composite address (`OnePath`: a worker joining an `auto`
-    deployment)."""
+    deployment). Either way each (receiver, path) has a breaker (`pdserve.core.pd.breaker`), and one connect or
+    send waits `BreakerPolicy.bound(timeout_s)` at most, well below the lease."""
+    timeout_s = BreakerPolicy().bound(timeout_s)
     if check(transport) == AUTO:
         return PathSender({t: TRANSPORTS[t].make_sender(ring_mb, timeout_s) for t in TRANSPORTS})
     return OnePath(transport, TRANSPORTS[transport].make_sender(ring_mb, timeout_s))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.pd.delivery import LinkQueue, TokenBucket
 from pdserve.transfer.base import KVSender, TransferError
+from pdserve.transfer.paths import PathOpen
 
 IDLE_WAIT_S = 0.5  # a lane with nothing to send rechecks this often (it is woken on new work)
 
@@ -159,8 +160,8 @@ class Lane:
             start = time.monotonic()
             try:
                 by_reference = self.sender.send_chunk(out.dest, chunk.header, chunk.pieces)
-            except TransferError as e:
-                self._failed(out, str(e))
+            except TransferError as e:  # (refused at once by an open breaker: `path_open`)
+                self._failed(out, str(e), "path_open" if isinstance(e, PathOpen) else "send_timeout")
             took = time.monotonic() - start
         with self.cond:
             chunk.dequeued = True
@@ -197,11 +198,11 @@ class Lane:
         with self.cond:
             self.events.append(("closed", out, mark))
 
-    def _failed(self, out, reason: str) -> None:
+    def _failed(self, out, reason: str, kind: str) -> None:
         """A send of `out` failed: the transfer fails, its other queued chunks go with it."""
         with self.cond:
             out.failed = reason
-            self.failures["send_timeout"] = self.failures.get("send_timeout", 0) + 1
+            self.failures[kind] = self.failures.get(kind, 0) + 1
             for item in self.queue.drop(lambda it: it.key.out is not out):
                 item.key.dequeued = True
                 self.pending[out.xfer] -= 1

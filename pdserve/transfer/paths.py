@@ -14,8 +14,10 @@ prefill worker's `PathSender` keeps one sender per transport and, per destinatio
   the per-chunk overhead included, as an EWMA), so it reflects both bandwidth and per-chunk latency;
 * the first `PROBE_TRANSFERS` transfers to a destination go on each path in turn; then every transfer takes
   the fastest path, except one in `REPROBE_EVERY`, which goes on another to keep its estimate fresh;
-* a path whose send failed is not chosen for `DOWN_S`; a transfer whose first chunk failed there goes on
-  another path at once (counted as a failover); a failure later in a transfer fails it, as on one path.
+* each path has a circuit breaker (`pdserve.core.pd.breaker`, the same rule `OnePath` follows): a path whose
+  breaker is open is not chosen, and a send on it fails at once (`PathOpen`); a transfer whose first chunk
+  failed goes on another path at once (counted as a failover); a failure later in a transfer fails it, as on
+  one path. With no path up, the transfer fails at once (its decode worker recomputes).
 
 Counted per path: transfers started (`transfers`), failovers (`failovers`), as the worker's stats report.
 """
@@ -27,11 +29,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.core.pd.breaker import Breakers
 from pdserve.transfer.base import Capabilities, KVReceiver, KVSender, Place, Received, TransferError, scratch_place
 
 PROBE_TRANSFERS = 2
 REPROBE_EVERY = 32
-DOWN_S = 30.0
 RATE_EWMA = 0.2
 MAX_TRACKED_XFERS = 1 << 16  # transfers whose path is remembered until their `done` (the oldest forgotten)
 PREFIX = "paths:"
@@ -63,12 +65,32 @@ def path_address(dest: str, path: str) -> str:
 class PathStats:
     seconds_per_byte: float | None = None  # EWMA of its chunks' handoff
     transfers: int = 0
-    down_until: float = 0.0
+
+
+class PathOpen(TransferError):
+    """A send refused at once: its path's breaker is open (`pdserve.core.pd.breaker`)."""
+
+
+def guarded(breakers: Breakers, dest: str, path: str, send, clock=time.monotonic):
+    """`send()` through the breaker of (`dest`, `path`): refused at once when it is open; its failure (and
+    how long it took) or success told to it."""
+    start = clock()
+    if not breakers.allow(dest, path, start):
+        raise PathOpen(f"KV path {path} to {dest} is open (its breaker): no new sends until a probe goes through")
+    try:
+        out = send()
+    except TransferError:
+        now = clock()
+        breakers.of(dest, path).failed(now, now - start)
+        raise
+    breakers.of(dest, path).succeeded()
+    return out
 
 
 class PathChooser:
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, breakers: Breakers | None = None) -> None:
         self.clock = clock
+        self.breakers = breakers or Breakers()
         self.stats: dict[tuple[str, str], PathStats] = {}
         self._picks: Counter = Counter()  # dest -> transfers started
 
@@ -76,12 +98,11 @@ class PathChooser:
         return self.stats.setdefault((dest, path), PathStats())
 
     def pick(self, dest: str, paths: Sequence[str], exclude: str | None = None) -> str | None:
-        """The path for a new transfer to `dest` (None: none but `exclude`)."""
+        """The path for a new transfer to `dest` (None: none but `exclude` whose breaker takes it)."""
         now = self.clock()
-        candidates = [p for p in paths if p != exclude]
-        if not candidates:
+        up = [p for p in paths if p != exclude and self.breakers.up(dest, p, now)]
+        if not up:
             return None
-        up = [p for p in candidates if self._of(dest, p).down_until <= now] or candidates
         unprobed = [p for p in up if self._of(dest, p).transfers < PROBE_TRANSFERS]
         n = self._picks[dest]
         if unprobed:
@@ -106,9 +127,6 @@ class PathChooser:
         st.seconds_per_byte = spb if st.seconds_per_byte is None else (
             st.seconds_per_byte + RATE_EWMA * (spb - st.seconds_per_byte))
 
-    def failed(self, dest: str, path: str) -> None:
-        self._of(dest, path).down_until = self.clock() + DOWN_S
-
 
 class PathSender:
     """A `KVSender` over several transports (`--transport auto`)."""
@@ -122,6 +140,10 @@ class PathSender:
         self._xfers: OrderedDict = OrderedDict()  # transfer id -> its path, until its done or fail
         self.transfers: Counter = Counter()  # path -> transfers started on it
         self.failovers = 0
+
+    @property
+    def breakers(self) -> Breakers:
+        return self.chooser.breakers
 
     def share_source(self, handle, buffer) -> None:
         for s in self.senders.values():
@@ -151,10 +173,11 @@ class PathSender:
         first = path is None
         if first:
             path = self._start(dest, xfer)
+            if path is None:
+                raise PathOpen(f"every KV path to {dest} is open (their breakers)")
         try:
             return self._send(dest, path, header, pieces)
         except TransferError:
-            self.chooser.failed(dest, path)
             other = self._start(dest, xfer, exclude=path) if first else None
             if other is None:
                 raise
@@ -163,7 +186,9 @@ class PathSender:
 
     def _send(self, dest: str, path: str, header: dict, pieces: list[memoryview]) -> bool:
         start = time.perf_counter()
-        in_place = self.senders[path].send_chunk(self._route(dest)[path], header, pieces)
+        in_place = guarded(self.chooser.breakers, dest, path,
+                           lambda: self.senders[path].send_chunk(self._route(dest)[path], header, pieces),
+                           self.chooser.clock)
         self.chooser.observe(dest, path, sum(len(p) for p in pieces), time.perf_counter() - start)
         return in_place
 
@@ -173,7 +198,8 @@ class PathSender:
         path = self._xfers.get(xfer) or self.chooser.best(dest, list(route))
         if header.get("kind") in ("done", "fail"):
             self._xfers.pop(xfer, None)
-        self.senders[path].send_control(route[path], header)
+        guarded(self.chooser.breakers, dest, path, lambda: self.senders[path].send_control(route[path], header),
+                self.chooser.clock)
 
     def position(self, dest: str) -> tuple:
         return tuple((p, self.senders[p].position(a)) for p, a in self._route(dest).items())
@@ -194,12 +220,16 @@ class PathSender:
 
 class OnePath:
     """A sender of one transport (`path`) that takes a peer's address whole: a composite `paths:` one is read
-    for `path`'s address (`path_address`). Every other attribute, read or set, is the wrapped sender's."""
+    for `path`'s address (`path_address`). Each peer's sends go through its path's breaker (`guarded`). Every
+    other attribute, read or set, is the wrapped sender's."""
 
-    _OWN = frozenset({"path", "sender", "_addrs"})
+    _OWN = frozenset({"path", "sender", "_addrs", "breakers", "clock"})
 
-    def __init__(self, path: str, sender: KVSender) -> None:
+    def __init__(self, path: str, sender: KVSender, breakers: Breakers | None = None,
+                 clock=time.monotonic) -> None:
         self.path, self.sender = path, sender
+        self.breakers = breakers or Breakers()
+        self.clock = clock
         self._addrs: dict[str, str] = {}  # dest -> its `path` address
 
     def __getattr__(self, name: str):
@@ -220,10 +250,13 @@ class OnePath:
         return addr
 
     def send_chunk(self, dest: str, header: dict, pieces: list[memoryview]) -> bool:
-        return self.sender.send_chunk(self._addr(dest), header, pieces)
+        addr = self._addr(dest)
+        return guarded(self.breakers, dest, self.path, lambda: self.sender.send_chunk(addr, header, pieces),
+                       self.clock)
 
     def send_control(self, dest: str, header: dict) -> None:
-        self.sender.send_control(self._addr(dest), header)
+        addr = self._addr(dest)
+        guarded(self.breakers, dest, self.path, lambda: self.sender.send_control(addr, header), self.clock)
 
     def position(self, dest: str):
         return self.sender.position(self._addr(dest))

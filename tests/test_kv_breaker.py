@@ -1,0 +1,92 @@
+"""The KV path breaker (`pdserve.core.pd.breaker`): its states and counted transitions, and a one-path sender
+that refuses a send at once while its peer's breaker is open (`pdserve.transfer.paths.OnePath`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from pdserve.core.pd.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerPolicy, Breakers
+from pdserve.transfer import make_sender
+from pdserve.transfer.base import TransferError
+from pdserve.transfer.paths import PathOpen
+
+POLICY = BreakerPolicy(failures_to_open=3, slow_s=1.0, cool_s=2.0, max_cool_s=5.0)
+
+
+def test_quick_failures_open_after_a_run_and_a_success_resets_the_run():
+    b = Breaker(POLICY)
+    b.failed(0.0), b.failed(0.0)
+    assert b.state == CLOSED and b.allow(0.0)
+    b.succeeded()
+    b.failed(0.0), b.failed(0.0)
+    assert b.state == CLOSED  # the success broke the run
+    b.failed(0.0)
+    assert b.state == OPEN and not b.allow(1.9)
+    assert b.transitions == {OPEN: 1}
+
+
+def test_a_slow_failure_opens_at_once():
+    b = Breaker(POLICY)
+    b.failed(10.0, seconds=1.0)
+    assert b.state == OPEN and not b.allow(11.9)
+
+
+def test_half_open_lets_one_probe_and_its_success_closes():
+    b = Breaker(POLICY)
+    b.failed(0.0, seconds=5.0)
+    assert b.allow(2.0) and b.state == HALF_OPEN  # the probe
+    assert not b.allow(2.1)  # one probe at a time
+    b.succeeded()
+    assert b.state == CLOSED and b.allow(2.2) and b.allow(2.3)
+    assert b.transitions == {OPEN: 1, HALF_OPEN: 1, CLOSED: 1}
+
+
+def test_a_failed_probe_reopens_with_a_doubled_cool_down_up_to_the_cap():
+    b = Breaker(POLICY)
+    b.failed(0.0, seconds=5.0)
+    assert b.allow(2.0)
+    b.failed(2.0)  # the probe failed: open again, 4 s this time
+    assert b.state == OPEN and not b.allow(5.9) and b.allow(6.0)
+    b.failed(6.0)  # 8 s capped at 5
+    assert not b.allow(10.9) and b.allow(11.0)
+    b.succeeded()
+    b.failed(20.0, seconds=5.0)  # a fresh spell starts from cool_s again
+    assert not b.allow(21.9) and b.allow(22.0)
+    assert b.transitions[OPEN] == 4 and b.transitions[HALF_OPEN] == 4 and b.transitions[CLOSED] == 1
+
+
+def test_breakers_by_peer_and_path_and_open_receivers():
+    bs = Breakers(POLICY)
+    bs.of("d1", "tcp").failed(0.0, seconds=5.0)
+    assert not bs.allow("d1", "tcp", 1.0) and bs.allow("d2", "tcp", 1.0) and bs.allow("d1", "shm", 1.0)
+    assert bs.refused == {"tcp": 1}
+    assert bs.open_dests(1.0) == set()  # d1's shm path still takes transfers
+    bs.of("d1", "shm").failed(0.0, seconds=5.0)
+    assert bs.open_dests(1.0) == {"d1"} and bs.open_dests(2.0) == set()  # due for its probe: routable again
+    assert bs.report()["d1|tcp"] == {"state": OPEN, "transitions": {OPEN: 1}}
+
+
+def test_policy_bounds_each_send_below_the_lease():
+    assert BreakerPolicy(send_bound_s=10.0).bound(30.0) == 10.0
+    assert BreakerPolicy(send_bound_s=10.0).bound(6.0) == 2.0
+
+
+def test_a_peer_that_refuses_opens_its_breaker_and_later_sends_fail_at_once():
+    """A real tcp sender to a port nobody listens on: connects refused, then refused without trying."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dest = f"tcp://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connects are refused
+        sender = make_sender("tcp", timeout_s=3.0)
+        for _ in range(sender.breakers.policy.failures_to_open):
+            with pytest.raises(TransferError) as e:
+                sender.send_control(dest, {"kind": "alive", "xfer": "x"})
+            assert not isinstance(e.value, PathOpen)
+        start = time.monotonic()
+        with pytest.raises(PathOpen):
+            sender.send_control(dest, {"kind": "alive", "xfer": "x"})
+        assert time.monotonic() - start < 0.1
+        assert sender.breakers.report()[f"{dest}|tcp"]["state"] == OPEN
+        sender.close()
