@@ -81,6 +81,10 @@ def test_a_hung_prefill_workers_lease_lapses_and_with_no_other_the_decode_worker
         assert server.metric("pdserve_kv_transfer_failures_total", reason="failed_timeout", outcome="held") == 1
         assert server.metric("pdserve_kv_leases_lapsed_total", worker="prefill-0") == 1
         assert server.metric("pdserve_kv_recovery_total", choice="recompute") == 1
+        # and said why, for every prompt token (usage.kv_transfer.recompute_reason; the prompt has 100 words)
+        assert server.metric("pdserve_kv_recomputed_tokens_total", reason="failed_timeout") >= 100
+        assert server.metric("pdserve_kv_recomputed_tokens_total") == server.metric(
+            "pdserve_kv_recomputed_tokens_total", reason="failed_timeout")
     finally:
         os.kill(prefill, signal.SIGCONT)
         server.stop()
