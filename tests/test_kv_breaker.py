@@ -90,3 +90,38 @@ def test_a_peer_that_refuses_opens_its_breaker_and_later_sends_fail_at_once():
         assert time.monotonic() - start < 0.1
         assert sender.breakers.report()[f"{dest}|tcp"]["state"] == OPEN
         sender.close()
+
+
+def _books(policy=None):
+    from pdserve.conductor.books import Books
+    from pdserve.conductor.routing import PrefixAffinity
+    from pdserve.core.service_tiers import ServiceTiers
+    books = Books("pd", policy or PrefixAffinity(), ServiceTiers(), 4, lambda prefill, rid: None)
+    for name, role in (("d1", "decode"), ("d2", "decode"), ("p1", "prefill"), ("p2", "prefill")):
+        books.add_worker(name, role)
+    return books
+
+
+def test_routing_avoids_a_pair_whose_path_is_open_keeping_the_prefill_worker():
+    books = _books()
+    books.workers["d2"].outstanding = 5  # d1 is preferred by load
+    books.workers["p2"].outstanding = 5  # p1 too
+    assert [w.name for w in books.route(())] == ["d1", "p1"] and books.notes == []
+    books.open_paths["p1"] = {"d1"}
+    assert [w.name for w in books.route(())] == ["d2", "p1"]  # p1 kept: its cache may hold the prompt
+    assert books.notes == ["kv_path_open_rerouted"]
+    books.notes.clear()
+    books.open_paths["p1"] = {"d1", "d2"}
+    assert [w.name for w in books.route(())] == ["d1", "p2"]  # no decode worker p1 reaches: another prefill
+    books.notes.clear()
+    books.open_paths["p2"] = {"d1"}
+    assert [w.name for w in books.route(())] == ["d1", "p1"]  # no pair at all: as chosen, counted
+    assert books.notes == ["kv_path_open_no_pair"]
+
+
+def test_the_ttft_pair_policy_is_routed_around_open_paths_too():
+    from pdserve.conductor.ttft_routing import PredictedTtft
+    books = _books(PredictedTtft())
+    books.workers["d2"].outstanding = books.workers["p2"].outstanding = 5
+    books.open_paths["p1"] = {"d1"}
+    assert [w.name for w in books.route((), tokens=8)] == ["d2", "p1"]

@@ -44,6 +44,8 @@ class Books:
         # KV bytes routed over each worker's port and not yet delivered (placed, no first token yet)
         self.port_bytes: dict[str, int] = {}
         self._transfers: dict[str, tuple[str, str, int]] = {}  # rid -> (prefill, decode, bytes)
+        # prefill -> decode workers its KV paths' breakers hold open (`pdserve.core.pd.breaker`, its `kv_links`)
+        self.open_paths: dict[str, set[str]] = {}
 
     # ---- workers and routing ------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
@@ -65,9 +67,31 @@ class Books:
         if pair is not None and self.mode == "pd" and tokens is not None:
             first, second, notes = pair(self, PairRequest(hashes, tokens, rank, now))
             self.notes.extend(notes)
-            return first, second
+            return self._around_open(first, second, hashes)
         first = self.pick("colocated" if self.mode == "colocated" else "decode", hashes)
-        return first, self.pick("prefill", hashes) if self.mode == "pd" and first is not None else None
+        if self.mode != "pd" or first is None:
+            return first, None
+        return self._around_open(first, self.pick("prefill", hashes), hashes)
+
+    def _around_open(self, first: WorkerLoad | None, second: WorkerLoad | None, hashes
+                     ) -> tuple[WorkerLoad | None, WorkerLoad | None]:
+        """A pair whose KV path is open (the prefill worker's breaker to that decode worker) is not used: the
+        prefill worker kept (its cache may hold the prompt) with another decode worker, else the decode worker
+        with another prefill worker; with neither, the pair as chosen (counted: `kv_path_open_no_pair`; its
+        transfer fails at once and the decode worker recomputes)."""
+        if first is None or second is None or first.name not in self.open_paths.get(second.name, ()):
+            return first, second
+        shut = self.open_paths[second.name]
+        decoders = [w for w in self.role("decode") if w.usable and w.name not in shut]
+        if decoders:
+            self.notes.append("kv_path_open_rerouted")
+            return self.policy.pick(decoders, hashes), second
+        prefills = [w for w in self.role("prefill") if w.usable and first.name not in self.open_paths.get(w.name, ())]
+        if prefills:
+            self.notes.append("kv_path_open_rerouted")
+            return first, self.policy.pick(prefills, hashes)
+        self.notes.append("kv_path_open_no_pair")
+        return first, second
 
     def affinity(self, prompt: list) -> list:
         """The block hashes of `prompt`'s head that routing matches against the workers' remembered prefixes."""

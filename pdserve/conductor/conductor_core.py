@@ -142,8 +142,10 @@ class ConductorCore:
 
     def worker_links(self, name: str, links: dict) -> list:
         """A prefill worker's links as its stats report them (`kv_links`: decode worker -> {capacity, ...}):
-        the measured rates a pair policy predicts transfers with."""
+        the measured rates a pair policy predicts transfers with, and the links whose KV paths are all open
+        (`path_open`: routing pairs that prefill worker with another decode worker meanwhile)."""
         self.books.links[name] = {dest: v["capacity"] for dest, v in links.items() if v.get("capacity")}
+        self.books.open_paths[name] = {dest for dest, v in links.items() if v.get("path_open")}
         return []
 
     def worker_cache(self, name: str, stored: dict, evicted: dict) -> list:

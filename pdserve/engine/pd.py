@@ -60,6 +60,7 @@ class PrefillSide:
         # (request id, why): transfers whose sends failed after their request was reported prefilled; the worker
         # reports them again (`prefilled` with the failure), so their decode worker stops waiting at once
         self.late_failures: list[tuple[str, str]] = []
+        self.peers: dict[str, str] = {}  # receiver address -> its worker's name (the breakers' report)
         self.outbox = Outbox(sender, policy, self._hold, link_rate, failures=self.failures,
                              on_closed=self._closed)
         self.water = water or WaterLevel()
@@ -94,6 +95,7 @@ class PrefillSide:
         # the pool sends copies instead.
         long = window is not None and self.engine.block_manager.blocks_needed(len(prompt)) > window.window
         now = time.monotonic()
+        self.peers[dest] = link or dest
         out = self.books.open(Outbound(
             request_id, dest, xfer, first_block, len(prompt), link or dest, service_tier,
             float("inf") if deadline_in_s is None else now + deadline_in_s, by_copy=long, sensitivity=sensitivity))

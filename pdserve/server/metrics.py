@@ -14,6 +14,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.core.cost import CostMeter
+from pdserve.core.pd.breaker import STATE_CODES
 from pdserve.core.lifecycle_metrics import LifecycleWindow
 
 LINK_WINDOW_S = 10.0  # the window of pdserve_kv_link_utilization
@@ -181,6 +182,15 @@ class Metrics:
         self.kv_path_transfers = Counter("pdserve_kv_path_transfers", "KV transfers a prefill worker started, by "
                                          "the transport path chosen for them (--transport auto)", ["worker", "path"],
                                          registry=r)
+        self.kv_path_state = Gauge("pdserve_kv_path_state", "A prefill worker's KV path breaker to a decode worker "
+                                   "(0 closed, 1 half-open: one probe goes, 2 open: it takes no new transfers)",
+                                   ["worker", "peer", "path"], registry=r)
+        self.kv_path_transitions = Counter("pdserve_kv_path_transitions", "KV path breaker transitions, by the "
+                                           "state entered", ["worker", "peer", "path", "to"], registry=r)
+        self.kv_send_failures = Counter("pdserve_kv_send_failures", "KV transfers a prefill worker's sends failed, "
+                                        "by reason (path_open: refused at once by an open breaker; send_timeout: "
+                                        "a send or connect failed or passed its bounded deadline)",
+                                        ["worker", "reason"], registry=r)
         self.kv_protected_bytes = Counter("pdserve_kv_protected_bytes", "KV payload bytes a prefill worker sent, by "
                                           "path and protection (aead: encrypted and authenticated, mac: "
                                           "authenticated, plain: neither; by sensitivity label and whether the "
@@ -353,6 +363,7 @@ class Metrics:
                 self._inc_total(self.kv_path_transfers, (w, f"path:{path}"), n, worker=w, path=path)
             self._inc_total(self.fallbacks, (w, "kv_path_failover"), s.get("kv_path_failovers", 0),
                             kind="kv_path_failover")
+            self._observe_breakers(w, s)
         for endpoint, n in s.get("rejected_connections", {}).items():
             self._inc_total(self.rejected_connections, (w, f"rejected:{endpoint}"), n, endpoint=endpoint)
         for key, n in s.get("kv_protected_bytes", {}).items():  # {"tcp:aead": bytes}
@@ -372,6 +383,17 @@ class Metrics:
         # the earlier tokens of its current block through the codec
         self._inc_total(self.fallbacks, (w, "residual"), s.get("kv_residual_evictions", 0),
                         kind="kv_residual_window_evicted")
+
+    def _observe_breakers(self, w: str, s: dict) -> None:
+        """A prefill worker's KV path breakers (`pdserve.core.pd.breaker`) and its failed sends by reason."""
+        for key, report in s.get("kv_path_breakers", {}).items():  # {"peer|path": {state, transitions}}
+            peer, _, path = key.rpartition("|")
+            self.kv_path_state.labels(worker=w, peer=peer, path=path).set(STATE_CODES[report["state"]])
+            for to, n in report["transitions"].items():
+                self._inc_total(self.kv_path_transitions, (w, f"breaker:{key}:{to}"), n, worker=w, peer=peer,
+                                path=path, to=to)
+        for reason, n in s.get("kv_send_failures", {}).items():
+            self._inc_total(self.kv_send_failures, (w, f"send_failed:{reason}"), n, worker=w, reason=reason)
 
     def _observe_links(self, w: str, links: dict) -> None:
         now = time.monotonic()

@@ -4,6 +4,8 @@ them)."""
 
 from __future__ import annotations
 
+import time
+
 
 def worker_stats(w) -> dict:
     """A worker's `stats` event's values (`pdserve.conductor.wire.Stats`): its scheduler, KV pool and tiers, delivery (prefill) and reception (decode)."""
@@ -33,10 +35,14 @@ def worker_stats(w) -> dict:
                            "fallbacks": w.calibration.fallbacks}}
     if w.prefill is not None:
         box = w.prefill.outbox
+        breakers, shut = breaker_report(w.prefill)
+        links = box.link_report()
+        for link in shut & links.keys():
+            links[link]["path_open"] = True  # the conductor pairs this worker with another decode worker
         out.update(kv_bytes_sent=box.bytes_sent, kv_send_failures=dict(w.prefill.failures),
                    kv_transfers_lent=len(w.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
                    kv_chunks_payload=box.chunks_payload,
-                   kv_keepalives_sent=w.prefill.keepalives_sent, kv_links=box.link_report(),
+                   kv_keepalives_sent=w.prefill.keepalives_sent, kv_links=links, kv_path_breakers=breakers,
                    kv_wire_bytes={f"{tier}:{fmt}": n for (tier, fmt), n in w.prefill.wire_bytes.items()},
                    production_paused_s=w.prefill.paused_s, production_paced=dict(w.prefill.pace_counts),
                    kv_wasted_bytes=dict(w.prefill.wasted_bytes),
@@ -58,3 +64,17 @@ def worker_stats(w) -> dict:
     if cadence is not None:  # --decode-cadence steady
         out.update(cadence.stats())
     return out
+
+
+def breaker_report(prefill) -> tuple[dict, set[str]]:
+    """A prefill worker's KV path breakers (`pdserve.core.pd.breaker`) by receiving worker: ({"peer|path":
+    {state, transitions}}, the receivers with no path that takes a transfer now)."""
+    breakers = getattr(prefill.sender, "breakers", None)
+    if breakers is None:
+        return {}, set()
+    names = prefill.peers  # receiver address -> worker name
+    report = {}
+    for key, value in breakers.report().items():
+        dest, _, path = key.rpartition("|")
+        report[f"{names.get(dest, dest)}|{path}"] = value
+    return report, {names.get(d, d) for d in breakers.open_dests(time.monotonic())}
