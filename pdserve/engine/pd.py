@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from pdserve.core.pd.breaker import BreakerPolicy
 from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
 from pdserve.core.pd.prefill_books import Lent, Outbound, PrefillBooks
 from pdserve.core.pd.production_pace import ProductionPace
@@ -61,6 +62,7 @@ class PrefillSide:
         # reports them again (`prefilled` with the failure), so their decode worker stops waiting at once
         self.late_failures: list[tuple[str, str]] = []
         self.peers: dict[str, str] = {}  # receiver address -> its worker's name (the breakers' report)
+        self.grace_pins = 0  # prompts whose KV was kept pinned for a re-route (their transfer lost to its path)
         self.outbox = Outbox(sender, policy, self._hold, link_rate, failures=self.failures,
                              on_closed=self._closed)
         self.water = water or WaterLevel()
@@ -86,6 +88,8 @@ class PrefillSide:
         """`deadline_in_s`: the conductor's predicted first consumption of this KV, from now (the delivery
         deadline under `--delivery scheduled`); `read_in_s`: the same were the link free (the wire format's
         slack)."""
+        if pin is None and not self._path_up(dest):  # its transfer fails at once: keep its KV for a re-route
+            pin = self._grace_pin(request_id)
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier, sensitivity=sensitivity)
         self.engine.scheduler.check_new(req)  # fail now, even when it waits for its stage pass
@@ -211,8 +215,23 @@ class PrefillSide:
                                     self.pace_counts)
 
     def pump(self) -> None:
-        """Take what the links' lanes did since (closed transfers); the worker loop calls this between steps."""
+        """Take what the links' lanes did since (closed transfers); the worker loop calls this between steps. A
+        request whose transfer failed while it runs keeps its KV pinned for a grace period when it ends."""
         self.outbox.pump()
+        for rid in self.books.failed_requests():
+            req = self.engine.scheduler.requests.get(rid)
+            if req is not None and req.pin is None:
+                req.pin = self._grace_pin(rid)
+
+    def _path_up(self, dest: str) -> bool:
+        """Whether `dest` has a KV path whose breaker takes a transfer now (`pdserve.core.pd.breaker`)."""
+        breakers = getattr(self.sender, "breakers", None)
+        return breakers is None or dest not in breakers.open_dests(time.monotonic())
+
+    def _grace_pin(self, request_id: str) -> tuple[str, float]:
+        breakers = getattr(self.sender, "breakers", None)
+        self.grace_pins += 1
+        return (f"kv-grace:{request_id}", (breakers.policy if breakers else BreakerPolicy()).grace_s)
 
     def landing_in_s(self, request_id: str) -> float | None:
         """When the last of this request's KV will have left for its decode worker, from now."""

@@ -43,6 +43,7 @@ def worker_stats(w) -> dict:
                    kv_transfers_lent=len(w.prefill.lent), kv_chunks_in_place=box.chunks_in_place,
                    kv_chunks_payload=box.chunks_payload,
                    kv_keepalives_sent=w.prefill.keepalives_sent, kv_links=links, kv_path_breakers=breakers,
+                   kv_grace_pins=w.prefill.grace_pins,
                    kv_wire_bytes={f"{tier}:{fmt}": n for (tier, fmt), n in w.prefill.wire_bytes.items()},
                    production_paused_s=w.prefill.paused_s, production_paced=dict(w.prefill.pace_counts),
                    kv_wasted_bytes=dict(w.prefill.wasted_bytes),

@@ -32,6 +32,9 @@ class BreakerPolicy:
     # the transports' deadline for one connect or send: well below --kv-timeout-s, so a blackholed peer holds a
     # link's sender this long at most, not for the whole lease
     send_bound_s: float = 10.0
+    # a transfer lost to its path (failed, or refused by an open breaker): its prompt's KV stays pinned in the
+    # prefill worker's prefix cache this long, so the request re-routed through this worker finds it there
+    grace_s: float = 60.0
 
     def bound(self, kv_timeout_s: float) -> float:
         """One connect's or send's deadline under a lease of `kv_timeout_s`."""
