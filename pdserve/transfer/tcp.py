@@ -72,6 +72,9 @@ class TcpSender:
             # a send returns once all but NOTSENT_LOWAT of it is on the wire (`pdserve.transfer.link_lane`).
             sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+            # Data unacknowledged for a send's deadline (a blackholed peer) aborts the connection: the next send
+            # fails (its breaker counts it: `pdserve.core.pd.breaker`) instead of filling the buffer unheard.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(int(self._timeout_s * 1000), 1))
             try:
                 self._seals[dest] = self._handshake(sock, deadline)  # this deployment's: `peer_auth`
             except OSError as e:
