@@ -2,10 +2,14 @@
 
 After the hello (`pdserve.transfer.peer_auth`: the sender's nonce, the receiver's in its reply) both ends
 derive the connection's key, HKDF-SHA256 of the deployment secret salted with both nonces, for the one
-direction records travel (sender -> receiver). Every record on the connection takes the next value of a
-64-bit counter, plain ones too, and a protected record's AEAD nonce is that counter: a replayed, reordered,
-dropped or foreign record fails its tag, and the receiver refuses it and trusts nothing more on that
-connection (the sender reconnects, with fresh nonces and key).
+direction records travel (sender -> receiver). Every record on the connection takes the next value of the
+sender's 64-bit counter; a protected record carries it in its prefix (in place of the xxh3, which the tag
+replaces), authenticated, and it is the record's AEAD nonce. The receiver accepts a protected record only when
+its tag verifies and its counter is above the last one it accepted on the connection: a replayed or
+reordered record is refused, and so is a changed or foreign one (its tag fails). A refused record fails its
+transfer (never used) and the connection goes on: the records behind it, other transfers' among them, still
+count (dropping the connection would lose them silently). A record missing from the stream is missing from
+its transfer, which then fails as incomplete.
 
 Modes (`pdserve.core.pd.sensitivity.protection` picks one per record by its label and path):
 
@@ -38,7 +42,10 @@ _INFO = b"pdserve kv tcp v1: sender to receiver"
 
 
 class AuthFailure(Exception):
-    """A record whose tag does not verify, or that is protected less than its label and path ask."""
+    """A record whose tag does not verify, or that is protected less than its label and path ask. `header`:
+    the record's (as it arrived: unverified), set by the stream that refused it."""
+
+    header: dict = {}
 
 
 def crosses_hosts(peer_host: str) -> bool:
@@ -60,7 +67,8 @@ class Seal:
         self.secret, self.sender_nonce = secret, sender_nonce
         self._aead: ChaCha20Poly1305 | None = None  # keyed once the receiver's nonce is known
         self.crosses = crosses
-        self.seq = 0
+        self.seq = 0  # the sender's: the next record's
+        self.last = -1  # the receiver's: the counter of the last protected record it accepted
         self._buf = bytearray()  # reused: [meta-and-prefix | payload | tag] (mac) or the plaintext (aead)
         self._out = bytearray()
 
@@ -76,15 +84,15 @@ class Seal:
     def mode_for(self, header: dict) -> str:
         return protection(_label(header), self.crosses)
 
-    def next_nonce(self) -> bytes:
-        nonce = self.seq.to_bytes(12, "little")
+    def take(self) -> int:
+        """The sender's counter for its next record."""
         self.seq += 1
-        return nonce
+        return self.seq - 1
 
     # ---- sender ------------------------------------------------------------------------------------------
-    def seal(self, mode: str, head: bytes, pieces: list, nbytes: int) -> list:
-        """The wire buffers that follow `head` (prefix + meta) for a record in `mode`; takes its counter."""
-        nonce = self.next_nonce()
+    def seal(self, mode: str, head: bytes, pieces: list, nbytes: int, seq: int) -> list:
+        """The wire buffers that follow `head` (prefix + meta, `seq` in it) for a record in `mode`."""
+        nonce = seq.to_bytes(12, "little")
         if mode == "plain":
             return pieces
         if mode == "mac":
@@ -96,18 +104,22 @@ class Seal:
         return [out[:nbytes + TAG]]
 
     # ---- receiver ----------------------------------------------------------------------------------------
-    def open(self, mode: str, head: bytes, record: memoryview, nbytes: int) -> memoryview:
+    def open(self, mode: str, head: bytes, record: memoryview, nbytes: int, seq: int) -> memoryview:
         """The payload of a protected record read whole (`record`: payload or ciphertext, then the tag),
-        verified (AEAD: decrypted); raises `AuthFailure`. Takes its counter."""
-        nonce = self.next_nonce()
+        verified (AEAD: decrypted); raises `AuthFailure`."""
+        if seq <= self.last:
+            raise AuthFailure(f"a replayed or reordered record (counter {seq}, last accepted {self.last})")
+        nonce = seq.to_bytes(12, "little")
         try:
             if mode == "mac":
                 aad = _fill(self._grow("_buf", len(head) + nbytes), [head, record[:nbytes]])
                 self._aead.decrypt(nonce, record[nbytes:nbytes + TAG], aad[:len(head) + nbytes])
-                return record[:nbytes]
-            out = self._grow("_out", nbytes)
-            self._aead.decrypt_into(nonce, record[:nbytes + TAG], head, out[:nbytes])
-            return out[:nbytes]
+                payload = record[:nbytes]
+            else:
+                payload = self._grow("_out", nbytes)[:nbytes]
+                self._aead.decrypt_into(nonce, record[:nbytes + TAG], head, payload)
+            self.last = seq
+            return payload
         except InvalidTag:
             raise AuthFailure(f"a {mode} record failed its tag (tampered, replayed, reordered or foreign)")
 

@@ -62,6 +62,9 @@ class TcpSender:
 
     def _socket(self, dest: str, deadline: float) -> socket.socket:
         sock = self._sockets.get(dest)
+        if sock is not None and _closed_by_peer(sock):  # (its receiver restarted, or dropped a broken stream)
+            self.forget(dest)
+            sock = None
         if sock is None:
             try:
                 sock = socket.create_connection(parse_address(dest), timeout=max(deadline - time.monotonic(), 0.01))
@@ -130,10 +133,12 @@ class TcpSender:
             seal = self._seals[dest]
             mode = seal.mode_for(header)
             self._keyed(sock, seal, mode, deadline)
-            # Hashed first (a record fits the core's L2), so the send then reads the pieces from cache.
-            digest = checksum(pieces) if nbytes and mode == "plain" else 0
-            head = PREFIX.pack(len(meta), nbytes, digest, MODE_CODES[mode]) + meta
-            body = seal.seal(mode, head, pieces, nbytes)
+            seq = seal.take()
+            # Hashed first (a record fits the core's L2), so the send then reads the pieces from cache. A
+            # protected record carries its counter there instead (its tag is its check: `kv_seal`).
+            field = seq if mode != "plain" else checksum(pieces) if nbytes else 0
+            head = PREFIX.pack(len(meta), nbytes, field, MODE_CODES[mode]) + meta
+            body = seal.seal(mode, head, pieces, nbytes, seq)
             _send_all(sock, [head, *self.faults.maybe_corrupt(body)], deadline)
             if nbytes:
                 self.protected_bytes[mode] += nbytes
@@ -171,6 +176,17 @@ def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
             bufs[0] = bufs[0][sent:]
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the receiver closed (or reset) the connection: sending on it would lose what is sent."""
+    sock.settimeout(0)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < size:
@@ -201,6 +217,8 @@ class _Stream:
         self.scratch = memoryview(bytearray(1 << 20))
         self.seal: Seal | None = None  # once the hello is verified (`kv_seal`)
         self.mode = "plain"  # the current record's
+        self.counter = 0  # a protected record's counter (its prefix's third field)
+        self.refused: str | None = None  # a plain record where more is due: read, dropped, then refused
         self.sealed = bytearray()  # a protected record's payload and tag, read whole before it is opened
 
     def read(self, place: Place, out: list[Received]) -> None:
@@ -253,14 +271,19 @@ class _Stream:
         if mode >= len(MODES):
             raise ValueError(f"record protection mode {mode}")
         self.header = decode_record(bytes(self.head[PREFIX.size:]), nbytes, digest)
-        self.mode, self.left = MODES[mode], nbytes
+        self.mode, self.left, self.counter = MODES[mode], nbytes, digest
         if self.mode != "plain":  # read whole, opened, then placed (`_finish`)
             self.left = nbytes + TAG
             if len(self.sealed) < self.left:
                 self.sealed = bytearray(self.left)
             self.views = [memoryview(self.sealed)[:self.left]]
             return
-        self.seal.check(self.mode, self.header)
+        try:
+            self.seal.check(self.mode, self.header)
+        except AuthFailure as e:
+            self.refused = str(e)
+            self.left, self.placed, self.views = nbytes, None, None  # its payload is read and dropped
+            return
         self.placed = place(self.header) if nbytes else None
         self.views = list(self.placed) if self.placed is not None else None
         if self.placed is not None and sum(len(v) for v in self.placed) != nbytes:
@@ -299,9 +322,10 @@ class _Stream:
     def _finish(self, place: Place) -> Received:
         if self.mode != "plain":
             return self._open(place)
-        self.seal.next_nonce()  # (every record takes the counter's next value)
-        header, placed = self.header, self.placed
+        header, placed, refused = self.header, self.placed, self.refused
         self._next_record()
+        if refused is not None:
+            raise _refusal(refused, header)
         if placed is None:
             return Received(header)
         return Received(header, placed, checksum(placed) == header["checksum"])
@@ -309,9 +333,13 @@ class _Stream:
     def _open(self, place: Place) -> Received:
         """A protected record: verified (decrypted) first; only then is it placed (`AuthFailure` if not)."""
         header, nbytes = self.header, self.header.get("nbytes", 0)
-        payload = self.seal.open(self.mode, bytes(self.head), memoryview(self.sealed), nbytes)
-        self.seal.check(self.mode, header)
-        self._next_record()
+        try:
+            payload = self.seal.open(self.mode, bytes(self.head), memoryview(self.sealed), nbytes, self.counter)
+            self.seal.check(self.mode, header)
+        except AuthFailure as e:
+            raise _refusal(str(e), header)
+        finally:
+            self._next_record()
         placed = place(header) if nbytes else None
         if placed is None:
             return Received(header)
@@ -320,7 +348,13 @@ class _Stream:
 
     def _next_record(self) -> None:
         self.head, self.filled, self.header, self.views, self.placed = bytearray(PREFIX.size), 0, None, None, None
-        self.mode = "plain"
+        self.mode, self.refused = "plain", None
+
+
+def _refusal(reason: str, header: dict) -> AuthFailure:
+    failure = AuthFailure(reason)
+    failure.header = header
+    return failure
 
 
 def _refused(header: dict, reason: str) -> Received:
@@ -340,7 +374,7 @@ class TcpReceiver:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._streams: dict[socket.socket, _Stream] = {}
         self.num_bad_records = 0
-        self.auth_failures = 0  # records refused by their protection (`kv_seal`): the connection is dropped
+        self.auth_failures = 0  # records refused by their protection (`kv_seal`): their transfers fail
         self.auth = HelloCheck(secret)  # `auth.rejected`: foreign connections refused
 
     wakeup = None  # its sockets are plain TCP: a caller with transfers in flight polls (`arm` is a no-op)
@@ -355,11 +389,7 @@ class TcpReceiver:
                 self._accept()
         for stream in list(self._streams.values()):  # read every connection until it would block
             try:
-                stream.read(place, out)
-            except AuthFailure as e:  # tampered, replayed, reordered or foreign: its transfer fails
-                self.auth_failures += 1
-                out.append(_refused(stream.header or {}, str(e)))
-                self._drop(stream)
+                self._read(stream, place, out)
             except (EOFError, ForeignPeer):  # (a foreign one: refused and counted, `auth.rejected`)
                 self._drop(stream)
             except (OSError, ValueError) as e:  # a broken stream: nothing more from it is trusted
@@ -367,6 +397,16 @@ class TcpReceiver:
                 out.append(Received({"kind": "bad", "reason": str(e)}))
                 self._drop(stream)
         return out
+
+    def _read(self, stream: _Stream, place: Place, out: list[Received]) -> None:
+        """A stream's records until it would block; a refused one (tampered, replayed, reordered, foreign)
+        fails its transfer, counted, and the stream goes on."""
+        while True:
+            try:
+                return stream.read(place, out)
+            except AuthFailure as e:
+                self.auth_failures += 1
+                out.append(_refused(e.header, str(e)))
 
     def _accept(self) -> None:
         while True:
