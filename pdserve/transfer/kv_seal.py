@@ -104,20 +104,20 @@ class Seal:
         return [out[:nbytes + TAG]]
 
     # ---- receiver ----------------------------------------------------------------------------------------
-    def open(self, mode: str, head: bytes, record: memoryview, nbytes: int, seq: int) -> memoryview:
-        """The payload of a protected record read whole (`record`: payload or ciphertext, then the tag),
-        verified (AEAD: decrypted); raises `AuthFailure`."""
+    def open(self, mode: str, whole: memoryview, head_len: int, nbytes: int, seq: int) -> memoryview:
+        """The payload of a protected record read whole (`whole`: prefix and meta, `head_len` bytes, then the
+        payload or ciphertext, then the tag), verified (AEAD: decrypted); raises `AuthFailure`."""
+        record = whole[head_len:]
         if seq <= self.last:
             raise AuthFailure(f"a replayed or reordered record (counter {seq}, last accepted {self.last})")
         nonce = seq.to_bytes(12, "little")
         try:
             if mode == "mac":
-                aad = _fill(self._grow("_buf", len(head) + nbytes), [head, record[:nbytes]])
-                self._aead.decrypt(nonce, record[nbytes:nbytes + TAG], aad[:len(head) + nbytes])
+                self._aead.decrypt(nonce, record[nbytes:nbytes + TAG], whole[:head_len + nbytes])
                 payload = record[:nbytes]
             else:
                 payload = self._grow("_out", nbytes)[:nbytes]
-                self._aead.decrypt_into(nonce, record[:nbytes + TAG], head, payload)
+                self._aead.decrypt_into(nonce, record[:nbytes + TAG], whole[:head_len], payload)
             self.last = seq
             return payload
         except InvalidTag:

@@ -23,7 +23,7 @@ import struct
 import time
 
 from pdserve.transfer.base import (Capabilities, FaultInjector, Place, Received, TransferError, checksum,
-                                   copy_into, decode_record, encode_meta, scratch_place)
+                                   decode_record, encode_meta, scratch_place)
 from pdserve.transfer.kv_seal import MODE_CODES, MODES, TAG, AuthFailure, Seal, crosses_hosts
 from pdserve.transfer.peer_auth import (HELLO, REPLY, HelloCheck, check_reply, deployment_secret, hello,
                                         hello_nonce, reply)
@@ -176,6 +176,15 @@ def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
             bufs[0] = bufs[0][sent:]
 
 
+def _scatter(source: memoryview, views: list[memoryview]) -> None:
+    if sum(len(v) for v in views) != len(source):
+        raise ValueError(f"placement holds {sum(len(v) for v in views)} bytes, the chunk has {len(source)}")
+    at = 0
+    for view in views:
+        view[:] = source[at:at + len(view)]
+        at += len(view)
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     """Whether the receiver closed (or reset) the connection: sending on it would lose what is sent."""
     sock.settimeout(0)
@@ -219,7 +228,7 @@ class _Stream:
         self.mode = "plain"  # the current record's
         self.counter = 0  # a protected record's counter (its prefix's third field)
         self.refused: str | None = None  # a plain record where more is due: read, dropped, then refused
-        self.sealed = bytearray()  # a protected record's payload and tag, read whole before it is opened
+        self.sealed = bytearray()  # a protected record whole: prefix and meta, payload, tag (`Seal.open`)
 
     def read(self, place: Place, out: list[Received]) -> None:
         """Every record complete so far, into `out`; raises EOFError when the peer closed, `AuthFailure` when a
@@ -274,9 +283,10 @@ class _Stream:
         self.mode, self.left, self.counter = MODES[mode], nbytes, digest
         if self.mode != "plain":  # read whole, opened, then placed (`_finish`)
             self.left = nbytes + TAG
-            if len(self.sealed) < self.left:
-                self.sealed = bytearray(self.left)
-            self.views = [memoryview(self.sealed)[:self.left]]
+            if len(self.sealed) < len(self.head) + self.left:
+                self.sealed = bytearray(len(self.head) + self.left)
+            self.sealed[:len(self.head)] = self.head
+            self.views = [memoryview(self.sealed)[len(self.head):len(self.head) + self.left]]
             return
         try:
             self.seal.check(self.mode, self.header)
@@ -334,7 +344,7 @@ class _Stream:
         """A protected record: verified (decrypted) first; only then is it placed (`AuthFailure` if not)."""
         header, nbytes = self.header, self.header.get("nbytes", 0)
         try:
-            payload = self.seal.open(self.mode, bytes(self.head), memoryview(self.sealed), nbytes, self.counter)
+            payload = self.seal.open(self.mode, memoryview(self.sealed), len(self.head), nbytes, self.counter)
             self.seal.check(self.mode, header)
         except AuthFailure as e:
             raise _refusal(str(e), header)
@@ -343,7 +353,7 @@ class _Stream:
         placed = place(header) if nbytes else None
         if placed is None:
             return Received(header)
-        copy_into(placed, [payload])
+        _scatter(payload, placed)
         return Received(header, placed, True)
 
     def _next_record(self) -> None:
