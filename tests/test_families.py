@@ -25,7 +25,8 @@ class FakeGateway:
         self.tokens: dict[str, int] = {}
         self.conductor = SimpleNamespace(abort=self._abort)
 
-    async def start(self, prompt, params, priority=0, pin=None, tier="default", trace=None, follow=None):
+    async def start(self, prompt, params, priority=0, pin=None, tier="default", trace=None, follow=None,
+                    sensitivity="internal"):
         rid = f"seq{len(self.started)}"
         self.started.append(rid)
         if rid in self.refuse:
