@@ -86,6 +86,15 @@ def test_sealed_and_plain_stores_do_not_read_each_others_files(tmp_path):
     assert [h for h, _, _ in _store(tmp_path, None).scan()] == [5]
 
 
+def test_a_binary_key_is_taken_whole_and_a_printable_one_without_its_newline(tmp_path):
+    binary = b"\n" + os.urandom(30) + b" \n"  # whitespace at its ends is key material: 33 bytes
+    assert BlockSeal.from_key_file(_key(tmp_path, "bin", binary), IDENTITY).seal(b"", b"x")
+    hexed = os.urandom(32).hex().encode()
+    a = BlockSeal.from_key_file(_key(tmp_path, "hex", hexed + b"\n"), IDENTITY)
+    b = BlockSeal.from_key_file(_key(tmp_path, "hex2", hexed), IDENTITY)
+    assert b.open(b"aad", a.seal(b"aad", b"payload")) == b"payload"  # the newline is not part of the key
+
+
 def test_a_key_file_that_cannot_serve_is_a_one_line_error(tmp_path):
     with pytest.raises(InvalidRequestError, match="needs at least 32") as e:
         BlockSeal.from_key_file(_key(tmp_path, "short", b"x" * 10), IDENTITY)

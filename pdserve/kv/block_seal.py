@@ -52,11 +52,13 @@ class BlockSeal:
         except OSError as e:
             raise InvalidRequestError(f"--kv-disk-key-file {path}: cannot read it ({e.strerror or e})",
                                       param="kv_disk_key_file") from None
-        if len(secret.strip()) < MIN_KEY_BYTES:
-            raise InvalidRequestError(f"--kv-disk-key-file {path}: holds {len(secret.strip())} bytes, needs at least "
+        text = secret.strip()  # a printable key (`openssl rand -hex 32`) loses its newline; a binary one is as is
+        key = text if text and all(32 < b < 127 for b in text) else secret
+        if len(key) < MIN_KEY_BYTES:
+            raise InvalidRequestError(f"--kv-disk-key-file {path}: holds {len(key)} bytes, needs at least "
                                       f"{MIN_KEY_BYTES} of secret (e.g. head -c 32 /dev/urandom > {path})",
                                       param="kv_disk_key_file")
-        return cls(secret.strip(), identity)
+        return cls(key, identity)
 
     def seal(self, aad: bytes, payload) -> bytes:
         nonce = os.urandom(NONCE)
