@@ -44,6 +44,10 @@ GREEDY_TOKENS = 32  # then this many greedy tokens
 SHARED_TEXT = Path(__file__).resolve().parents[3] / "shared" / "texts" / "gpl-3.0.txt"
 GATE_MODES = ("on", "off")
 EXACT = "auto"
+# torch threads of the gate's runs: one, so its numbers do not depend on the host's core count (reduction order)
+# and other processes on the cores do not stall it (2 threads beside busy workers on this 2-core host: 32 decode
+# steps in 30-38 s; 1 thread: 3.5-4 s)
+THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -160,18 +164,23 @@ def _measure(engine_config, codecs: list[str], text_name: str, text: str) -> dic
 
 def _run(engine_config, codec: str, text: str) -> tuple[dict, int]:
     """The text's per-position NLL and top-1 token, and the free-running greedy tokens, under `codec`."""
+    import torch
+
     from pdserve.core.sampling_params import SamplingParams
     from pdserve.engine.llm import LLM
-    bs = engine_config.block_size
-    llm = LLM(model=engine_config.model, dtype=engine_config.dtype, device=engine_config.device,
-              attention_backend=engine_config.attention_backend, num_threads=engine_config.num_threads,
-              block_size=bs, kv_cache_dtype=codec, kv_host_gb=0, enable_prefix_caching=False,
-              num_kv_blocks=2 * -(-(TOKENS + GREEDY_PROMPT + GREEDY_TOKENS) // bs) + 8)
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)[:TOKENS]
-    scored, free = llm.generate(
-        [ids, ids[:GREEDY_PROMPT]],
-        [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-         SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)])
+    bs, threads = engine_config.block_size, torch.get_num_threads()
+    try:
+        llm = LLM(model=engine_config.model, dtype=engine_config.dtype, device=engine_config.device,
+                  attention_backend=engine_config.attention_backend, num_threads=THREADS, block_size=bs,
+                  kv_cache_dtype=codec, kv_host_gb=0, enable_prefix_caching=False,
+                  num_kv_blocks=2 * -(-(TOKENS + GREEDY_PROMPT + GREEDY_TOKENS) // bs) + 8)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)[:TOKENS]
+        scored, free = llm.generate(
+            [ids, ids[:GREEDY_PROMPT]],
+            [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+             SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)])
+    finally:
+        torch.set_num_threads(threads)  # (the process's own, e.g. the gateway's, as they were)
     entries = scored.prompt_logprobs[1:]
     return {"nll": [-e[0] for e in entries], "top1": [e[2][0][0] for e in entries],
             "greedy": list(free.token_ids)}, len(ids)
@@ -198,6 +207,7 @@ def _cache_key(engine_config, codec: str, text: str) -> dict:
             "model": model_fingerprint(resolve_model_dir(engine_config.model)), "dtype": engine_config.dtype,
             "device": engine_config.device, "attention_backend": engine_config.attention_backend,
             "kv_cache_dtype": codec, "text": hashlib.sha256(text.encode()).hexdigest()[:16], "tokens": TOKENS,
+            "threads": THREADS,
             "torch": torch.__version__, "pdserve": __version__}
 
 
