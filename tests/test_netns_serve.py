@@ -64,6 +64,9 @@ def test_kv_crosses_the_veth_and_the_answers_are_the_engines(split, reference):
     assert server.metric("pdserve_kv_transfer_bytes_total", worker="decode-ns") > 0
     links = {dict(lab)["link"] for (name, lab), _ in server.metrics().items() if name == "pdserve_kv_link_bytes_total"}
     assert links == {"prefill-0->decode-ns"}
+    # across hosts for real (no override): the default label, internal, travels encrypted (issue 40)
+    assert server.wait_metric("pdserve_kv_protected_bytes_total", lambda v: v > 0, path="tcp", mode="aead") > 0
+    assert server.metric("pdserve_kv_protected_bytes_total", mode="plain") == 0
 
 
 def _shape(ns: Netns) -> str:
