@@ -6,7 +6,8 @@ computed) closed by a *done* message that states how many chunks were sent.
 
 On the wire (the shm ring and the tcp stream alike) every message is one *record*:
 
-    prefix  <IIQ: meta length, payload length, xxh3-64 of the payload>
+    prefix  <IIQ: meta length, payload length, xxh3-64 of the payload> (tcp: <IIQB, + its protection mode,
+            and a protected record's counter in place of the xxh3: `pdserve.transfer.kv_seal`)
     meta    msgpack dict
     payload the chunk bytes (none for control messages)
 

@@ -9,7 +9,9 @@ its tag verifies and its counter is above the last one it accepted on the connec
 reordered record is refused, and so is a changed or foreign one (its tag fails). A refused record fails its
 transfer (never used) and the connection goes on: the records behind it, other transfers' among them, still
 count (dropping the connection would lose them silently). A record missing from the stream is missing from
-its transfer, which then fails as incomplete.
+its transfer, which then fails as incomplete. The sender waits for the receiver's reply (its nonce) only
+before its first protected record on a connection, at most its send timeout; a decode worker answers in its
+next poll.
 
 Modes (`pdserve.core.pd.sensitivity.protection` picks one per record by its label and path):
 
