@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = {"PDSERVE_DEPLOYMENT_SECRET": secrets.token_hex(32)}
-KV_TIMEOUT_S = 6.0  # a connect or send waits 2 s at most (`BreakerPolicy.bound`)
+KV_TIMEOUT_S = 9.0
+BOUND_S = 3.0  # a connect or send waits this long at most (`BreakerPolicy.bound`: a third of the lease)
 TOKENS = 8
 PROMPTS = [f"Note {i}: the blackholed peer's prompt asks for a list of the planets of the solar system, in order "
            f"from the sun, and number {i} of them is" for i in range(80)]
@@ -118,7 +119,8 @@ def test_a_blackholed_peer_opens_its_breaker_without_stalling_and_closes_after(s
     answers: list[tuple[str, str, float]] = []
     with ThreadPoolExecutor(2) as pool:
         def pair() -> list[tuple[str, str, float]]:  # two at once: both decode workers get one
-            got = list(pool.map(lambda p: _ask(client, p), [next(prompts), next(prompts)]))
+            two = [p for p in (next(prompts, None), next(prompts, None)) if p is not None]
+            got = list(pool.map(lambda p: _ask(client, p), two))
             answers.extend(got)
             return got
 
@@ -131,8 +133,10 @@ def test_a_blackholed_peer_opens_its_breaker_without_stalling_and_closes_after(s
                 pairs.append(pair())
                 lost.extend(p for p, _, _ in pairs[-1])
             assert _transitions(server, "open") >= 1 and server.wait_metric(STATE, lambda v: v > 0, peer="decode-ns")
-            # the prefill worker's steps went on: in each pair, the request not bound for decode-ns was prompt
-            assert max(min(s for _, _, s in got) for got in pairs) < KV_TIMEOUT_S, pairs
+            # the prefill worker's steps went on: in each pair, the request not bound for decode-ns was prompt,
+            # done before the held send to decode-ns could have failed
+            # (a request alone takes ~1 s here; one whose prefill waited for a held send would take longer)
+            assert max(min(s for _, _, s in got) for got in pairs) < BOUND_S, pairs
             # while open: routed around (counted), and the prompts sent meanwhile hit the prefill worker's cache
             hits = server.metric("pdserve_prefix_cache_hit_tokens_total", worker="prefill-0")
             again = [_ask(client, p) for p in lost[-2:]]

@@ -27,8 +27,8 @@ STATE_CODES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the gauge's value
 class BreakerPolicy:
     failures_to_open: int = 3  # failed sends in a row (each quicker than `slow_s`: refused, reset)
     slow_s: float = 1.0  # a failed send or connect that took this long (a deadline passed) opens at once
-    cool_s: float = 1.0  # open this long before the first probe
-    max_cool_s: float = 30.0
+    cool_s: float = 5.0  # open this long before the first probe
+    max_cool_s: float = 60.0
     # the transports' deadline for one connect or send: well below --kv-timeout-s, so a blackholed peer holds a
     # link's sender this long at most, not for the whole lease
     send_bound_s: float = 10.0
