@@ -49,8 +49,8 @@ class Relay:
     returns what to forward for record i (a list: [] drops it, two copies replay it). Everything forwarded
     is captured."""
 
-    def __init__(self, target: str, edit=lambda i, record: [record]) -> None:
-        self.target, self.edit = parse_address(target), edit
+    def __init__(self, target, edit=lambda i, record: [record]) -> None:
+        self.target, self.edit = target, edit  # (target: an address, or a callable that names it when asked)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.captured = bytearray()
@@ -63,7 +63,7 @@ class Relay:
                 down, _ = self.listener.accept()
             except OSError:
                 return
-            up = socket.create_connection(self.target)
+            up = socket.create_connection(parse_address(self.target() if callable(self.target) else self.target))
             threading.Thread(target=self._pipe, args=(up, down), daemon=True).start()  # the reply, as is
             threading.Thread(target=self._forward, args=(down, up), daemon=True).start()
 
