@@ -5,9 +5,14 @@ the recovery time (fault -> /health ok with every worker ready again).
 
 Rounds: kill -9 a decode worker; kill -9 a prefill worker; SIGSTOP a decode worker past the heartbeat timeout;
 1% of KV chunks corrupted (its own server, `PDSERVE_FAULT_CORRUPT_CHUNKS=100`); clients disconnecting
-mid-stream (`--disconnects` of them, then the reference streams again); a burst of 10x the streams.
+mid-stream (`--disconnects` of them, then the reference streams again); a burst of 10x the streams. With the
+tcp path's protection on (issue 40: `--transport tcp --kv-sensitivity secret`, every connection taken as
+crossing hosts, `PDSERVE_KV_CROSS_HOST=always`, test-only), each on its own 1 + 1 server: 1% of sealed records
+tampered after sealing (`PDSERVE_FAULT_CORRUPT_CHUNKS=100`) and 1% of records replayed on the connection
+(`PDSERVE_FAULT_REPLAY_RECORDS=100`); each refused record is counted (`pdserve_kv_auth_failures_total`) and its
+prompt recomputed. (A blackholed peer is `tests/test_kv_breaker_netns.py`'s: it needs two network namespaces.)
 
-    .venv/bin/python benchmarks/chaos.py [--streams 32] [--tokens 48] [--disconnects 1000] [--out bench_results/chaos.json]
+    .venv/bin/python benchmarks/chaos.py [--streams 32] [--tokens 48] [--disconnects 1000] [--only-wire-faults] [--out bench_results/chaos.json]
 """
 
 from __future__ import annotations
@@ -148,18 +153,33 @@ def disconnect_round(server: Server, n: int, tokens: int) -> dict:
     return {"clients": n, "seconds": time.monotonic() - start, "leaked_blocks": leaked_blocks(server)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--disconnects", type=int, default=1000)
-    ap.add_argument("--out", default="bench_results/chaos.json")
-    args = ap.parse_args()
-    out_dir = Path(args.out).parent
-    ps = prompts(args.streams)
-    report = {"cpu": platform.processor() or subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-              .split("Model name:")[1].splitlines()[0].strip(), "streams": args.streams, "tokens": args.tokens,
-              "rounds": {}}
+def env_fault_round(name: str, args: list[str], env: dict, ps, ref, tokens: int, out_dir: Path) -> dict:
+    """The reference streams on a 1 + 1 server started with `args` and the fault `env` in its environment."""
+    os.environ.update(env)
+    try:
+        server = Server(["--prefill", "1", "--decode", "1", *args], out_dir / f"chaos_{name.split()[0]}.log")
+    finally:
+        for key in env:
+            del os.environ[key]
+    try:
+        server.warm_up()
+        got = judge(asyncio.run(run_streams(server.url, ps, tokens)), ref)
+        m = server.metrics()
+        failures = Counter()
+        for (n, lab), v in m.items():
+            if n == "pdserve_kv_transfer_failures_total":
+                failures[dict(lab).get("reason")] += v
+        got["transfer_failures"] = dict(failures)
+        got["auth_failures"] = sum(v for (n, _), v in m.items() if n == "pdserve_kv_auth_failures_total")
+        got["recomputed_tokens"] = sum(v for (n, _), v in m.items() if n == "pdserve_kv_recomputed_tokens_total")
+        got["leaked_blocks"] = leaked_blocks(server)
+        return got
+    finally:
+        server.stop()
+
+
+def process_rounds(report: dict, ps: list[str], args, out_dir: Path) -> list[str]:
+    """The rounds on one 2 + 2 server (workers killed or stopped, disconnects, a burst); the reference texts."""
     server = Server(["--prefill", "2", "--decode", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S)],
                     out_dir / "chaos_server.log")
     try:
@@ -178,21 +198,48 @@ def main() -> int:
         rounds["10x burst"].update(seconds=time.monotonic() - start, leaked_blocks=leaked_blocks(server))
     finally:
         server.stop()
-    os.environ["PDSERVE_FAULT_CORRUPT_CHUNKS"] = "100"
-    try:
-        server = Server(["--prefill", "1", "--decode", "1"], out_dir / "chaos_corrupt.log")
-    finally:
-        del os.environ["PDSERVE_FAULT_CORRUPT_CHUNKS"]
+    return ref
+
+
+def reference(ps: list[str], tokens: int, out_dir: Path) -> list[str]:
+    """The texts of an undisturbed 1 + 1 server."""
+    server = Server(["--prefill", "1", "--decode", "1"], out_dir / "chaos_server.log")
     try:
         server.warm_up()
-        got = judge(asyncio.run(run_streams(server.url, ps, args.tokens)), ref)
-        m = server.metrics()
-        got["failed_checksum"] = sum(v for (n, lab), v in m.items() if n == "pdserve_kv_transfer_failures_total"
-                                     and dict(lab).get("reason") == "failed_checksum")
-        got["leaked_blocks"] = leaked_blocks(server)
-        report["rounds"]["corrupt 1% of chunks"] = got
+        return [t for t, _ in asyncio.run(run_streams(server.url, ps, tokens))]
     finally:
         server.stop()
+
+
+SEALED = ["--transport", "tcp", "--kv-sensitivity", "secret"]
+WIRE_FAULTS = (("corrupt 1% of chunks", [], {"PDSERVE_FAULT_CORRUPT_CHUNKS": "100"}),
+               ("tamper 1% of sealed records (AEAD)", SEALED,
+                {"PDSERVE_FAULT_CORRUPT_CHUNKS": "100", "PDSERVE_KV_CROSS_HOST": "always"}),
+               ("replay 1% of records (AEAD)", SEALED,
+                {"PDSERVE_FAULT_REPLAY_RECORDS": "100", "PDSERVE_KV_CROSS_HOST": "always"}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--disconnects", type=int, default=1000)
+    ap.add_argument("--out", default="bench_results/chaos.json")
+    ap.add_argument("--only-wire-faults", action="store_true",
+                    help="only the rounds of faults on the KV path (corrupt, tamper, replay), each on its own 1 + 1 "
+                         "server; the reference from an undisturbed 1 + 1 server")
+    args = ap.parse_args()
+    out_dir = Path(args.out).parent
+    ps = prompts(args.streams)
+    report = {"cpu": platform.processor() or subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+              .split("Model name:")[1].splitlines()[0].strip(), "streams": args.streams, "tokens": args.tokens,
+              "rounds": {}}
+    if args.only_wire_faults:
+        ref = reference(ps, args.tokens, out_dir)
+    else:
+        ref = process_rounds(report, ps, args, out_dir)
+    for name, extra, env in WIRE_FAULTS:
+        report["rounds"][name] = env_fault_round(name, extra, env, ps, ref, args.tokens, out_dir)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

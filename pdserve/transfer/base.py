@@ -199,14 +199,25 @@ class FaultInjector:
     """Test-only sabotage of outgoing chunks, from the environment of the sending process.
 
     `PDSERVE_FAULT_CORRUPT_CHUNKS=N` flips one payload byte *after* the checksum of the N-th chunk sent
-    (1-based) and of every N-th after it; the receiver must reject those transfers. Off when unset.
+    (1-based) and of every N-th after it; the receiver must reject those transfers. `PDSERVE_FAULT_REPLAY_RECORDS=N`
+    (tcp) sends every N-th record twice, byte for byte, as an attacker on the path would replay it; the receiver
+    must refuse the copy (a protected record's counter) or see a duplicate. Off when unset.
     """
 
-    def __init__(self, every: int | None = None) -> None:
+    def __init__(self, every: int | None = None, replay_every: int | None = None) -> None:
         if every is None:
             every = int(os.environ.get("PDSERVE_FAULT_CORRUPT_CHUNKS", "0") or 0)
-        self.every = every
-        self.count = 0
+        if replay_every is None:
+            replay_every = int(os.environ.get("PDSERVE_FAULT_REPLAY_RECORDS", "0") or 0)
+        self.every, self.replay_every = every, replay_every
+        self.count = self.sent = 0
+
+    def replay(self) -> bool:
+        """Whether the record just sent is one to send again."""
+        if self.replay_every <= 0:
+            return False
+        self.sent += 1
+        return self.sent % self.replay_every == 0
 
     def hit(self) -> bool:
         """Whether the chunk being sent now is one to corrupt."""

@@ -139,7 +139,10 @@ class TcpSender:
             field = seq if mode != "plain" else checksum(pieces) if nbytes else 0
             head = PREFIX.pack(len(meta), nbytes, field, MODE_CODES[mode]) + meta
             body = seal.seal(mode, head, pieces, nbytes, seq)
-            _send_all(sock, [head, *self.faults.maybe_corrupt(body)], deadline)
+            wire = [head, *self.faults.maybe_corrupt(body)]
+            _send_all(sock, wire, deadline)
+            if self.faults.replay():  # (test-only: the same record again, as a replay on the path)
+                _send_all(sock, wire, deadline)
             if nbytes:
                 self.protected_bytes[mode] += nbytes
         except OSError as e:  # timeout, reset, broken pipe: this connection is done
