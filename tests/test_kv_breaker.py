@@ -12,6 +12,7 @@ from pdserve.core.pd.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerPol
 from pdserve.transfer import make_sender
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.paths import PathOpen
+from serve_util import wait_for
 
 POLICY = BreakerPolicy(failures_to_open=3, slow_s=1.0, cool_s=2.0, max_cool_s=5.0)
 
@@ -125,3 +126,44 @@ def test_the_ttft_pair_policy_is_routed_around_open_paths_too():
     books.workers["d2"].outstanding = books.workers["p2"].outstanding = 5
     books.open_paths["p1"] = {"d1"}
     assert [w.name for w in books.route((), tokens=8)] == ["d2", "p1"]
+
+
+def _run(engine, prompt, rid):
+    from pdserve.core.sampling_params import SamplingParams
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), request_id=rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_failed_delivery_keeps_its_computed_kv_pinned_for_a_reroute(tiny_llama_dir, tmp_path):
+    """Real engines, a real tcp sender whose path to the decode worker is open: the prompt's first chunk is
+    refused at once (`path_open`), the worker aborts it; what it computed stays pinned (`PrefillSide.keep`)
+    through other prompts that need the pool, and the same prompt sent again through this worker hits it."""
+    from test_pd_engine import GREEDY, Pair
+    pair = Pair(tiny_llama_dir, "tcp", tmp_path, prefill_kw=dict(max_num_batched_tokens=32, num_kv_blocks=24))
+    try:
+        engine, side = pair.p_engine, pair.prefill
+        dest = pair.decode.receiver.address
+        side.sender.breakers.of(dest, "tcp").failed(time.monotonic(), seconds=60.0)  # open
+        prompt = [(31 * j) % 4000 + 10 for j in range(64)]
+        side.add("r0", prompt, GREEDY, dest, "r0#0", 0)
+        deadline = time.monotonic() + 30
+        while not side.failed_requests() and time.monotonic() < deadline:
+            if engine.has_unfinished():
+                engine.step()
+            side.pump()
+        assert side.failed_requests() == ["r0"]
+        pinned = side.keep("r0")  # as `WorkerReports.cancel_failed_deliveries` does
+        engine.abort(["r0"])
+        side.finish("r0", prefilled=False)
+        wait_for(lambda: (side.pump(), side.release_lent(), side.lent)[2], lambda lent: not lent, timeout_s=10)
+        assert side.failures["path_open"] >= 1
+        assert pinned >= 8 and side.grace_pins == 1 and engine.block_manager.num_pinned_blocks == pinned
+        for i in range(4):  # other prompts that need the pool's free blocks
+            _run(engine, [(17 * j + 101 * i) % 3000 + 1000 for j in range(60)], f"other{i}")
+        before = engine.scheduler.stats.num_prefix_hit_tokens
+        _run(engine, prompt, "again")
+        hits = engine.scheduler.stats.num_prefix_hit_tokens - before
+        assert hits >= pinned * 4, (hits, pinned)
+    finally:
+        pair.close()

@@ -44,6 +44,9 @@ from pdserve.transfer.base import KVSender, TransferError
 from pdserve.transfer.outbox import Chunk, Outbox
 
 
+GRACE = "kv-grace:"  # the pin holder of a prompt kept for a re-route (`PrefillSide.keep`)
+
+
 class PrefillSide:
     def __init__(self, engine: LLMEngine, sender: KVSender, kv_layers: list, lease_s: float = 30.0,
                  policy: DeliveryPolicy | None = None, link_rate: float | None = None,
@@ -88,8 +91,6 @@ class PrefillSide:
         """`deadline_in_s`: the conductor's predicted first consumption of this KV, from now (the delivery
         deadline under `--delivery scheduled`); `read_in_s`: the same were the link free (the wire format's
         slack)."""
-        if pin is None and not self._path_up(dest):  # its transfer fails at once: keep its KV for a re-route
-            pin = self._grace_pin(request_id)
         req = self.engine.make_request(request_id, prompt, params, priority, prefill_only=True, pin=pin,
                                        service_tier=service_tier, sensitivity=sensitivity)
         self.engine.scheduler.check_new(req)  # fail now, even when it waits for its stage pass
@@ -215,23 +216,21 @@ class PrefillSide:
                                     self.pace_counts)
 
     def pump(self) -> None:
-        """Take what the links' lanes did since (closed transfers); the worker loop calls this between steps. A
-        request whose transfer failed while it runs keeps its KV pinned for a grace period when it ends."""
+        """Take what the links' lanes did since (closed transfers); the worker loop calls this between steps."""
         self.outbox.pump()
-        for rid in self.books.failed_requests():
-            req = self.engine.scheduler.requests.get(rid)
-            if req is not None and req.pin is None:
-                req.pin = self._grace_pin(rid)
 
-    def _path_up(self, dest: str) -> bool:
-        """Whether `dest` has a KV path whose breaker takes a transfer now (`pdserve.core.pd.breaker`)."""
+    def keep(self, request_id: str) -> int:
+        """`request_id`'s delivery failed and it is about to be aborted here: the KV it computed so far stays
+        pinned in the prefix cache for the breaker policy's `grace_s`, so its request re-routed through this
+        worker finds it (`pdserve.core.kvstore.block_holds.PrewarmPins`). Returns the blocks pinned."""
+        if request_id not in self.engine.scheduler.requests:
+            return 0
         breakers = getattr(self.sender, "breakers", None)
-        return breakers is None or dest not in breakers.open_dests(time.monotonic())
-
-    def _grace_pin(self, request_id: str) -> tuple[str, float]:
-        breakers = getattr(self.sender, "breakers", None)
-        self.grace_pins += 1
-        return (f"kv-grace:{request_id}", (breakers.policy if breakers else BreakerPolicy()).grace_s)
+        blocks = self.engine.block_manager
+        grace_s = (breakers.policy if breakers else BreakerPolicy()).grace_s
+        pinned = blocks.pin(GRACE + request_id, request_id, blocks.clock() + grace_s)
+        self.grace_pins += pinned > 0
+        return pinned
 
     def landing_in_s(self, request_id: str) -> float | None:
         """When the last of this request's KV will have left for its decode worker, from now."""

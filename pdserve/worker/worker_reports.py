@@ -92,6 +92,7 @@ class WorkerReports:
 
     def cancel_failed_deliveries(self) -> None:
         for rid in self.prefill.failed_requests():
+            self.prefill.keep(rid)  # its KV computed so far kept for a re-route (a grace period)
             self.engine.abort([rid])
             self.prefill.drop_stage(rid)
             failed = self.prefill.finish(rid, prefilled=False)
