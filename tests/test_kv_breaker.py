@@ -135,10 +135,12 @@ def _run(engine, prompt, rid):
         engine.step()
 
 
-def test_a_failed_delivery_keeps_its_computed_kv_pinned_for_a_reroute(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_failed_delivery_keeps_its_computed_kv_pinned_for_a_reroute(tiny_llama_dir, tmp_path, keep):
     """Real engines, a real tcp sender whose path to the decode worker is open: the prompt's first chunk is
     refused at once (`path_open`), the worker aborts it; what it computed stays pinned (`PrefillSide.keep`)
-    through other prompts that need the pool, and the same prompt sent again through this worker hits it."""
+    through other prompts that need the pool, and the same prompt sent again through this worker hits it.
+    (`keep=False`: as without the pin: the other prompts evict it, no hit.)"""
     from test_pd_engine import GREEDY, Pair
     pair = Pair(tiny_llama_dir, "tcp", tmp_path, prefill_kw=dict(max_num_batched_tokens=32, num_kv_blocks=24))
     try:
@@ -153,17 +155,20 @@ def test_a_failed_delivery_keeps_its_computed_kv_pinned_for_a_reroute(tiny_llama
                 engine.step()
             side.pump()
         assert side.failed_requests() == ["r0"]
-        pinned = side.keep("r0")  # as `WorkerReports.cancel_failed_deliveries` does
+        pinned = side.keep("r0") if keep else 0  # as `WorkerReports.cancel_failed_deliveries` does
         engine.abort(["r0"])
         side.finish("r0", prefilled=False)
-        wait_for(lambda: (side.pump(), side.release_lent(), side.lent)[2], lambda lent: not lent, timeout_s=10)
+        # its closing record went (refused) and what it lent is back: only a pin holds its blocks now
+        assert wait_for(lambda: (side.pump(), side.release_lent(), side.outbox.idle() and not side.lent)[2],
+                        timeout_s=10)
         assert side.failures["path_open"] >= 1
-        assert pinned >= 8 and side.grace_pins == 1 and engine.block_manager.num_pinned_blocks == pinned
+        assert (pinned >= 8 and side.grace_pins == 1) if keep else side.grace_pins == 0
+        assert engine.block_manager.num_pinned_blocks == pinned
         for i in range(4):  # other prompts that need the pool's free blocks
             _run(engine, [(17 * j + 101 * i) % 3000 + 1000 for j in range(60)], f"other{i}")
         before = engine.scheduler.stats.num_prefix_hit_tokens
         _run(engine, prompt, "again")
         hits = engine.scheduler.stats.num_prefix_hit_tokens - before
-        assert hits >= pinned * 4, (hits, pinned)
+        assert hits >= pinned * 4 if keep else hits == 0, (hits, pinned)
     finally:
         pair.close()
