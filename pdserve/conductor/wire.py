@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.core.settings import KvBlockSettings, default_of
-from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 
 KINDS: dict[str, type] = {}
 
@@ -74,9 +74,9 @@ class RequestFields:
     priority: int = field(default=0, kw_only=True)
     pin: tuple | None = field(default=None, kw_only=True)  # (prewarm id, until_s): its blocks stay cached
     tier: str = field(default="default", kw_only=True)
-
-
     sensitivity: str = field(default=DEFAULT_LABEL, kw_only=True)  # its KV's label (`core.pd.sensitivity`)
+
+
 @message("generate")
 class Generate(RequestFields):
     """Colocated: run the whole request here."""

@@ -64,8 +64,8 @@ class Gateway:
         self.max_model_len = max_model_len
         self.pins: dict[str, Pin] = {}  # live prewarms
         self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
-        self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
         self.kv_sensitivity = DEFAULT_LABEL  # the deployment's KV label (`--kv-sensitivity`)
+        self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
         self.cluster = None  # --cluster ray: where workers are placed, added and removed (`RayWorkers`)
         self.grammars = Grammars(tokenizer)  # structured output (`pdserve.server.structured`)
 
