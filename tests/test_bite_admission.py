@@ -125,11 +125,16 @@ def test_before_any_delivery_the_tail_is_the_decode_workers_first_step_and_the_r
     assert fresh.predict_read_s("p", "d", 500, 0, 0, 3) == pytest.approx(own + first_step, rel=1e-6)
 
 
-def test_a_worker_whose_steps_an_slo_caps_has_its_last_step_taken_whole():
-    """Its scheduler fills a capped step with whatever is queued when the step starts, prompts that come later
-    included: a prompt's last chunk is predicted as a whole capped step (uncapped, as its own tokens)."""
+def test_a_busy_worker_whose_steps_an_slo_caps_has_its_last_step_taken_whole():
+    """Its scheduler fills a capped step with whatever is queued when the step starts, and in a burst prompts
+    that come meanwhile: with others queued, a prompt's last chunk is predicted as a whole capped step; alone on
+    an idle worker (or uncapped), as its own tokens."""
     adm = admission()
-    chunk = lambda n: P_A + P_B * n + P_C * n * min(n, 1000)  # noqa: E731 - a step of n tokens of a 1,000 prompt
+    chunk = lambda n, m=1000: P_A + P_B * n + P_C * n * min(n, m)  # noqa: E731 - a step of n tokens, prompts of m
     assert adm.predict_prefill_s("p", 1000, 0, 0) == pytest.approx(chunk(1000), rel=1e-6)  # budget 2,048
     adm.model("p").budget = 400  # its step budget's cap, reported in its stats
-    assert adm.predict_prefill_s("p", 1000, 0, 0) == pytest.approx(3 * chunk(400), rel=1e-6)
+    assert adm.predict_prefill_s("p", 1000, 0, 0) == pytest.approx(2 * chunk(400) + chunk(200), rel=1e-6)
+    # 100 tokens queued ahead: the step in progress holds them (100 tokens, not a whole step: it has begun),
+    # then the prompt's 1,000 in chunks of 400, its last one whole
+    assert adm.predict_prefill_s("p", 1000, 100, 0, busy_s=0.0) == pytest.approx(
+        chunk(100) + 3 * chunk(400), rel=1e-6)

@@ -117,15 +117,16 @@ class WorkerModel:
         """Its steps are held below its token budget by an SLO (`pdserve.core.sched.step_budget`)."""
         return self.budget < self.max_budget
 
-    def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0, prompt: int | None = None
-                  ) -> float | None:
+    def prefill_s(self, tokens: int, decode_batch: int = 0, fill: int = 0, prompt: int | None = None,
+                  busy: bool = False) -> float | None:
         """`tokens` in budget-sized chunks; the last one is topped up with `fill` more tokens (lower tiers'
-        prompts batched into the same step), or, on a capped worker, to a whole chunk: its scheduler fills a
-        capped step with whatever is queued when it starts, prompts that arrive later included, so a prompt's
-        last step is as long as the cap lets it be (over-predicting a lone prompt by at most one step, a
-        quarter of the tightest TTFT SLO); each chunk of a colocated worker also carries its decode batch."""
+        prompts batched into the same step), or, on a capped worker that is `busy` (other prompts queued), to a
+        whole chunk: its scheduler fills a capped step with whatever is queued when it starts, and in a burst
+        prompts arriving meanwhile fill it too, so the last step is as long as the cap lets it be (a prompt
+        alone on an idle worker has its own tokens); each chunk of a colocated worker also carries its decode
+        batch."""
         full, rest = divmod(max(tokens, 0), self.budget)
-        rest = (self.budget if self.capped else min(rest + fill, self.budget)) if rest else 0
+        rest = (self.budget if busy and self.capped else min(rest + fill, self.budget)) if rest else 0
         prompt = prompt or self.budget
         one = self._prefill_chunk_s(self.budget, prompt) if full else 0.0
         last = self._prefill_chunk_s(rest, prompt) if rest else 0.0
@@ -200,7 +201,7 @@ class Admission:
         in_step = min(ahead + behind, model.budget)
         ahead_left = max(ahead - in_step, 0)
         behind_left = ahead + behind - in_step - ahead_left
-        t = model.prefill_s(ahead_left + tokens, decoding, behind_left, tokens)
+        t = model.prefill_s(ahead_left + tokens, decoding, behind_left, tokens, busy=ahead + behind > 0)
         if t is None:
             return None
         if in_step:
