@@ -64,25 +64,30 @@ class BlockSeal:
         nonce = os.urandom(NONCE)
         return nonce + self._aead.encrypt(nonce, bytes(payload), aad)
 
-    def open(self, aad: bytes, sealed: bytes) -> bytes:
+    def open(self, aad: bytes, sealed) -> bytes:
+        out = bytearray(len(sealed) - OVERHEAD)
+        self.open_into(aad, sealed, memoryview(out))
+        return bytes(out)
+
+    def open_into(self, aad: bytes, sealed, out: memoryview) -> None:
+        """Decrypt `sealed` (nonce, ciphertext, tag) straight into `out` (its plaintext's length)."""
+        sealed = memoryview(sealed)
         try:
-            return self._aead.decrypt(sealed[:NONCE], sealed[NONCE:], aad)
+            self._aead.decrypt_into(bytes(sealed[:NONCE]), sealed[NONCE:], aad, out)
         except InvalidTag:
             raise SealBroken("authentication failed (another key, or changed bytes)") from None
 
     def claim(self, folder: Path) -> bool:
         """Check (or write) `folder`'s key record: False when the folder was sealed under another key."""
         record = folder / CHECK_FILE
-        if record.exists():
+        fresh = not record.exists()
+        if not fresh:
             try:
                 self.open(_CHECK, record.read_bytes())
                 return True
             except SealBroken:
                 pass
-            mismatch = True
-        else:
-            mismatch = False
         tmp = record.with_name(f"{CHECK_FILE}.tmp{os.getpid()}")
         tmp.write_bytes(self.seal(_CHECK, _CHECK))
         os.replace(tmp, record)
-        return not mismatch
+        return fresh

@@ -149,12 +149,13 @@ class DiskKVStore:
         return ""
 
     def _open(self, header: bytes, body: memoryview, out: memoryview) -> str:
-        """A sealed body opened into `out` ("" when done or not sealed; else why not)."""
+        """A sealed body opened into `out` ("" when done or not sealed; else why not). On a failure `out` may hold
+        garbage: its read is reported failed and the slot is discarded, never served."""
         if self.seal is None:
             return ""
         magic, block_hash, _, _, produced_at = HEADER.unpack(header)
         try:
-            out[:] = self.seal.open(HEADER.pack(magic, block_hash, len(out), 0, produced_at), bytes(body))
+            self.seal.open_into(HEADER.pack(magic, block_hash, len(out), 0, produced_at), body, out.cast("B"))
         except SealBroken as e:
             return str(e)
         return ""
