@@ -23,6 +23,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.sampling_params import SamplingParams
 
 
@@ -69,7 +70,7 @@ class Request:
     arrival_s: float = 0.0  # on the engine's clock: its caller stamps it (core reads no clock)
     priority: int = 0
     service_tier: str = "default"  # priority | default | flex (`pdserve.core.service_tiers`)
-    sensitivity: str = "internal"  # its KV's label: public | internal | secret (`pdserve.core.pd.sensitivity`)
+    sensitivity: str = DEFAULT_LABEL  # its KV's label: public | internal | secret (`pdserve.core.pd.sensitivity`)
     prefill_only: bool = False  # prefill worker: compute the prompt's KV, sample the first token, stop
     pin: tuple[str, float] | None = None  # prewarm (id, ttl_s): keep the prompt's full blocks on the device
     # long contexts: hashes of the leading blocks whose KV lives in the host tier only (read from there)

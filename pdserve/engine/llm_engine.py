@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.kvstore.block_manager import KVBlockManager
 from pdserve.core.kvstore.kv_meta import LifecycleConfig, Stage, make_eviction_policy
 from pdserve.core.kvstore.kv_placement import KVLifecycle
@@ -96,7 +97,7 @@ class LLMEngine:
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
                      prefill_only: bool = False, pin: tuple[str, float] | None = None,
-                     service_tier: str = "default", sensitivity: str = "internal") -> Request:
+                     service_tier: str = "default", sensitivity: str = DEFAULT_LABEL) -> Request:
         vocab = self.executor.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")

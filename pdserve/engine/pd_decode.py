@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.pd.decode_books import DecodeBooks, DecodeStats, Grant, Held, Reservation
 from pdserve.core.request import Request
 from pdserve.core.sched.schedule import SchedulerOutput
@@ -49,7 +50,7 @@ class DecodeSide:
 
     def reserve(self, request_id: str, prompt: list[int], params, xfer: str, priority: int = 0,
                 pin: tuple[str, float] | None = None, service_tier: str = "default",
-                restore: dict | None = None, sensitivity: str = "internal") -> None:
+                restore: dict | None = None, sensitivity: str = DEFAULT_LABEL) -> None:
         """Queue a reservation; `try_reserve` grants it when blocks are free. Raises for a request that
         could never be served (the caller turns that into an error for the client). `restore`: {peer, tokens},
         a request moved off the dead worker `peer` whose first `tokens` tokens' KV it left on disk: adopted
