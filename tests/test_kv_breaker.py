@@ -172,3 +172,32 @@ def test_a_failed_delivery_keeps_its_computed_kv_pinned_for_a_reroute(tiny_llama
         assert hits >= pinned * 4 if keep else hits == 0, (hits, pinned)
     finally:
         pair.close()
+
+
+def test_the_breaker_flags_reach_a_started_and_a_joined_prefill_workers_sender(monkeypatch):
+    """`--kv-send-timeout-s`, `--kv-breaker-failures`, `--kv-breaker-cool-s`, `--kv-stage-grace-s` on `pdserve serve`
+    and `pdserve worker`: each worker spec carries them and the worker's sender is built with that policy, its
+    transports' deadline the policy's bound."""
+    from pdserve.cli import build_parser
+    from pdserve.server.launch import ServeConfig, worker_specs
+    from pdserve.transfer import peer_auth
+    from pdserve.worker.joined import worker_spec
+    from pdserve.core.settings import SupervisionSettings, pick
+    flags = ["--kv-send-timeout-s", "2.5", "--kv-breaker-failures", "5", "--kv-breaker-cool-s", "7",
+             "--kv-stage-grace-s", "11"]
+    want = BreakerPolicy(failures_to_open=5, cool_s=7.0, send_bound_s=2.5, grace_s=11.0)
+    args = build_parser().parse_args(["serve", "--transport", "tcp", *flags])
+    cfg = ServeConfig(transport="tcp", **{n: getattr(args, n) for n in BreakerPolicy.SETTINGS})
+    specs = worker_specs(cfg, "/nowhere", {}, "/tmp")
+    assert {BreakerPolicy.of(s) for s in specs} == {want}
+    monkeypatch.setenv(peer_auth.ENV, peer_auth.new_secret())
+    args = build_parser().parse_args(["worker", "--role", "prefill", "--join", "tcp://127.0.0.1:9", *flags])
+    joined = worker_spec("prefill", args.join, {}, data_host="127.0.0.1", supervision=pick(SupervisionSettings, args))
+    assert BreakerPolicy.of(joined) == want
+    sender = make_sender("tcp", timeout_s=joined.kv_timeout_s, policy=BreakerPolicy.of(joined))
+    assert sender.breakers.policy == want and sender.sender._timeout_s == 2.5
+    sender.close()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-breaker-failures", "x"])
+    with pytest.raises(Exception, match="--kv-breaker-failures must be an integer >= 1"):
+        SupervisionSettings(kv_breaker_failures=0)

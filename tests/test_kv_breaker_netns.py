@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = {"PDSERVE_DEPLOYMENT_SECRET": secrets.token_hex(32)}
-KV_TIMEOUT_S = 9.0
-BOUND_S = 3.0  # a connect or send waits this long at most (`BreakerPolicy.bound`: a third of the lease)
+KV_TIMEOUT_S = 15.0
+BOUND_S = 3.0  # a connect or send waits this long at most: --kv-send-timeout-s (below a third of the lease)
 TOKENS = 8
 PROMPTS = [f"Note {i}: the blackholed peer's prompt asks for a list of the planets of the solar system, in order "
            f"from the sun, and number {i} of them is" for i in range(80)]
@@ -49,6 +49,7 @@ def split():
         except NetnsUnavailable as e:
             pytest.skip(f"cannot make a network namespace here: {e}")
         server = stack.enter_context(across_netns(ns, "--decode", "1", "--kv-timeout-s", str(KV_TIMEOUT_S),
+                                                  "--kv-send-timeout-s", str(BOUND_S), "--kv-breaker-cool-s", "2",
                                                   env=SECRET))
         yield server, ns, _kv_port(ns)
 

@@ -275,6 +275,25 @@ class SupervisionSettings:
                                      "finish (streams too); serve takes no new connections meanwhile and then stops "
                                      "the workers; a joined worker then leaves, what is left moving to others.")
 
+    # the KV paths' breakers (`pdserve.core.pd.breaker`: one per prefill worker, receiver and transport path)
+    kv_send_timeout_s: float = setting(10.0, "One KV connect or send waits at most this long (and at most a third "
+                                       "of --kv-timeout-s) before it fails: a blackholed or stalled peer holds a "
+                                       "prefill worker's link this long, and a failure this slow opens the path's "
+                                       "breaker at once.")
+    kv_breaker_failures: int = setting(3, "Failed KV sends in a row (refused, reset) that open a path's breaker: "
+                                       "the path takes no new transfers and the conductor routes around it.")
+    kv_breaker_cool_s: float = setting(5.0, "An open KV path's breaker lets one probe send through after this "
+                                       "long; each reopening without a success in between doubles it (at most "
+                                       "60 s).")
+    kv_stage_grace_s: float = setting(60.0, "A prompt whose KV delivery failed (its consumer lost, its path open) "
+                                      "keeps its KV pinned in the prefill worker's prefix cache this long, so a "
+                                      "re-route through that worker finds it instead of recomputing.")
+
     def __post_init__(self) -> None:
         _require(self.kv_timeout_s > 0, "--kv-timeout-s must be positive", "kv_timeout_s")
         _require(self.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0", "drain_timeout_s")
+        _require(self.kv_send_timeout_s > 0, "--kv-send-timeout-s must be positive", "kv_send_timeout_s")
+        _require(isinstance(self.kv_breaker_failures, int) and self.kv_breaker_failures >= 1,
+                 "--kv-breaker-failures must be an integer >= 1", "kv_breaker_failures")
+        _require(self.kv_breaker_cool_s > 0, "--kv-breaker-cool-s must be positive", "kv_breaker_cool_s")
+        _require(self.kv_stage_grace_s >= 0, "--kv-stage-grace-s must be >= 0", "kv_stage_grace_s")

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from pdserve.worker.spec import WorkerSpec
 from pdserve.core.cost import check_priced, parse_prices
+from pdserve.core.pd.breaker import breaker_settings
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL, LABELS, check_label
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, CodecGateSettings,
@@ -72,6 +73,10 @@ class ServeConfig:
     """A streaming client that takes no data for this long (it stopped reading) is cut off and its request
     aborted, so a slow reader holds no growing buffer."""
     kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")
+    kv_send_timeout_s: float = shared(SupervisionSettings, "kv_send_timeout_s")
+    kv_breaker_failures: int = shared(SupervisionSettings, "kv_breaker_failures")
+    kv_breaker_cool_s: float = shared(SupervisionSettings, "kv_breaker_cool_s")
+    kv_stage_grace_s: float = shared(SupervisionSettings, "kv_stage_grace_s")
     delivery: str = shared(DeliverySettings, "delivery")
     link_share: str | None = shared(DeliverySettings, "link_share")
     delivery_backlog_s: float = shared(DeliverySettings, "delivery_backlog_s")
@@ -249,6 +254,7 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
                                 cmd_addr=f"ipc://{run_dir}/{name}.cmd", event_addr=f"ipc://{run_dir}/events",
                                 transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv", kv_host=cfg.data_host,
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
+                                **breaker_settings(cfg),
                                 link_share=parse_link_share(cfg.link_share),
                                 link_bytes_s=cfg.link_gbps * 1e9 / 8 if cfg.link_gbps else None,
                                 delivery_backlog_s=cfg.delivery_backlog_s, kv_wire_dtype=cfg.kv_wire_dtype,

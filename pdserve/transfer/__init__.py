@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.core.pd.breaker import BreakerPolicy
+from pdserve.core.pd.breaker import BreakerPolicy, Breakers
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer.base import Capabilities, KVReceiver, KVSender
-from pdserve.transfer.paths import MultiReceiver, OnePath, PathSender
+from pdserve.transfer.paths import MultiReceiver, OnePath, PathChooser, PathSender
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from pdserve.transfer.tcp import TcpReceiver, TcpSender
 
@@ -54,15 +54,18 @@ def capabilities(transport: str) -> Capabilities:
     return Capabilities.of_any([t.sender.capabilities for t in TRANSPORTS.values()])
 
 
-def make_sender(transport: str, ring_mb: int = 16, timeout_s: float = 10.0) -> KVSender:
+def make_sender(transport: str, ring_mb: int = 16, timeout_s: float = 10.0,
+                policy: BreakerPolicy | None = None) -> KVSender:
     """`auto`: one of each, each transfer on the path measured best for its pair (`pdserve.transfer.paths`);
     one transport: it takes its own path of a peer's composite address (`OnePath`: a worker joining an `auto`
     deployment). Either way each (receiver, path) has a breaker (`pdserve.core.pd.breaker`), and one connect or
-    send waits `BreakerPolicy.bound(timeout_s)` at most, well below the lease."""
-    timeout_s = BreakerPolicy().bound(timeout_s)
+    send waits `policy.bound(timeout_s)` at most, well below the lease."""
+    policy = policy or BreakerPolicy()
+    timeout_s = policy.bound(timeout_s)
     if check(transport) == AUTO:
-        return PathSender({t: TRANSPORTS[t].make_sender(ring_mb, timeout_s) for t in TRANSPORTS})
-    return OnePath(transport, TRANSPORTS[transport].make_sender(ring_mb, timeout_s))
+        return PathSender({t: TRANSPORTS[t].make_sender(ring_mb, timeout_s) for t in TRANSPORTS},
+                          PathChooser(breakers=Breakers(policy)))
+    return OnePath(transport, TRANSPORTS[transport].make_sender(ring_mb, timeout_s), Breakers(policy))
 
 
 def make_receiver(transport: str, address: str = "", host: str = "127.0.0.1") -> KVReceiver:

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from pdserve.worker.spec import WorkerSpec
 from pdserve.conductor.wire import Leaving, Left
+from pdserve.core.pd.breaker import breaker_settings
 from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings,
                                    default_of)
 from pdserve.errors import InvalidRequestError
@@ -57,6 +58,7 @@ def worker_spec(role: str, join: str, engine: dict, *, name: str | None = None, 
     return WorkerSpec(name=name or f"{role}-{socket.gethostname()}-{os.getpid()}", role=role, model_dir=model_dir,
                       engine=engine, cmd_addr=zmq_address(data_host, "*"), event_addr=zmq_address(host, port),
                       transport="tcp", kv_host=data_host, kv_timeout_s=supervision.kv_timeout_s,
+                      **breaker_settings(supervision),
                       delivery=delivery.delivery, delivery_backlog_s=delivery.delivery_backlog_s,
                       kv_wire_dtype=delivery.kv_wire_dtype, joined=True,
                       drain_timeout_s=supervision.drain_timeout_s, join_timeout_s=join_timeout_s,

@@ -24,6 +24,11 @@ class WorkerSpec:
     kv_addr: str = ""  # decode/colocated with shm: the worker binds its KV header socket here
     kv_host: str = "127.0.0.1"  # tcp: the interface the KV receiver binds
     kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")  # a transfer with no progress this long fails
+    # prefill: its KV paths' breakers (`pdserve.core.pd.breaker.BreakerPolicy.of`)
+    kv_send_timeout_s: float = shared(SupervisionSettings, "kv_send_timeout_s")
+    kv_breaker_failures: int = shared(SupervisionSettings, "kv_breaker_failures")
+    kv_breaker_cool_s: float = shared(SupervisionSettings, "kv_breaker_cool_s")
+    kv_stage_grace_s: float = shared(SupervisionSettings, "kv_stage_grace_s")
     ring_mb: int = 16  # shm ring per (prefill, decode) pair
     delivery: str = shared(DeliverySettings, "delivery")  # prefill: the order of KV on each link
     link_share: dict | None = None  # tier -> bandwidth share under scheduled delivery

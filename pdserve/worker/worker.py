@@ -85,8 +85,10 @@ class Worker:
         if spec.role == "prefill":
             from pdserve.core.pd.delivery import DeliveryPolicy, WaterLevel
             from pdserve.core.pd.wire_format import WireFormat
+            from pdserve.core.pd.breaker import BreakerPolicy
             from pdserve.transfer import make_sender
-            self.prefill = PrefillSide(self.engine, make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s),
+            sender = make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s, BreakerPolicy.of(spec))
+            self.prefill = PrefillSide(self.engine, sender,
                                        layers, lease_s=spec.kv_timeout_s,
                                        policy=DeliveryPolicy(spec.delivery, spec.link_share),
                                        link_rate=spec.link_bytes_s, water=WaterLevel(spec.delivery_backlog_s),

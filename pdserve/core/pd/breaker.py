@@ -19,26 +19,43 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.core.settings import SupervisionSettings, default_of
+
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
 STATE_CODES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the gauge's value
 
 
 @dataclass(frozen=True)
 class BreakerPolicy:
-    failures_to_open: int = 3  # failed sends in a row (each quicker than `slow_s`: refused, reset)
+    """The rule's numbers; the ones a user sets are `SupervisionSettings`' (`--kv-breaker-*`, `--kv-send-timeout-s`,
+    `--kv-stage-grace-s`), whose defaults these are."""
+    failures_to_open: int = default_of(SupervisionSettings, "kv_breaker_failures")  # failed sends in a row
     slow_s: float = 1.0  # a failed send or connect that took this long (a deadline passed) opens at once
-    cool_s: float = 5.0  # open this long before the first probe
+    cool_s: float = default_of(SupervisionSettings, "kv_breaker_cool_s")  # open this long before the first probe
     max_cool_s: float = 60.0
     # the transports' deadline for one connect or send: well below --kv-timeout-s, so a blackholed peer holds a
     # link's sender this long at most, not for the whole lease
-    send_bound_s: float = 10.0
+    send_bound_s: float = default_of(SupervisionSettings, "kv_send_timeout_s")
     # a transfer lost to its path (failed, or refused by an open breaker): its prompt's KV stays pinned in the
     # prefill worker's prefix cache this long, so the request re-routed through this worker finds it there
-    grace_s: float = 60.0
+    grace_s: float = default_of(SupervisionSettings, "kv_stage_grace_s")
+
+    SETTINGS = ("kv_send_timeout_s", "kv_breaker_failures", "kv_breaker_cool_s", "kv_stage_grace_s")
+
+    @classmethod
+    def of(cls, settings) -> BreakerPolicy:
+        """The policy a config sets (any object with `SupervisionSettings`' breaker fields)."""
+        return cls(failures_to_open=settings.kv_breaker_failures, cool_s=settings.kv_breaker_cool_s,
+                   send_bound_s=settings.kv_send_timeout_s, grace_s=settings.kv_stage_grace_s)
 
     def bound(self, kv_timeout_s: float) -> float:
         """One connect's or send's deadline under a lease of `kv_timeout_s`."""
         return min(self.send_bound_s, kv_timeout_s / 3)
+
+
+def breaker_settings(config) -> dict:
+    """`config`'s breaker settings (`BreakerPolicy.SETTINGS`), as a worker spec takes them."""
+    return {name: getattr(config, name) for name in BreakerPolicy.SETTINGS}
 
 
 @dataclass
