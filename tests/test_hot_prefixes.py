@@ -6,6 +6,7 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
+import pytest
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.conductor.actions import stale
@@ -179,10 +180,25 @@ def test_a_worker_remembers_no_more_block_hashes_than_its_kv_capacity():
 def test_decayed_counts_halve_per_half_life_and_a_full_table_drops_the_least_recently_seen():
     counts = DecayedCounts(capacity=64)
     first, second = np.arange(1, 41, dtype=np.uint64), np.arange(100, 130, dtype=np.uint64)
-    assert counts.add(first, 0.0).tolist() == [1.0] * 40
-    assert counts.add(first[:2], HALF_LIFE_S).tolist() == [1.5, 1.5]  # one request, a half-life ago, + this one
+    assert counts.add(first, 0.0)[0].tolist() == [1.0] * 40
+    got, labels = counts.add(first[:2], HALF_LIFE_S, 2)  # one request, a half-life ago, + this one (secret)
+    assert got.tolist() == [1.5, 1.5] and labels.tolist() == [2, 2]
     counts.add(second, HALF_LIFE_S + 1)  # 70 hashes in 64 places: the oldest go (of `first`, not its two)
     assert len(counts) <= 64
-    again = counts.add(np.concatenate((first[:2], second)), HALF_LIFE_S + 2)
+    again, labels = counts.add(np.concatenate((first[:2], second)), HALF_LIFE_S + 2)
     assert (again > 1.9).all()  # all still counted
-    assert counts.add(first[2:], HALF_LIFE_S + 3).min() == 1.0  # some of the rest had been dropped
+    assert labels.tolist() == [2, 2] + [0] * 30  # the strictest label seen with each stays
+    rest, labels = counts.add(first[2:], HALF_LIFE_S + 3)
+    assert rest.min() == 1.0 and labels.max() == 0  # some of the rest had been dropped
+
+
+@pytest.mark.parametrize("labels", [("secret", "internal"), ("internal", "secret"), ("public", "public")])
+def test_a_warm_pass_carries_the_strictest_label_its_prefix_was_seen_with(labels):
+    """A hot prefix a `secret` request shared is prewarmed as `secret` whichever came first (its KV then stays
+    off an unsealed disk and is encrypted on any path, `pdserve.core.pd.sensitivity`)."""
+    core = _core()
+    core.arrive("a", _prompt(1), {}, 0.0, sensitivity=labels[0])
+    _serve(core, "a", 0.5)
+    actions = core.arrive("b", _prompt(2), {}, 1.0, sensitivity=labels[1])
+    (warm,) = [a for a in actions if isinstance(a, Send) and a.cmd.kind == "warm"]
+    assert warm.cmd.sensitivity == max(labels, key=("public", "internal", "secret").index)

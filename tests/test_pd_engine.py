@@ -534,3 +534,17 @@ def test_auto_wire_format_ships_late_elastic_kv_as_int8_and_priority_exact(tiny_
     assert wire[("default", "int8")] > 0 and wire[("priority", pool)] > 0 and not wire[("default", pool)]
     pair.decode_all()
     pair.assert_no_leak()
+
+
+def test_a_warm_pass_labels_its_blocks(tiny_llama_dir, pair_factory):
+    """`PrefillSide.warm` with a label: the hot prefix's cached blocks carry it (secret: the block column that
+    keeps them off an unsealed disk tier)."""
+    pair = pair_factory("tcp")
+    blocks = pair.p_engine.block_manager
+    for rid, prompt, label in (("w1", _prompts(1, base=5)[0], "secret"), ("w2", _prompts(1, base=91)[0], "internal")):
+        pair.prefill.warm(rid, prompt, label)
+        while pair.p_engine.scheduler.num_running + pair.p_engine.scheduler.num_waiting:
+            for o in pair.p_engine.step():
+                pair.prefill.stage_ended(o.request_id, True)
+        hit = blocks.find_prefix(prompt).block_ids
+        assert hit and all(bool(blocks.cols.secret[b]) == (label == "secret") for b in hit), (label, hit)

@@ -210,7 +210,7 @@ class ConductorCore:
             return seen + [Count("admission_rejected", (("service_tier", tier), ("reason", rejection.reason))),
                            Fail(rid, 429, rejection.message, rejection.code, rejection.retry_after_s)]
         f.predicted_ttft_s = predicted
-        return noted + seen + self.books.place(f, first, second, hashes) + self.staging.arrived(hashes, prompt, now)
+        return noted + seen + self.books.place(f, first, second, hashes) + self.staging.arrived(hashes, prompt, now, f.sensitivity)
 
     def _route_notes(self, hashes, *chosen: WorkerLoad | None) -> list:
         """The routing policy's fallbacks, and where the gateway's guess of a chosen worker's cached prefix (what

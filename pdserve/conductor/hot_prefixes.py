@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.conductor.routing import HashRun
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL, LABELS
 from pdserve.core.kvstore.u64map import new_map
 
 HOT_COUNT = 1.5  # decayed count of requests that makes a prefix hot: two within a half-life
@@ -40,6 +41,7 @@ class HotPrefix:
     hashes: tuple
     count: float  # requests that shared it, decayed to `at_s`
     at_s: float
+    label: str = DEFAULT_LABEL  # the strictest label of the requests seen with it: its prewarm's KV carries it
 
     def count_at(self, now: float) -> float:
         return self.count * 0.5 ** (max(now - self.at_s, 0.0) / HALF_LIFE_S)
@@ -56,6 +58,7 @@ class DecayedCounts:
         self._hash = np.zeros(capacity, np.uint64)
         self._count = np.zeros(capacity)
         self._at = np.full(capacity, -np.inf)  # -inf: a free slot
+        self._label = np.zeros(capacity, np.int8)  # the strictest label seen with it (its index in LABELS)
         self._free = np.arange(capacity - 1, -1, -1)  # a stack: the free slots are its first `_num_free`
         self._num_free = capacity
         self._swept_s = -np.inf
@@ -63,9 +66,10 @@ class DecayedCounts:
     def __len__(self) -> int:
         return len(self._slot)
 
-    def add(self, keys: np.ndarray, now: float) -> np.ndarray:
-        """One more request for each of `keys` (distinct uint64 hashes) at `now`: their decayed counts after it
-        (a hash seen for the first time: 1.0)."""
+    def add(self, keys: np.ndarray, now: float, label: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """One more request, whose label is LABELS[`label`], for each of `keys` (distinct uint64 hashes) at
+        `now`: their decayed counts after it (a hash seen for the first time: 1.0) and the strictest labels seen
+        with them."""
         if now - self._swept_s >= HALF_LIFE_S / 4:
             self._forget(now)
         slots = self._slot.get_many(keys)
@@ -74,12 +78,14 @@ class DecayedCounts:
         old = slots[seen]
         counts[seen] += self._count[old] * 0.5 ** (np.maximum(now - self._at[old], 0.0) / HALF_LIFE_S)
         self._count[old], self._at[old] = counts[seen], now  # (before new slots are found: never evicted)
+        labels = np.full(len(keys), label, np.int8)
+        labels[seen] = self._label[old] = np.maximum(self._label[old], label)
         new = np.flatnonzero(~seen)[:len(self._hash) // 2]  # (a longer prompt's tail is not counted)
         if len(new):
             fresh = self._take(len(new))
             self._slot.put_many(keys[new], fresh)
-            self._hash[fresh], self._count[fresh], self._at[fresh] = keys[new], 1.0, now
-        return counts
+            self._hash[fresh], self._count[fresh], self._at[fresh], self._label[fresh] = keys[new], 1.0, now, label
+        return counts, labels
 
     def _take(self, k: int) -> np.ndarray:
         if self._num_free < k:  # full: the least recently seen go
@@ -113,18 +119,20 @@ class HotPrefixes:
         self._version = 0  # bumped when a prefix turns hot or deepens: idle workers look again
         self._looked: dict[str, int] = {}  # prefill worker -> the version it found nothing to warm at
 
-    def observe(self, hashes: Sequence, prompt: Sequence[int], block_size: int, now: float) -> None:
-        """A prompt was routed: count the requests sharing each of its leading blocks (`hashes`)."""
+    def observe(self, hashes: Sequence, prompt: Sequence[int], block_size: int, now: float,
+                label: str = DEFAULT_LABEL) -> None:
+        """A prompt was routed: count the requests sharing each of its leading blocks (`hashes`); `label`: its
+        KV's sensitivity label."""
         if not len(hashes):
             return
         keys = hashes.keys if isinstance(hashes, HashRun) else np.array(hashes, np.uint64)
-        counts = self._counts.add(keys, now)
+        counts, labels = self._counts.add(keys, now, LABELS.index(label))
         hot = np.flatnonzero(counts >= HOT_COUNT)
         deepest = int(hot[-1]) + 1 if len(hot) else 0
-        if deepest >= MIN_BLOCKS:
+        if deepest >= MIN_BLOCKS:  # labelled as the strictest request seen with any of its blocks
             self._remember(hashes[deepest - 1], HotPrefix(list(prompt[:deepest * block_size]),
                                                           HashRun(hashes[:deepest]), float(counts[deepest - 1]),
-                                                          now))
+                                                          now, LABELS[int(labels[:deepest].max())]))
 
     def _remember(self, key, prefix: HotPrefix) -> None:
         if key not in self.hot:

@@ -21,6 +21,7 @@ from pdserve.conductor.books import Books
 from pdserve.conductor.flight_state import Stage
 from pdserve.conductor.hot_prefixes import HotPrefixes
 from pdserve.conductor.wire import Ready
+from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.core.service_tiers import ServiceTiers
 
 
@@ -80,12 +81,12 @@ class Staging:
     def worker_ready(self, name: str, info: Ready) -> None:
         self.plan.worker_ready(name, info)
 
-    def arrived(self, hashes, prompt: list, now: float) -> list:
+    def arrived(self, hashes, prompt: list, now: float, label: str = DEFAULT_LABEL) -> list:
         """A request was placed: its prefix is counted (`HotPrefixes.observe`), and an idle prefill worker may
         warm a prefix that became hot."""
         if self.hot is None or not self.plan.any_room:  # (no worker could ever warm what it counts)
             return []
-        self.hot.observe(hashes, prompt, self.books.block_size, now)
+        self.hot.observe(hashes, prompt, self.books.block_size, now, label)
         actions: list = []
         for w in self.books.role("prefill"):
             actions += self._warm(w.name, now)
@@ -153,7 +154,7 @@ class Staging:
         rid = f"warm-{next(self._warms)}"
         self.hot.start(rid, prefill, p)
         self.plan.staging[prefill] = rid
-        return [Send(prefill, wire.Warm(rid, p.tokens))]
+        return [Send(prefill, wire.Warm(rid, p.tokens, p.label))]
 
     def _warmed(self, rid: str, ok: bool, now: float) -> list:
         prefill, p = self.hot.end(rid)

@@ -108,9 +108,11 @@ class Stage(RequestFields):
 
 @message("warm")
 class Warm:
-    """Prefill: compute a hot prefix ahead, for no request in particular."""
+    """Prefill: compute a hot prefix ahead, for no request in particular; its KV carries `sensitivity`, the
+    strictest label of the requests it was seen with."""
     rid: str
     prompt: list
+    sensitivity: str = DEFAULT_LABEL
 
 
 @message("abort")

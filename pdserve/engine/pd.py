@@ -133,10 +133,12 @@ class PrefillSide:
         self.stages.stage(self.engine.make_request(request_id, prompt, params, priority, prefill_only=True,
                                                    service_tier=service_tier, sensitivity=sensitivity))
 
-    def warm(self, request_id: str, prompt: list[int]) -> None:
-        """Compute a hot prefix ahead, for no request in particular (`pdserve.conductor.hot_prefixes`)."""
+    def warm(self, request_id: str, prompt: list[int], sensitivity: str = DEFAULT_LABEL) -> None:
+        """Compute a hot prefix ahead, for no request in particular (`pdserve.conductor.hot_prefixes`); its KV
+        labelled `sensitivity`."""
         self.stages.warm(self.engine.make_request(request_id, prompt, WARM_PARAMS, WARM_PRIORITY,
-                                                  prefill_only=True, service_tier=WARM_TIER))
+                                                  prefill_only=True, service_tier=WARM_TIER,
+                                                  sensitivity=sensitivity))
 
     def stage_ended(self, request_id: str, ok: bool) -> str | None:
         """A request of this worker ended: for a stage pass, its request's id; else None."""

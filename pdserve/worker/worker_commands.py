@@ -46,7 +46,7 @@ class WorkerCommands:
                                 check_label(cmd.sensitivity))
 
     def warm(self, cmd: Warm) -> None:
-        self.prefill_side.warm(cmd.rid, cmd.prompt)
+        self.prefill_side.warm(cmd.rid, cmd.prompt, check_label(cmd.sensitivity))
 
     def abort(self, cmd: Abort) -> None:
         self.engine.abort([cmd.rid])
