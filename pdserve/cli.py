@@ -92,20 +92,24 @@ def cmd_check_kv(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.worker.joined import worker_spec
     from pdserve.core.settings import CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings, pick
-    spec = worker_spec(args.role, args.join, dataclasses.asdict(engine_config_from_args(args)), name=args.name,
+    config = engine_config_from_args(args)
+    spec = worker_spec(args.role, args.join, dataclasses.asdict(config), name=args.name,
                        data_host=args.data_host, supervision=pick(SupervisionSettings, args),
                        delivery=DeliverySettings(delivery=args.delivery, delivery_backlog_s=args.delivery_backlog_s,
                                                  kv_wire_dtype=args.kv_wire_dtype),
                        cadence=pick(CadenceSettings, args), calibration=pick(CalibrationSettings, args),
                        join_timeout_s=args.join_timeout_s)
+    from pdserve.engine.codec_gate import gate_serve
+    for result in gate_serve(config, args):  # refuses (one line) a KV codec that fails this model, as serve does
+        print(result.line(), file=sys.stderr)
     from pdserve.worker.worker import run
     return run(spec)
 
 
 def _add_worker_parser(sub) -> None:
     from pdserve.worker.spec import WorkerSpec
-    from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings,
-                                       default_of)
+    from pdserve.core.settings import (CadenceSettings, CalibrationSettings, CodecGateSettings, DeliverySettings,
+                                       SupervisionSettings, default_of)
     w = sub.add_parser("worker", help="start a worker that joins a running pdserve serve (its --control-port)")
     w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     w.add_argument("--join", required=True, metavar="tcp://HOST:PORT",
@@ -122,6 +126,7 @@ def _add_worker_parser(sub) -> None:
     add_config_args(w, DeliverySettings, skip=frozenset({"link_share", "link_gbps"}))
     add_config_args(w, CadenceSettings)
     add_config_args(w, CalibrationSettings)
+    add_config_args(w, CodecGateSettings)
     add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 

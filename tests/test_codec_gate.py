@@ -46,9 +46,11 @@ def test_check_kv_refuses_a_broken_codec_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_refuses_to_start_on_a_broken_codec(tmp_path):
-    proc = run_cli(tmp_path, "serve", "--kv-cache-dtype", kv_codecs.BROKEN, timeout=180)  # (a gate that let it
-    # through would serve until then)
+@pytest.mark.parametrize("command", [["serve"], ["worker", "--role", "prefill", "--join", "tcp://127.0.0.1:9"]])
+def test_serve_and_a_joining_worker_refuse_to_start_on_a_broken_codec(tmp_path, monkeypatch, command):
+    monkeypatch.setenv("PDSERVE_DEPLOYMENT_SECRET", "ab" * 32)  # (the joining worker's; serve ignores it)
+    proc = run_cli(tmp_path, *command, "--kv-cache-dtype", kv_codecs.BROKEN, timeout=180)  # (a gate that let it
+    # through would serve, or wait for its gateway, until then)
     assert proc.returncode == 2, proc.stderr
     lines = error_lines(proc)
     assert len(lines) == 1, proc.stderr

@@ -229,16 +229,19 @@ def engine_codecs(engine_config, *more: str | None) -> list[str]:
 
 
 def served_codecs(engine_config, serve_config) -> list[str]:
-    """Every codec a deployment would code KV in: the engine's, the pools' per role and the wire's (its `auto`
-    compacts into `wire_format.COMPACT`)."""
+    """Every codec a deployment (or a joined worker: its config has no per-role pools) would code KV in: the
+    engine's, the pools' per role and the wire's (its `auto` compacts into `wire_format.COMPACT`)."""
     from pdserve.core.pd import wire_format
     wire = serve_config.kv_wire_dtype
-    return engine_codecs(engine_config, serve_config.prefill_kv_cache_dtype, serve_config.decode_kv_cache_dtype,
+    return engine_codecs(engine_config, getattr(serve_config, "prefill_kv_cache_dtype", None),
+                         getattr(serve_config, "decode_kv_cache_dtype", None),
                          wire_format.COMPACT if wire == wire_format.AUTO else wire)
 
 
 def gate_serve(engine_config, serve_config, thresholds: Thresholds = Thresholds()) -> list[GateResult]:
-    """`pdserve serve`'s gate (`--kv-codec-gate on`): a one-line error naming the first codec that fails."""
+    """The gate of `pdserve serve` and `pdserve worker` (`--kv-codec-gate on`): a one-line error naming the
+    first codec that fails. `serve_config`: any object with `kv_codec_gate` and `kv_wire_dtype` (and, for a
+    deployment, its per-role pool codecs)."""
     codecs = served_codecs(engine_config, serve_config)
     if serve_config.kv_codec_gate == "off" or not codecs:
         return []
