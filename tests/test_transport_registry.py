@@ -39,7 +39,7 @@ def registered(monkeypatch):
 
 
 def test_each_transport_declares_its_capabilities():
-    assert transfer.names() == ("shm", "tcp", "auto")
+    assert transfer.names() == ("shm", "tcp", "mooncake", "auto")
     assert transfer.capabilities("shm") == Capabilities(zero_copy=True, cross_host=False)
     assert transfer.capabilities("tcp") == Capabilities(zero_copy=False, cross_host=True)
     assert transfer.capabilities("auto") == Capabilities(zero_copy=True, cross_host=True)
@@ -51,13 +51,13 @@ def test_each_transport_declares_its_capabilities():
 def test_an_unknown_transport_is_a_one_line_error():
     for make in (lambda: transfer.make_sender("udp"), lambda: transfer.make_receiver("udp"),
                  lambda: ServeConfig(transport="udp")):
-        with pytest.raises(InvalidRequestError, match=r"^--transport must be shm, tcp or auto, got 'udp'$") as e:
+        with pytest.raises(InvalidRequestError, match=r"^--transport must be shm, tcp, mooncake or auto, got 'udp'$") as e:
             make()
         assert e.value.param == "transport"
 
 
 def test_a_registered_transport_is_accepted_everywhere(registered):
-    assert transfer.names() == ("shm", "tcp", "copy", "auto")
+    assert transfer.names() == ("shm", "tcp", "mooncake", "copy", "auto")
     assert ServeConfig(transport="copy").transport == "copy"
     sender, receiver = transfer.make_sender("copy"), transfer.make_receiver("copy")
     assert isinstance(sender.sender, CopyingSender) and receiver.address.startswith("tcp://")

@@ -115,6 +115,21 @@ class DeliverySettings:
                  "link_gbps")
 
 
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class MooncakeTransportSettings:
+    """How `--transport mooncake` moves KV (`pdserve.transfer.mooncake`)."""
+    mooncake_protocol: str = setting("tcp", "The protocol Mooncake Transfer Engine moves KV over under --transport "
+                                     "mooncake: tcp, or rdma where the hosts have RDMA NICs.")
+
+    def __post_init__(self) -> None:
+        _require(self.mooncake_protocol in MOONCAKE_PROTOCOLS,
+                 f"--mooncake-protocol must be {' or '.join(MOONCAKE_PROTOCOLS)}, got {self.mooncake_protocol!r}",
+                 "mooncake_protocol")
+
+
 def parse_link_share(text: str | None) -> dict[str, float]:
     """`priority=0.5,default=0.4,flex=0.1` -> shares normalized to sum to 1; tiers not named get none
     (they still get what the named ones leave unused)."""

@@ -23,8 +23,8 @@ from pdserve.core.pd.breaker import breaker_settings
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL, LABELS, check_label
 from pdserve.core.settings import (AdmissionSettings, CadenceSettings, CalibrationSettings, CodecGateSettings,
-                                   DeliverySettings, RoutingSettings, SupervisionSettings, parse_link_share, pick,
-                                   shared)
+                                   DeliverySettings, MooncakeTransportSettings, RoutingSettings, SupervisionSettings,
+                                   parse_link_share, pick, shared)
 from pdserve.errors import InvalidRequestError
 from pdserve import transfer
 from pdserve.transfer import peer_auth
@@ -43,8 +43,10 @@ class ServeConfig:
     instances: int = 1
     """Workers in colocated mode."""
     transport: str = "shm"
-    """KV delivery between workers: shm (same host), tcp, or auto (both; each transfer on the path measured
-    fastest for its worker pair, the other taken when one fails)."""
+    """KV delivery between workers: shm (same host), tcp, mooncake (Mooncake Transfer Engine: pip install
+    'pdserve[mooncake]'), or auto (shm and tcp; each transfer on the path measured fastest for its worker pair,
+    the other taken when one fails)."""
+    mooncake_protocol: str = shared(MooncakeTransportSettings, "mooncake_protocol")
     host: str = "127.0.0.1"
     """Interface the HTTP server binds."""
     port: int = 8000
@@ -154,7 +156,7 @@ class ServeConfig:
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise InvalidRequestError("--max-restarts must be >= 0 and --heartbeat-timeout-s positive")
         for settings in (DeliverySettings, AdmissionSettings, CalibrationSettings, CadenceSettings, SupervisionSettings,
-                         RoutingSettings, CodecGateSettings):
+                         RoutingSettings, CodecGateSettings, MooncakeTransportSettings):
             pick(settings, self)
         for name in ("prefill_kv_cache_dtype", "decode_kv_cache_dtype"):
             if getattr(self, name) is not None:
@@ -253,6 +255,7 @@ def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -
                                 engine=engine if codec is None else dict(engine, kv_cache_dtype=codec),
                                 cmd_addr=f"ipc://{run_dir}/{name}.cmd", event_addr=f"ipc://{run_dir}/events",
                                 transport=cfg.transport, kv_addr=f"ipc://{run_dir}/{name}.kv", kv_host=cfg.data_host,
+                                mooncake_protocol=cfg.mooncake_protocol,
                                 kv_timeout_s=cfg.kv_timeout_s, delivery=cfg.delivery,
                                 **breaker_settings(cfg),
                                 link_share=parse_link_share(cfg.link_share),

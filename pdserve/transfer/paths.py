@@ -37,7 +37,7 @@ REPROBE_EVERY = 32
 RATE_EWMA = 0.2
 MAX_TRACKED_XFERS = 1 << 16  # transfers whose path is remembered until their `done` (the oldest forgotten)
 PREFIX = "paths:"
-SCHEMES = {"ipc://": "shm", "tcp://": "tcp"}
+SCHEMES = {"ipc://": "shm", "tcp://": "tcp", "mooncake://": "mooncake"}
 
 
 def parse_dest(dest: str) -> dict[str, str]:
@@ -47,7 +47,7 @@ def parse_dest(dest: str) -> dict[str, str]:
     for scheme, path in SCHEMES.items():
         if dest.startswith(scheme):
             return {path: dest}
-    raise ValueError(f"KV address {dest!r}: expected ipc://, tcp:// or {PREFIX}")
+    raise ValueError(f"KV address {dest!r}: expected ipc://, tcp://, mooncake:// or {PREFIX}")
 
 
 def path_address(dest: str, path: str) -> str:

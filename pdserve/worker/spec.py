@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings, SupervisionSettings,
-                                   shared)
+from pdserve.core.settings import (CadenceSettings, CalibrationSettings, DeliverySettings,
+                                   MooncakeTransportSettings, SupervisionSettings, shared)
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -23,6 +23,7 @@ class WorkerSpec:
     transport: str = "shm"
     kv_addr: str = ""  # decode/colocated with shm: the worker binds its KV header socket here
     kv_host: str = "127.0.0.1"  # tcp: the interface the KV receiver binds
+    mooncake_protocol: str = shared(MooncakeTransportSettings, "mooncake_protocol")  # mooncake: tcp or rdma
     kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")  # a transfer with no progress this long fails
     # prefill: its KV paths' breakers (`pdserve.core.pd.breaker.BreakerPolicy.of`)
     kv_send_timeout_s: float = shared(SupervisionSettings, "kv_send_timeout_s")

@@ -87,7 +87,8 @@ class Worker:
             from pdserve.core.pd.wire_format import WireFormat
             from pdserve.core.pd.breaker import BreakerPolicy
             from pdserve.transfer import make_sender
-            sender = make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s, BreakerPolicy.of(spec))
+            sender = make_sender(spec.transport, spec.ring_mb, spec.kv_timeout_s, BreakerPolicy.of(spec),
+                                 spec.mooncake_protocol)
             self.prefill = PrefillSide(self.engine, sender,
                                        layers, lease_s=spec.kv_timeout_s,
                                        policy=DeliveryPolicy(spec.delivery, spec.link_share),
@@ -96,7 +97,7 @@ class Worker:
             self.executor.layer_observer = self.prefill.on_layer
         else:  # decode and colocated workers can both receive KV (colocated: for the no-prefill fallback)
             from pdserve.transfer import make_receiver
-            receiver = make_receiver(spec.transport, spec.kv_addr, spec.kv_host)
+            receiver = make_receiver(spec.transport, spec.kv_addr, spec.kv_host, spec.mooncake_protocol)
             self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s, hold_lapsed=True)
             disk = getattr(getattr(self.executor, "kv_io", None), "disk", None)
             if disk is not None and self.engine.tiers is not None and self.engine.tiers.disk is not None:
