@@ -206,8 +206,10 @@ MODE_CODES = {mode: i for i, mode in enumerate(MODES)}  # the prefix's mode byte
 
 def protection_report(endpoint) -> tuple[dict[str, int], dict[str, int]]:
     """A sender's payload bytes by path and mode ({"tcp:aead": n}) and a receiver's refused records by path
-    ({"tcp": n}), summed over the paths of an `auto` one (`senders`, `receivers`)."""
-    parts = getattr(endpoint, "senders", None) or getattr(endpoint, "receivers", None) or {"tcp": endpoint}
+    ({"tcp": n}), summed over the paths of an `auto` one (`senders`, `receivers`); a one-path endpoint is named
+    by its `path` (`mooncake`), tcp when it has none."""
+    parts = (getattr(endpoint, "senders", None) or getattr(endpoint, "receivers", None)
+             or {getattr(endpoint, "path", "tcp"): endpoint})  # (one path: tcp, or mooncake's own name)
     sent, refused = {}, {}
     for path, part in parts.items():
         for mode, n in getattr(part, "protected_bytes", {}).items():

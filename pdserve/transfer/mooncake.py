@@ -302,10 +302,16 @@ class MooncakeReceiver:
         self._channels: dict[bytes, _In] = {}
         self._plain = bytearray()
         self.address = f"{SCHEME}{segment}/{self._control.address.rpartition(':')[2]}/{self._dir.addr:x}"
-        self.auth_failures = 0  # payloads refused by their protection or unknown channel: their transfers fail
+        self.refused = 0  # payloads refused (protection, counter, channel): their transfers fail
         self.auth = self._control.auth
 
     wakeup = None  # polled, as tcp
+    path = "mooncake"  # its name in `kv_seal.protection_report`
+
+    @property
+    def auth_failures(self) -> int:
+        """Records refused: payloads here, and headers on the tcp side (`TcpReceiver.auth_failures`)."""
+        return self.refused + self._control.auth_failures
 
     def arm(self) -> bool:
         return True
@@ -359,7 +365,7 @@ class MooncakeReceiver:
         ch = self._channels.get(nonce)
         reason = self._refuse(ch, header, counter, start, wire, mode)
         if reason is not None:
-            self.auth_failures += 1
+            self.refused += 1
             return Received({**header, "reason": reason}, [], False)
         ch.last = counter
         try:
@@ -404,7 +410,7 @@ class MooncakeReceiver:
             _scatter(plain, placed)
             return True
         except InvalidTag:
-            self.auth_failures += 1
+            self.refused += 1
             return False
 
     def close(self) -> None:
