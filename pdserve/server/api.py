@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.version import __version__
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
+from pdserve.worker.ray_placement import ClusterTooSmall
 from pdserve.core.pd.kv_arrival import merge as merge_kv
 from pdserve.core.pd.sensitivity import resolve as resolve_label
 from pdserve.server.gateway import Gateway
@@ -247,8 +248,15 @@ def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
 
     @app.post("/v1/cluster/workers", status_code=202)
     async def add_worker(body: WorkerRequest):
-        name = _cluster(gateway).add(body.role)
-        return {"object": "cluster.worker", "name": name, "role": body.role, "state": "starting"}
+        """202: placed, `starting`, or `pending` with the resources Ray waits for; 409 when no node could hold it
+        (`pdserve.worker.ray_placement`)."""
+        cluster = _cluster(gateway)
+        try:
+            name = cluster.add(body.role)
+        except ClusterTooSmall:
+            gateway.metrics.workers_unplaced.labels(role=body.role, reason="infeasible").inc()
+            raise
+        return {"object": "cluster.worker", "name": name, "role": body.role, **await cluster.placements.settle(name)}
 
     @app.delete("/v1/cluster/workers/{name}", status_code=202)
     async def remove_worker(name: str):

@@ -149,7 +149,7 @@ def ray_workers(cfg, specs) -> RayWorkers:
     joined = [replace(s, joined=True, transport="tcp", event_addr=event_addr, drain_timeout_s=cfg.drain_timeout_s,
                       join_timeout_s=cfg.ready_timeout_s) for s in specs]
     return RayWorkers(joined, cfg.model, cfg.max_restarts if cfg.restart_workers else 0,
-                      num_cpus=specs[0].engine.get("num_threads") or 1)
+                      num_cpus=specs[0].engine.get("num_threads") or 1, ready_timeout_s=cfg.ready_timeout_s)
 
 
 def _free_port(host: str) -> int:

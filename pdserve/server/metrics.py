@@ -245,6 +245,9 @@ class Metrics:
         self.workers_left = Counter("pdserve_workers_left", "Workers that left the deployment: drained (released "
                                     "with nothing left) or handed_off (what they still had moved to the others)",
                                     ["role", "how"], registry=r)
+        self.workers_unplaced = Counter("pdserve_workers_unplaced", "Worker actors Ray could not place (--cluster "
+                                        "ray): timeout (pending for --ready-timeout-s, given up) or infeasible (no "
+                                        "node has what it asks for: refused)", ["role", "reason"], registry=r)
         self.role_switches = Counter("pdserve_role_switches", "Workers the role planner moved to another role "
                                      "(--role-switching auto), by the role they moved to", ["role"], registry=r)
         self.role_move_seconds = Histogram("pdserve_role_move_seconds", "Role moves, from the planner's decision "

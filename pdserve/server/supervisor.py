@@ -23,7 +23,10 @@ Every 0.2 s the supervisor looks at each worker process:
   and once it has nothing left the conductor releases it (`Conductor.release_drained`); then it has **left**.
 
 `health()` is what `GET /health` answers: each worker's name, role, pid, state and restarts, and 503 while no
-decode-capable worker (decode, or colocated) is ready, or while draining.
+decode-capable worker (decode, or colocated) is ready, or while draining. Under `--cluster ray` it also lists the
+worker actors placed and not joined yet (`pdserve.worker.ray_placement`): **starting**, or **pending** with the
+resources Ray has no node for (`waiting_for`, `available`), or **unplaced** (given up after `--ready-timeout-s`,
+counted in `pdserve_workers_unplaced_total{reason="timeout"}`).
 """
 
 from __future__ import annotations
@@ -73,8 +76,12 @@ class Supervisor:
     def health(self) -> tuple[int, dict]:
         workers = [{"name": w.name, "role": w.role, "pid": w.pid, "state": w.state, "restarts": w.restarts}
                    for w in self.workers.values()]
+        placing = [p for p in self.procs.placements.health() if p["name"] not in self.workers] \
+            if hasattr(self.procs, "placements") else []  # (joined: the supervisor's, once it has ticked)
         serving = any(w.state == "ready" and w.role in ("decode", "colocated") for w in self.workers.values())
-        whole = all(w.state in ("ready", "left") for w in self.workers.values())
+        whole = all(w.state in ("ready", "left") for w in self.workers.values()) and \
+            all(p["state"] == "unplaced" for p in placing)
+        workers += placing
         status = "ok" if whole else "degraded" if serving else "unavailable"
         if self.draining:
             return 503, {"status": "draining", "workers": workers}
@@ -99,6 +106,7 @@ class Supervisor:
         now = self.clock()
         self.conductor.count_refusals()
         self._watch_joined(now)
+        self._watch_placing()
         self._plan_roles(now)
         for w in list(self.workers.values()):
             if w.joined or w.state == "left":
@@ -176,6 +184,17 @@ class Supervisor:
             elif handle.load.leaving:
                 w.state = "draining"
         self.conductor.release_drained()
+
+    def _watch_placing(self) -> None:
+        """--cluster ray: workers placed that joined leave `placements`; those Ray could not place within the
+        ready timeout are given up (their actors ended), counted."""
+        if not hasattr(self.procs, "placements"):
+            return
+        self.procs.placements.joined([n for n, h in self.conductor.workers.items() if h.joined])
+        for p in self.procs.give_up():
+            print(f"pdserve: worker {p.name} not placed by Ray after {self.ready_timeout_s:g} s (it waits for "
+                  f"{p.health(self.procs.placements.asks)['waiting_for']}): given up", file=sys.stderr, flush=True)
+            self.conductor.metrics.workers_unplaced.labels(role=p.role, reason="timeout").inc()
 
     def _hung(self, name: str, now: float) -> str:
         """Why `name` is taken for hung ("": it is not). Silent (no heartbeat: stopped, swapped out) for the

@@ -10,7 +10,8 @@ the namespace `pdserve`, one name prefix per deployment); Ray restarts an actor 
 `--max-restarts`), and the new process joins again under its name, replacing the dead one at once (its requests
 move as a dead worker's); `add`/`remove` grow and shrink the P/D split live (`POST/DELETE
 /v1/cluster/workers`): a removed worker leaves as a joined worker does on SIGTERM (nothing lost), then its
-actor is ended.
+actor is ended. Until it joins, a worker's placement is followed through Ray (`pdserve.worker.ray_placement`): one
+no node could hold is refused, one Ray cannot place yet is pending, and given up after the ready timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import replace
 
 from pdserve.worker.joined import zmq_address
+from pdserve.worker.ray_placement import Placing, Placements
 from pdserve.worker.spec import WorkerSpec
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.transfer import peer_auth
@@ -73,7 +75,8 @@ class RayWorkers:
     """What `WorkerProcesses` is for local workers, on a Ray cluster: the gateway starts, scales and stops its
     workers here; the supervisor watches them as joined workers (heartbeats)."""
 
-    def __init__(self, specs: list[WorkerSpec], model: str | None, max_restarts: int, num_cpus: int) -> None:
+    def __init__(self, specs: list[WorkerSpec], model: str | None, max_restarts: int, num_cpus: int,
+                 ready_timeout_s: float = 600.0) -> None:
         import ray
         self.ray = ray
         self.specs: list = []  # no worker process of the gateway's own: every one joins
@@ -88,6 +91,7 @@ class RayWorkers:
         self.counts: dict[str, int] = {}
         self.gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         self._actor_class = ray.remote(WorkerActor)
+        self.placements = Placements(ray, {"CPU": num_cpus, "GPU": self.gpus}, ready_timeout_s)
 
     @property
     def engine(self) -> dict:
@@ -132,6 +136,13 @@ class RayWorkers:
         if actor is not None:
             self.ray.kill(actor, no_restart=False)
 
+    def give_up(self) -> list[Placing]:
+        """The workers Ray could not place within the ready timeout: their actors ended (no restart)."""
+        late = self.placements.overdue()
+        for p in late:
+            self.left(p.name)
+        return late
+
     def dead(self) -> list[str]:
         return []
 
@@ -144,6 +155,7 @@ class RayWorkers:
         self.actors.clear()
 
     def _place(self, spec: WorkerSpec) -> str:
+        self.placements.check_feasible(spec.role)
         if not spec.name:  # added live: the next number of its role
             spec = replace(spec, name=f"{spec.role}-{self.counts.get(spec.role, 0)}")
         self.counts[spec.role] = self.counts.get(spec.role, 0) + 1
@@ -153,4 +165,5 @@ class RayWorkers:
             runtime_env={"env_vars": {peer_auth.ENV: os.environ[peer_auth.ENV]}},
         ).remote(spec.to_json(), self.model)
         self.actors[spec.name] = actor
+        self.placements.add(spec.name, spec.role, actor)
         return spec.name
