@@ -1,8 +1,9 @@
 """A worker Ray cannot place says so (issue 41, item 5): `pdserve serve --cluster ray://ADDRESS` on a one-node
 Ray cluster of 2 CPUs (`ray.cluster_utils.Cluster`), each worker actor asking for `--num-threads 1` CPU, so the
 prefill and decode actors hold both. A prefill worker added live is `pending` (the POST's answer and `/health`)
-with the CPU it waits for, and after `--ready-timeout-s` it is given up, counted, its actor ended; a deployment
-no node could ever hold refuses to start, in one line naming the resources; `Placements` refuses (409) a worker
+with the CPU it waits for, and after `--ready-timeout-s` it is given up, counted, its actor ended; a second
+deployment on the full cluster times out its start-up naming what Ray could not place; a deployment no node
+could ever hold refuses to start, in one line naming the resources; `Placements` refuses (409) a worker
 no node could hold, on the real cluster."""
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def test_a_worker_ray_cannot_place_is_pending_then_given_up_and_counted(server):
     pending = _health(server)["prefill-1"]
     assert pending["state"] == "pending" and pending["waiting_for"] == {"CPU": 1}, pending
     assert server.metric("pdserve_workers_unplaced_total") == 0
+    # meanwhile a second deployment on the full cluster: its start-up times out naming what Ray could not place
+    second = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--cluster", server.args[1],
+                             "--num-threads", "1", "--ready-timeout-s", "10", "--port", str(free_port())],
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
+    [line] = [x for x in second.stderr.splitlines() if "workers not ready after 10 s" in x]
+    assert "Ray could not place prefill-0, decode-0: each asks for CPU 1" in line and "CPU 0 free" in line, line
     gone = wait_for(lambda: _health(server)["prefill-1"]["state"], lambda s: s == "unplaced",
                     READY_TIMEOUT_S + 30, every_s=1)
     assert gone == "unplaced"

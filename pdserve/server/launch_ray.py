@@ -44,13 +44,15 @@ class GatewayActor:
         self.line = ""
 
     async def serve(self) -> int:
-        from pdserve.server.app_runtime import run_gateway
+        from pdserve.server.app_runtime import StartupError, run_gateway
         from pdserve.server.launch import worker_specs
         cfg = gateway_config(self.cfg)
         run_dir = tempfile.mkdtemp(prefix="pdserve-")
         procs = ray_workers(cfg, worker_specs(cfg, self.model_dir, self.engine, run_dir))
         try:
             return await run_gateway(cfg, procs, self.model_dir, stop=self.stopping, announce=self._announce)
+        except StartupError as e:  # (workers not ready in time: those Ray could not place, and why)
+            raise StartupError(e.message + procs.placements.waiting()) from None
         finally:
             procs.stop()
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -9,7 +9,8 @@ every worker actor from its placement until it joins the gateway:
    start-up), naming what it asks for and what the nodes have;
 2. **starting**: Ray gave it a worker process (its actor table entry has a pid): it loads the model and joins;
 3. **pending**: Ray has no process for it yet, and its free resources (`ray.available_resources()`) do not
-   fit it: it waits for the resources `waiting_for` names (shown by `/health` and the POST's answer);
+   fit it: it waits for the resources `waiting_for` names (shown by `/health` and the POST's answer; named in
+   the one-line error of a start-up whose workers were not all ready within `--ready-timeout-s`);
 4. **unplaced**: pending for the ready timeout (`--ready-timeout-s`): given up, its actor ended, counted
    (`pdserve_workers_unplaced_total{reason="timeout"}`), still shown by `/health` with what it waited for;
 5. **dead**: its actor died before it joined and Ray will not start it again (the Ray logs of the actor say why);
@@ -104,6 +105,14 @@ class Placements:
                 p.state = "unplaced"
                 late.append(p)
         return late
+
+    def waiting(self) -> str:
+        """What the workers Ray has not placed wait for ("" if none): said when the start-up timed out."""
+        pending = [p for p in self.placing.values() if self._look(p) == "pending"]
+        if not pending:
+            return ""
+        return (f"; Ray could not place {', '.join(p.name for p in pending)}: each asks for {_say(self.asks)} "
+                f"(--num-threads as CPUs), the cluster has {_say(pending[-1].available)} free")
 
     def health(self) -> list[dict]:
         return [p.health(self.asks) for p in self.placing.values()]
