@@ -335,7 +335,7 @@ def test_close_stops_the_thread(tmp_path: Path):
     io = TierIO(device_layers(), host, None)
     assert io.capacity.disk_blocks == 0 and io.restored() == []
     io.close()
-    assert not io._thread.is_alive()
+    assert not any(t.is_alive() for t in io._threads)
     io.close()  # twice is fine
 
 

@@ -46,6 +46,16 @@ class EngineConfig:
     and authenticated (ChaCha20-Poly1305, a key derived from it; `pdserve.kv.block_seal`). A folder written under
     another key is emptied at start (counted), never read."""
     kv_disk_gb: float = shared(KvTierSettings, "kv_disk_gb")
+    kv_remote: str | None = None
+    """A KV pool shared by every worker of the deployment, below each one's host and disk tiers: Mooncake Store at
+    mooncake://MASTER_HOST:PORT[?metadata=URL] (its metadata server; default: the master's host, port 8080; the
+    pool's memory is its store servers', `mooncake_client -global_segment_size=...`), or (`pdserve serve`) local:
+    a master and a store server of its own (--kv-remote-pool-gb), started and stopped with it. Blocks are written
+    through to it from host and found by every worker, so a prefix computed on one is a hit on all; secret KV goes
+    there only sealed (--kv-disk-key-file). Needs pdserve[mooncake] (and Debian's libibverbs1). Default: none."""
+    kv_remote_gb: float = 0.0
+    """With --kv-remote: memory this worker lends the shared pool besides its store servers', in GiB (0: none; what
+    a worker lends goes when it does, with the blocks in it)."""
     kv_checkpoint_tokens: int = 256
     """With a disk tier (`pdserve serve`): a decode worker reports a request's KV checkpoint (its leading blocks,
     written through to disk) each time it grew by this many tokens; when the worker dies, the request resumes
@@ -86,6 +96,17 @@ class EngineConfig:
         self._check_tiers()
         pick(CodecSettings, self)
 
+    def _check_remote(self) -> None:
+        from pdserve.errors import InvalidRequestError
+        from pdserve.kv.remote_store import LOCAL, parse_remote
+        if self.kv_remote != LOCAL:  # (local: resolved by `pdserve serve`, which starts the master)
+            parse_remote(self.kv_remote)
+        if self.kv_host_gb == 0:
+            raise InvalidRequestError("a shared KV pool (kv_remote) needs a host tier: set kv_host_gb > 0",
+                                      param="kv_remote")
+        if not self.kv_remote_gb >= 0:
+            raise InvalidRequestError(f"kv_remote_gb must be >= 0, got {self.kv_remote_gb!r}", param="kv_remote_gb")
+
     def _check_tiers(self) -> None:
         from pdserve.errors import InvalidRequestError
         pick(KvTierSettings, self)
@@ -100,10 +121,12 @@ class EngineConfig:
                                           param="kv_disk_dir")
             from pdserve.kv.disk_store import check_writable
             check_writable(self.kv_disk_dir)
+        if self.kv_remote is not None:
+            self._check_remote()
         if self.kv_disk_key_file is not None:
-            if self.kv_disk_dir is None:
-                raise InvalidRequestError("kv_disk_key_file seals the disk KV tier: set kv_disk_dir too",
-                                          param="kv_disk_key_file")
+            if self.kv_disk_dir is None and self.kv_remote is None:
+                raise InvalidRequestError("kv_disk_key_file seals the disk KV tier (and the shared pool): set "
+                                          "kv_disk_dir or kv_remote too", param="kv_disk_key_file")
             from pdserve.kv.block_seal import BlockSeal
             BlockSeal.from_key_file(self.kv_disk_key_file, "")  # readable, long enough: else a one-line error
 

@@ -158,13 +158,22 @@ class LLMEngine:
                     "unservable": {}, "disk_key_mismatch": 0, "secret_off_disk": 0}
         st = self.tiers.stats
         lower = {t.value: n for t, n in st.hit_tokens.items()}
+        if self.tiers.remote is not None:
+            lower.setdefault("remote", 0)  # (its series from the start)
         as_dict = lambda c: {t.value: n for t, n in c.items()}  # noqa: E731
         return {"stages": self.tiers.stage_counts(), "capacity": self.tiers.capacities(),
                 "hits": {"device": hits - sum(lower.values()), **lower}, "bytes_in": as_dict(st.bytes_in),
                 "bytes_out": as_dict(st.bytes_out), "corrupt": as_dict(st.corrupt), "disk_full": st.disk_full,
                 "placement": placement, "unservable": dict(st.unservable),
                 "disk_key_mismatch": int(getattr(getattr(self.kv_io, "disk", None), "key_mismatch", False)),
-                "secret_off_disk": st.secret_off_disk}
+                "secret_off_disk": st.secret_off_disk, "secret_off_remote": st.secret_off_remote,
+                "remote_skipped": st.remote_skipped,
+                **self._remote_report()}
+
+    def _remote_report(self) -> dict:
+        remote = self.tiers.remote
+        return {"remote_down": remote.downs if remote is not None else 0,
+                "remote_slow": remote.slow_probes if remote is not None else 0}
 
     def _outputs_of(self, request_id: str) -> list[int]:
         req = self.scheduler.requests.get(request_id)

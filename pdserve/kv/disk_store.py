@@ -74,7 +74,6 @@ class DiskKVStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.payload_nbytes = payload_nbytes
         self.seal = seal
-        self.magic = MAGIC if seal is None else MAGIC_SEALED
         self.file_nbytes = HEADER.size + payload_nbytes + (0 if seal is None else OVERHEAD)
         for stray in self.dir.glob("*.tmp*"):  # a write killed half way in an earlier run
             stray.unlink(missing_ok=True)
@@ -106,11 +105,7 @@ class DiskKVStore:
 
     def write(self, block_hash: int, payload: memoryview, produced_at: float | None = None) -> None:
         """Write one block atomically (sealed with a key). Raises OSError (errno ENOSPC when the disk is full)."""
-        produced_at = time.time() if produced_at is None else produced_at
-        if self.seal is not None:
-            aad = HEADER.pack(MAGIC_SEALED, block_hash, len(payload), 0, produced_at)
-            payload = self.seal.seal(aad, payload)
-        header = HEADER.pack(self.magic, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload), produced_at)
+        header, payload = encode_record(block_hash, payload, self.seal, produced_at)
         final = self.path(block_hash)
         tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
         try:
@@ -131,37 +126,54 @@ class DiskKVStore:
             header = f.read(HEADER.size)
             n = f.readinto(body) if len(header) == HEADER.size else 0
             extra = f.read(1)
-        problem = self._check(header, n, extra, block_hash, body) or self._open(header, body, out)
+        problem = check_record(header, n, extra, block_hash, body, self.seal) or open_record(header, body, out,
+                                                                                             self.seal)
         if problem:
             path.unlink(missing_ok=True)
             raise CorruptBlock(f"{path.name}: {problem}")
 
-    def _check(self, header: bytes, n: int, extra: bytes, block_hash: int, body: memoryview) -> str:
-        if len(header) < HEADER.size:
-            return "truncated header"
-        magic, stored_hash, nbytes, checksum, _ = HEADER.unpack(header)
-        if magic != self.magic or stored_hash != block_hash or nbytes != len(body):
-            return "header does not match"
-        if n != nbytes or extra:
-            return f"payload has {n}{'+' if extra else ''} bytes, header says {nbytes}"
-        if xxhash.xxh3_64_intdigest(body) != checksum:
-            return "checksum mismatch"
-        return ""
-
-    def _open(self, header: bytes, body: memoryview, out: memoryview) -> str:
-        """A sealed body opened into `out` ("" when done or not sealed; else why not). On a failure `out` may hold
-        garbage: its read is reported failed and the slot is discarded, never served."""
-        if self.seal is None:
-            return ""
-        magic, block_hash, _, _, produced_at = HEADER.unpack(header)
-        try:
-            self.seal.open_into(HEADER.pack(magic, block_hash, len(out), 0, produced_at), body, out.cast("B"))
-        except SealBroken as e:
-            return str(e)
-        return ""
-
     def delete(self, block_hash: int) -> None:
         self.path(block_hash).unlink(missing_ok=True)
+
+
+def encode_record(block_hash: int, payload: memoryview, seal: BlockSeal | None,
+                  produced_at: float | None = None) -> tuple[bytes, memoryview | bytes]:
+    """A block as a store keeps it: (its header, its payload, sealed with `seal`). The disk tier's files and the
+    shared pool's values (`pdserve.kv.remote_store`) are these records."""
+    produced_at = time.time() if produced_at is None else produced_at
+    if seal is not None:
+        payload = seal.seal(HEADER.pack(MAGIC_SEALED, block_hash, len(payload), 0, produced_at), payload)
+    magic = MAGIC if seal is None else MAGIC_SEALED
+    return HEADER.pack(magic, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload), produced_at), payload
+
+
+def check_record(header: bytes, n: int, extra: bytes, block_hash: int, body: memoryview,
+                 seal: BlockSeal | None) -> str:
+    """Why a record read back (`header`, `n` payload bytes into `body`, `extra`: anything after) is not block
+    `block_hash`'s ("" when it is, so far: a sealed one still has to open)."""
+    if len(header) < HEADER.size:
+        return "truncated header"
+    magic, stored_hash, nbytes, checksum, _ = HEADER.unpack(header)
+    if magic != (MAGIC if seal is None else MAGIC_SEALED) or stored_hash != block_hash or nbytes != len(body):
+        return "header does not match"
+    if n != nbytes or extra:
+        return f"payload has {n}{'+' if extra else ''} bytes, header says {nbytes}"
+    if xxhash.xxh3_64_intdigest(body) != checksum:
+        return "checksum mismatch"
+    return ""
+
+
+def open_record(header: bytes, body: memoryview, out: memoryview, seal: BlockSeal | None) -> str:
+    """A sealed body opened into `out` ("" when done or not sealed; else why not). On a failure `out` may hold
+    garbage: its read is reported failed and the slot is discarded, never served."""
+    if seal is None:
+        return ""
+    magic, block_hash, _, _, produced_at = HEADER.unpack(header)
+    try:
+        seal.open_into(HEADER.pack(magic, block_hash, len(out), 0, produced_at), body, out.cast("B"))
+    except SealBroken as e:
+        return str(e)
+    return ""
 
 
 def is_disk_full(e: OSError) -> bool:

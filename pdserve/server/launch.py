@@ -74,6 +74,8 @@ class ServeConfig:
     stream_timeout_s: float = 60.0
     """A streaming client that takes no data for this long (it stopped reading) is cut off and its request
     aborted, so a slow reader holds no growing buffer."""
+    kv_remote_pool_gb: float = 1.0
+    """--kv-remote local: the shared KV pool's memory, in GiB (a Mooncake store server started beside its master)."""
     kv_timeout_s: float = shared(SupervisionSettings, "kv_timeout_s")
     kv_send_timeout_s: float = shared(SupervisionSettings, "kv_send_timeout_s")
     kv_breaker_failures: int = shared(SupervisionSettings, "kv_breaker_failures")
@@ -151,6 +153,8 @@ class ServeConfig:
         check_label(self.kv_sensitivity)
         if not self.stream_timeout_s > 0:
             raise InvalidRequestError("--stream-timeout-s must be positive", param="stream_timeout_s")
+        if not self.kv_remote_pool_gb > 0:
+            raise InvalidRequestError("--kv-remote-pool-gb must be positive", param="kv_remote_pool_gb")
         if self.max_queue is not None and self.max_queue < 1:
             raise InvalidRequestError("--max-queue must be positive", param="max_queue")
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:

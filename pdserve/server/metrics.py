@@ -439,6 +439,10 @@ class Metrics:
                         kind="kv_disk_key_mismatch")  # its disk folder was sealed under another key: emptied
         self._inc_total(self.fallbacks, (w, "kv_secret_off_disk"), kv.get("secret_off_disk", 0),
                         kind="kv_secret_off_disk")  # secret blocks kept off a disk tier with no key
+        for kind in ("secret_off_remote", "remote_skipped", "remote_down", "remote_slow"):  # the shared pool
+            # (`--kv-remote`): secret blocks kept off it with no key, blocks not written (too many writes under way),
+            # times it was found down (served from the local tiers meanwhile), lookups that stopped waiting for it
+            self._inc_total(self.fallbacks, (w, f"kv_{kind}"), kv.get(kind, 0), kind=f"kv_{kind}")
         for why, n in kv.get("unservable", {}).items():  # stale or in another codec: dropped, recomputed
             self._inc_total(self.fallbacks, (w, f"kv_unservable:{why}"), n, kind=f"kv_unservable_{why}")
         placement = kv.get("placement")

@@ -9,6 +9,7 @@ import asyncio
 import shutil
 import socket
 import tempfile
+from pathlib import Path
 
 from pdserve.errors import InvalidRequestError
 from pdserve.server.launch import ServeConfig, WorkerProcesses, api_keys, sigterm_as_interrupt, worker_specs
@@ -34,12 +35,31 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
         return serve_on_ray(cfg, engine, str(model_dir))
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
     sigterm_as_interrupt()
+    master = None
     try:
+        engine, master = local_pool(engine, run_dir, cfg.kv_remote_pool_gb)
         return asyncio.run(_serve(cfg, engine, str(model_dir), run_dir))
     except KeyboardInterrupt:
         return 0
     finally:
+        if master is not None:
+            master.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def local_pool(engine: dict, run_dir: str, pool_gb: float):
+    """`--kv-remote local`: a Mooncake master (and metadata server) of the deployment's own and a store server
+    holding `pool_gb` GiB, on loopback, started before the workers and stopped after them: (the engine fields with
+    its address, the master). Else as given."""
+    from pdserve.kv.remote_store import LOCAL
+    if engine.get("kv_remote") != LOCAL:
+        return engine, None
+    from pdserve.mooncake import start_master, unavailable
+    why = unavailable()
+    if why is not None:
+        raise InvalidRequestError(f"--kv-remote local: {why}", param="kv_remote")
+    master = start_master(log=Path(run_dir) / "mooncake_master.log", pool_bytes=int(pool_gb * (1 << 30)))
+    return dict(engine, kv_remote=master.url), master
 
 
 async def _serve(cfg: ServeConfig, engine: dict, model_dir: str, run_dir: str) -> int:

@@ -23,7 +23,7 @@ from pdserve.core.service_tiers import retention_weight
 
 _NAMES: list[str] = ["float32", "default"]
 _CODES: dict[str, int] = {"float32": 0, "default": 1}
-_TIERS: list[Tier | None] = [None, Tier.DEVICE, Tier.HOST, Tier.DISK]
+_TIERS: list[Tier | None] = [None, Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE]
 TIER_CODE = {t: i for i, t in enumerate(_TIERS)}  # `from_tier` column values
 
 

@@ -35,9 +35,11 @@ class Tier(str, enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"  # the shared pool (`--kv-remote`): below every worker's own tiers
 
 
-STORAGE_TIERS = tuple(t.value for t in Tier)  # where KV lives, top down (service tiers: SERVICE_TIERS)
+# where a worker's own KV lives, top down (service tiers: SERVICE_TIERS); the shared pool (Tier.REMOTE) is below
+STORAGE_TIERS = tuple(t.value for t in Tier if t is not Tier.REMOTE)
 
 
 class Pattern(str, enum.Enum):

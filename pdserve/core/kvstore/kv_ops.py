@@ -24,10 +24,10 @@ class KVLoad(NamedTuple):  # (a named tuple: a long prompt's host hits make hund
 @dataclass(frozen=True, eq=False)  # (compared by identity: its fields may be arrays)
 class KVOp:
     op_id: int
-    kind: str  # offload | flush | prefetch | delete
+    kind: str  # offload | flush | prefetch | delete; the shared pool's: probe | fetch | publish
     hashes: Sequence[int]  # an offload's: a uint64 array (hundreds per prompt); the others' a tuple
-    src: Sequence[int] = ()  # offload: device block ids (an int64 array); flush: host slots
-    dst: Sequence[int] = ()  # offload (an int64 array), prefetch: host slots
+    src: Sequence[int] = ()  # offload: device block ids (an int64 array); flush, publish: host slots
+    dst: Sequence[int] = ()  # offload (an int64 array), prefetch, fetch: host slots
 
     @property
     def holder(self) -> str:
@@ -44,6 +44,8 @@ class TierCapacity:
     host_codec: str | None = None  # the format each tier holds (None: the pool's; the disk's: the host's)
     disk_codec: str | None = None
     disk_sealed: bool = False  # its files are encrypted (`--kv-disk-key-file`): secret KV may go there
+    remote: bool = False  # a shared pool below (`--kv-remote`, `pdserve.core.kvstore.kv_remote`)
+    remote_sealed: bool = False  # its values are encrypted (with the disk tier's key): secret KV may go there
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class TierStats:
     disk_full: int = 0  # writes refused for lack of space (the disk tier then stops writing)
     unservable: Counter = field(default_factory=Counter)  # by why (stale, codec): found, dropped, not served
     secret_off_disk: int = 0  # secret blocks not written to an unsealed disk tier (each time one was offered)
+    secret_off_remote: int = 0  # secret blocks not written to an unsealed shared pool
+    remote_skipped: int = 0  # blocks not written to the pool: too many writes to it already under way
 
 
 @dataclass

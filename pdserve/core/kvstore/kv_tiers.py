@@ -16,8 +16,14 @@ fresh device blocks by the executor before the step's forward (`KVLoad`s in the 
 hits are first prefetched into host by the I/O runner (`prefetch`); the request waits for them, never
 for a miss. A disk file whose checksum or header does not match is dropped and counted, never served.
 
+Below them all, the shared pool (`--kv-remote`, `kv_remote.RemoteBook`: what this worker knows of it): a
+block that reaches host is published there too (write-through, as to disk; secret ones only when sealed),
+and a lookup whose prefix runs out locally asks the pool about the rest (a probe) and fetches the leading run it
+holds into host, as disk hits are prefetched; the request waits for both.
+
 Operations (`KVOp.kind`): offload (device blocks -> host slots), flush (host slots -> disk files),
-prefetch (disk files -> host slots), delete (disk files of evicted entries).
+prefetch (disk files -> host slots), delete (disk files of evicted entries); the pool's: probe (which of these
+hashes it holds), fetch (pool -> host slots), publish (host slots -> pool).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pdserve.core.kvstore.kv_columns import TIER_CODE, name_code
 from pdserve.core.kvstore.kv_meta import BlockMeta, EvictionPolicy, LifecycleConfig, Stage, Tier
 from pdserve.core.kvstore.kv_ops import (KVLoad, KVOp, PlacementStats, TierHit,  # noqa: F401 (KVLoad, TierHit
                                          TierStats)  # re-exported)
+from pdserve.core.kvstore.kv_remote import ABSENT, DOWN, RemoteBook
 from pdserve.core.kvstore.kv_tier_index import TierIndex
 
 
@@ -41,16 +48,21 @@ from pdserve.core.kvstore.kv_tier_index import TierIndex
 # request frees its blocks), LMCache's chunk: one copy per run instead of one per block as each fills
 WRITE_THROUGH_TOKENS = 256
 PREFETCH_HOLD_S = 5.0  # a block prefetched from disk stays in host at least this long, or until loaded
+MAX_PUBLISHING = 256  # blocks being written to the shared pool at once; more are skipped (counted)
+_FETCHED = (TIER_CODE[Tier.DISK], TIER_CODE[Tier.REMOTE])  # `from_tier` of a block read into host from below
 
 
 class TieredKV:
     def __init__(self, blocks: KVBlockManager, host: TierIndex | None, disk: TierIndex | None,
-                 block_bytes: int, max_age_s: float = math.inf) -> None:
-        if disk is not None and host is None:
-            raise ValueError("a disk KV tier needs a host tier to stage through")
+                 block_bytes: int, max_age_s: float = math.inf, remote: RemoteBook | None = None) -> None:
+        if (disk is not None or remote is not None) and host is None:
+            raise ValueError("a disk KV tier or a shared pool needs a host tier to stage through")
         self.blocks = blocks
         self.host = host
         self.disk = disk
+        self.remote = remote  # what this worker knows of the shared pool (None: no pool)
+        self.remote_sealed = False  # (`TierCapacity.remote_sealed`) unsealed: a secret block never goes there
+        self._publishing = 0  # blocks being written to the pool
         self._tiers = [t for t in (host, disk) if t is not None]  # (asked at every simulated step)
         self.block_bytes = block_bytes
         self.disk_writable = disk is not None
@@ -74,8 +86,9 @@ class TieredKV:
 
     # ---- scheduler side ---------------------------------------------------------------------------------
     def extend(self, hashes: Sequence[BlockHash]) -> TierHit:
-        """Continue a prefix through host and disk: `hashes` are the block hashes right after the device
-        hit. Starts prefetching the disk part (once); the request should wait while any is in flight."""
+        """Continue a prefix through host, disk and the shared pool: `hashes` are the block hashes right after
+        the device hit. Starts prefetching the disk part, or asking the pool about the rest and fetching what it
+        holds (once); the request should wait while any is in flight."""
         if self.host is None:
             return TierHit()
         if self.disk is None:
@@ -83,7 +96,34 @@ class TieredKV:
             if num_ready:
                 servable = self._servable(self.host, hashes[:num_ready])
                 in_flight, num_ready = in_flight and servable == num_ready, servable
-            return TierHit(tuple(hashes[:num_ready]), in_flight)
+            hit = TierHit(tuple(hashes[:num_ready]), in_flight)
+        else:
+            hit, fetching = self._extend_disk(hashes)
+            if fetching:
+                return hit
+        if self.remote is None or hit.waiting or len(hit.host) == len(hashes):
+            return hit
+        keep = [self.host.get(h) for h in hit.host]
+        return TierHit(hit.host, self._extend_remote(hashes[len(hit.host):], keep))
+
+    def _extend_remote(self, rest: Sequence[BlockHash], keep: Sequence[BlockMeta]) -> bool:
+        """Ask the shared pool about `rest` (a prefix's blocks after its local hit), or fetch into host the
+        leading run it is known to hold; whether the request should wait for that."""
+        now = self.blocks.clock()
+        if not self.remote.up(now):
+            return False
+        known = self.remote.leading(rest)
+        if known:
+            return self._prefetch(list(rest[:known]), keep, source=Tier.REMOTE) > 0
+        ask, waiting = self.remote.to_probe(rest, now)
+        if ask:
+            self._submit("probe", tuple(ask))
+            return True
+        return waiting
+
+    def _extend_disk(self, hashes: Sequence[BlockHash]) -> tuple[TierHit, bool]:
+        """`extend` with a disk tier: the hit, and whether a disk part of it was found (prefetching it now, or no
+        host room for it: either way the pool is not asked)."""
         host_run: list[BlockHash] = []
         to_fetch: list[BlockHash] = []
         in_host: list[BlockMeta] = []  # ready host entries of this prefix: a prefetch for it must not evict them
@@ -105,7 +145,7 @@ class TieredKV:
             to_fetch.append(h)
         if to_fetch and self._prefetch(to_fetch, in_host):
             in_flight = True  # else no host slot could be had: serve the host run, recompute the rest
-        return TierHit(tuple(host_run), in_flight)
+        return TierHit(tuple(host_run), in_flight), bool(to_fetch)
 
     def _servable(self, tier: TierIndex, hashes: Sequence[BlockHash]) -> int:
         """How many leading `hashes` (ready in `tier`) may be served (`kv_meta.servable`: not older than the
@@ -133,13 +173,15 @@ class TieredKV:
         cols = host.cols
         slots = host.slots(hashes)
         np.add.at(cols.busy, slots, 1)
-        from_disk = cols.from_tier[slots] == TIER_CODE[Tier.DISK]
-        num_disk = int(np.count_nonzero(from_disk))
+        from_tier = cols.from_tier[slots]
+        fetched = np.isin(from_tier, _FETCHED)
         if count:
-            for tier, n in ((Tier.HOST, len(slots) - num_disk), (Tier.DISK, num_disk)):
+            for tier in (Tier.HOST, Tier.DISK, Tier.REMOTE):
+                n = int(np.count_nonzero(from_tier == TIER_CODE[tier])) if tier is not Tier.HOST else (
+                    len(slots) - int(np.count_nonzero(fetched)))
                 if n:
                     self.stats.hit_tokens[tier] += n * self.blocks.block_size
-        cols.pinned_until_s[slots[from_disk]] = 0.0  # the prefetch hold: it has been used
+        cols.pinned_until_s[slots[fetched]] = 0.0  # the prefetch hold: it has been used
         cols.from_tier[slots] = 0
         self._used(cols, slots)
         self.moves.moves[("promotion", Stage.ACTIVE.value, Tier.HOST.value, Tier.DEVICE.value)] += len(slots)
@@ -185,7 +227,7 @@ class TieredKV:
             if count_hits:
                 self._used(self.host.cols, np.array([meta.slot]))
                 self.stats.hit_tokens[meta.from_tier or Tier.HOST] += self.blocks.block_size
-                if meta.from_tier is Tier.DISK:
+                if meta.from_tier in (Tier.DISK, Tier.REMOTE):
                     meta.pinned_until_s = 0.0  # the prefetch hold: it has been used
                 meta.from_tier = None
             count += 1
@@ -249,6 +291,8 @@ class TieredKV:
             self.lifecycle.run_due(now)
         for tier in self.tiers():
             tier.reclaim(now)
+        if self.remote is not None:
+            self.remote.sweep(now)
         if self.disk is not None and (self.disk.evicted or self.stale):
             evicted, self.disk.evicted = self.disk.evicted, []
             # not a hash indexed again since: its new file is written by a flush queued before this delete
@@ -299,12 +343,14 @@ class TieredKV:
                 done(h, failures.get(h))
         if op.kind == "offload":
             self.blocks.free(op.holder)
-            if self.disk is not None:
+            if self.disk is not None or self.remote is not None:
                 self._flush([h for h in _ints(op.hashes) if h not in failures])
         for reason in failures.values():
+            if reason == ABSENT:  # (a probe's answer, not a failure)
+                continue
             self.stats.failed_ops[op.kind] += 1
             if reason == "corrupt":
-                self.stats.corrupt[Tier.DISK] += 1
+                self.stats.corrupt[Tier.REMOTE if op.kind == "fetch" else Tier.DISK] += 1
             elif reason == "disk_full":
                 self.stats.disk_full += 1
                 self.disk_writable = False  # stop writing; keep serving what is there
@@ -348,6 +394,36 @@ class TieredKV:
     def _done_delete(self, h: BlockHash, failed: str | None) -> None:
         pass
 
+    def _done_probe(self, h: BlockHash, failed: str | None) -> None:
+        self.remote.probed(h, failed, self.blocks.clock())
+
+    def _done_fetch(self, h: BlockHash, failed: str | None) -> None:
+        if failed:
+            self.host.discard(h)
+            # not there (evicted), damaged (never read again here), or the pool down: a miss
+            if failed == "corrupt":
+                self.remote.refuse(h)
+            self.remote.forget(h)
+            self.remote.probed(h, DOWN if failed == DOWN else ABSENT, self.blocks.clock())
+            return
+        self.host.commit(h)
+        meta = self.host.get(h)
+        meta.from_tier = Tier.REMOTE
+        meta.pinned_until_s = max(meta.pinned_until_s, self.blocks.clock() + PREFETCH_HOLD_S)
+        self._moved(Tier.REMOTE, Tier.HOST)
+        self.moves.moves[("promotion", Stage.ACTIVE.value, Tier.REMOTE.value, Tier.HOST.value)] += 1
+
+    def _done_publish(self, h: BlockHash, failed: str | None) -> None:
+        self._publishing -= 1
+        meta = self.host.get(h)
+        if meta is not None and meta.busy:
+            meta.busy -= 1
+        if failed == DOWN:
+            self.remote.down(self.blocks.clock())
+        elif not failed:
+            self.remote.learn(h, written=True)
+            self._moved(Tier.HOST, Tier.REMOTE)
+
     def _moved(self, src: Tier, dst: Tier, count: int = 1) -> None:
         self.stats.bytes_out[src] += count * self.block_bytes
         self.stats.bytes_in[dst] += count * self.block_bytes
@@ -381,7 +457,10 @@ class TieredKV:
             self._flush(keys[rest].tolist())  # in host already (e.g. loaded from there): make sure disk has it
 
     def _flush(self, hashes: Sequence[BlockHash]) -> None:
-        """Copy the host-ready entries of `hashes` to disk (those not there yet, while it has room)."""
+        """Copy the host-ready entries of `hashes` to disk (those not there yet, while it has room) and to the
+        shared pool (those it is not known to hold)."""
+        if self.remote is not None and len(hashes):
+            self._publish(hashes)
         if self.disk is None or not self.disk_writable or not len(hashes):
             return
         keys = np.fromiter(dict.fromkeys(_ints(hashes)), np.uint64)
@@ -402,26 +481,52 @@ class TieredKV:
             self.host.cols.busy[src] += 1
             self._submit("flush", tuple(keys[booked].tolist()), tuple(src.tolist()))
 
+    def _publish(self, hashes: Sequence[BlockHash]) -> None:
+        """Write the host-ready entries of `hashes` the pool is not known to hold through to it (secret ones only
+        when it is sealed), at most `MAX_PUBLISHING` blocks at once (the rest skipped, counted)."""
+        if not self.remote.up(self.blocks.clock()):
+            return
+        known = self.remote.known
+        keys = [h for h in dict.fromkeys(_ints(hashes)) if h not in known or h in self.remote.bad]
+        keys = np.asarray(keys, np.uint64)
+        keys = keys[self.host.present_mask(keys) == 1] if len(keys) else keys
+        if not len(keys):
+            return
+        src = self.host.slots(keys)
+        if not self.remote_sealed:  # secret KV is never written in the clear (`pdserve.core.pd.sensitivity`)
+            secret = self.host.cols.secret[src]
+            self.stats.secret_off_remote += int(np.count_nonzero(secret))
+            keys, src = keys[~secret], src[~secret]
+        room = max(MAX_PUBLISHING - self._publishing, 0)
+        self.stats.remote_skipped += max(len(keys) - room, 0)
+        keys, src = keys[:room], src[:room]
+        if len(keys):
+            self.host.cols.busy[src] += 1
+            self._publishing += len(keys)
+            self._submit("publish", tuple(keys.tolist()), tuple(src.tolist()))
+
     def prefetch_ahead(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = ()) -> int:
         """Start reading disk blocks `hashes` into host ahead of an expected use (`kv_placement`), without
         evicting the host entries `keep`; how many started."""
         return self._prefetch(hashes, keep, ahead=True)
 
-    def _prefetch(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = (), ahead: bool = False) -> int:
-        """Start fetching `hashes` (distinct, on disk) into host without evicting the host entries `keep`; how
-        many started (the first ones, while host had room)."""
+    def _prefetch(self, hashes: list[BlockHash], keep: Sequence[BlockMeta] = (), ahead: bool = False,
+                  source: Tier = Tier.DISK) -> int:
+        """Start fetching `hashes` (distinct, on disk or in the shared pool: `source`) into host without evicting
+        the host entries `keep`; how many started (the first ones, while host had room)."""
         keys = np.asarray(hashes, np.uint64)
         for meta in keep:
             meta.busy += 1
         try:
-            booked, slots, _ = self.host.reserve_many(keys, self.blocks.clock(), self.disk.cols,
-                                                      self.disk.slots(keys))
+            src = (self.disk.cols, self.disk.slots(keys)) if source is Tier.DISK else ()  # (the pool's: fresh)
+            booked, slots, _ = self.host.reserve_many(keys, self.blocks.clock(), *src)
         finally:
             for meta in keep:
                 meta.busy -= 1
         if not len(booked):  # (fewer than asked: host full of busy or pinned blocks, the rest later)
             return 0
-        op = self._submit("prefetch", tuple(keys[booked].tolist()), dst=tuple(slots.tolist()))
+        kind = "prefetch" if source is Tier.DISK else "fetch"
+        op = self._submit(kind, tuple(keys[booked].tolist()), dst=tuple(slots.tolist()))
         if ahead:
             self._ahead.add(op.op_id)
         return len(booked)
@@ -466,8 +571,10 @@ def build_tiered_kv(blocks: KVBlockManager, capacity, eviction: EvictionPolicy, 
     host = TierIndex(Tier.HOST, capacity.host_blocks, eviction, lifecycle, keep_evicted=False, codec=host_codec)
     disk = (TierIndex(Tier.DISK, capacity.disk_blocks, eviction, lifecycle, codec=disk_codec)
             if capacity.disk_blocks else None)
-    tiers = TieredKV(blocks, host, disk, capacity.block_bytes, max_age_s)
+    remote = RemoteBook() if getattr(capacity, "remote", False) else None
+    tiers = TieredKV(blocks, host, disk, capacity.block_bytes, max_age_s, remote)
     tiers.disk_sealed = getattr(capacity, "disk_sealed", False)
+    tiers.remote_sealed = getattr(capacity, "remote_sealed", False)
     if disk is not None and restored:
         if wall_now is None:
             raise ValueError("restored blocks need wall_now, the wall clock they were stamped by")
