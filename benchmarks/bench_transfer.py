@@ -62,7 +62,7 @@ def _pool(num_blocks: int, shared: bool = False):
 
 
 def _sender(transport: str, dest: str, requests: int, blocks: int, q: mp.Queue, start_q: mp.Queue,
-            bye_q: mp.Queue) -> None:
+            bye_q: mp.Queue, label: str | None = None) -> None:
     from pdserve.kv.block_io import block_pieces
     from pdserve.transfer import make_sender
     pool = _pool(blocks * 4, shared=transport == "shm")
@@ -74,7 +74,8 @@ def _sender(transport: str, dest: str, requests: int, blocks: int, q: mp.Queue, 
     def send(r: int) -> None:
         ids = list(range((r % 4) * blocks, (r % 4 + 1) * blocks))
         for layer, tensor in enumerate(pool.layers):
-            sender.send_chunk(dest, {"kind": "chunk", "layer": layer, "r": r}, block_pieces(tensor, ids))
+            header = {"kind": "chunk", "layer": layer, "r": r, **({"label": label} if label else {})}
+            sender.send_chunk(dest, header, block_pieces(tensor, ids))
 
     for r in range(4):  # warm-up, untimed: connections, ring and pool mappings, as in a running server
         send(r)
@@ -128,9 +129,10 @@ def _receiver(transport: str, addr: str, blocks: int, q: mp.Queue, out: mp.Queue
             nbytes += msg.header["nbytes"]
 
 
-def delivery(transport: str, requests: int, blocks: int, host: str = "127.0.0.1", netns: str | None = None
-             ) -> tuple[float, int]:
-    """`host`, `netns`: the receiver binds `host` inside network namespace `netns` (tcp)."""
+def delivery(transport: str, requests: int, blocks: int, host: str = "127.0.0.1", netns: str | None = None,
+             label: str | None = None) -> tuple[float, int]:
+    """`host`, `netns`: the receiver binds `host` inside network namespace `netns` (tcp, mooncake); `label`: the
+    chunks' sensitivity label (`pdserve.core.pd.sensitivity`; none: the default's)."""
     from pdserve.transfer import peer_auth
     os.environ.setdefault(peer_auth.ENV, peer_auth.new_secret())  # one deployment: the tcp hello verifies
     ctx = mp.get_context("spawn")
@@ -139,7 +141,7 @@ def delivery(transport: str, requests: int, blocks: int, host: str = "127.0.0.1"
     recv = ctx.Process(target=_receiver, args=(transport, addr, blocks, to_sender, from_receiver, host, netns))
     recv.start()
     dest = from_receiver.get()
-    send = ctx.Process(target=_sender, args=(transport, dest, requests, blocks, to_sender, start_q, bye_q))
+    send = ctx.Process(target=_sender, args=(transport, dest, requests, blocks, to_sender, start_q, bye_q, label))
     send.start()
     end, nbytes, bad = from_receiver.get()
     send_start = start_q.get()

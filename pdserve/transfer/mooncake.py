@@ -37,7 +37,8 @@ carries the counter is a tcp chunk record, protected by the tcp path's own rule 
 so it cannot be changed either. A refused payload fails its transfer (counted in `auth_failures`).
 
 Memory: each channel's ring is registered memory of the receiver (`ring_bytes`, 32 MiB by default; at most
-`SLOTS` channels, the oldest closed for a new one); each sender has one registered staging buffer of its
+`SLOTS` channels, the oldest closed for a new one; a sender that gives a channel up after a failure tells the
+receiver to free its ring, `mc_close`); each sender has one registered staging buffer of its
 largest record. One engine per process and protocol (`engine`), initialized with the first host asked for.
 """
 
@@ -55,7 +56,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from pdserve.core.pd.sensitivity import MODES, acceptable, protection
+from pdserve.core.pd.sensitivity import DEFAULT, MODES, acceptable, protection
 from pdserve.transfer.base import (Capabilities, FaultInjector, Place, Received, TransferError, copy_into,
                                    encode_meta, scratch_place)
 from pdserve.transfer.kv_seal import TAG, crosses_hosts
@@ -64,7 +65,7 @@ from pdserve.transfer.tcp import TcpReceiver, TcpSender, _scatter
 
 SCHEME = "mooncake://"
 SLOT = struct.Struct("<16sQQQ")  # channel nonce, ring base address, ring size, consumed (ring position)
-SLOTS = 32
+SLOTS = 16  # channels a receiver keeps (a ring each)
 RING_BYTES = 32 << 20
 _INFO = b"pdserve kv mooncake v1"
 _POLL_S = 0.0005  # a sender's wait between reads of a full ring's slot (or the directory, at open)
@@ -131,6 +132,10 @@ def _local_host(peer_host: str) -> str:
 
 
 # ---- sender ------------------------------------------------------------------------------------------------
+class _RingFull(TransferError):
+    """The receiver consumed nothing of its ring before the send's deadline."""
+
+
 @dataclass
 class _Out:
     """A sender's channel to one receiver: its ring there, where it writes next, what it knows is consumed."""
@@ -168,7 +173,7 @@ class MooncakeSender:
         deadline = time.monotonic() + self._timeout_s
         ch = self._channel(dest, deadline)
         nbytes = sum(len(p) for p in pieces)
-        mode = protection(header.get("label", "internal"), ch.crosses)
+        mode = protection(header.get("label", DEFAULT), ch.crosses)
         wire = nbytes + (TAG if mode != "plain" else 0)
         try:
             start = self._reserve(ch, wire, deadline)
@@ -178,7 +183,10 @@ class MooncakeSender:
             te, _ = engine("", self._protocol)
             if wire and te.transfer_sync_write(ch.segment, self._stage.addr, ch.base + start % ch.size, wire) != 0:
                 raise TransferError(f"mooncake write of {wire} bytes to {ch.segment} failed")
-        except TransferError:
+        except _RingFull:  # (a receiver alive, not reading: told to free the ring)
+            self._give_up(dest)
+            raise
+        except TransferError:  # (a failed write: the receiver is likely gone)
             self.forget(dest)
             raise
         self._control.send_control(ch.ctl, {**header, "mc": [ch.nonce, ch.counter, start, wire, mode, digest]})
@@ -218,7 +226,7 @@ class MooncakeSender:
         start = ch.head + (ch.size - off if off + wire > ch.size else 0)
         while start + wire - ch.consumed > ch.size:
             if time.monotonic() > deadline:
-                raise TransferError(f"mooncake ring at {ch.segment} stayed full")
+                raise _RingFull(f"mooncake ring at {ch.segment} stayed full")
             time.sleep(_POLL_S)
             nonce, _, _, ch.consumed = SLOT.unpack(self._read(ch.segment, ch.slot_addr, SLOT.size))
             if nonce != ch.nonce:
@@ -240,8 +248,11 @@ class MooncakeSender:
             return ch
         segment, ctl, directory = parse_address(dest)
         peer = segment.rpartition(":")[0]
-        here = _local_host(peer)
-        engine(here, self._protocol)
+        try:
+            here = _local_host(peer)
+            engine(here, self._protocol)
+        except (OSError, RuntimeError) as e:
+            raise TransferError(f"no mooncake route to {segment}: {e}") from e
         nonce = os.urandom(16)
         self._control.send_control(ctl, {"kind": "mc_open", "nonce": nonce, "host": here})
         while True:  # (the receiver opens it at its next poll)
@@ -266,6 +277,16 @@ class MooncakeSender:
 
     def send_control(self, dest: str, header: dict) -> None:
         self._control.send_control(parse_address(dest)[1], header)
+
+    def _give_up(self, dest: str) -> None:
+        """A channel given up: the receiver is told to free its ring (if it still hears), then it is forgotten."""
+        ch = self._channels.get(dest)
+        if ch is not None:
+            try:
+                self._control.send_control(ch.ctl, {"kind": "mc_close", "nonce": ch.nonce})
+            except TransferError:
+                pass  # (its receiver is gone: nothing to free)
+        self.forget(dest)
 
     def forget(self, dest: str) -> None:
         ch = self._channels.pop(dest, None)
@@ -330,6 +351,9 @@ class MooncakeReceiver:
             kind = rec.header.get("kind")
             if kind == "mc_open":
                 self._open(rec.header)
+            elif kind == "mc_close":
+                if rec.header.get("nonce") in self._channels:
+                    self._close_channel(rec.header["nonce"])
             elif kind == "chunk" and "mc" in rec.header and rec.views is None:
                 out.append(self._chunk(rec.header, place))
             else:  # control records, and chunk headers the tcp path refused (their transfers fail)
@@ -374,6 +398,8 @@ class MooncakeReceiver:
                 return Received(header)
             at = start % ch.ring.view.nbytes
             payload = ch.ring.view[at:at + wire]
+            if sum(len(v) for v in placed) != nbytes:  # (never written: its transfer fails)
+                return Received({**header, "reason": f"placement is not {nbytes} bytes"}, [], False)
             if mode == "plain":
                 return Received(header, placed, copy_into(placed, [payload]) == digest)
             return Received(header, placed, self._open_sealed(ch, mode, counter, payload, aad, placed))
@@ -384,8 +410,9 @@ class MooncakeReceiver:
         """Why a chunk's payload is not to be used, or None."""
         if ch is None:
             return "a chunk of an unknown mooncake channel"
-        if mode not in MODES or not acceptable(mode, header.get("label", "internal"), ch.crosses):
-            return f"a {mode} payload where {protection(header.get('label', 'internal'), ch.crosses)} is required"
+        label = header.get("label", DEFAULT)
+        if mode not in MODES or not acceptable(mode, label, ch.crosses):
+            return f"a {mode} payload where {protection(label, ch.crosses)} is required"
         if counter <= ch.last:
             return f"a replayed or reordered payload (counter {counter}, last accepted {ch.last})"
         size = ch.ring.view.nbytes
