@@ -78,6 +78,16 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="disk tier read bandwidth per GPU, GB/s (default: the preset's NVMe rate)")
     p.add_argument("--disk-write-gb-s", type=float, default=None,
                    help="disk tier write bandwidth per GPU, GB/s (default: the preset's NVMe rate)")
+    p.add_argument("--kv-remote-pool-gb", type=float, default=spec_default("kv_remote_pool_gb"),
+                   help="one KV pool shared by every engine, below their host tiers (as --kv-remote: Mooncake "
+                        "Store), GiB in all (0: none). Host blocks are written through to it; a prefix an engine's "
+                        "own tiers miss is probed there and fetched into host")
+    p.add_argument("--kv-remote-gbps", type=float, default=spec_default("kv_remote_gbps"),
+                   help="each engine's link to the shared pool, Gbit/s each way (default: the engine's port, "
+                        "--link-gbps or tp x the GPU preset's)")
+    p.add_argument("--kv-remote-rtt-us", type=float, default=spec_default("kv_remote_rtt_us"),
+                   help="one shared-pool operation's round trip: a probe takes this, a fetch or publish this plus "
+                        "its bytes over the link")
     p.add_argument("--ttft-timeout-s", type=float, default=None, help="clients abort without a first token by then")
     p.add_argument("--transfer-failure-rate", type=float, default=spec_default("transfer_failure_rate"),
                    help="share of KV transfers that fail")

@@ -10,6 +10,11 @@ it: the real tier code, whose copies take the time the GPU's host link and the n
 `tp x net_bw` bytes/s; KV flows from a prefill engine's port to a decode engine's. Requests arrive at their workload times; the prompts are built
 one at a time by the workloads package (Mooncake `hash_ids` become shared token blocks, so prefix hits are
 real hits in the real block managers).
+
+With `kv_remote_pool_gb`, one shared KV pool (`pdserve.sim.kv_pool.SimKVPool`, as Mooncake Store under the real
+workers' `--kv-remote`) lies below every engine's host tier: each engine's real `TieredKV` publishes its host
+blocks there and probes and fetches what its own tiers miss, over a link of `kv_remote_gbps` (default: the
+engine's port) and `kv_remote_rtt_us` per operation.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.hardware import GB, GPUSpec, ModelSpec, kv_pool_blocks
+from pdserve.sim.kv_pool import SimKVPool
 from pdserve.sim.kv_push import SimWire
 from pdserve.sim.link import LinkModel
 from pdserve.sim.roles import SimRoleSwitching
@@ -77,6 +83,9 @@ class ClusterSpec:
     host_link_gb_s: float | None = None  # per GPU, GB/s each way; None: the GPU preset's
     disk_read_gb_s: float | None = None  # per GPU; None: the GPU preset's
     disk_write_gb_s: float | None = None  # per GPU; None: the GPU preset's
+    kv_remote_pool_gb: float = 0.0  # --kv-remote-pool-gb: one KV pool shared by every engine, GiB in all (0: none)
+    kv_remote_gbps: float | None = None  # each engine's link to it, Gbit/s each way; None: the engine's port's
+    kv_remote_rtt_us: float = 200.0  # one pool operation's round trip (a probe; a fetch or publish plus its bytes)
     fast_forward: bool = True
     ttft_timeout_s: float | None = None
     transfer_failure_rate: float = 0.0
@@ -116,10 +125,20 @@ class ClusterSpec:
                                       param="role_switching")
         if not self.role_switch_s >= 0:
             raise InvalidRequestError("role_switch_s must be >= 0", param="role_switch_s")
-        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s"):
+        for name in ("host_link_gb_s", "disk_read_gb_s", "disk_write_gb_s", "kv_remote_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
+        self._check_pool()
+
+    def _check_pool(self) -> None:
+        for name in ("kv_remote_pool_gb", "kv_remote_rtt_us"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise InvalidRequestError(f"{name} must be >= 0 and finite, got {value!r}", param=name)
+        if self.kv_remote_pool_gb and not self.host_kv_gb:
+            raise InvalidRequestError("a shared KV pool needs a host tier to stage through: set --kv-host-gb > 0",
+                                      param="kv_remote_pool_gb")
 
     @property
     def num_engines(self) -> int:
@@ -141,6 +160,7 @@ class SimRun:
     engines: list[dict] = field(default_factory=list)
     num_events: int = 0
     role_switches: list[dict] = field(default_factory=list)  # --role-switching auto: engines moved
+    kv_pool: dict | None = None  # the shared pool's own counters (`SimKVPool.stats`); None: no pool
 
 
 def engine_tiers(spec: ClusterSpec, gpu: GPUSpec, model: ModelSpec) -> TierSpec | None:
@@ -165,6 +185,16 @@ def sim_wire(spec: ClusterSpec, model: ModelSpec) -> SimWire:
     return SimWire(WireFormat(spec.kv_wire_dtype), model.kv_cache_dtype, ratio)
 
 
+def kv_pool(spec: ClusterSpec, tiers: TierSpec | None, port_bw: float) -> SimKVPool | None:
+    """The cluster's shared KV pool (None without `kv_remote_pool_gb`): blocks in the host tier's codec, a link
+    per engine of `kv_remote_gbps` (default `port_bw`, the engine's network port)."""
+    if not spec.kv_remote_pool_gb or tiers is None:
+        return None
+    bw = spec.kv_remote_gbps * 1e9 / 8 if spec.kv_remote_gbps else port_bw
+    return SimKVPool(kv_codecs.tier_blocks(spec.kv_remote_pool_gb, tiers.block_bytes), bw,
+                     spec.kv_remote_rtt_us * 1e-6, tiers.block_bytes)
+
+
 def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeModel
           ) -> tuple[EventLoop, SimConductor, list[SimEngine]]:
     loop = EventLoop()
@@ -177,6 +207,7 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
         "colocated": spec.num_instances}
     engines: dict[str, list[SimEngine]] = {}
     port_bw = spec.link_gbps * 1e9 / 8 if spec.link_gbps else spec.tp * gpu.net_bw
+    pool = kv_pool(spec, tiers, port_bw)
     service_tiers = ServiceTiers.from_specs(spec.service_tiers)
     predict = spec.admission == "predict" or (spec.admission is None and service_tiers.any_slo)
     conductor = SimConductor(spec.mode, make_routing_policy(spec.routing), links, spec.block_size, block_bytes,
@@ -193,7 +224,8 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
                          spec.fast_forward, vocab_size=max(model.vocab, 1024),
                          kv_eviction_policy=spec.kv_eviction_policy, kv_placement=spec.kv_placement,
                          kv_max_age_s=spec.kv_max_age_s, kv_format=model.kv_format,
-                         cadence=DecodeCadence() if role == "decode" and spec.decode_cadence == "steady" else None)
+                         cadence=DecodeCadence() if role == "decode" and spec.decode_cadence == "steady" else None,
+                         kv_pool=pool)
 
     for role, n in roles.items():
         engines[role] = [make_engine(f"{role}-{i}", role) for i in range(n)]
@@ -241,7 +273,13 @@ def simulate(workload: Workload, spec: ClusterSpec, model: ModelSpec, gpu: GPUSp
     return SimRun(spec, records, duration, time.perf_counter() - wall0, conductor.life,
                   conductor.links.stats(duration), [_engine_stats(e, duration) for e in conductor.by_name.values()],
                   loop.num_events, [{"at_s": t, "left": a, "joined": b} for t, a, b in
-                                    getattr(getattr(conductor, "roles", None), "switches", [])])
+                                    getattr(getattr(conductor, "roles", None), "switches", [])],
+                  _pool_stats(engines))
+
+
+def _pool_stats(engines: list[SimEngine]) -> dict | None:
+    pool = next((e.kv_io.pool for e in engines if e.kv_io is not None and e.kv_io.pool is not None), None)
+    return pool.stats() if pool is not None else None
 
 
 
@@ -255,11 +293,16 @@ def kv_tier_stats(e: SimEngine, duration_s: float) -> dict:
     return {"block_bytes": bb, "capacity_blocks": capacity,
             "capacity_bytes": {t: n * bb for t, n in capacity.items()},
             "peak_bytes": {t: peak[t] * bb for t in STORAGE_TIERS},
-            "hit_tokens": {t: rep["hits"].get(t, 0) for t in STORAGE_TIERS},
+            "hit_tokens": _hit_tokens(rep["hits"]),
             "bytes_in": {t: rep["bytes_in"].get(t, 0) for t in STORAGE_TIERS},
             "bytes_out": {t: rep["bytes_out"].get(t, 0) for t in STORAGE_TIERS},
             "stages": rep["stages"], "placement": rep["placement"],
             "io": e.kv_io.stats(duration_s) if e.kv_io is not None else None}
+
+
+def _hit_tokens(hits: dict) -> dict:
+    """Prefix-hit tokens per storage tier, and those found in the shared pool (`remote`) when there is one."""
+    return {t: hits.get(t, 0) for t in (*STORAGE_TIERS, *(("remote",) if "remote" in hits else ()))}
 
 
 def _engine_stats(e: SimEngine, duration_s: float) -> dict:

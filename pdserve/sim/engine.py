@@ -11,7 +11,7 @@ A pure decode batch may be fast-forwarded (`pdserve.sim.fastforward`): the windo
 lazily, when the window ends or a message cuts it at the next boundary.
 
 KV tiers: with a `TierSpec`, the engine's executor carries a `SimTierIO` and the real `LLMEngine` builds its
-real `TieredKV` (host, and disk) on it; the engine's clock is the simulated time, so block lifecycle metadata
+real `TieredKV` (host, and disk, and the cluster's shared pool: `pdserve.sim.kv_pool`) on it; the engine's clock is the simulated time, so block lifecycle metadata
 is in simulated seconds. Like the real worker loop, a boundary takes in the finished tier operations before
 its bookkeeping; operations submitted then (or by the step's own poll, before its forward) start at once,
 those the step produces after its forward start when it ends. An engine whose work waits on an
@@ -39,6 +39,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sim import fastforward
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.executor import SimExecutor
+from pdserve.sim.kv_pool import SimKVPool
 from pdserve.sim.tier_io import SimTierIO, TierSpec
 from pdserve.sim.tiers import DeviceTier
 from pdserve.sim.timemodel import StepShape, TimeModel
@@ -72,12 +73,13 @@ class SimEngine:
                  kv_eviction_policy: str = default_of(KvTierSettings, "kv_eviction_policy"),
                  cadence: DecodeCadence | None = None,
                  kv_placement: str = default_of(KvTierSettings, "kv_placement"),
-                 kv_max_age_s: float = default_of(KvTierSettings, "kv_max_age_s"), kv_format: str = "bfloat16") -> None:
+                 kv_max_age_s: float = default_of(KvTierSettings, "kv_max_age_s"), kv_format: str = "bfloat16",
+                 kv_pool: SimKVPool | None = None) -> None:
         self.name, self.role, self.loop, self.hooks = name, role, loop, hooks
         self.cadence = cadence  # a decode engine's step cadence (`--decode-cadence steady`)
         self._cadence_log: list[tuple[float, float, float | None, bool]] = []  # a window's steps, for the cadence
         self._clock_s: float | None = None  # set while a fast-forward window's steps are replayed
-        self.kv_io = SimTierIO(tiers, self.clock) if tiers is not None else None
+        self.kv_io = SimTierIO(tiers, self.clock, kv_pool) if tiers is not None else None
         self.executor = SimExecutor(time_model, block_size, vocab_size, kv_io=self.kv_io)
         self.engine = LLMEngine(self.executor, config, num_blocks, kv_eviction_policy=kv_eviction_policy,
                                 clock=self.clock, kv_placement=kv_placement, kv_max_age_s=kv_max_age_s,

@@ -6,8 +6,10 @@ run carries a `sim` block next to its bench `summary`:
   simulated links): prompt tokens, prefix-hit tokens per tier (`hit_tokens`: device, host, disk), bytes
   written into (`bytes_in`) and read out of (`bytes_out`) each tier, tier capacities and peak use, and the
   busiest engine's share of time each tier link was busy (`link_busy_fraction`: host_link, disk_read,
-  disk_write) and seconds spent loading host hits inside steps (`load_s`); each engine's own numbers are
-  under `engines[i].kv_tiers`;
+  disk_write; remote_read, remote_write: its links to the shared pool) and seconds spent loading host hits
+  inside steps (`load_s`); each engine's own numbers are under `engines[i].kv_tiers`; with a shared pool
+  (`--kv-remote-pool-gb`), `hit_tokens` has a `remote` entry too (prefix hits fetched from it) and `kv_pool`
+  holds the pool's own counters (`pdserve.sim.kv_pool.SimKVPool.stats`);
 * `transfer`: bytes sent / delivered, per-link utilization over the run and effective utilization while busy;
 * `lifecycle`: schedule predictability (share of delivered KV blocks first consumed within +-5 ms of the
   conductor's prediction; also per service tier), effective link bandwidth utilization, P99 inter-token
@@ -94,11 +96,13 @@ def _abs_ms(errors: list) -> dict | None:
     return {"p50": float(np.percentile(e, 50)), "p90": float(np.percentile(e, 90))}
 
 
-LINKS = ("host_link", "disk_read", "disk_write")
+LINKS = ("host_link", "disk_read", "disk_write", "remote_read", "remote_write")
+REMOTE = "remote"  # the shared pool's key in `hit_tokens` (not a storage tier of one worker: `kv_meta.STORAGE_TIERS`)
 
 
 def _sum(es, key: str) -> dict:
-    return {t: sum(e["kv_tiers"][key][t] for e in es) for t in STORAGE_TIERS}
+    tiers = (*STORAGE_TIERS, REMOTE) if key == "hit_tokens" and REMOTE in es[0]["kv_tiers"][key] else STORAGE_TIERS
+    return {t: sum(e["kv_tiers"][key][t] for e in es) for t in tiers}
 
 
 def _kv(run: SimRun) -> dict:
@@ -128,7 +132,7 @@ def _kv(run: SimRun) -> dict:
 def hit_shares(kv_role: dict) -> dict:
     """Prefix-hit tokens per tier as shares of the role's prompt tokens."""
     n = kv_role["prompt_tokens"]
-    return {t: kv_role["hit_tokens"][t] / n if n else 0.0 for t in STORAGE_TIERS}
+    return {t: hits / n if n else 0.0 for t, hits in kv_role["hit_tokens"].items()}
 
 
 def sim_metrics(run: SimRun, num_gpus: int, price_per_gpu_hour: float) -> dict:
@@ -145,6 +149,7 @@ def sim_metrics(run: SimRun, num_gpus: int, price_per_gpu_hour: float) -> dict:
                  "usd_per_1k_output_tokens": usd_per_1k(cost, out_tokens),
                  "usd_per_1k_tokens": usd_per_1k(cost, all_tokens)},
         "engines": run.engines,
+        "kv_pool": run.kv_pool,
         "simulator": {"wall_s": run.wall_s, "speedup": run.duration_s / run.wall_s, "events": run.num_events},
     }
 
@@ -207,22 +212,29 @@ def _gb(n: float) -> str:
 
 
 def _tier_table(result: SimResult) -> Table:
-    """Per rate and role: prefix hits by tier (share of prompt tokens), peak / capacity of host and disk, and
-    how busy the busiest engine's tier links were."""
+    """Per rate and role: prefix hits by tier (share of prompt tokens; the shared pool's too, where there is
+    one), peak / capacity of host and disk, and how busy the busiest engine's tier links were."""
     table = Table(title=f"KV tiers: {result.label}")
-    for col in ("rate", "role", "hits device", "hits host", "hits disk", "host GB peak/cap", "disk GB peak/cap",
-                "PCIe busy", "disk rd/wr busy"):
+    pool = any(run["sim"].get("kv_pool") for run in result.runs)
+    for col in ("rate", "role", "hits device", "hits host", "hits disk", *(("hits pool",) if pool else ()),
+                "host GB peak/cap", "disk GB peak/cap", "PCIe busy", "disk rd/wr busy",
+                *(("pool rd/wr busy",) if pool else ())):
         table.add_column(col, justify="right")
     for run in result.runs:
         for role, v in run["sim"]["kv"].items():
             share, busy = hit_shares(v), v["link_busy_fraction"]
             table.add_row("-" if run["rate"] is None else f"{run['rate']:g}", role,
-                          *(_pct(share[t]) for t in STORAGE_TIERS),
+                          *(_pct(share.get(t)) for t in (*STORAGE_TIERS, *((REMOTE,) if pool else ()))),
                           f"{_gb(v['host_peak_bytes'])}/{_gb(v['host_capacity_bytes'])}",
                           f"{_gb(v['disk_peak_bytes'])}/{_gb(v['disk_capacity_bytes'])}",
                           "-" if busy is None else _pct(busy["host_link"]),
-                          "-" if busy is None else f"{_pct(busy['disk_read'])}/{_pct(busy['disk_write'])}")
+                          "-" if busy is None else f"{_pct(busy['disk_read'])}/{_pct(busy['disk_write'])}",
+                          *((_pool_busy(busy),) if pool else ()))
     return table
+
+
+def _pool_busy(busy: dict | None) -> str:
+    return "-" if busy is None else f"{_pct(busy['remote_read'])}/{_pct(busy['remote_write'])}"
 
 
 def write_sim_result(result: SimResult, out: Path) -> Path:

@@ -25,6 +25,8 @@ def cluster_spec(args, mode: str, tp: int, prefill: int = 1, decode: int = 1, in
                        kv_host_cache_dtype=args.kv_host_cache_dtype, kv_disk_cache_dtype=args.kv_disk_cache_dtype,
                        host_link_gb_s=args.host_link_gb_s, disk_read_gb_s=args.disk_read_gb_s,
                        disk_write_gb_s=args.disk_write_gb_s,
+                       kv_remote_pool_gb=args.kv_remote_pool_gb, kv_remote_gbps=args.kv_remote_gbps,
+                       kv_remote_rtt_us=args.kv_remote_rtt_us,
                        control_latency_s=args.control_latency_ms * 1e-3,
                        fast_forward=not args.no_fast_forward, ttft_timeout_s=args.ttft_timeout_s,
                        transfer_failure_rate=args.transfer_failure_rate, seed=args.seed,

@@ -10,7 +10,11 @@ Links (each a FIFO queue: an operation starts when the one before it on its link
 * `host_link` (GPU -> host, PCIe): offloads, each `len(hashes) x block_bytes` at `host_link_bw`;
 * `disk_write`: flushes (host -> disk) at `disk_write_bw`;
 * `disk_read`: prefetches (disk -> host) at `disk_read_bw`;
-* deletes of disk files take no time.
+* deletes of disk files take no time;
+* with a shared pool (`pdserve.sim.kv_pool.SimKVPool`, one for the whole cluster): `remote_read` (the real
+  runner's lookup thread: probes, a round trip each, and fetches, pool -> host, a round trip plus the blocks at
+  the pool link's bandwidth) and `remote_write` (its publish thread: host -> pool, the same). The pool answers a
+  probe or a fetch as of the operation's end and holds a published block from its end on.
 Loads (host -> device, the other direction of PCIe) are synchronous in the real executor, before the step's
 forward: `load` returns their time and the `SimExecutor` adds it to the step.
 
@@ -27,14 +31,17 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.core.kvstore import kv_codecs
 from pdserve.core.kvstore.kv_ops import KVLoad, KVOp, TierCapacity
+from pdserve.sim.kv_pool import SimKVPool
 
 GIB = 2**30  # tier sizes are in GiB, as the real worker's --kv-host-gb and --kv-disk-gb
-LINKS = ("host_link", "disk_read", "disk_write")
-LINK_OF = {"offload": "host_link", "flush": "disk_write", "prefetch": "disk_read"}  # delete: no link
+LINKS = ("host_link", "disk_read", "disk_write", "remote_read", "remote_write")
+LINK_OF = {"offload": "host_link", "flush": "disk_write", "prefetch": "disk_read",  # delete: no link
+           "probe": "remote_read", "fetch": "remote_read", "publish": "remote_write"}
+REMOTE_LINKS = ("remote_read", "remote_write")
 
 
 @dataclass(frozen=True)
@@ -76,15 +83,17 @@ def tier_spec(host_gb: float, disk_gb: float, block_bytes: int, host_link_bw: fl
 
 
 class SimTierIO:
-    def __init__(self, spec: TierSpec, clock: Callable[[], float]) -> None:
+    def __init__(self, spec: TierSpec, clock: Callable[[], float], pool: SimKVPool | None = None) -> None:
         self.spec = spec
-        self.capacity = spec.capacity
+        self.pool = pool  # the cluster's shared pool (None: none)
+        self.capacity = replace(spec.capacity, remote=pool is not None)
         self.clock = clock
         self._bw = {"host_link": spec.host_link_bw, "disk_read": spec.disk_read_bw,
-                    "disk_write": spec.disk_write_bw}
+                    "disk_write": spec.disk_write_bw, **dict.fromkeys(REMOTE_LINKS, pool.bw if pool else 0.0)}
         self._free_at = dict.fromkeys(LINKS, 0.0)  # when each link's queue empties
         self._unstarted: list[KVOp] = []
         self._in_flight: list[tuple[float, int]] = []  # heap of (end, op id)
+        self._failures: dict[int, dict[int, str]] = {}  # op id -> its failures (a probe's absent hashes, ...)
         self.ops: Counter = Counter()  # by kind
         self.bytes: Counter = Counter()  # by link
         self.busy_s: Counter = Counter()  # by link: seconds transferring
@@ -102,7 +111,8 @@ class SimTierIO:
     def poll(self) -> list[tuple[int, dict[int, str]]]:
         now, heap, out = self.clock(), self._in_flight, []
         while heap and heap[0][0] <= now:
-            out.append((heapq.heappop(heap)[1], {}))
+            op_id = heapq.heappop(heap)[1]
+            out.append((op_id, self._failures.pop(op_id, {})))
         return out
 
     def load(self, loads: Sequence[KVLoad]) -> float:
@@ -123,14 +133,30 @@ class SimTierIO:
             link = LINK_OF.get(op.kind)
             end = at_s
             if link is not None:
-                nbytes = len(op.hashes) * self.spec.link_bytes(link)
+                nbytes = self._op_bytes(op, link)
                 begin = max(at_s, self._free_at[link])
-                end = begin + nbytes / self._bw[link]
+                end = begin + nbytes / self._bw[link] + (self.pool.rtt_s if link in REMOTE_LINKS else 0.0)
                 self._free_at[link] = end
                 self.bytes[link] += nbytes
                 self.busy_s[link] += end - begin
                 self.queued_s[link] += begin - at_s
+                if link in REMOTE_LINKS:
+                    self._pool_op(op, end)
             heapq.heappush(self._in_flight, (end, op.op_id))
+
+    def _op_bytes(self, op: KVOp, link: str) -> int:
+        if link not in REMOTE_LINKS:
+            return len(op.hashes) * self.spec.link_bytes(link)
+        return 0 if op.kind == "probe" else len(op.hashes) * self.pool.block_bytes
+
+    def _pool_op(self, op: KVOp, end_s: float) -> None:
+        """The pool's answer to `op` (ending at `end_s`), kept for the poll that reports its end."""
+        if op.kind == "publish":
+            self.pool.publish(op.hashes, end_s)
+            return
+        failures = (self.pool.probe if op.kind == "probe" else self.pool.fetch)(op.hashes, end_s)
+        if failures:
+            self._failures[op.op_id] = failures
 
     def due(self, t: float) -> bool:
         """Whether a poll at `t` finds an operation done, or a start at `t` has one to begin."""
