@@ -131,10 +131,18 @@ def _states(server: Server) -> dict:
     return {w["name"]: (w["state"], w["restarts"]) for w in httpx.get(server.url + "/health").json()["workers"]}
 
 
-def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_path):
-    # colocated: the survivor adopts the dead worker's checkpoint (its disk files) and computes the rest itself
+@pytest.mark.parametrize("where", ["disk", "pool"])
+def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_path, where):
+    # colocated: the survivor adopts the dead worker's checkpoint (its disk files, or what it wrote to the shared
+    # pool: no shared filesystem) and computes the rest itself
+    if where == "pool":
+        from pdserve.mooncake import unavailable
+        if unavailable():
+            pytest.skip(unavailable())
+    kv = ["--kv-disk-dir", str(tmp_path / "kv")] if where == "disk" else ["--kv-remote", "local",
+                                                                         "--kv-remote-pool-gb", "0.25"]
     server = Server("--mode", "colocated", "--instances", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S),
-                    "--kv-disk-dir", str(tmp_path / "kv"), "--kv-checkpoint-tokens", "16")
+                    *kv, "--kv-checkpoint-tokens", "16")
     try:
         reqs = _requests()
 
@@ -159,5 +167,8 @@ def test_a_killed_colocated_workers_streams_resume_from_their_checkpoints(tmp_pa
         assert server.wait_metric("pdserve_worker_deaths_total", lambda v: v >= 1, worker="colocated-0") == 1
         assert server.metric("pdserve_requests_migrated_total", reason="worker_died", source="checkpoint") >= 1
         assert server.metric("pdserve_fallbacks_total", kind="kv_checkpoint_missing") == 0
+        if where == "pool":  # the survivor read the dead worker's blocks from the pool
+            assert server.wait_metric("pdserve_prefix_cache_hit_tokens_total", lambda v: v >= 16,
+                                      worker="colocated-1", tier="remote")
     finally:
         server.stop()

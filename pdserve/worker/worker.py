@@ -100,7 +100,8 @@ class Worker:
             receiver = make_receiver(spec.transport, spec.kv_addr, spec.kv_host, spec.mooncake_protocol)
             self.decode = DecodeSide(self.engine, receiver, layers, spec.kv_timeout_s, hold_lapsed=True)
             disk = getattr(getattr(self.executor, "kv_io", None), "disk", None)
-            if disk is not None and self.engine.tiers is not None and self.engine.tiers.disk is not None:
+            tiers = self.engine.tiers
+            if tiers is not None and (tiers.disk is not None and disk is not None or tiers.remote is not None):
                 from pdserve.engine.checkpoints import KVCheckpoints
                 every = spec.engine.get("kv_checkpoint_tokens", 0)
                 self.decode.checkpoints = KVCheckpoints(self.engine, disk, every)
