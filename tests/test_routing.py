@@ -126,3 +126,23 @@ def test_resending_the_same_prefix_keeps_the_memory_bounded():
     assert sum(len(keys) for keys, _ in load.recent_blocks._runs) <= 2 * 32 + AFFINITY_BLOCKS
     load.remember([100, 101])
     assert list(load.recent_blocks) == hashes + [100, 101]
+
+
+def test_the_shared_pool_counts_as_a_tier_every_worker_reaches():
+    """A worker's `kv_cache` report of what it wrote to the shared pool (`remote`) goes to the pool all workers
+    read (`Books.pool`): prefix affinity then credits every worker `POOL_CREDIT` of each pooled block it lacks,
+    so the less loaded worker that can read the prefix from the pool beats a busier one that holds it."""
+    from pdserve.conductor.conductor_core import ConductorCore
+    from pdserve.conductor.routing import POOL_CREDIT
+    core = ConductorCore("colocated", make_routing_policy("prefix-affinity"))
+    for name in ("c0", "c1"):
+        core.add_worker(name, "colocated")
+    hashes = core.books.affinity(list(range(16 * 8 + 1)))  # an 8-block prompt's block hashes (block 16)
+    busy, idle = core.workers["c0"], core.workers["c1"]
+    core.worker_cache("c0", {"device": list(hashes)}, {})  # c0 holds the prefix ...
+    busy.outstanding = 1  # ... and has a request
+    assert PrefixAffinity().pick([busy, idle], hashes) is busy  # no pool: its cache is worth 2 requests
+    core.worker_cache("c0", {"remote": list(hashes)}, {})  # c0 wrote it to the pool
+    assert idle.reach_blocks(hashes) == POOL_CREDIT * len(hashes) and busy.reach_blocks(hashes) == len(hashes)
+    assert PrefixAffinity().pick([busy, idle], hashes) is idle
+    assert "remote" not in busy.reported.held  # (the pool is no worker's own tier)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import numpy as np
+
 from pdserve.conductor.actions import Fail, Send
 from pdserve.conductor.flight_state import Backlog, FlightState, Stage
-from pdserve.conductor.routing import AFFINITY_BLOCKS, RoutingPolicy, WorkerLoad
+from pdserve.conductor.routing import AFFINITY_BLOCKS, MAX_POOL_BLOCKS, RecentBlocks, RoutingPolicy, WorkerLoad
 from pdserve.conductor.ttft_routing import PairRequest
 from pdserve.conductor.wire import Generate, Reserve
 from pdserve.core.kvstore.block_hash import hash_blocks
@@ -39,6 +41,7 @@ class Books:
         self._xfers = itertools.count()
         self.admission = None  # the core's `pdserve.conductor.admission.Admission` (a pair policy predicts with it)
         self.links: dict[str, dict[str, float]] = {}  # prefill -> decode -> measured bytes/s (its `kv_links`)
+        self.pool = RecentBlocks()  # what the workers wrote to the shared pool lately (routing counts it for all)
         self.block_bytes = 0  # one KV block at the pool's codec (the workers' `ready`)
         self.notes: list[str] = []  # fallback kinds a pair policy took since the core last looked
         # KV bytes routed over each worker's port and not yet delivered (placed, no first token yet)
@@ -50,8 +53,14 @@ class Books:
     # ---- workers and routing ------------------------------------------------------------------------------
     def add_worker(self, name: str, role: str, load: WorkerLoad | None = None) -> WorkerLoad:
         self.workers[name] = load or WorkerLoad(name, role)
+        self.workers[name].pool = self.pool
         self.backlog[name] = Backlog()
         return self.workers[name]
+
+    def pool_written(self, hashes) -> None:
+        """Block hashes a worker wrote to the shared pool (its `kv_cache` event's `remote` part)."""
+        if len(hashes):
+            self.pool.add(np.asarray(list(dict.fromkeys(hashes)), np.uint64), MAX_POOL_BLOCKS)
 
     def role(self, role: str) -> list[WorkerLoad]:
         return [w for w in self.workers.values() if w.role == role]

@@ -149,7 +149,10 @@ class ConductorCore:
         return []
 
     def worker_cache(self, name: str, stored: dict, evicted: dict) -> list:
-        """A worker's `kv_cache` event: block hashes (per tier) it stored and evicted since its last one."""
+        """A worker's `kv_cache` event: block hashes (per tier) it stored and evicted since its last one; its
+        `remote` part, what it wrote to the shared pool, goes to the pool every worker reaches (`Books.pool`)."""
+        if "remote" in stored:
+            self.books.pool_written(stored.pop("remote"))
         self.workers[name].reported.apply(stored, evicted)
         return []
 

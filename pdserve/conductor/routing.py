@@ -19,6 +19,8 @@ from pdserve.core.kvstore.u64map import new_map
 
 AFFINITY_BLOCKS = 256  # prefix affinity looks at a prompt's first blocks only (4,096 tokens at block 16)
 MAX_RECENT_BLOCKS = 65536  # block hashes remembered per worker, at most (fewer: its KV capacity, once known)
+MAX_POOL_BLOCKS = 1 << 20  # block hashes remembered as written to the shared pool, at most (latest kept)
+POOL_CREDIT = 0.75  # a block any worker can read from the shared pool counts this much of one it holds
 
 
 class HashRun(tuple):
@@ -141,6 +143,7 @@ class WorkerLoad:
     recent_blocks: RecentBlocks = field(default_factory=RecentBlocks)
     max_recent_blocks: int = MAX_RECENT_BLOCKS
     reported: ReportedBlocks = field(default_factory=ReportedBlocks)  # its own reports of its cache contents
+    pool: RecentBlocks | None = None  # what every worker wrote to the shared pool lately (`Books.pool`): shared
 
     @property
     def usable(self) -> bool:
@@ -152,6 +155,14 @@ class WorkerLoad:
         if not len(hashes):
             return 0
         return self.reported.prefix_len(_keys(hashes)) if self.reported.reports else self.guessed_blocks(hashes)
+
+    def reach_blocks(self, hashes: Sequence) -> float:
+        """`prefix_blocks`, the shared pool counted as a tier below its own: the leading blocks it holds, plus
+        `POOL_CREDIT` of each one after them that the pool was written with (a read, not a compute)."""
+        held = self.prefix_blocks(hashes)
+        if self.pool is None or not len(self.pool) or not len(hashes):
+            return held
+        return held + POOL_CREDIT * max(self.pool.prefix_len(_keys(hashes)) - held, 0)
 
     def guessed_blocks(self, hashes: Sequence) -> int:
         """How many leading blocks of `hashes` this worker was sent recently (the gateway's guess)."""
@@ -185,4 +196,4 @@ class PrefixAffinity:
         if not live:
             return None
         total = max(min(len(block_hashes), AFFINITY_BLOCKS), 1)
-        return min(live, key=lambda w: w.outstanding - self.weight * w.prefix_blocks(block_hashes) / total)
+        return min(live, key=lambda w: w.outstanding - self.weight * w.reach_blocks(block_hashes) / total)

@@ -31,7 +31,7 @@ from pdserve.conductor.conductor_core import ConductorCore, Count, Fail, Observe
 from pdserve.conductor.routing import RoutingPolicy
 from pdserve.conductor.commands import carry_out
 from pdserve.conductor.wire import Ready
-from pdserve.core.kvstore.cache_events import REPORT_EVERY_S, CacheEvents, tier_slots
+from pdserve.core.kvstore.cache_events import REPORT_EVERY_S, CacheEvents, pool_written, tier_slots
 from pdserve.core.pd.decode_books import DecodeBooks
 from pdserve.core.pd.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict
@@ -218,7 +218,8 @@ class SimConductor(EngineHooks):
         if now - self._reported_s.get(engine.name, float("-inf")) < REPORT_EVERY_S:
             return
         self._reported_s[engine.name] = now
-        stored, evicted = self.cache_events[engine.name].take(tier_slots(engine.scheduler.blocks, engine.tiers))
+        stored, evicted = self.cache_events[engine.name].take(tier_slots(engine.scheduler.blocks, engine.tiers),
+                                                              pool_written(engine.tiers))
         if stored or evicted:
             self._act(self._core("worker_cache", engine.name, stored, evicted))
         if engine.role == "prefill" and self.mode == "pd":

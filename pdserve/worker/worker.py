@@ -35,7 +35,7 @@ from pdserve.worker.worker_stats import worker_stats
 from pdserve.core.sched.decode_cadence import DecodeCadence, plain_decode
 from pdserve.core.sched.online_fit import StepRow
 from pdserve.core.pd.delivery import LANDING_RECHECK_S
-from pdserve.core.kvstore.cache_events import CacheEvents, tier_slots
+from pdserve.core.kvstore.cache_events import CacheEvents, pool_written, tier_slots
 from pdserve.core.kvstore.kv_tiers import capacity_blocks
 from pdserve.core.sched.stage_passes import stage_capacity
 from pdserve.errors import PdserveError
@@ -290,7 +290,8 @@ class Worker:
         self._last_stats = now
         self.emit(self.stats())
         self.step_log = []
-        stored, evicted = self.cache_events.take(tier_slots(self.engine.block_manager, self.engine.tiers))
+        stored, evicted = self.cache_events.take(tier_slots(self.engine.block_manager, self.engine.tiers),
+                                                 pool_written(self.engine.tiers))
         if stored or evicted:
             self.emit(KvCache(self.spec.name, stored, evicted))
         checkpoints = self.decode and self.decode.checkpoints

@@ -24,10 +24,12 @@ class CacheEvents:
     def reset(self) -> None:
         self._last.clear()
 
-    def take(self, tiers: dict[str, np.ndarray]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-        """`tiers`: tier name -> its hash per slot (0 where empty). (stored, evicted): tier -> [hash, ...],
+    def take(self, tiers: dict[str, np.ndarray], pool: list[int] = ()
+             ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """`tiers`: tier name -> its hash per slot (0 where empty); `pool`: hashes written to the shared pool
+        since (`pool_written`: its evictions are the store's, unseen). (stored, evicted): tier -> [hash, ...],
         only the tiers where something changed."""
-        stored, evicted = {}, {}
+        stored, evicted = ({"remote": list(pool)} if len(pool) else {}), {}
         for tier, now in tiers.items():
             before = self._last.get(tier)
             if before is None or len(before) != len(now):
@@ -41,6 +43,12 @@ class CacheEvents:
                 stored[tier] = came.tolist()
             self._last[tier] = now.copy()
         return stored, evicted
+
+
+def pool_written(tiers) -> list[int]:
+    """The hashes a worker wrote to the shared pool since it last reported (none without a pool)."""
+    remote = getattr(tiers, "remote", None)
+    return remote.take_written() if remote is not None else []
 
 
 def tier_slots(blocks, tiers=None) -> dict[str, np.ndarray]:

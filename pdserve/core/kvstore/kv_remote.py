@@ -32,6 +32,7 @@ class RemoteBook:
     absent: dict = field(default_factory=dict)  # hash -> when a probe found it missing
     probing: dict = field(default_factory=dict)  # hash -> when its probe was asked
     bad: set = field(default_factory=set)  # hashes whose value in the pool was found damaged here
+    written: list = field(default_factory=list)  # hashes this worker wrote there since `take_written`
     down_until_s: float = float("-inf")
     downs: int = 0  # times the pool was found down
     slow_probes: int = 0  # lookups that stopped waiting for a probe's answer
@@ -83,10 +84,18 @@ class RemoteBook:
         self.absent.pop(h, None)
         if written:
             self.bad.discard(h)
+            if len(self.written) < self.max_known:
+                self.written.append(h)
         self.known[h] = None
         self.known.move_to_end(h)
         if len(self.known) > self.max_known:
             self.known.popitem(last=False)
+
+    def take_written(self) -> list[int]:
+        """The hashes this worker wrote to the pool since the last call (its `kv_cache` report's `remote` part:
+        routing counts the pool as a tier every worker reaches, `pdserve.conductor.routing`)."""
+        out, self.written = self.written, []
+        return out
 
     def forget(self, h: int) -> None:
         """`h` was not (or no longer) in the pool when read: evicted there."""
