@@ -171,6 +171,17 @@ def test_without_the_package_transport_mooncake_is_one_line(tmp_path):
     assert "pip install 'pdserve[mooncake]'" in lines[0] and "libibverbs1" in lines[0]
 
 
+def test_joined_workers_need_a_tcp_path(monkeypatch):
+    """A worker that joins delivers and takes KV over tcp: a pd deployment on mooncake alone cannot take one."""
+    from pdserve.errors import InvalidRequestError
+    from pdserve.server.launch import ServeConfig
+    from pdserve.transfer import peer_auth
+    monkeypatch.setenv(peer_auth.ENV, peer_auth.new_secret())
+    with pytest.raises(InvalidRequestError, match=r"^--control-port in pd mode needs --transport tcp or auto: "):
+        ServeConfig(transport="mooncake", control_port=5557)
+    assert ServeConfig(transport="mooncake", mode="colocated", control_port=5557).transport == "mooncake"
+
+
 @pytest.mark.slow
 def test_serve_over_mooncake_gives_the_same_text(reference):
     from serve_util import Server

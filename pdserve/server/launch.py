@@ -201,8 +201,8 @@ class ServeConfig:
             raise InvalidRequestError(f"--control-port needs the deployment secret that joining workers prove: set "
                                       f"{peer_auth.ENV} (64 hex digits, e.g. `openssl rand -hex 32`)",
                                       param="control_port")
-        if self.mode == "pd" and not transfer.capabilities(self.transport).cross_host:
-            across = " or ".join(n for n in transfer.names() if transfer.capabilities(n).cross_host)
+        if self.mode == "pd" and not transfer.speaks(self.transport, "tcp"):
+            across = " or ".join(n for n in transfer.names() if transfer.speaks(n, "tcp"))
             raise InvalidRequestError(f"--control-port in pd mode needs --transport {across}: workers that join "
                                       "deliver KV over tcp", param="control_port")
 

@@ -48,6 +48,11 @@ def auto_paths() -> list[str]:
     return [name for name, t in TRANSPORTS.items() if t.in_auto]
 
 
+def speaks(transport: str, path: str) -> bool:
+    """Whether workers on `transport` take KV on `path` (a joined worker's `tcp`): its own, or one of auto's."""
+    return transport == path or (transport == AUTO and path in auto_paths())
+
+
 def _options(transport: str, given: dict) -> dict:
     return {k: given[k] for k in TRANSPORTS[transport].options}
 
