@@ -130,16 +130,22 @@ def test_a_changed_payload_is_refused(link, label, cross_host):
     assert polled.receiver.auth_failures == (0 if label == "internal" else 2)  # (plain: a checksum, not a tag)
 
 
-def test_a_replayed_payload_header_is_refused(link):
+def test_a_replayed_or_forged_payload_header_is_refused(link):
     sender, polled = link()
     d = os.urandom(64 << 10)
     sender.send_chunk(polled.receiver.address, _chunk(0, "secret"), [memoryview(d)])
     (ch,) = sender._channels.values()
     # the same header again (its counter already accepted), as a replay on the path would send it
     sender._control.send_control(ch.ctl, {**_chunk(0, "secret"), "mc": [ch.nonce, 0, 0, len(d) + 16, "aead", 0]})
-    first, again = polled.wait(2)
+    # and headers no sender of ours writes: a malformed one, one pointing outside the ring (none crashes the poll)
+    sender._control.send_control(ch.ctl, {**_chunk(1, "internal"), "mc": [ch.nonce, 5, -1]})
+    sender._control.send_control(ch.ctl, {**_chunk(1, "internal"), "mc": [ch.nonce, 6, -(3 << 20), 64, "plain", 0]})
+    first, again, malformed, outside = polled.wait(4)
     assert first.verified and first.payload == d
-    assert not again.verified and "replayed" in again.header["reason"] and polled.receiver.auth_failures == 1
+    assert not again.verified and "replayed" in again.header["reason"]
+    assert not malformed.verified and "malformed" in malformed.header["reason"]
+    assert not outside.verified and "outside the ring" in outside.header["reason"]
+    assert polled.receiver.auth_failures == 3
 
 
 def test_pd_tokens_equal_single_engine_over_mooncake(tiny_llama_dir, tmp_path):

@@ -352,8 +352,9 @@ class MooncakeReceiver:
             if kind == "mc_open":
                 self._open(rec.header)
             elif kind == "mc_close":
-                if rec.header.get("nonce") in self._channels:
-                    self._close_channel(rec.header["nonce"])
+                nonce = rec.header.get("nonce")
+                if isinstance(nonce, bytes) and nonce in self._channels:
+                    self._close_channel(nonce)
             elif kind == "chunk" and "mc" in rec.header and rec.views is None:
                 out.append(self._chunk(rec.header, place))
             else:  # control records, and chunk headers the tcp path refused (their transfers fail)
@@ -382,7 +383,13 @@ class MooncakeReceiver:
 
     def _chunk(self, header: dict, place: Place) -> Received:
         """A chunk whose payload is in its channel's ring: placed, copied out and verified, or refused."""
-        nonce, counter, start, wire, mode, digest = header.pop("mc")
+        try:
+            nonce, counter, start, wire, mode, digest = header.pop("mc")
+            if not (isinstance(nonce, bytes) and all(isinstance(v, int) for v in (counter, start, wire, digest))):
+                raise TypeError
+        except (TypeError, ValueError):
+            self.refused += 1
+            return Received({**header, "reason": "a malformed mooncake chunk header"}, [], False)
         aad = encode_meta(header)
         nbytes = wire - (TAG if mode != "plain" else 0)
         header.update(nbytes=nbytes, checksum=digest)
@@ -416,7 +423,8 @@ class MooncakeReceiver:
         if counter <= ch.last:
             return f"a replayed or reordered payload (counter {counter}, last accepted {ch.last})"
         size = ch.ring.view.nbytes
-        if wire < (TAG if mode != "plain" else 0) or wire > size or start % size + wire > size:
+        if (not 0 <= start < 1 << 62 or wire < (TAG if mode != "plain" else 0) or wire > size
+                or start % size + wire > size):
             return f"a payload of {wire} bytes at ring position {start} outside the ring"
         return None
 
