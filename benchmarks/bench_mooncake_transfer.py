@@ -36,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transfer import (BLOCK, HEAD_DIM, KV_HEADS, LAYERS, REGION, delivery, enter_netns,  # noqa: E402
                             loopback_ceiling)
 
-LOCAL = {"loopback": None, "engine": "engine", "shm": ("shm", None), "tcp": ("tcp", None), "mooncake": ("mooncake", None),
-         "tcp_secret": ("tcp", "secret"), "mooncake_secret": ("mooncake", "secret")}
-ACROSS = {"loopback_netns": None, "engine_netns": "engine", "tcp_netns": ("tcp", None), "mooncake_netns": ("mooncake", None),
-          "tcp_public_netns": ("tcp", "public"), "mooncake_public_netns": ("mooncake", "public")}
+# row -> None (the socket), "engine" (the engine alone) or (transport, label)
+LOCAL = {"loopback": None, "engine": "engine", "shm": ("shm", None), "tcp": ("tcp", None),
+         "mooncake": ("mooncake", None), "tcp_secret": ("tcp", "secret"), "mooncake_secret": ("mooncake", "secret")}
+ACROSS = {"loopback_netns": None, "engine_netns": "engine", "tcp_netns": ("tcp", None),
+          "mooncake_netns": ("mooncake", None), "tcp_public_netns": ("tcp", "public"),
+          "mooncake_public_netns": ("mooncake", "public")}
 
 
 def _engine_target(host: str, netns: str | None, q: mp.Queue, bye: mp.Queue) -> None:
