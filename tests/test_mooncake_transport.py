@@ -186,6 +186,8 @@ def test_joined_workers_need_a_tcp_path(monkeypatch):
     with pytest.raises(InvalidRequestError, match=r"^--control-port in pd mode needs --transport tcp or auto: "):
         ServeConfig(transport="mooncake", control_port=5557)
     assert ServeConfig(transport="mooncake", mode="colocated", control_port=5557).transport == "mooncake"
+    with pytest.raises(InvalidRequestError, match=r"^--cluster ray delivers KV over tcp: --transport mooncake is not"):
+        ServeConfig(transport="mooncake", cluster="ray")  # (not silently tcp)
 
 
 @pytest.mark.slow

@@ -171,6 +171,9 @@ class ServeConfig:
         if self.cluster is not None:
             from pdserve.worker.ray_workers import parse_cluster
             parse_cluster(self.cluster)
+            if self.transport == "mooncake":  # (its workers join as actors: `launch_ray.gateway_config`)
+                raise InvalidRequestError("--cluster ray delivers KV over tcp: --transport mooncake is not available "
+                                          "there", param="transport")
         self._check_control()
         check_priced(self.prices, ("prefill", "decode") if self.mode == "pd" else ("colocated",))
         if self.role_switching == "auto" and self.mode != "pd":
