@@ -128,6 +128,7 @@ def test_cli_flags_reach_the_pool_and_the_report(tmp_path, capsys):
     assert sim["kv_pool"]["rtt_s"] == pytest.approx(50e-6) and sim["kv_pool"]["published_blocks"] > 0
     assert "remote" in sim["kv"]["colocated"]["hit_tokens"]
     assert sim["engines"][0]["kv_tiers"]["io"]["bandwidth"]["remote_write"] == 10e9
+    assert set(sim["engines"][0]["kv_tiers"]["remote"]) == {"skipped_blocks", "slow_probes"}  # the tier code's
 
 
 @pytest.mark.parametrize("flags, says", [

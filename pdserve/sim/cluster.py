@@ -297,6 +297,10 @@ def kv_tier_stats(e: SimEngine, duration_s: float) -> dict:
             "bytes_in": {t: rep["bytes_in"].get(t, 0) for t in STORAGE_TIERS},
             "bytes_out": {t: rep["bytes_out"].get(t, 0) for t in STORAGE_TIERS},
             "stages": rep["stages"], "placement": rep["placement"],
+            # the shared pool, as this engine's real tier code saw it: blocks not written through (too many
+            # writes under way), lookups that stopped waiting for a probe's answer
+            **({"remote": {"skipped_blocks": rep["remote_skipped"], "slow_probes": rep["remote_slow"]}}
+               if "remote" in rep["hits"] else {}),
             "io": e.kv_io.stats(duration_s) if e.kv_io is not None else None}
 
 
