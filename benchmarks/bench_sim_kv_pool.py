@@ -27,20 +27,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kv_tiers as kvt  # noqa: E402 - beside this script (CPU name, trace location)
+from bench_kv_placement import later_turns  # noqa: E402 - the same "later turn"
 
 # name -> the pool flags of that variant
 VARIANTS = {"no pool": [], "pool 1 TiB": ["--kv-remote-pool-gb", "1024"],
             "pool 16 GiB": ["--kv-remote-pool-gb", "16"],
             "pool 1 TiB at 10 Gbit/s": ["--kv-remote-pool-gb", "1024", "--kv-remote-gbps", "10"]}
-
-
-def later_turns(wl) -> list[bool]:
-    seen: set = set()
-    out = []
-    for req in wl.requests:
-        out.append(kvt.leading_seen(list(req.hash_ids), seen) > 1)
-        seen.update(req.hash_ids)
-    return out
 
 
 def command(args, out: Path, pool: list[str]) -> list[str]:
