@@ -210,4 +210,14 @@ def test_serve_over_mooncake_gives_the_same_text(reference):
         assert server.stop() == 0
 
 
-from test_serve import reference  # noqa: E402,F401 - the in-process LLM's text (a module fixture)
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process `LLM`'s greedy text for the two prompts and the chat the serve test sends."""
+    from pdserve import LLM, SamplingParams
+    from test_serve import CHAT, MAX_TOKENS, PROMPTS
+    llm = LLM(num_threads=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    texts = [o.text for o in llm.generate(PROMPTS[:2], params)]
+    chat = llm.chat(CHAT, params)[0].text
+    del llm
+    return {"completions": texts, "chat": chat}
