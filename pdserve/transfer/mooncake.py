@@ -28,8 +28,9 @@ delivery schedule, the leases (`alive`), the breakers (a failed write, a full ri
 `TransferError`), and the checksum: a chunk whose bytes do not match fails its transfer, which is recomputed.
 
 Sensitivity (`pdserve.core.pd.sensitivity`): the payload gets the mode its label and path ask (`protection`),
-like a tcp record; the path crosses hosts when the peer's address is not loopback (`kv_seal.crosses_hosts`,
-each end from the other's address). mac: a 16-byte GMAC tag after the payload; aead: the payload encrypted
+like a tcp record; the path crosses hosts when the peer's address is not loopback (`kv_seal.crosses_hosts`: the
+sender from the receiver's address, the receiver from the address the sender states in its open record, a tcp
+control record, so authenticated wherever the path crosses hosts). mac: a 16-byte GMAC tag after the payload; aead: the payload encrypted
 (AES-256-GCM, its tag after it) *before* the engine sees it, with the chunk's meta as associated data. Key per
 channel: HKDF-SHA256 of the deployment secret salted with the channel's nonce; nonce: the channel's record
 counter, which the receiver accepts only rising (a replayed or reordered payload is refused). The header that
@@ -40,6 +41,13 @@ Memory: each channel's ring is registered memory of the receiver (`ring_bytes`, 
 `SLOTS` channels, the oldest closed for a new one; a sender that gives a channel up after a failure tells the
 receiver to free its ring, `mc_close`); each sender has one registered staging buffer of its
 largest record. One engine per process and protocol (`engine`), initialized with the first host asked for.
+
+Why this shape: the prefill side pushes (as vLLM's Mooncake connector has the prefill worker write into the
+decode worker's memory), so the engine's transfer time is spent on the sender's thread, never in the decode
+worker's poll; the receiver grants a ring instead of exposing its KV pool, because blocks are placed only when
+their header arrives (`place`), and verified before they count; and the consumed mark lives in the receiver's
+memory, read by the sender only when its ring is full, so a receiver never writes to a sender. A header the
+receiver cannot use (malformed, an unknown channel, a position outside the ring) fails its chunk, counted.
 """
 
 from __future__ import annotations
