@@ -79,6 +79,34 @@ class Netns:
             return Shaping(rate_mbit, 0.0, f"no netem here, no added delay: {done.stderr.strip()}")
         return Shaping(rate_mbit, delay_ms)
 
+    def ports(self, listening: bool) -> set[int]:
+        """The local TCP ports of the namespace's listening (or established) sockets."""
+        args = ["-ltnH"] if listening else ["-tnH", "state", "established"]
+        out = subprocess.run(self.exec_argv(["ss", *args]), capture_output=True, text=True, check=True).stdout
+        column = 3 if listening else 2  # (`state` drops the state column)
+        return {int(line.split()[column].rpartition(":")[2]) for line in out.splitlines() if line.strip()}
+
+    @contextmanager
+    def blackholed(self, port: int) -> Iterator[None]:
+        """Every packet to or from `port` inside the namespace dropped, without a reset or an error: a
+        blackholed peer. Policy routing to a blackhole route (the local table's rule moved behind ours, so
+        arriving packets are matched too; this needs no iptables, nft or tc drop action)."""
+        steps = [["route", "replace", "blackhole", "default", "table", "77"]]
+        if any(line.startswith("0:") for line in self._rules().splitlines()):  # (not moved by an earlier one)
+            steps += [["rule", "add", "pref", "100", "lookup", "local"], ["rule", "del", "pref", "0"]]
+        steps += [["rule", "add", "pref", "40", "sport", str(port), "ipproto", "tcp", "table", "77"],
+                  ["rule", "add", "pref", "41", "dport", str(port), "ipproto", "tcp", "table", "77"]]
+        for step in steps:
+            subprocess.run(self.exec_argv(["ip", *step]), check=True, capture_output=True)
+        try:
+            yield
+        finally:
+            for pref in ("40", "41"):
+                subprocess.run(self.exec_argv(["ip", "rule", "del", "pref", pref]), check=True, capture_output=True)
+
+    def _rules(self) -> str:
+        return subprocess.run(self.exec_argv(["ip", "rule", "show"]), capture_output=True, text=True).stdout
+
     def unshape(self) -> None:
         if shutil.which("tc") is None:
             return
