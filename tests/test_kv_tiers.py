@@ -30,6 +30,7 @@ from pdserve.core.kvstore.kv_ops import TierCapacity
 from pdserve.core.kvstore.kv_tiers import KVLoad, KVOp, TieredKV, TierHit, build_tiered_kv
 from pdserve.core.request import RequestStatus
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sched.kv_reservations import LOOKING
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.engine.executor import FakeExecutor
 from pdserve.engine.llm_engine import LLMEngine
@@ -1090,7 +1091,7 @@ class Driver:
             self.engine.add_request(p, greedy(max_tokens), request_id=rid)
             return
         hit = self.engine.scheduler.reserve_kv(self.engine.make_request(rid, p, greedy(max_tokens)))
-        if hit is not None:
+        if hit is not None and hit != LOOKING:  # (LOOKING: its prefix is on its way from disk; not reserved)
             assert hit % BS == 0 and hit < len(p)
             self.reqs[rid] = (p, max_tokens)
             self.reserved[rid] = hit

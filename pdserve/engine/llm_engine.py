@@ -117,6 +117,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.poll_kv()
         scheduled = self.last_scheduled = self.scheduler.schedule()
+        if self.tiers is not None and self.tiers.has_new_ops:  # a lookup's reads (disk, the shared pool) start
+            self.kv_io.submit(self.tiers.take_ops())  # now, not after the forward: its request waits for them
         result = self.executor.execute(scheduled)
         finished = {r.request_id: r for r in self.scheduler.update(scheduled, result)}
         if self.tiers is not None:

@@ -48,7 +48,9 @@ from pdserve.core.kvstore.kv_tier_index import TierIndex
 # request frees its blocks), LMCache's chunk: one copy per run instead of one per block as each fills
 WRITE_THROUGH_TOKENS = 256
 PREFETCH_HOLD_S = 5.0  # a block prefetched from disk stays in host at least this long, or until loaded
-MAX_PUBLISHING = 256  # blocks being written to the shared pool at once; more are skipped (counted)
+# blocks being written to the shared pool at once (held busy in host meanwhile), at least; or a quarter of the host
+# tier, if more (a long prompt's step fills hundreds): more are skipped, counted
+MAX_PUBLISHING = 256
 _FETCHED = (TIER_CODE[Tier.DISK], TIER_CODE[Tier.REMOTE])  # `from_tier` of a block read into host from below
 
 
@@ -483,7 +485,8 @@ class TieredKV:
 
     def _publish(self, hashes: Sequence[BlockHash]) -> None:
         """Write the host-ready entries of `hashes` the pool is not known to hold through to it (secret ones only
-        when it is sealed), at most `MAX_PUBLISHING` blocks at once (the rest skipped, counted)."""
+        when it is sealed), at most `MAX_PUBLISHING` blocks (or a quarter of host) at once: the rest skipped,
+        counted."""
         if not self.remote.up(self.blocks.clock()):
             return
         known = self.remote.known
@@ -497,7 +500,7 @@ class TieredKV:
             secret = self.host.cols.secret[src]
             self.stats.secret_off_remote += int(np.count_nonzero(secret))
             keys, src = keys[~secret], src[~secret]
-        room = max(MAX_PUBLISHING - self._publishing, 0)
+        room = max(max(MAX_PUBLISHING, self.host.capacity // 4) - self._publishing, 0)
         self.stats.remote_skipped += max(len(keys) - room, 0)
         keys, src = keys[:room], src[:room]
         if len(keys):

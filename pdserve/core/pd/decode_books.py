@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from pdserve.core.pd.kv_arrival import DELIVERED, RECOMPUTED, KvArrival
+from pdserve.core.sched.kv_reservations import LOOKING
 from pdserve.core.sched.policy import insert_in_order
 from pdserve.core.request import Request
 
@@ -76,6 +77,7 @@ class DecodeBooks:
         self.unread: set[str] = set()  # delivered, not yet read by a step
         self.stats = DecodeStats()
         self._told_waiting: set[str] = set()  # xfers of pending reservations already reported
+        self._looking: set[str] = set()  # the one whose prefix is being read from a lower tier (not reported)
         self.held: dict[str, Held] = {}  # lapsed transfers, still live, waiting for the conductor's choice
         self.arrivals: dict[str, KvArrival] = {}  # request id -> how its prompt KV arrived, until its first token
         self.given_up: dict[str, str] = {}  # request id -> the conductor's reason its KV will not come
@@ -92,12 +94,16 @@ class DecodeBooks:
     def grant(self) -> list[Grant]:
         """Grant queued reservations in policy order while blocks last."""
         granted = []
+        self._looking = set()
         while self.pending:
             res = self.pending[0]
             if self.gone is not None and self.gone(res.request.request_id):
                 self.pending.pop(0)
                 continue
             cached = self.scheduler.reserve_kv(res.request)
+            if cached == LOOKING:  # its prefix is being read from a lower tier: not short of room
+                self._looking.add(res.xfer)
+                break
             if cached is None:
                 break
             self.pending.pop(0)
@@ -112,9 +118,9 @@ class DecodeBooks:
 
     def newly_waiting(self) -> list[Reservation]:
         """Reservations left waiting for room, each reported once."""
-        new = [r for r in self.pending if r.xfer not in self._told_waiting
+        new = [r for r in self.pending if r.xfer not in self._told_waiting and r.xfer not in self._looking
                and (self.gone is None or not self.gone(r.request.request_id))]
-        self._told_waiting = {r.xfer for r in self.pending}
+        self._told_waiting = {r.xfer for r in self.pending if r.xfer not in self._looking}
         return new
 
     def settle(self, request_id: str, delivered: bool, first_token: int | None, num_bytes: float,

@@ -25,6 +25,8 @@ from pdserve.core.request import Request, RequestStatus
 _NO_TIER_HIT = TierHit()
 
 
+LOOKING = -1  # `reserve`: not now, and not for lack of room: the prefix is being read from a lower tier
+
 class KVReservations:
     """Requests waiting for delivered KV, and their host hits not loaded yet (see the module docstring)."""
 
@@ -44,8 +46,10 @@ class KVReservations:
         return bool(self._loads)
 
     def reserve(self, request: Request) -> int | None:
-        """Hold blocks for the whole prompt of `request`, which then waits for its KV; None when no room now.
-        Returns the prompt tokens already cached here (whole blocks, device or host): not to be delivered."""
+        """Hold blocks for the whole prompt of `request`, which then waits for its KV; None when no room now,
+        `LOOKING` while its prefix is being looked up in a lower tier (read from disk or the shared pool: ask
+        again shortly). Returns the prompt tokens already cached here (whole blocks, device or host): not to be
+        delivered."""
         prefix = self.blocks.find_prefix(request.all_token_ids, request.request_id)
         if self.window is not None and self.blocks.blocks_needed(request.num_prompt_tokens) > self.window.window:
             hit_blocks = self._reserve_long(request, prefix)  # device hits unused: its head goes to host
@@ -56,7 +60,7 @@ class KVReservations:
             lower = _NO_TIER_HIT if self.tiers is None else self.tiers.extend(
                 prefix.block_hashes[len(prefix.block_ids):])
             if lower.waiting:
-                return None
+                return LOOKING
             ids = self.blocks.allocate(request.request_id, request.num_prompt_tokens, prefix, request.service_tier)
             if ids is None:
                 return None

@@ -24,7 +24,7 @@ import bisect
 
 from pdserve.core.kvstore.block_manager import KVBlockManager, PrefixHit
 from pdserve.core.sched.hot_window import HotWindow
-from pdserve.core.sched.kv_reservations import KVReservations
+from pdserve.core.sched.kv_reservations import LOOKING, KVReservations
 from pdserve.core.kvstore.kv_placement import KVLifecycle
 from pdserve.core.kvstore.kv_tiers import KVLoad, TierHit, TieredKV
 from pdserve.core.pd.production_pace import ProductionPace
@@ -287,7 +287,8 @@ class Scheduler:
 
     # ---- KV another worker delivers (`pdserve.core.sched.kv_reservations`) ----------------------------------
     def reserve_kv(self, request: Request) -> int | None:
-        """Hold blocks for the whole prompt of a request whose KV will be delivered; None when no room now.
+        """Hold blocks for the whole prompt of a request whose KV will be delivered; None when no room now,
+        `kv_reservations.LOOKING` while its prefix is being read from a lower tier (not for lack of room).
         Returns the number of prompt tokens already in this worker's prefix cache (whole blocks): the sender
         need not deliver those. Raises like `add_request` for a request that could never be served."""
         self.check_new(request)
@@ -295,7 +296,7 @@ class Scheduler:
         if len(self.running) + len(self.reservations) >= self.config.max_num_seqs:
             return None
         hit_tokens = self.reservations.reserve(request)
-        if hit_tokens is not None:
+        if hit_tokens is not None and hit_tokens != LOOKING:
             self._arrived(request)
             self.requests[request.request_id] = request
             self.stats.num_prompt_tokens += request.num_prompt_tokens
