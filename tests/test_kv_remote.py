@@ -133,3 +133,24 @@ def test_a_damaged_value_in_the_pool_is_refused_and_recomputed(tmp_path):
         client.close()
     finally:
         master.stop()
+
+
+@pytest.mark.parametrize("value,message", [
+    ("bogus", "--kv-remote must be mooncake://HOST:PORT[?metadata=URL] or local, got 'bogus'"),
+    ("mooncake://h:1?x=2", "--kv-remote: unknown parameter 'x' (only metadata=URL)"),
+    ("mooncake://h:1?metadata=ftp://m", "--kv-remote: metadata must be an http(s) URL, got 'ftp://m'")])
+def test_a_malformed_pool_address_is_a_one_line_cli_error(value, message):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--kv-remote", value],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
+
+
+def test_local_is_for_serve_only():
+    from pdserve.engine.config import EngineConfig
+    from pdserve.errors import InvalidRequestError
+    from pdserve.kv.remote_store import RemoteKVStore
+    EngineConfig(kv_remote="local")  # (valid: serve resolves it before its workers start)
+    with pytest.raises(InvalidRequestError, match="local is pdserve serve's"):
+        RemoteKVStore("local", "identity", 1024, 0)

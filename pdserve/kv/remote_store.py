@@ -53,6 +53,9 @@ class RemoteKVStore:
     def __init__(self, url: str, identity: str, payload_nbytes: int, segment_bytes: int,
                  seal: BlockSeal | None = None) -> None:
         from pdserve.mooncake import unavailable
+        if url == LOCAL:  # (`pdserve serve` resolves it before its workers start; nobody else can)
+            raise InvalidRequestError("--kv-remote local is pdserve serve's (it starts the pool); here give the pool's "
+                                      "master: mooncake://HOST:PORT[?metadata=URL]", param="kv_remote")
         why = unavailable()
         if why is not None:
             raise InvalidRequestError(f"--kv-remote: {why}", param="kv_remote")
