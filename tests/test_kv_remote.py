@@ -83,6 +83,17 @@ def test_a_prefix_computed_by_one_engine_is_a_pool_hit_on_another_and_survives_t
     assert _wait(lambda: (other.engine.poll_kv(), other.engine.kv_report()["remote_down"])[1] >= 1)
     assert other.generate([PROMPT], params)[0].text == text  # its own device cache still serves this
 
+    from pdserve.mooncake import start_master  # the master back (where it was): the pool is used again
+    pool.proc = start_master(rpc_port=pool.rpc_port, metadata_port=pool.metadata_port).proc
+    written = other.engine.kv_report()["bytes_in"].get("remote", 0)
+    fresh = PROMPT.replace("lighthouse", "harbour")
+
+    def used_again() -> bool:  # (after the down spell, 5 s: each try is a new prompt, so it has new blocks)
+        other.generate([fresh + str(time.monotonic())], params)
+        other.engine.poll_kv()
+        return other.engine.kv_report()["bytes_in"].get("remote", 0) > written
+    assert _wait(used_again, timeout_s=60)
+
 
 def _reference(prompt: str) -> str:
     from pdserve import LLM, SamplingParams
