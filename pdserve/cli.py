@@ -155,10 +155,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pdserve.engine.profiler import merge_profiles, run_profile
-    if args.merge:
+    if args.from_server and args.merge:
+        raise PdserveError("give --from-server or --merge, not both")
+    if args.from_server:
+        result = _profile_from_server(args.from_server, args.api_key)
+    elif args.merge:
+        from pdserve.engine.profiler import merge_profiles
         result = merge_profiles(args.merge)
     else:
+        from pdserve.engine.profiler import run_profile
         result = run_profile(engine_config_from_args(args), _positive_ints(args.prefill_tokens, "prefill-tokens"),
                              _positive_ints(args.decode_batches, "decode-batches"),
                              _positive_ints(args.decode_contexts, "decode-contexts"))
@@ -171,6 +176,43 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"decode_s  = {d['a']:.4g} + {d['b']:.4g}*context_sum + {d['c']:.4g}*batch")
     print(f"wrote {args.output}")
     return 0
+
+
+def _profile_from_server(url: str, api_key: str | None) -> dict:
+    """The time model of a running server's served steps (GET /v1/admin/steps; `pdserve.sim.from_server`), in
+    `pdserve profile`'s JSON with the records it came from (`steps`)."""
+    import json
+
+    from pdserve.sim.from_server import fit_from_steps
+    records = _get_json(url, "/v1/admin/steps", api_key).get("data")
+    if not isinstance(records, list):
+        raise PdserveError(f"{url}/v1/admin/steps did not answer a list of step records")
+    model = fit_from_steps(records, {"source": f"server {url}", "units": "seconds; tokens; context tokens; requests"})
+    m = model.meta
+    print(f"fitted {m['steps_fitted']['prefill']} prefill and {m['steps_fitted']['decode']} decode steps of {url} "
+          f"(trimmed as outliers: {m['steps_trimmed']['prefill']} and {m['steps_trimmed']['decode']})")
+    return {**json.loads(model.to_json()), "steps": records}
+
+
+def _get_json(url: str, path: str, api_key: str | None) -> dict:
+    """GET `url` + `path` (with `Authorization: Bearer api_key` if given) as JSON; failures: one-line errors."""
+    import json
+    import urllib.error
+    import urllib.request
+    full = url.rstrip("/").removesuffix("/v1") + path
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(full, headers=headers), timeout=30) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise PdserveError(f"{full} answered HTTP {e.code}" + (" (give --api-key)" if e.code == 401 else "")) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise PdserveError(f"cannot reach {full}: {getattr(e, 'reason', None) or e}") from None
+    except ValueError as e:  # a malformed URL, or an answer that is not JSON
+        raise PdserveError(f"{full}: {e}") from None
+    if not isinstance(body, dict):
+        raise PdserveError(f"{full} did not answer a JSON object")
+    return body
 
 
 def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
@@ -222,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="context length per request of the timed decode steps (comma-separated)")
     prof.add_argument("--merge", nargs="+", metavar="FIT.json", default=None,
                       help="measure nothing: fit over the samples of these earlier profiles together")
+    prof.add_argument("--from-server", metavar="URL", default=None,
+                      help="measure nothing: fit to the steps a running pdserve server reports (GET "
+                           "/v1/admin/steps), timed under serving conditions")
+    prof.add_argument("--api-key", default=None, help="with --from-server: the server's API key, if it needs one")
     add_engine_args(prof)
     prof.set_defaults(func=cmd_profile)
     from pdserve.bench.cli import add_bench_parser

@@ -242,6 +242,13 @@ def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": gateway.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    @app.get("/v1/admin/steps")
+    async def steps():
+        """Each worker's recent engine steps as its stats reported them (read-only): {worker, role, source
+        (calibration: its profile steps at load; served), prefill_tokens, prefill_sq, decode_seqs, decode_context,
+        seconds}; `pdserve profile --from-server URL` fits the simulator's time model to the served ones."""
+        return {"object": "list", "data": gateway.conductor.step_records()}
+
     @app.get("/version")
     async def version():
         return {"version": __version__}

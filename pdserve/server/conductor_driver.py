@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,9 +30,11 @@ from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.worker.wire_codec import pack, unpack
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
+from pdserve.core.sched.online_fit import REPORTED
 from pdserve.transfer.zmq_auth import Refusals, secure_client
 
 log = logging.getLogger(__name__)
+STEP_RECORDS = 4096  # recent step records kept per worker (GET /v1/admin/steps)
 
 
 @dataclass
@@ -40,6 +43,10 @@ class WorkerHandle:
     socket: zmq.Socket
     info: dict = field(default_factory=dict)  # its `ready` event
     stats: dict = field(default_factory=dict)  # its latest `stats` event
+    # its recent steps as its stats reported them, each (source, [prefill tokens, their squares, decode seqs,
+    # decode context, seconds]): source `calibration` for the first stats' (its profile steps at load), else
+    # `served` (GET /v1/admin/steps; `pdserve profile --from-server` fits the simulator's time model to them)
+    steps: deque = field(default_factory=lambda: deque(maxlen=STEP_RECORDS))
     last_seen: float = field(default_factory=time.monotonic)  # its latest event of any kind (heartbeat)
     loop_age_s: float = 0.0  # its latest heartbeat: how long ago its main loop last came round
     joined: bool = False  # it joined the running deployment (`pdserve worker --join`): no process of ours
@@ -103,6 +110,11 @@ class Conductor:
         secure_client(sock)  # (`pdserve.transfer.zmq_auth`)
         sock.connect(cmd_addr)
         return sock
+
+    def step_records(self) -> list[dict]:
+        """Every worker's recent steps (`WorkerHandle.steps`), oldest first per worker, named as `REPORTED`."""
+        return [{"worker": w.name, "role": w.load.role, "source": source, **dict(zip(REPORTED, row))}
+                for w in self.workers.values() for source, row in list(w.steps)]
 
     def role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.load.role == role]
@@ -368,7 +380,9 @@ class Conductor:
                 for tier, held in worker.load.reported.held.items():
                     self.metrics.routing_reported_blocks.labels(worker=worker.name, tier=tier).set(len(held))
         elif isinstance(event, Stats):
+            source = "served" if worker.stats else "calibration"
             stats = worker.stats = {"worker": event.worker, "role": event.role, **event.values}
+            worker.steps.extend((source, row) for row in stats.get("steps") or ())
             self.core.worker_steps(worker.name, stats.get("steps"), stats.get("prefill_cap"))
             if "kv_links" in stats:  # a prefill worker: its links' measured rates
                 self.core.worker_links(worker.name, stats["kv_links"])

@@ -183,7 +183,7 @@ class FittedTimeModel:
         d = json.loads(text)
         try:
             meta = {k: v for k, v in d.items()
-                    if k not in ("prefill", "decode", "kind", "form", "wake", "wake_decode", "samples")}
+                    if k not in ("prefill", "decode", "kind", "form", "wake", "wake_decode", "samples", "steps")}
             return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta,
                                    [(g, x) for g, x in d.get("wake") or []],
                                    None if d.get("wake_decode") is None else [(g, x) for g, x in d["wake_decode"]])
@@ -192,18 +192,25 @@ class FittedTimeModel:
                                       f"optional wake [[gap_s, extra_s], ...]: {e}") from None
 
 
-def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = None) -> FittedTimeModel:
+def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = None,
+                   relative: bool = False) -> FittedTimeModel:
     """Least-squares fit of the DistServe form to (shape, measured seconds) pairs of pure prefill and pure
-    decode steps (mixed steps are ignored). Each side needs at least three samples."""
+    decode steps (mixed steps are ignored). Each side needs at least three samples. `relative`: least squares
+    on relative error (each row divided by its seconds, which must be > 0), so short steps count as much as
+    long ones."""
     pre = [(s, t) for s, t in samples if s.prefill_tokens and not s.decode_seqs]
     dec = [(s, t) for s, t in samples if s.decode_seqs and not s.prefill_tokens]
     if len(pre) < 3 or len(dec) < 3:
         raise InvalidRequestError("need at least 3 pure prefill and 3 pure decode steps to fit")
-    xp = np.array([[1.0, s.prefill_tokens, s.prefill_sq] for s, _ in pre])
-    xd = np.array([[1.0, s.decode_context, s.decode_seqs] for s, _ in dec])
-    cp = np.linalg.lstsq(xp, np.array([t for _, t in pre]), rcond=None)[0]
-    cd = np.linalg.lstsq(xd, np.array([t for _, t in dec]), rcond=None)[0]
-    return FittedTimeModel(Coefficients(*map(float, cp)), Coefficients(*map(float, cd)), meta)
+
+    def solve(x: list, t: list) -> list[float]:
+        x, t = np.array(x, dtype=float), np.array(t, dtype=float)
+        if relative:
+            x, t = x / t[:, None], np.ones_like(t)
+        return [float(v) for v in np.linalg.lstsq(x, t, rcond=None)[0]]
+    cp = solve([[1.0, s.prefill_tokens, s.prefill_sq] for s, _ in pre], [t for _, t in pre])
+    cd = solve([[1.0, s.decode_context, s.decode_seqs] for s, _ in dec], [t for _, t in dec])
+    return FittedTimeModel(Coefficients(*cp), Coefficients(*cd), meta)
 
 
 def codec_decode_scale(model: ModelSpec, measured: str) -> float:

@@ -15,6 +15,8 @@ import numpy as np
 MIN_SAMPLES = 8
 WINDOW = 256  # recent steps kept
 REFIT_EVERY = 16  # new samples between two least-squares fits
+# the names of a reported step's numbers (`StepRow.reported`), as GET /v1/admin/steps gives each step
+REPORTED = ("prefill_tokens", "prefill_sq", "decode_seqs", "decode_context", "seconds")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,71 @@
+"""Record a real server's step reports as a test fixture (tests/data/server_steps.json, for
+tests/test_from_server.py): `pdserve serve` (1 prefill + 1 decode, one thread each), a short replay of the
+scaled Azure conversation trace through `pdserve bench serve`, then GET /v1/admin/steps; the served steps kept,
+every prefill step and an even sample of the decode steps, at most --max-rows in all.
+
+    .venv/bin/python benchmarks/record_server_steps.py [--max-requests 24] [--rate 1] [--max-rows 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from serve_util import TRACES, Server  # noqa: E402
+
+OUT = ROOT / "tests" / "data" / "server_steps.json"
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def keep(records: list[dict], max_rows: int) -> list[dict]:
+    served = [r for r in records if r["source"] == "served" and (r["prefill_tokens"] or r["decode_seqs"])]
+    pre = [r for r in served if r["prefill_tokens"]][:max_rows // 3]
+    dec = [r for r in served if not r["prefill_tokens"]]
+    step = max(1, len(dec) // max(1, max_rows - len(pre)))
+    return pre + dec[::step][:max_rows - len(pre)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-requests", default="24")
+    ap.add_argument("--rate", default="1")
+    ap.add_argument("--max-rows", type=int, default=300)
+    args = ap.parse_args()
+    server = Server("--num-threads", "1")
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--endpoint", server.url,
+                            "--workload", f"azure:{TRACES / 'AzureLLMInferenceTrace_conv_2023.csv'}",
+                            "--length-scale", "0.1", "--rate", args.rate, "--max-requests", args.max_requests,
+                            "--seed", "0", "--output", out, "--no-progress"], check=True)
+        with urllib.request.urlopen(f"{server.url}/v1/admin/steps", timeout=30) as resp:
+            records = json.loads(resp.read())["data"]
+    finally:
+        server.stop()
+    rows = keep(records, args.max_rows)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"recorded": {"command": " ".join(["benchmarks/record_server_steps.py", *sys.argv[1:]]),
+                                            "cpu": cpu_model(), "date": date.today().isoformat(),
+                                            "steps_reported": len(records)},
+                               "data": rows}, indent=None).replace("}, {", "},\n{"))
+    print(f"kept {len(rows)} of {len(records)} step records -> {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
