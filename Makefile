@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup run test test-all test-fast bench clean
+.PHONY: setup run test test-all test-fast bench fidelity clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/bench_engine.py
+
+# the simulator against the real server, short (one run of 16 requests; ~4 min on 2 cores): the fidelity table
+fidelity: setup
+	$(PY) benchmarks/bench_fidelity.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,7 +2,8 @@
 time model fitted to this machine; relative error of median and P90 TTFT and TPOT (target <= 10%).
 
     .venv/bin/python benchmarks/bench_fidelity.py [--workload SPEC ...] [--rate 0.5] [--max-requests 40]
-                                                 [--repeats 3]
+                                                 [--repeats 3] [--quick]
+    make fidelity    # = --quick: one run of 16 requests, one idle probe per wake gap (~4 min on 2 cores)
 
 This shared 2-core VM changes speed by tens of percent within minutes, so a profile taken once, minutes
 before a run, can describe another machine than the one the run met. Hence, through the real command line:
@@ -21,7 +22,9 @@ before a run, can describe another machine than the one the run met. Hence, thro
      the model's config.json (for KV sizes), the same KV pool size, block size and budgets -> sim<k>/, and
      once more without the wake-up table -> sim<k>_nowake/; C = the back-to-back probe's median latency minus
      the fitted prefill time of 16 tokens, over the 4 gateway <-> worker messages on a PD request's way to
-     its first token;
+     its first token; and once more with the time model fitted to the steps the real server itself reported
+     over the run (`pdserve profile --from-server`, before it stops: timed while both workers ran), with the
+     same wake-up tables -> sim<k>_server/ (the "server fit" columns);
   4. the relative errors of each run and their median over runs -> bench_results/fidelity/fidelity.json,
      with the four KV lifecycle metrics side by side, real (`bench serve`'s scrape of /metrics) and
      simulated (`sim.lifecycle`): schedule predictability (final and at dispatch), effective link
@@ -78,16 +81,16 @@ def _probe_request(url: str, rng) -> tuple[float, float]:
     return rec.first_token_s - rec.start_s, rec.token_times[1] - rec.token_times[0]
 
 
-def probe(url: str) -> tuple[list, list]:
+def probe(url: str, repeats: int = WAKE_REPEATS) -> tuple[list, list]:
     """The idle real server: (TTFT, first gap) of PROBE_REQUESTS back-to-back probe requests; then, for each
-    wake gap, [gap, TTFT, first gap] of one after the server sat idle that long (WAKE_REPEATS times)."""
+    wake gap, [gap, TTFT, first gap] of one after the server sat idle that long (`repeats` times)."""
     import random
     import time
     rng = random.Random(0)
     warm = [_probe_request(url, rng) for _ in range(PROBE_REQUESTS)]
     woken = []
     for gap in WAKE_GAPS:
-        for _ in range(WAKE_REPEATS):
+        for _ in range(repeats):
             time.sleep(gap)
             woken.append([gap, *_probe_request(url, rng)])
     return warm, woken
@@ -136,15 +139,18 @@ def _delivery_flags(args) -> list[str]:
 
 
 def real_run(k: int, workload: list[str], args) -> tuple[int, tuple]:
-    """Serve and replay the workload once; the KV pool size and the idle probe's latencies."""
+    """Serve and replay the workload once; the KV pool size and the idle probe's latencies. The time model of
+    the steps the server reported -> server_fit<k>.json."""
     server = Server("--num-threads", "1", *_delivery_flags(args))
+    repeats = 1 if args.quick else WAKE_REPEATS
     try:
         blocks = int(server.metric("pdserve_kv_blocks_total", worker="decode-0"))
-        before = probe(server.url)
+        before = probe(server.url, repeats)
         run("bench", "serve", "--endpoint", server.url, *workload, "--output", str(OUT / f"real{k}"),
             "--no-progress")
-        after = probe(server.url)  # the machine drifts: probe around the run, as the profiles do
+        after = probe(server.url, repeats)  # the machine drifts: probe around the run, as the profiles do
         probed = (before[0] + after[0], before[1] + after[1])
+        run("profile", "--from-server", server.url, "--output", str(OUT / f"server_fit{k}.json"))
     finally:
         server.stop()
     return blocks, probed
@@ -195,7 +201,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="real runs, each between two profiles")
     ap.add_argument("--delivery", default="scheduled", choices=["scheduled", "fifo"])
     ap.add_argument("--link-gbps", type=float, default=None, help="throttle the KV link (real and simulated)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short regression check (make fidelity): one run of 16 requests, one probe per wake gap")
     args = ap.parse_args()
+    if args.quick:
+        global OUT
+        args.repeats, args.max_requests, OUT = 1, "16", OUT.parent / "fidelity_quick"
     OUT.mkdir(parents=True, exist_ok=True)
     workload = ["--workload", args.workload, "--length-scale", args.length_scale, "--rate", args.rate,
                 "--max-requests", args.max_requests, "--seed", "0"]
@@ -214,23 +225,33 @@ def main() -> int:
         (OUT / f"fit{k}_nowake.json").write_text(json.dumps(plain, indent=1))
         simulate(f"sim{k}", workload, fit, blocks, control_ms, args)
         simulate(f"sim{k}_nowake", workload, OUT / f"fit{k}_nowake.json", blocks, control_ms, args)
+        server_fit = OUT / f"server_fit{k}.json"
+        server_fit.write_text(json.dumps({**json.loads(server_fit.read_text()), **wake}, indent=1))
+        simulate(f"sim{k}_server", workload, server_fit, blocks, control_latency_ms(warm, server_fit), args)
         runs.append({"control_latency_ms": control_ms, "probe_s": warm, "wake_probe_s": woken, "wake": wake,
                      "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k, f"sim{k}"),
-                     "rows_without_wake": errors(k, f"sim{k}_nowake"), "lifecycle": lifecycle(k, f"sim{k}")})
+                     "rows_without_wake": errors(k, f"sim{k}_nowake"),
+                     "rows_server_fit": errors(k, f"sim{k}_server"), "lifecycle": lifecycle(k, f"sim{k}"),
+                     "lifecycle_server_fit": lifecycle(k, f"sim{k}_server")})
         print_run(k, runs[-1])
     median = {rows: {key: statistics.median(r[rows][key]["rel_error"] for r in runs) for key in runs[0][rows]}
-              for rows in ("rows", "rows_without_wake")}
-    for rows, label in (("rows", "with the wake-up tables"), ("rows_without_wake", "without them")):
+              for rows in ROW_SETS}
+    for rows, label in zip(ROW_SETS, ("with the wake-up tables", "without them",
+                                      "fitted to the server's own steps (with the wake-up tables)")):
         print(f"\nmedian relative error over runs, {label}: "
               + ", ".join(f"{key} {e:.1%}" for key, e in median[rows].items()))
-    spread = real_spread(runs)
-    print("the real system against itself (largest / smallest of the runs - 1): "
-          + ", ".join(f"{key} {e:.1%}" for key, e in spread.items()))
+    spread = real_spread(runs) if len(runs) > 1 else None
+    print("the real system against itself (largest / smallest of the runs - 1): " + (
+        ", ".join(f"{key} {e:.1%}" for key, e in spread.items()) if spread else "needs --repeats 2 or more"))
     (OUT / "fidelity.json").write_text(json.dumps({"args": vars(args), "runs": runs,
                                                    "median_rel_error": median["rows"],
                                                    "median_rel_error_without_wake": median["rows_without_wake"],
+                                                   "median_rel_error_server_fit": median["rows_server_fit"],
                                                    "real_run_spread": spread}, indent=1))
     return 0
+
+
+ROW_SETS = ("rows", "rows_without_wake", "rows_server_fit")
 
 
 def real_spread(runs: list[dict]) -> dict:
@@ -245,13 +266,15 @@ def print_run(k: int, r: dict) -> None:
                      for key, table in r["wake"].items())
     print(f"\nrun {k}: control-plane latency {r['control_latency_ms']:.2f} ms/message; {wake}; machine "
           f"drift over the run: prefill {d['prefill']:+.0%}, decode {d['decode']:+.0%}")
-    print(f"{'metric':<12}{'real ms':>10}{'sim ms':>10}{'rel. error':>12}{'no wake: sim':>14}{'error':>8}")
+    print(f"{'metric':<12}{'real ms':>10}{'sim ms':>10}{'rel. error':>12}{'no wake: sim':>14}{'error':>8}"
+          f"{'server fit: sim':>17}{'error':>8}")
     for key, row in r["rows"].items():
-        name, alt = key.replace("_ms", "").replace(".", " "), r["rows_without_wake"][key]
+        name, alt, srv = key.replace("_ms", "").replace(".", " "), r["rows_without_wake"][key], r["rows_server_fit"][key]
         print(f"{name:<12}{row['real']:>10.1f}{row['sim']:>10.1f}{row['rel_error']:>12.1%}{alt['sim']:>14.1f}"
-              f"{alt['rel_error']:>8.1%}", flush=True)
-    print("lifecycle metric (real / simulated): " + "; ".join(
-        f"{key} {_fmt(v['real'])} / {_fmt(v['sim'])}" for key, v in r["lifecycle"].items()), flush=True)
+              f"{alt['rel_error']:>8.1%}{srv['sim']:>17.1f}{srv['rel_error']:>8.1%}", flush=True)
+    print("lifecycle metric (real / simulated / server fit): " + "; ".join(
+        f"{key} {_fmt(v['real'])} / {_fmt(v['sim'])} / {_fmt(r['lifecycle_server_fit'][key]['sim'])}"
+        for key, v in r["lifecycle"].items()), flush=True)
 
 
 def _fmt(v) -> str:

@@ -4,6 +4,8 @@ scaled Azure conversation trace through `pdserve bench serve`, then GET /v1/admi
 every prefill step and an even sample of the decode steps, at most --max-rows in all.
 
     .venv/bin/python benchmarks/record_server_steps.py [--max-requests 24] [--rate 1] [--max-rows 300]
+    .venv/bin/python benchmarks/record_server_steps.py --from-fit bench_results/fidelity_quick/server_fit1.json
+        # the steps a fidelity run's server reported (`make fidelity` keeps them), no server of its own
 """
 
 from __future__ import annotations
@@ -45,7 +47,21 @@ def main() -> int:
     ap.add_argument("--max-requests", default="24")
     ap.add_argument("--rate", default="1")
     ap.add_argument("--max-rows", type=int, default=300)
+    ap.add_argument("--from-fit", default=None, help="a `pdserve profile --from-server` JSON: its steps")
     args = ap.parse_args()
+    records = json.loads(Path(args.from_fit).read_text())["steps"] if args.from_fit else served_steps(args)
+    rows = keep(records, args.max_rows)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"recorded": {"command": " ".join(["benchmarks/record_server_steps.py", *sys.argv[1:]]),
+                                            "cpu": cpu_model(), "date": date.today().isoformat(),
+                                            "steps_reported": len(records)},
+                               "data": rows}, indent=None).replace("}, {", "},\n{"))
+    print(f"kept {len(rows)} of {len(records)} step records -> {OUT}")
+    return 0
+
+
+def served_steps(args) -> list[dict]:
+    """Serve, replay the scaled trace, and read back the step reports."""
     server = Server("--num-threads", "1")
     try:
         with tempfile.TemporaryDirectory() as out:
@@ -57,14 +73,7 @@ def main() -> int:
             records = json.loads(resp.read())["data"]
     finally:
         server.stop()
-    rows = keep(records, args.max_rows)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"recorded": {"command": " ".join(["benchmarks/record_server_steps.py", *sys.argv[1:]]),
-                                            "cpu": cpu_model(), "date": date.today().isoformat(),
-                                            "steps_reported": len(records)},
-                               "data": rows}, indent=None).replace("}, {", "},\n{"))
-    print(f"kept {len(rows)} of {len(records)} step records -> {OUT}")
-    return 0
+    return records
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ URL` fits the DistServe form (`pdserve.sim.timemodel.FittedTimeModel`) to the `s
 `calibration` steps a worker timed alone at load -- so the twin sees the interference an offline profile of one
 engine misses, on the user's own deployment.
 
-The fit: least squares on relative error over the pure prefill and pure decode steps (`fit_time_model`), then
-once more without the steps whose relative error lies more than `TRIM_MADS` scaled median absolute deviations
-from the median of their kind (a step slowed by a wake-up after idling or a preemption of the VM: the wake-up
-tables model those apart). How many were fitted and trimmed per kind is recorded in the result's meta.
+The fit: least squares on errors relative to the predicted time (`fit_time_model(relative=True)`) over the
+served pure prefill and pure decode steps: the mean step of each shape (a request's TPOT is the mean of its
+steps), short steps counting as much as long ones. How many steps of each kind it was fitted to is recorded in
+the result's meta (`steps_fitted`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import numpy as np
 from pdserve.core.sched.online_fit import REPORTED
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.timemodel import FittedTimeModel, StepShape, fit_time_model
-
-TRIM_MADS = 5.0  # steps further than this many (scaled) MADs of relative error from their kind's median
-MAD_SCALE = 1.4826  # a normal distribution's standard deviation per median absolute deviation
 
 
 def served_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
@@ -56,28 +53,12 @@ def relative_errors(model: FittedTimeModel, samples: list[tuple[StepShape, float
     return np.array([model.step_time(s) / t - 1.0 for s, t in samples])
 
 
-def _inliers(model: FittedTimeModel, samples: list[tuple[StepShape, float]]) -> list[tuple[StepShape, float]]:
-    """The samples within TRIM_MADS scaled MADs of their kind's median relative error (all of a kind that would
-    keep fewer than 3)."""
-    keep = []
-    for k in ("prefill", "decode"):
-        part = [(s, t) for s, t in samples if kind(s) == k]
-        err = relative_errors(model, part)
-        spread = MAD_SCALE * float(np.median(np.abs(err - np.median(err))))
-        inside = [p for p, e in zip(part, err) if abs(e - np.median(err)) <= TRIM_MADS * spread] if spread else part
-        keep += inside if len(inside) >= 3 else part
-    return keep
-
-
 def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeModel:
     """The time model of the served step records (see the module doc); its meta says how many steps of each
-    kind were fitted and how many trimmed. Too few pure prefill or decode steps: a one-line error."""
+    kind it was fitted to. Too few pure prefill or decode steps: a one-line error."""
     samples = [(s, t) for s, t in served_samples(records) if kind(s)]
     counts = {k: sum(kind(s) == k for s, _ in samples) for k in ("prefill", "decode")}
     if min(counts.values()) < 3:
         raise InvalidRequestError(f"need at least 3 served pure prefill and 3 pure decode steps to fit, got "
                                   f"{counts['prefill']} and {counts['decode']}: send the server some requests first")
-    kept = _inliers(fit_time_model(samples, relative=True), samples)
-    fitted = {k: sum(kind(s) == k for s, _ in kept) for k in ("prefill", "decode")}
-    trimmed = {k: counts[k] - fitted[k] for k in counts}
-    return fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_trimmed": trimmed}, relative=True)
+    return fit_time_model(samples, {**(meta or {}), "steps_fitted": counts}, relative=True)

@@ -194,23 +194,32 @@ class FittedTimeModel:
 
 def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = None,
                    relative: bool = False) -> FittedTimeModel:
-    """Least-squares fit of the DistServe form to (shape, measured seconds) pairs of pure prefill and pure
-    decode steps (mixed steps are ignored). Each side needs at least three samples. `relative`: least squares
-    on relative error (each row divided by its seconds, which must be > 0), so short steps count as much as
-    long ones."""
+    """Fit of the DistServe form to (shape, measured seconds) pairs of pure prefill and pure decode steps (mixed
+    steps are ignored); each side needs at least three samples. Least squares on seconds, or with `relative` on
+    errors relative to the predicted time (`_relative_fit`): short steps count as much as long ones."""
     pre = [(s, t) for s, t in samples if s.prefill_tokens and not s.decode_seqs]
     dec = [(s, t) for s, t in samples if s.decode_seqs and not s.prefill_tokens]
     if len(pre) < 3 or len(dec) < 3:
         raise InvalidRequestError("need at least 3 pure prefill and 3 pure decode steps to fit")
+    solve = _relative_fit if relative else (lambda x, t: np.linalg.lstsq(x, t, rcond=None)[0])
+    cp = solve(np.array([[1.0, s.prefill_tokens, s.prefill_sq] for s, _ in pre]), np.array([t for _, t in pre]))
+    cd = solve(np.array([[1.0, s.decode_context, s.decode_seqs] for s, _ in dec]), np.array([t for _, t in dec]))
+    return FittedTimeModel(Coefficients(*map(float, cp)), Coefficients(*map(float, cd)), meta)
 
-    def solve(x: list, t: list) -> list[float]:
-        x, t = np.array(x, dtype=float), np.array(t, dtype=float)
-        if relative:
-            x, t = x / t[:, None], np.ones_like(t)
-        return [float(v) for v in np.linalg.lstsq(x, t, rcond=None)[0]]
-    cp = solve([[1.0, s.prefill_tokens, s.prefill_sq] for s, _ in pre], [t for _, t in pre])
-    cd = solve([[1.0, s.decode_context, s.decode_seqs] for s, _ in dec], [t for _, t in dec])
-    return FittedTimeModel(Coefficients(*cp), Coefficients(*cd), meta)
+
+RELATIVE_ROUNDS = 10  # reweighting rounds of `_relative_fit`
+
+
+def _relative_fit(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Least squares of (t - x @ coef) / (x @ coef), by reweighting (each row divided by its last prediction,
+    the first round by its measured time): the mean time of each shape when a step's scatter grows with its
+    length (a gamma model). Dividing by the measured time alone would fit below the mean, a slow step's
+    residual shrunk by its own length -- and a request's TPOT is the mean of its steps."""
+    scale = t
+    for _ in range(RELATIVE_ROUNDS):
+        coef = np.linalg.lstsq(x / scale[:, None], t / scale, rcond=None)[0]
+        scale = np.maximum(x @ coef, 0.05 * t.min())  # (a prediction near or below 0: floored)
+    return coef
 
 
 def codec_decode_scale(model: ModelSpec, measured: str) -> float:
