@@ -189,7 +189,8 @@ def _profile_from_server(url: str, api_key: str | None) -> dict:
         raise PdserveError(f"{url}/v1/admin/steps did not answer a list of step records")
     model = fit_from_steps(records, {"source": f"server {url}", "units": "seconds; tokens; context tokens; requests"})
     m = model.meta
-    print(f"fitted to {m['steps_fitted']['prefill']} prefill and {m['steps_fitted']['decode']} decode steps of {url}")
+    print(f"fitted to {m['steps_fitted']['prefill']} prefill and {m['steps_fitted']['decode']} decode steps of {url} "
+          f"(left out as stalls: {m['steps_stalled']['prefill']} and {m['steps_stalled']['decode']})")
     return {**json.loads(model.to_json()), "steps": records}
 
 

@@ -8,8 +8,10 @@ engine misses, on the user's own deployment.
 
 The fit: least squares on errors relative to the predicted time (`fit_time_model(relative=True)`) over the
 served pure prefill and pure decode steps: the mean step of each shape (a request's TPOT is the mean of its
-steps), short steps counting as much as long ones. How many steps of each kind it was fitted to is recorded in
-the result's meta (`steps_fitted`).
+steps), short steps counting as much as long ones; then once more without the stalls, steps over
+`STALL_FACTOR` times their shape's first fit (the first step after the engine idled for seconds runs up to
+hundreds of ms slower on a shared VM: the wake-up tables model those, `FittedTimeModel.wake`). The result's meta
+counts the steps of each kind fitted (`steps_fitted`) and left out as stalls (`steps_stalled`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 from pdserve.core.sched.online_fit import REPORTED
 from pdserve.errors import InvalidRequestError
 from pdserve.sim.timemodel import FittedTimeModel, StepShape, fit_time_model
+
+STALL_FACTOR = 3.0  # a step over this many times its shape's fitted time is a stall (wake-up), not fitted
 
 
 def served_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
@@ -55,10 +59,22 @@ def relative_errors(model: FittedTimeModel, samples: list[tuple[StepShape, float
 
 def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeModel:
     """The time model of the served step records (see the module doc); its meta says how many steps of each
-    kind it was fitted to. Too few pure prefill or decode steps: a one-line error."""
+    kind it was fitted to and how many it left out as stalls. Too few pure prefill or decode steps: a one-line
+    error."""
     samples = [(s, t) for s, t in served_samples(records) if kind(s)]
-    counts = {k: sum(kind(s) == k for s, _ in samples) for k in ("prefill", "decode")}
+    counts = _counts(samples)
     if min(counts.values()) < 3:
         raise InvalidRequestError(f"need at least 3 served pure prefill and 3 pure decode steps to fit, got "
                                   f"{counts['prefill']} and {counts['decode']}: send the server some requests first")
-    return fit_time_model(samples, {**(meta or {}), "steps_fitted": counts}, relative=True)
+    first = fit_time_model(samples, relative=True)
+    kept = [(s, t) for s, t in samples if t <= STALL_FACTOR * first.step_time(s)]
+    fitted = _counts(kept)
+    if min(fitted.values()) < 3:
+        raise InvalidRequestError(f"most steps took over {STALL_FACTOR:g}x the fitted time of their shape: "
+                                  f"{fitted['prefill']} prefill and {fitted['decode']} decode steps left to fit")
+    stalls = {k: counts[k] - fitted[k] for k in counts}
+    return fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_stalled": stalls}, relative=True)
+
+
+def _counts(samples: list[tuple[StepShape, float]]) -> dict[str, int]:
+    return {k: sum(kind(s) == k for s, _ in samples) for k in ("prefill", "decode")}

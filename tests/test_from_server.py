@@ -1,0 +1,107 @@
+"""The time model fitted to a server's step reports (`pdserve.sim.from_server`, `pdserve profile --from-server`):
+it predicts held-out steps of a real serving run, and bad input is a clear error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.errors import InvalidRequestError
+from pdserve.sim.from_server import fit_from_steps, kind, relative_errors, served_samples
+from pdserve.sim.timemodel import FittedTimeModel
+from test_cli import assert_one_line_error, run_cli
+
+# Real step reports of `pdserve serve` (1 prefill + 1 decode worker, one thread each) replaying the scaled Azure
+# conversation trace: benchmarks/record_server_steps.py (its "recorded" header names the CPU and the date).
+FIXTURE = Path(__file__).parent / "data" / "server_steps.json"
+HELD_OUT_EVERY = 4  # each kind's every 4th step is held out, the rest fitted
+# The bound on the held-out steps' median relative error per kind: the recorded steps' own scatter (steps of the
+# same shape on this shared 2-core VM, measured while both workers run) is most of it.
+BOUND = {"prefill": 0.20, "decode": 0.30}
+
+
+def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    fit, held = [], []
+    for k in ("prefill", "decode"):
+        part = [r for r in records if kind(served_samples([r])[0][0]) == k]
+        fit += [r for i, r in enumerate(part) if i % HELD_OUT_EVERY]
+        held += part[::HELD_OUT_EVERY]
+    return fit, held
+
+
+def held_out_errors(model: FittedTimeModel, held: list[dict]) -> dict[str, float]:
+    samples = served_samples(held)
+    return {k: float(np.median(np.abs(relative_errors(model, [p for p in samples if kind(p[0]) == k]))))
+            for k in ("prefill", "decode")}
+
+
+def test_the_fit_predicts_held_out_steps_of_a_real_server():
+    records = json.loads(FIXTURE.read_text())["data"]
+    fit, held = _split(records)
+    assert len(held) >= 20 and {kind(s) for s, _ in served_samples(held)} == {"prefill", "decode"}
+    model = fit_from_steps(fit)
+    errors = held_out_errors(model, held)
+    assert all(errors[k] <= BOUND[k] for k in BOUND), errors
+    assert model.meta["steps_fitted"]["decode"] + model.meta["steps_stalled"]["decode"] == sum(
+        kind(s) == "decode" for s, _ in served_samples(fit))
+    # what the simulator reads back is the same model
+    again = FittedTimeModel.from_json(model.to_json())
+    assert held_out_errors(again, held) == errors
+
+
+def _steps(n_pre: int, n_dec: int, source: str = "served") -> list[dict]:
+    rows = [{"prefill_tokens": 16 * (i + 1), "prefill_sq": (16 * (i + 1)) ** 2, "decode_seqs": 0,
+             "decode_context": 0, "seconds": 0.01 + 0.001 * (i + 1)} for i in range(n_pre)]
+    rows += [{"prefill_tokens": 0, "prefill_sq": 0, "decode_seqs": 1 + i % 4, "decode_context": 100 * (i + 1),
+              "seconds": 0.02 + 1e-5 * 100 * (i + 1) + 0.001 * (1 + i % 4)} for i in range(n_dec)]
+    return [{"worker": "w", "role": "r", "source": source, **r} for r in rows]
+
+
+def test_an_exact_model_is_recovered_from_the_served_steps_alone():
+    rows = _steps(6, 12)
+    calibration = [{**r, "seconds": r["seconds"] * 3} for r in _steps(6, 12, source="calibration")]
+    model = fit_from_steps(rows + calibration + [{**rows[0], "decode_seqs": 1}])  # (a mixed step: not fitted)
+    assert model.meta["steps_fitted"] == {"prefill": 6, "decode": 12}
+    assert model.meta["steps_stalled"] == {"prefill": 0, "decode": 0}
+    assert model.decode.a == pytest.approx(0.02, rel=1e-6) and model.decode.b == pytest.approx(1e-5, rel=1e-6)
+    assert model.decode.c == pytest.approx(1e-3, rel=1e-6) and model.prefill.b == pytest.approx(1e-3 / 16, rel=1e-6)
+
+
+def test_the_relative_fit_predicts_the_mean_of_a_scattered_shape():
+    # steps of one shape scattered x0.8 .. x1.6 around 50 ms (the slow tail of a shared host): the model's step is
+    # their mean (what a request's TPOT averages), where dividing by the measured time would fit below it
+    rows = [{**r, "seconds": r["seconds"] * f} for r in _steps(6, 12) for f in (0.8, 1.0, 1.6)]
+    model = fit_from_steps(rows)
+    for r in _steps(6, 12):
+        shape = served_samples([r])[0][0]
+        assert model.step_time(shape) == pytest.approx(r["seconds"] * (0.8 + 1.0 + 1.6) / 3, rel=1e-3)
+
+
+def test_a_stall_is_left_out_and_counted():
+    rows = _steps(6, 12)
+    rows[-1] = {**rows[-1], "seconds": rows[-1]["seconds"] * 8}  # the first step after idling: a wake-up
+    model = fit_from_steps(rows)
+    assert model.meta["steps_fitted"] == {"prefill": 6, "decode": 11}
+    assert model.meta["steps_stalled"] == {"prefill": 0, "decode": 1}
+    assert model.decode.a == pytest.approx(0.02, rel=1e-6) and model.decode.b == pytest.approx(1e-5, rel=1e-6)
+
+
+def test_too_few_served_steps_or_malformed_records_are_one_line_errors():
+    with pytest.raises(InvalidRequestError, match="got 6 and 2: send the server some requests"):
+        fit_from_steps(_steps(6, 2) + _steps(6, 9, source="calibration"))
+    for bad in ({"prefill_tokens": 1}, {**_steps(1, 0)[0], "seconds": 0}, {**_steps(1, 0)[0], "seconds": "x"}, 7):
+        with pytest.raises(InvalidRequestError, match="step record 0"):
+            served_samples([bad])
+
+
+def test_profile_from_an_unreachable_server_is_a_one_line_error(tmp_path):
+    assert_one_line_error(run_cli("profile", "--from-server", "http://127.0.0.1:9", "--output",
+                                  str(tmp_path / "f.json"), timeout=60), "cannot reach http://127.0.0.1:9/v1/admin/steps")
+    assert_one_line_error(run_cli("profile", "--from-server", "nota url", "--output", str(tmp_path / "f.json"),
+                                  timeout=60), "nota url")
+    assert_one_line_error(run_cli("profile", "--from-server", "http://127.0.0.1:9", "--merge", "a.json",
+                                  "--output", str(tmp_path / "f.json"), timeout=60), "not both")
+    assert not (tmp_path / "f.json").exists()
