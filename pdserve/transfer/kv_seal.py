@@ -23,11 +23,7 @@ Modes (`pdserve.core.pd.sensitivity.protection` picks one per record by its labe
     plain  payload as is, xxh3-64 in the prefix (a checksum against accidents, not against anyone)
     mac    payload as is + a 16-byte tag over prefix, meta and payload (AES-GCM with an empty plaintext and all
            of it as associated data: GMAC)
-    aead   payload encrypted in segments of `SEGMENT` bytes (the last shorter), each followed by its 16-byte
-           tag; prefix and meta are every segment's associated data (authenticated, not secret), its nonce the
-           record's counter and its index, so segments dropped, repeated or reordered fail their tags. In
-           segments so that the sender seals the next while the kernel sends the last (`segments`): the
-           cipher releases the GIL, and a record sealed whole would leave the link idle meanwhile.
+    aead   payload encrypted + a 16-byte tag; prefix and meta are associated data (authenticated, not secret)
 
 A path crosses hosts when the connection's peer address is not a loopback address (127.0.0.0/8, ::1), as
 each end sees it: a connection to this host's own non-loopback address counts as crossing (protection errs
@@ -48,7 +44,6 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pdserve.core.pd.sensitivity import DEFAULT, MODES, acceptable, protection
 
 TAG = 16
-SEGMENT = 1 << 20  # an aead record's plaintext per tag
 CROSS_HOST_ENV = "PDSERVE_KV_CROSS_HOST"
 _INFO = b"pdserve kv tcp v1: sender to receiver"
 
@@ -104,34 +99,16 @@ class Seal:
     # ---- sender ------------------------------------------------------------------------------------------
     def seal(self, mode: str, head: bytes, pieces: list, nbytes: int, seq: int) -> list:
         """The wire buffers that follow `head` (prefix + meta, `seq` in it) for a record in `mode`."""
+        nonce = seq.to_bytes(12, "little")
         if mode == "plain":
             return pieces
         if mode == "mac":
             buf = _fill(self._grow("_buf", len(head) + nbytes), [head, *pieces])
-            return [*pieces, self._aead.encrypt(_nonce(seq), b"", buf[:len(head) + nbytes])]
-        for _ in self.segments(head, pieces, nbytes, seq):
-            pass
-        return [memoryview(self._out)[:sealed_len(mode, nbytes)]]
-
-    def segments(self, head: bytes, pieces: list, nbytes: int, seq: int):
-        """An aead record's body, a sealed segment (ciphertext and tag) at a time, each as soon as it is sealed
-        (its plaintext gathered from `pieces` just before); together they are contiguous (`_out`)."""
-        plain = self._grow("_buf", nbytes)
-        out = self._grow("_out", sealed_len("aead", nbytes))
-        views = iter([memoryview(p).cast("B") for p in pieces])
-        rest = memoryview(b"")  # what is left of the piece being gathered
-        at = 0
-        for i, (start, end) in enumerate(_bounds(nbytes)):
-            filled = start
-            while filled < end:
-                while not len(rest):
-                    rest = next(views)
-                n = min(len(rest), end - filled)
-                plain[filled:filled + n] = rest[:n]
-                rest, filled = rest[n:], filled + n
-            self._aead.encrypt_into(_nonce(seq, i), plain[start:end], head, out[at:at + end - start + TAG])
-            yield out[at:at + end - start + TAG]
-            at += end - start + TAG
+            return [*pieces, self._aead.encrypt(nonce, b"", buf[:len(head) + nbytes])]
+        plain = _fill(self._grow("_buf", nbytes), pieces)
+        out = self._grow("_out", nbytes + TAG)
+        self._aead.encrypt_into(nonce, plain[:nbytes], head, out[:nbytes + TAG])
+        return [out[:nbytes + TAG]]
 
     # ---- receiver ----------------------------------------------------------------------------------------
     def open(self, mode: str, whole: memoryview, head_len: int, nbytes: int, seq: int) -> memoryview:
@@ -140,17 +117,14 @@ class Seal:
         record = whole[head_len:]
         if seq <= self.last:
             raise AuthFailure(f"a replayed or reordered record (counter {seq}, last accepted {self.last})")
+        nonce = seq.to_bytes(12, "little")
         try:
             if mode == "mac":
-                self._aead.decrypt(_nonce(seq), record[nbytes:nbytes + TAG], whole[:head_len + nbytes])
+                self._aead.decrypt(nonce, record[nbytes:nbytes + TAG], whole[:head_len + nbytes])
                 payload = record[:nbytes]
             else:
                 payload = self._grow("_out", nbytes)[:nbytes]
-                at = 0
-                for i, (start, end) in enumerate(_bounds(nbytes)):
-                    self._aead.decrypt_into(_nonce(seq, i), record[at:at + end - start + TAG], whole[:head_len],
-                                            payload[start:end])
-                    at += end - start + TAG
+                self._aead.decrypt_into(nonce, record[:nbytes + TAG], whole[:head_len], payload)
             self.last = seq
             return payload
         except InvalidTag:
@@ -168,23 +142,6 @@ class Seal:
             buf = bytearray(size)
             setattr(self, name, buf)
         return memoryview(buf)
-
-
-def sealed_len(mode: str, nbytes: int) -> int:
-    """The bytes of a record's body after its prefix and meta: payload (or ciphertext) and tags."""
-    if mode == "plain":
-        return nbytes
-    return nbytes + TAG * (len(_bounds(nbytes)) if mode == "aead" else 1)
-
-
-def _bounds(nbytes: int) -> list[tuple[int, int]]:
-    """An aead record's segments: (start, end) in its plaintext; one (empty) for an empty payload."""
-    return [(s, min(s + SEGMENT, nbytes)) for s in range(0, nbytes, SEGMENT)] or [(0, 0)]
-
-
-def _nonce(seq: int, segment: int = 0) -> bytes:
-    """A record's counter (8 bytes) and a segment's index (4): unique per key as long as counters never repeat."""
-    return seq.to_bytes(8, "little") + segment.to_bytes(4, "little")
 
 
 def _label(header: dict) -> str | None:

@@ -1,9 +1,8 @@
 """`tcp` transport: records over a plain TCP stream per (sender, receiver) pair. Works across hosts.
 
 Framing: `<IIQB` (meta length, payload length, xxh3-64 of the payload, protection mode), msgpack meta,
-payload, and for a protected record its 16-byte tag (aead: one per segment of the payload)
-(`pdserve.transfer.kv_seal`: plain, mac or aead by the chunk's sensitivity label and whether the connection
-crosses hosts). The sender
+payload, and for a protected record a 16-byte tag (`pdserve.transfer.kv_seal`: plain, mac or aead by the
+chunk's sensitivity label and whether the connection crosses hosts). The sender
 hashes a chunk's pieces first (a record fits the core's L2, so the send then reads them from cache) and
 sends prefix, meta and payload with one `sendmsg` straight from its KV pool's views (the kernel's copy is
 the only one). The receiver reads prefix and meta, asks its caller where the payload goes,
@@ -22,11 +21,10 @@ import selectors
 import socket
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.transfer.base import (Capabilities, FaultInjector, Place, Received, TransferError, checksum,
                                    decode_record, encode_meta, scratch_place)
-from pdserve.transfer.kv_seal import MODE_CODES, MODES, SEGMENT, AuthFailure, Seal, crosses_hosts, sealed_len
+from pdserve.transfer.kv_seal import MODE_CODES, MODES, TAG, AuthFailure, Seal, crosses_hosts
 from pdserve.transfer.peer_auth import (HELLO, REPLY, HelloCheck, check_reply, deployment_secret, hello,
                                         hello_nonce, reply)
 
@@ -60,7 +58,6 @@ class TcpSender:
         self.protected_bytes = {mode: 0 for mode in MODES}  # payload bytes sent, by mode
         self.faults = faults or FaultInjector()
         self.bytes_sent = 0
-        self._pool: ThreadPoolExecutor | None = None  # sends an aead record's segments (`_send_sealing`)
         self.max_chunk_bytes = 8 << 20  # callers split larger payloads, so chunks pipeline on the wire
 
     def _socket(self, dest: str, deadline: float) -> socket.socket:
@@ -141,11 +138,9 @@ class TcpSender:
             # protected record carries its counter there instead (its tag is its check: `kv_seal`).
             field = seq if mode != "plain" else checksum(pieces) if nbytes else 0
             head = PREFIX.pack(len(meta), nbytes, field, MODE_CODES[mode]) + meta
-            if mode == "aead" and nbytes > SEGMENT:
-                wire = self._send_sealing(sock, head, seal.segments(head, pieces, nbytes, seq), deadline)
-            else:
-                wire = [head, *self.faults.maybe_corrupt(seal.seal(mode, head, pieces, nbytes, seq))]
-                _send_all(sock, wire, deadline)
+            body = seal.seal(mode, head, pieces, nbytes, seq)
+            wire = [head, *self.faults.maybe_corrupt(body)]
+            _send_all(sock, wire, deadline)
             if self.faults.replay():  # (test-only: the same record again, as a replay on the path)
                 _send_all(sock, wire, deadline)
             if nbytes:
@@ -155,25 +150,6 @@ class TcpSender:
             self._seals.pop(dest, None)
             sock.close()
             raise TransferError(f"tcp send to {dest} failed: {e or 'timed out'}") from e
-
-    def _send_sealing(self, sock: socket.socket, head: bytes, segments, deadline: float) -> list:
-        """An aead record whose segments are sent by a helper thread while this one seals the next (both leave
-        the GIL: the cipher and `sendmsg`), one segment in flight at most. Returns the record as sent."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-send")
-        sent, first, in_flight = [head], [head], None
-        try:
-            for i, segment in enumerate(segments):  # (sealing the next segment while the last one goes)
-                out = self.faults.maybe_corrupt([segment]) if i == 0 else [segment]
-                if in_flight is not None:
-                    in_flight.result()
-                in_flight = self._pool.submit(_send_all, sock, first + out, deadline)
-                first = []
-                sent.append(segment)
-        finally:
-            if in_flight is not None:
-                in_flight.result()  # (its error, if any, is this send's)
-        return sent
 
     def forget(self, dest: str) -> None:
         """`dest` died (or restarted): drop its connection; a later send to it connects afresh."""
@@ -186,8 +162,6 @@ class TcpSender:
         for sock in self._sockets.values():
             sock.close()
         self._sockets.clear()
-        if self._pool is not None:
-            self._pool.shutdown()
 
 
 def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
@@ -311,7 +285,7 @@ class _Stream:
         self.header = decode_record(bytes(self.head[PREFIX.size:]), nbytes, digest)
         self.mode, self.left, self.counter = MODES[mode], nbytes, digest
         if self.mode != "plain":  # read whole, opened, then placed (`_finish`)
-            self.left = sealed_len(self.mode, nbytes)
+            self.left = nbytes + TAG
             if len(self.sealed) < len(self.head) + self.left:
                 self.sealed = bytearray(len(self.head) + self.left)
             self.sealed[:len(self.head)] = self.head
