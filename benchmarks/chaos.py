@@ -10,9 +10,13 @@ tcp path's protection on (issue 40: `--transport tcp --kv-sensitivity secret`, e
 crossing hosts, `PDSERVE_KV_CROSS_HOST=always`, test-only), each on its own 1 + 1 server: 1% of sealed records
 tampered after sealing (`PDSERVE_FAULT_CORRUPT_CHUNKS=100`) and 1% of records replayed on the connection
 (`PDSERVE_FAULT_REPLAY_RECORDS=100`); each refused record is counted (`pdserve_kv_auth_failures_total`) and its
-prompt recomputed. (A blackholed peer is `tests/test_kv_breaker_netns.py`'s: it needs two network namespaces.)
+prompt recomputed. A blackholed peer (needs root and iproute2: two network namespaces): a decode worker joins from
+a second namespace over a veth beside a local one (tcp, secret KV), and its KV port drops every packet for
+`--blackhole-s` seconds while the streams run (`Netns.blackholed`); its breaker must open, the conductor route around
+it, and the path close again after (`pdserve_kv_path_state`).
 
-    .venv/bin/python benchmarks/chaos.py [--streams 32] [--tokens 48] [--disconnects 1000] [--only-wire-faults] [--out bench_results/chaos.json]
+    .venv/bin/python benchmarks/chaos.py [--streams 32] [--tokens 48] [--disconnects 1000] [--only-wire-faults]
+        [--only-blackhole] [--blackhole-s 20] [--out bench_results/chaos.json]
 """
 
 from __future__ import annotations
@@ -219,6 +223,74 @@ WIRE_FAULTS = (("corrupt 1% of chunks", [], {"PDSERVE_FAULT_CORRUPT_CHUNKS": "10
                 {"PDSERVE_FAULT_REPLAY_RECORDS": "100", "PDSERVE_KV_CROSS_HOST": "always"}))
 
 
+def _path_metrics(server: Server) -> dict:
+    """The blackhole round's counters: the path's breaker, reroutes, failed sends, recomputed tokens."""
+    m = server.metrics()
+
+    def total(name: str, **labels) -> float:
+        return sum(v for (n, lab), v in m.items() if n == name and labels.items() <= dict(lab).items())
+    return {"opened": total("pdserve_kv_path_transitions_total", peer="decode-ns", to="open"),
+            "closed": total("pdserve_kv_path_transitions_total", peer="decode-ns", to="closed"),
+            "state": total("pdserve_kv_path_state", peer="decode-ns"),
+            "rerouted": total("pdserve_fallbacks_total", kind="kv_path_open_rerouted"),
+            "send_failures": total("pdserve_kv_send_failures_total"),
+            "recomputed_tokens": total("pdserve_kv_recomputed_tokens_total")}
+
+
+def blackhole_round(ps, ref, tokens: int, hole_s: float, out_dir: Path) -> dict:
+    """The reference streams with the KV port of a decode worker joined from another namespace blackholed for
+    `hole_s` seconds from their start; then streams again until its path's breaker has closed."""
+    import secrets
+    import threading
+    from pdserve.bench.netns import NetnsUnavailable, netns, reap
+    from pdserve.bench.server_proc import free_port
+    env = {"PDSERVE_DEPLOYMENT_SECRET": secrets.token_hex(32)}
+    try:
+        ns_context = netns()
+        ns = ns_context.__enter__()
+    except NetnsUnavailable as e:
+        return {"skipped": str(e)}
+    try:
+        control = free_port()
+        with open(out_dir / "chaos_decode_ns.log", "w") as log:
+            worker = ns.join_worker(f"tcp://{ns.host_ip}:{control}", "decode-ns", env=env, log=log)
+        os.environ.update(env)
+        server = Server(["--transport", "tcp", "--kv-sensitivity", "secret", "--decode", "1", "--control-port",
+                         str(control), "--control-host", ns.host_ip, "--data-host", ns.host_ip,
+                         "--kv-send-timeout-s", "3", "--kv-breaker-cool-s", "2"], out_dir / "chaos_blackhole.log")
+        try:
+            server.warm_up()
+            port = _wait(lambda: ns.ports(listening=True) - ns.ports(listening=False), lambda p: len(p) == 1)
+            hole = ns.blackholed(port.pop())
+            hole.__enter__()
+            threading.Timer(hole_s, hole.__exit__, (None, None, None)).start()
+            start = time.monotonic()
+            got = judge(asyncio.run(run_streams(server.url, ps, tokens)), ref)
+            got.update(seconds=time.monotonic() - start, blackhole_s=hole_s, during=_path_metrics(server))
+            time.sleep(max(hole_s - (time.monotonic() - start), 0) + 0.5)
+            again = []  # the port answers again: streams until a probe has closed the path
+            while _path_metrics(server)["state"] != 0 and time.monotonic() - start < hole_s + 120:
+                again.append(judge(asyncio.run(run_streams(server.url, ps[:4], tokens)), ref[:4]))
+            got.update(after={"lost": sum(a["lost"] for a in again), "wrong": sum(a["wrong"] for a in again),
+                              "requests": sum(a["requests"] for a in again), **_path_metrics(server)},
+                       closed_after_s=time.monotonic() - start, leaked_blocks=leaked_blocks(server))
+            return got
+        finally:
+            server.stop()
+            reap(worker)
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+        ns_context.__exit__(None, None, None)
+
+
+def _wait(probe, ok, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not ok(got := probe()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=32)
@@ -228,18 +300,24 @@ def main() -> int:
     ap.add_argument("--only-wire-faults", action="store_true",
                     help="only the rounds of faults on the KV path (corrupt, tamper, replay), each on its own 1 + 1 "
                          "server; the reference from an undisturbed 1 + 1 server")
+    ap.add_argument("--only-blackhole", action="store_true", help="only the blackhole round (and the reference)")
+    ap.add_argument("--blackhole-s", type=float, default=20.0,
+                    help="how long the blackhole round drops the joined decode worker's KV packets (0: no such round)")
     args = ap.parse_args()
     out_dir = Path(args.out).parent
     ps = prompts(args.streams)
     report = {"cpu": platform.processor() or subprocess.run(["lscpu"], capture_output=True, text=True).stdout
               .split("Model name:")[1].splitlines()[0].strip(), "streams": args.streams, "tokens": args.tokens,
               "rounds": {}}
-    if args.only_wire_faults:
+    if args.only_wire_faults or args.only_blackhole:
         ref = reference(ps, args.tokens, out_dir)
     else:
         ref = process_rounds(report, ps, args, out_dir)
-    for name, extra, env in WIRE_FAULTS:
+    for name, extra, env in () if args.only_blackhole else WIRE_FAULTS:
         report["rounds"][name] = env_fault_round(name, extra, env, ps, ref, args.tokens, out_dir)
+    if args.blackhole_s > 0:
+        report["rounds"]["blackhole a decode worker's KV port"] = blackhole_round(ps, ref, args.tokens,
+                                                                                args.blackhole_s, out_dir)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
