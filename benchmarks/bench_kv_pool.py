@@ -10,8 +10,9 @@ and the requests they extend, replayed open loop with `pdserve bench serve --wor
 worker gets the same device pool (`--num-kv-blocks` = --device-fraction x the replay's distinct 16-token
 blocks) and host tier (--host-fraction x); the pool run adds `--kv-remote local --kv-remote-pool-gb`.
 Reported per config: prefix-hit tokens by tier summed over the prefill workers, as a share of the replay's
-prompt tokens (the cross-worker effect is the `remote` share), TTFT p50/p90 of later turns and of all requests,
-errors; and the ratios own-tiers / pool. Writes bench_results/kv_pool.json (with --quick: kv_pool_quick.json)
+prompt tokens (the cross-worker effect is the `remote` share), the prefix hit ratio (1 - prompt tokens the
+prefill workers computed / the replay's), TTFT p50/p90 of later turns and of all requests, errors; and the ratios
+own-tiers / pool. Writes bench_results/kv_pool.json (with --quick: kv_pool_quick.json)
 with the CPU model and the date.
 """
 
@@ -29,13 +30,17 @@ from bench_kv_tiers import (BLOCK, gb_for, host_cpu, replay, replay_facts, selec
 
 
 def hit_shares(run: dict, prompt_tokens: int) -> dict[str, float]:
-    """Prefix-hit tokens by tier over the prefill workers, as a share of the replay's prompt tokens."""
+    """Over the prefill workers: the prefix hit ratio, 1 - prompt tokens they computed (looked up minus hit; a
+    staged prompt is looked up twice, its second time a hit) / the replay's prompt tokens, and each tier's hit
+    tokens as a share of the replay's prompt tokens."""
     out: dict[str, float] = {}
+    computed = 0.0
     for name, w in run["workers"].items():
         if name.startswith("prefill"):
+            computed += w["query_tokens"] - sum(w["hit_tokens"].values())
             for tier, n in w["hit_tokens"].items():
                 out[tier] = out.get(tier, 0.0) + n / prompt_tokens
-    return out
+    return {"hit_ratio": 1 - computed / prompt_tokens, **out}
 
 
 def main() -> int:
