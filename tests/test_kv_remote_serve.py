@@ -23,7 +23,7 @@ SHAPES = {"colocated": (["--mode", "colocated", "--instances", "2"], "colocated-
           "pd": (["--prefill", "2", "--decode", "1"], "prefill-0", "prefill-1")}
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+@pytest.fixture(scope="module", params=[pytest.param("colocated", marks=pytest.mark.extended), "pd"])
 def shaped(request):
     if unavailable():
         pytest.skip(unavailable())
