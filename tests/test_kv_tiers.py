@@ -1296,3 +1296,30 @@ def test_a_secret_requests_blocks_never_reach_an_unsealed_disk(sealed):
     else:
         assert not any(on_disk) and engine.tiers.stats.secret_off_disk >= len(on_disk) == 4
         assert engine.kv_report()["secret_off_disk"] == engine.tiers.stats.secret_off_disk
+
+
+def test_a_reservation_whose_prefix_is_read_from_disk_is_passed_over_not_reported_short_of_room():
+    """A decode worker's books (`DecodeBooks`): a reservation whose prefix is on disk only waits for its prefetch
+    (`kv_reservations.LOOKING`) without holding up the next one or being reported as waiting for room (which
+    would have the gateway stage its prompt elsewhere); once the blocks are in host it is granted, with them."""
+    from pdserve.core.pd.decode_books import DecodeBooks
+    engine, io = tiered_engine(num_blocks=8, host=6, disk=64)
+    a, b = prompts(2, 17, seed=21)
+    serve(engine, io, "a", a)
+    drain(engine, io)
+    files = dict(io.disk)
+    stamp = time.time() - 60.0
+    engine2, io2 = tiered_engine(num_blocks=12, host=6, disk=64, restored=[(h, stamp, stamp) for h in files])
+    io2.disk.update(files)  # (room for both reservations: 5 blocks each)
+    books = DecodeBooks(engine2.scheduler, BS)
+    books.reserve(engine2.make_request("a", a, greedy(3)), "a#0")
+    books.reserve(engine2.make_request("b", b, greedy(3)), "b#0")
+    granted = books.grant()
+    assert [g.reservation.xfer for g in granted] == ["b#0"] and books.newly_waiting() == []
+    for _ in range(50):  # the prefetch runs (the engine steps for b meanwhile)
+        io2.release()
+        engine2.step()
+        granted = books.grant()
+        if granted:
+            break
+    assert [g.reservation.xfer for g in granted] == ["a#0"] and granted[0].first_block == 4  # its 16 tokens read

@@ -92,21 +92,24 @@ class DecodeBooks:
         return res
 
     def grant(self) -> list[Grant]:
-        """Grant queued reservations in policy order while blocks last."""
+        """Grant queued reservations in policy order while blocks last; one whose prefix is being read from a
+        lower tier (disk, the shared pool) is passed over until it is there, not counted as short of room."""
         granted = []
         self._looking = set()
-        while self.pending:
-            res = self.pending[0]
+        i = 0
+        while i < len(self.pending):
+            res = self.pending[i]
             if self.gone is not None and self.gone(res.request.request_id):
-                self.pending.pop(0)
+                self.pending.pop(i)
                 continue
             cached = self.scheduler.reserve_kv(res.request)
-            if cached == LOOKING:  # its prefix is being read from a lower tier: not short of room
+            if cached == LOOKING:
                 self._looking.add(res.xfer)
-                break
+                i += 1
+                continue
             if cached is None:
                 break
-            self.pending.pop(0)
+            self.pending.pop(i)
             granted.append(self._grant(res, cached))
         return granted
 
