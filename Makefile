@@ -38,7 +38,7 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/bench_engine.py
 
-# the simulator against the real server, short (one run of 16 requests; ~4 min on 2 cores): the fidelity table
+# the simulator against the real server, short (one run of 16 requests; ~3 min on 2 cores): the fidelity table
 fidelity: setup
 	$(PY) benchmarks/bench_fidelity.py --quick
 

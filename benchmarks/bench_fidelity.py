@@ -3,7 +3,7 @@ time model fitted to this machine; relative error of median and P90 TTFT and TPO
 
     .venv/bin/python benchmarks/bench_fidelity.py [--workload SPEC ...] [--rate 0.5] [--max-requests 40]
                                                  [--repeats 3] [--quick]
-    make fidelity    # = --quick: one run of 16 requests, one idle probe per wake gap (~4 min on 2 cores)
+    make fidelity    # = --quick: one run of 16 requests, one idle probe per wake gap (~3 min on 2 cores)
 
 This shared 2-core VM changes speed by tens of percent within minutes, so a profile taken once, minutes
 before a run, can describe another machine than the one the run met. Hence, through the real command line:
