@@ -165,3 +165,11 @@ def test_local_is_for_serve_only():
     EngineConfig(kv_remote="local")  # (valid: serve resolves it before its workers start)
     with pytest.raises(InvalidRequestError, match="local is pdserve serve's"):
         RemoteKVStore("local", "identity", 1024, 0)
+
+
+def test_a_slow_probe_is_counted_once_not_at_every_lookup_that_finds_it_still_out():
+    book = RemoteBook(probe_again_s=1.0, probe_wait_s=0.25)
+    assert book.to_probe([5, 6], now=0.0) == ([5, 6], False)
+    for t in (0.3, 0.4, 0.5):  # the probe is still out: given up on once, then the prefix counts as absent
+        assert book.to_probe([5, 6], now=t) == ([], False)
+    assert book.slow_probes == 1

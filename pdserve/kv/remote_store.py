@@ -85,8 +85,9 @@ class RemoteKVStore:
 
     def write(self, block_hash: int, payload: memoryview, produced_at: float | None = None) -> None:
         header, body = encode_record(block_hash, payload, self.seal, produced_at)
-        # upsert, not put: a value already there (a damaged one, say) is replaced, where a put leaves it
-        rc = self.store.upsert(self.key(block_hash), header + bytes(body))
+        # upsert, not put: a value already there (a damaged one, say) is replaced, where a put leaves it; in parts,
+        # so the payload is not copied into one buffer with its header first
+        rc = self.store.upsert_parts(self.key(block_hash), header, body)
         if rc != 0:
             raise PoolDown(f"the pool refused a write (code {rc})")
 

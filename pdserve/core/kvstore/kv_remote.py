@@ -55,15 +55,15 @@ class RemoteBook:
         if not self.up(now) or not len(hashes):
             return [], False
         first = hashes[0]
+        seen = self.absent.get(first)
+        if first in self.bad or (seen is not None and now - seen < self.probe_again_s):
+            return [], False
         asked = self.probing.get(first)
         if asked is not None:
             if now - asked < self.probe_wait_s:
                 return [], True
-            self.slow_probes += 1
-            self.absent[first] = now  # (not asked again, nor waited for, until `probe_again_s` has passed)
-            return [], False
-        seen = self.absent.get(first)
-        if first in self.bad or (seen is not None and now - seen < self.probe_again_s):
+            self.slow_probes += 1  # (once per probe: its prefix now counts as absent for `probe_again_s`)
+            self.absent[first] = now
             return [], False
         ask = [h for h in hashes[:MAX_PROBE_BLOCKS] if h not in self.probing]
         self.probing.update(dict.fromkeys(ask, now))
