@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup run test test-all test-fast bench fidelity clean
+.PHONY: setup run test test-all test-fast bench fidelity docs docs-serve clean
 
 setup: $(STAMP)
 
@@ -42,5 +42,14 @@ bench: setup
 fidelity: setup
 	$(PY) benchmarks/bench_fidelity.py --quick
 
+# the documentation site (mkdocs-material) into site/: the reference pages regenerated from the code first
+docs: setup
+	$(PY) -m pdserve.docs_ref
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: setup
+	$(PY) -m pdserve.docs_ref
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001  # 8000 is pdserve serve's
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site
