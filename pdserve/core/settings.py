@@ -226,7 +226,7 @@ class KvTierSettings:
                                 "back, from their prefix's think time, are prefetched disk -> host -> device ahead "
                                 "of that use, and a full tier evicts by stage, class and expected use: decayed, "
                                 "one-off and flex blocks first). Default write-through: on the Mooncake "
-                                "conversation trace staged is not better (BENCHMARKS.md).")
+                                "conversation trace staged is not better (docs/benchmarks.md).")
     kv_max_age_s: float = setting(86400.0, "KV retention limit: a block in the host or disk tier produced longer "
                                   "ago than this is never served (dropped, recomputed), nor restored from an "
                                   "earlier run's disk tier.")

@@ -10,15 +10,15 @@ Measured on the first `TOKENS` tokens of the text, in one prefill (prompt logpro
   likely next token is exact KV's;
 - free-running greedy agreement (reported, not gated): `GREEDY_TOKENS` greedy tokens after the text's first
   `GREEDY_PROMPT` tokens, the share of positions equal to exact KV's. One near-tie early makes the rest of an
-  answer differ (BENCHMARKS.md "KV codecs": fp8 keeps 96.8% teacher-forced but 20.9% free-running), so it says
+  answer differ (docs/benchmarks.md "KV codecs": fp8 keeps 96.8% teacher-forced but 20.9% free-running), so it says
   little about a codec on its own and is not a threshold.
 
 Thresholds (`Thresholds`, documented in README "KV codec gate"): from the shipped codecs' numbers on the default
-model (BENCHMARKS.md "KV codec gate", 512 tokens of gpl-3.0.txt) with margin. The worst shipped codec, int4, costs
-+2.1% perplexity and keeps 92.6% top-1 agreement; fp8_e4m3 +1.0% and 92.4%; int8 +0.1% and 98.2%. So a codec
-passes within +4% perplexity (about twice int4's loss) and at >= 85% top-1 agreement (7 points under the worst
-shipped codec: what one model's near-ties move between hosts and kernels stays inside it). The test-only broken
-codec (`kv_codecs.TEST_CODEC_ENV`) lands at +124,000% and 0.8%.
+model (docs/benchmarks.md "KV codecs", the gate columns: 512 tokens of gpl-3.0.txt) with margin. The worst shipped
+codec, int4, costs +2.1% perplexity and keeps 92.6% top-1 agreement; fp8_e4m3 +1.0% and 92.4%; int8 +0.1% and 98.2%.
+So a codec passes within +4% perplexity (about twice int4's loss) and at >= 85% top-1 agreement (7 points under the
+worst shipped codec: what one model's near-ties move between hosts and kernels stays inside it). The test-only
+broken codec (`kv_codecs.TEST_CODEC_ENV`) lands at +124,000% and 0.8%.
 
 The text: `../shared/texts/gpl-3.0.txt` beside the repository when it is there (a fixed public text), else a short
 text shipped here (`pdserve.engine.gate_text`); the result names the one used. Results are cached per host,

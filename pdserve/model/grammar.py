@@ -10,7 +10,7 @@ A matcher in error (it could not take the outputs a request moved with, or a tok
 applied) allows only the end of the sequence, so the answer ends there, short of the grammar: such requests are
 counted in `errors` (the worker's stats: `pdserve_fallbacks_total{kind="grammar_error"}`) and logged.
 
-Why llguidance and not xgrammar: `benchmarks/bench_grammar.py` (BENCHMARKS.md, "Structured output").
+Why llguidance and not xgrammar: `benchmarks/bench_grammar.py` (docs/benchmarks.md, "Other measurements").
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ MADV_HUGEPAGE this is a plain `torch.zeros` (a decision for the platform, logged
 The CPU KV pool and host tier are lazily mapped on normal pages (`lazy_zeros`): they are touched block by
 block while serving, and a huge page's first touch can be far dearer than 512 small ones (measured on an AMD
 EPYC VM: 4.6 s of system time per GiB against 0.37 s, and a 16-request long-prompt run 30% slower with the
-pool on huge pages, BENCHMARKS.md); the weights are touched once, at load.
+pool on huge pages, docs/benchmarks.md "Engine throughput"); the weights are touched once, at load.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Decode steps multiply few rows (one per running request) by large weights, so they stream every weight
 once per step. In fp32 on x86-64 the compiled skinny GEMM (`pdserve.model.kernels`, weights packed in
 16-column panels) does this fastest for the row counts in `KERNEL_ROWS[isa]`, a rule measured on each
-kind of CPU (BENCHMARKS.md, "Skinny GEMM: which path for which row count"):
+kind of CPU (docs/benchmarks.md, "Engine throughput"; `benchmarks/bench_gemm.py`):
 - AVX-512 (Intel Xeon, 2 threads, the default model's 120 per-layer products, cold): 28 vs 35 ms for
   MKL's packed sgemm at 16 rows, equal at 32, 21 vs 20 at 1 row, slower from ~48 rows.
 - AVX2 + FMA (AMD EPYC Zen 3, 2 threads, same products): faster than MKL's packed sgemm and `F.linear`

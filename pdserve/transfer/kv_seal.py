@@ -1,9 +1,9 @@
 """Per-connection protection of tcp records: AES-256-GCM (`cryptography`) keyed per connection.
 
-AES-GCM, not ChaCha20-Poly1305: every host this runs on has AES and carry-less multiply instructions, where
-AES-GCM seals 2-2.5x faster (7.6 vs 3.1 GB/s encrypting 4 MiB on the Xeon of BENCHMARKS.md), and on the tcp
-path the sealing runs in series with the send: aead delivered 65-72% of plain at 10 Gbit/s with it against
-48-50% with ChaCha20-Poly1305 in the same runs.
+AES-GCM, not ChaCha20-Poly1305: every host this runs on has AES and carry-less multiply instructions, where AES-GCM
+seals 2-2.5x faster (7.6 vs 3.1 GB/s encrypting 4 MiB on the Xeon of docs/benchmarks.md, "Failures"), and on the tcp
+path the sealing runs in series with the send: aead delivered 65-72% of plain at 10 Gbit/s with it against 48-50%
+with ChaCha20-Poly1305 in the same runs.
 
 After the hello (`pdserve.transfer.peer_auth`: the sender's nonce, the receiver's in its reply) both ends
 derive the connection's key, HKDF-SHA256 of the deployment secret salted with both nonces, for the one
