@@ -134,15 +134,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.sim.report import print_sim_table, write_sim_result
 
     from pdserve.bench.tier_mix import tier_flags
+    from pdserve.sim.feasibility import from_args as feasibility_from_args, summary_lines
     from pdserve.sim.runs import cluster_spec, run_spec, workloads_at_rates
     tier_flags(args)  # bad tier flags fail before any work
     check_kv_cache_dtype(args)
     spec = cluster_spec(args, args.mode, args.tp, args.prefill, args.decode, args.instances)  # bad flags: before work
     rates, workloads = workloads_at_rates(args)
+    feas = feasibility_from_args(args, workloads[-1], [spec.tp],
+                                 args.prefill_budget if args.mode == "pd" else args.decode_budget)
+    print("\n".join(summary_lines(feas)))
     label = args.label or (Path(args.output).name if args.output else f"{args.mode} {spec.num_gpus}x{args.gpu}")
     result = run_spec(args, spec, workloads, rates, label)
+    result.feasibility = feas.to_dict()
     print_table(result)
     print_sim_table(result)
+    for run in result.runs:
+        if run["summary"]["slo"]["attainment"] is not None:
+            at = "" if run["rate"] is None else f" at {run['rate']:g} req/s"
+            print(f"SLO attainment{at}: {run['summary']['slo']['attainment']:.1%} of "
+                  f"{feas.best_attainment:.1%} possible")
     if args.output:
         print(f"wrote {write_sim_result(result, Path(args.output))}")
     return 0

@@ -20,6 +20,8 @@ run carries a `sim` block next to its bench `summary`:
 * `cost`: GPU-hours and USD per 1k output tokens and per 1k tokens (prompt + output);
 * `engines`: steps, fast-forwarded steps, busy share, prefix hits, preemptions and prefill yields (by tier)
   per engine.
+The result's `feasibility` holds what share of the workload no deployment can serve and why, and the best SLO
+attainment possible (`pdserve.sim.feasibility`).
 Per-request token times are cut to the first and last in result.json (the summary used all of them).
 
 Service tiers: records tagged with a `service_tier` (and `rejected` for refusals) give each summary a
@@ -50,6 +52,9 @@ from pdserve.sim.conductor import CONSUME_TOLERANCE_S
 @dataclass
 class SimResult(BenchResult):
     cluster: dict = field(default_factory=dict)
+    # the share of the workload no deployment can serve and why, the best attainment possible
+    # (`pdserve.sim.feasibility.Feasibility.to_dict`)
+    feasibility: dict = field(default_factory=dict)
 
 
 def lifecycle(run: SimRun) -> dict:

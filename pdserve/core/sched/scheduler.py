@@ -43,6 +43,12 @@ _NO_TIER_HIT = TierHit()
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_PREFILLED)
 
 
+def leaves_no_room(num_prompt_tokens: int, max_model_len: int) -> bool:
+    """A prompt this long leaves no room for output in a context of `max_model_len` tokens: it is refused
+    (`Scheduler.check_new`; the simulator's feasibility bound, `pdserve.sim.feasibility`, counts it so)."""
+    return num_prompt_tokens >= max_model_len
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
                  policy: QueuePolicy | None = None) -> None:
@@ -93,7 +99,7 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt must contain at least one token", param="prompt")
-        if request.num_prompt_tokens >= self.max_model_len:
+        if leaves_no_room(request.num_prompt_tokens, self.max_model_len):
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{request.num_prompt_tokens} tokens, which leaves no room for output.", param="prompt")
