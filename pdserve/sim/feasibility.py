@@ -18,6 +18,7 @@ does not (their output stops at the context).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -207,12 +208,14 @@ def _fixes(f: Feasibility) -> list[str]:
         models = f"presets holding {f.longest_prompt:,} tokens: {', '.join(longer)}" if longer else (
             f"no preset holds {f.longest_prompt:,} tokens")
         cap = max(1, f.context_len - f.median_output)
-        out.append(f"    the {f.over_context:,} prompts over the {f.context_len:,}-token context: a model with a longer "
-                   f"context ({models}), or --max-input-len {cap} to clip them (the context less the median output)")
-    if f.ttft_floor:
-        out.append(f"    the {f.ttft_floor:,} below the prefill floor: --slo-ttft-ms {f.ttft_floor_ms:,.0f} or more "
-                   "(the highest floor), or a faster GPU")
+        out.append(f"    the {f.over_context:,} prompts at or over the {f.context_len:,}-token context: a model with a "
+                   f"longer context ({models}), or --max-input-len {cap} to clip them (the context less the median "
+                   "output)")
+    if f.ttft_floor:  # (flags rounded up: the floor itself must pass)
+        out.append(f"    the {f.ttft_floor:,} below the prefill floor: --slo-ttft-ms {math.ceil(f.ttft_floor_ms)} or "
+                   "more (the highest floor), or a faster GPU")
     if f.tpot_floor:
-        out.append(f"    the {f.tpot_floor:,} below the decode floor: --slo-tpot-ms {f.tpot_floor_ms:.1f} or more "
-                   "(the highest floor), or a faster GPU")
+        tpot = math.ceil(f.tpot_floor_ms * 10) / 10
+        out.append(f"    the {f.tpot_floor:,} below the decode floor: --slo-tpot-ms {tpot:g} or more (the highest "
+                   "floor), or a faster GPU")
     return out
