@@ -11,6 +11,11 @@ from pdserve.errors import PdserveError
 from pdserve.flags import add_config_args
 
 
+# commands that sample nothing a request left unset (a worker samples what its gateway filled in) have no
+# --generation-config
+NOT_SAMPLING = frozenset({"generation_config"})
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     add_config_args(parser, EngineConfig, skip | {"service_tiers"})
     parser.add_argument("--service-tier", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,share=Z]",
@@ -20,28 +25,35 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from pdserve.core.service_tiers import ServiceTiers
-    values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
+    # a field a command has no flag for (serve's model: ServeConfig's; worker's generation_config) keeps its default
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     values["service_tiers"] = tuple(ServiceTiers.from_specs(getattr(args, "service_tier", None) or ()).specs())
     return EngineConfig(**values)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    unset = "default: --generation-config's"
+    p.add_argument("--temperature", type=float, default=None, help=f"0 = greedy; {unset}, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None, help=f"{unset}, else 1")
+    p.add_argument("--top-k", type=int, default=None, help=f"{unset}, else 0 (no top-k cut)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _sampling_params(args: argparse.Namespace):
+def _sampling_params(args: argparse.Namespace, config: EngineConfig):
+    """The flags' sampling params: a field not given takes the model's default (--generation-config), else
+    greedy decoding, this command's own default."""
     from pdserve.core.sampling_params import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, stop=tuple(args.stop))
+    from pdserve.model.generation_config import sampling_defaults
+    from pdserve.model.loader import resolve_model_dir
+    defaults = sampling_defaults(config.generation_config, config.model, resolve_model_dir(config.model))
+    given = defaults.fill(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return SamplingParams(**{"temperature": 0.0, **given}, max_tokens=args.max_tokens, stop=tuple(args.stop))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)  # validate before paying for a model load
     config = engine_config_from_args(args)
+    params = _sampling_params(args, config)  # validate before paying for a model load
     from pdserve.engine.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
     print(llm.generate(args.prompt, params)[0].text)
@@ -49,10 +61,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)
+    config = engine_config_from_args(args)
+    params = _sampling_params(args, config)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.message}]
-    config = engine_config_from_args(args)
     from pdserve.engine.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
     print(llm.chat(messages, params)[0].text)
@@ -127,7 +139,7 @@ def _add_worker_parser(sub) -> None:
     add_config_args(w, CadenceSettings)
     add_config_args(w, CalibrationSettings)
     add_config_args(w, CodecGateSettings)
-    add_engine_args(w)
+    add_engine_args(w, skip=NOT_SAMPLING)
     w.set_defaults(func=cmd_worker)
 
 
@@ -246,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-kv", help="KV codec gate: a fixed text through exact and coded KV on this model "
                                             "(perplexity change, top-1 and greedy agreement, pass or fail)")
     check.add_argument("--json", action="store_true", help="one JSON object per codec instead of one line")
-    add_engine_args(check)
+    add_engine_args(check, skip=NOT_SAMPLING)
     check.set_defaults(func=cmd_check_kv)
     exp = sub.add_parser("export-hf", help="write the served model as a Hugging Face directory (for peers)")
     exp.add_argument("--output", required=True, help="directory to write")
@@ -268,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="measure nothing: fit to the steps a running pdserve server reports (GET "
                            "/v1/admin/steps), timed under serving conditions")
     prof.add_argument("--api-key", default=None, help="with --from-server: the server's API key, if it needs one")
-    add_engine_args(prof)
+    add_engine_args(prof, skip=NOT_SAMPLING)
     prof.set_defaults(func=cmd_profile)
     from pdserve.bench.cli import add_bench_parser
     add_bench_parser(sub)

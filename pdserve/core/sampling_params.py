@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 from pdserve.errors import InvalidRequestError
 
@@ -72,6 +72,51 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# The sampling fields a model's generation config may give defaults for (those of vLLM's that pdserve samples with)
+DEFAULTABLE = ("temperature", "top_p", "top_k")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What the sampling fields a request leaves unset take (`--generation-config`; vLLM's default sampling params).
+
+    `values` holds only the fields the model recommends; a field it does not name keeps the caller's own default
+    (OpenAI's over HTTP: `SamplingParams`' defaults). `source` says where the values came from; `ignored` names the
+    fields of the model's file pdserve does not sample with (said at start, never silently dropped)."""
+
+    values: dict = field(default_factory=dict)
+    source: str = "none from the model (--generation-config vllm)"
+    ignored: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.values) - set(DEFAULTABLE)
+        if unknown:
+            raise InvalidRequestError(f"no sampling default for {sorted(unknown)}; only {', '.join(DEFAULTABLE)}",
+                                      param="generation_config")
+        SamplingParams(**self.values)  # in range, else the same one-line error a request would get
+
+    def fill(self, **given) -> dict:
+        """`given` (None: the request left it unset) with the unset fields the model recommends filled in; fields
+        still unset are left out, so whoever builds the `SamplingParams` applies its own default."""
+        return {k: self.values[k] if v is None else v for k, v in given.items() if v is not None or k in self.values}
+
+    def in_force(self) -> dict:
+        """The value each defaultable field of a request that sets none gets over HTTP (OpenAI's where the model
+        names none), and where the model's came from: what GET /v1/models reports."""
+        neutral = {f.name: f.default for f in fields(SamplingParams) if f.name in DEFAULTABLE}
+        return {**neutral, **self.values, "source": self.source}
+
+    def line(self) -> str:
+        """One line saying which defaults are in force (printed at start, as vLLM does)."""
+        ignored = f"; not applied (pdserve does not do them): {', '.join(self.ignored)}" if self.ignored else ""
+        if not self.values:
+            return (f"Default sampling parameters: OpenAI's (temperature 1.0, top_p 1.0) for the fields a request "
+                    f"leaves unset: {self.source}{ignored}")
+        given = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        return (f"Default sampling parameters have been overridden by {self.source}: {given} for the fields a "
+                f"request leaves unset{ignored}. If this is not intended, start with --generation-config vllm.")
 
 
 def params_dict(params: SamplingParams) -> dict:

@@ -281,6 +281,23 @@ class CodecGateSettings:
 
 
 @dataclass(frozen=True)
+class GenerationSettings:
+    """What the sampling fields a request leaves unset take (`pdserve.model.generation_config`)."""
+    generation_config: str = setting("auto", "Defaults of the sampling fields a request leaves unset (temperature, "
+                                     "top_p, top_k): auto (the model's generation_config.json; the embedded "
+                                     "SmolLM2-135M-Instruct: its model card's temperature 0.2, top_p 0.9), vllm (none "
+                                     "from the model: the command's own, OpenAI's temperature 1 and top_p 1 over "
+                                     "HTTP) or PATH (a generation_config.json, or the directory holding one). A field "
+                                     "the request sets always wins; serve says at start which defaults are in force "
+                                     "and GET /v1/models shows them (sampling_defaults).")
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.generation_config, str) and self.generation_config.strip() != "",
+                 f"--generation-config must be auto, vllm or a path, got {self.generation_config!r}",
+                 "generation_config")
+
+
+@dataclass(frozen=True)
 class SupervisionSettings:
     """How long the deployment waits on a transfer or a draining worker before it acts."""
     kv_timeout_s: float = setting(30.0, "A KV delivery whose prefill worker sent nothing (not even an `alive` "

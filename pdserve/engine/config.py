@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.model import attention_registry
-from pdserve.core.settings import CodecSettings, KvBlockSettings, KvTierSettings, default_of, pick, shared
+from pdserve.core.settings import (CodecSettings, GenerationSettings, KvBlockSettings, KvTierSettings, default_of,
+                                   pick, shared)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class EngineConfig:
     priority tier's reserved share of every worker."""
     seed: int | None = None
     """Seed of the sampler for requests without their own seed."""
+    generation_config: str = shared(GenerationSettings, "generation_config")
     num_threads: int | None = None
     """CPU threads for torch; default: all cores."""
 
@@ -90,6 +92,7 @@ class EngineConfig:
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
         pick(KvBlockSettings, self)
+        pick(GenerationSettings, self)
         attention_registry.check(self.attention_backend)
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                         queue_policy=self.queue_policy, tier_weights=self.tier_weights)  # the scheduler's own check

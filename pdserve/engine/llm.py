@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import DEFAULTABLE, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.worker_engine import build_engine_at
@@ -20,18 +20,30 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 
 class LLM:
-    """Batch generation on one process. Keyword arguments are `EngineConfig` fields."""
+    """Batch generation on one process. Keyword arguments are `EngineConfig` fields; `generation_config` (auto,
+    vllm or a path, `pdserve.model.generation_config`) gives the sampling defaults of `generate(params=None)` and
+    `get_default_sampling_params`."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        from pdserve.model.generation_config import sampling_defaults
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = build_engine(self.config)
+        model_dir = resolve_model_dir(self.config.model)
+        self.sampling_defaults = sampling_defaults(self.config.generation_config, self.config.model, model_dir)
+        self.engine = build_engine_at(model_dir, self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def get_default_sampling_params(self, **fields) -> SamplingParams:
+        """`SamplingParams(**fields)`, its sampling fields that `fields` leaves unset (or None) taken from the model's
+        defaults (`generation_config`), as vLLM's `LLM.get_default_sampling_params`."""
+        sampling = {k: fields.pop(k, None) for k in DEFAULTABLE}
+        return SamplingParams(**self.sampling_defaults.fill(**sampling), **fields)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(prompt_list))
+        params_list = _as_params_list(self.get_default_sampling_params() if params is None else params,
+                                      len(prompt_list))
         ids: list[str] = []
         try:
             for p, sp in zip(prompt_list, params_list):
@@ -87,8 +99,6 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -175,8 +175,10 @@ def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        # sampling_defaults (pdserve): what the sampling fields a request leaves unset take (`--generation-config`)
         return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": gateway.max_model_len}]}
+                                            "owned_by": "pdserve", "max_model_len": gateway.max_model_len,
+                                            "sampling_defaults": gateway.sampling_defaults.in_force()}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -187,7 +189,8 @@ def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
         echo_only = body.echo and body.max_tokens == 0  # the prompt scored, nothing generated (one token run)
         asked = 1 if echo_only else body.max_tokens
         grammar = gateway.grammars.for_request(body)
-        params = [sampling_params(body, gateway.max_tokens_for(p, asked), grammar) for p in prompts]
+        params = [sampling_params(body, gateway.max_tokens_for(p, asked), grammar, gateway.sampling_defaults)
+                  for p in prompts]
         shape = Shape(False, gateway.tokenizer, logprobs_asked(body), body.echo, echo_only,
                       [p if isinstance(p, str) else gateway.tokenizer.decode(p) for p in given])
         return await _respond(gateway, http, body, prompts, params, shape)
@@ -203,7 +206,7 @@ def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
         prompt = _chat_prompt(gateway, body, plan)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, gateway.max_tokens_for(prompt, requested),
-                                 plan.grammar if plan is not None else grammar)
+                                 plan.grammar if plan is not None else grammar, gateway.sampling_defaults)
         return await _respond(gateway, http, body, [prompt], [params], Shape(True, gateway.tokenizer,
                                                                               logprobs_asked(body), tools=plan))
 

@@ -20,7 +20,7 @@ from pdserve.conductor.routing_policies import make_routing_policy
 from pdserve.errors import PdserveError
 from pdserve.model.config import ModelConfig, model_fingerprint
 from pdserve.server.api import BodyLimit, SendTimeout, create_app
-from pdserve.server.launch import api_keys
+from pdserve.server.launch import api_keys, gateway_sampling_defaults
 from pdserve.server.gateway import Gateway
 from pdserve.server.joins import JoinPolicy
 from pdserve.server.metrics import Metrics
@@ -62,6 +62,7 @@ async def run_gateway(cfg, procs, model_dir: str, stop: asyncio.Event | None = N
         gateway = Gateway(_tokenizer(model_dir), conductor, metrics, served_name(cfg),
                           min(w.info["max_model_len"] for w in conductor.workers.values()))
         gateway.auto_tier, gateway.kv_sensitivity = cfg.api_key_tier, cfg.kv_sensitivity
+        gateway.sampling_defaults = gateway_sampling_defaults(cfg, engine_fields, model_dir)
         gateway.cluster = procs if hasattr(procs, "add") else None  # (Ray: workers placed and scaled live)
         app = SendTimeout(BodyLimit(create_app(gateway, api_keys(cfg)), cfg.max_body_bytes), cfg.stream_timeout_s,
                           metrics)

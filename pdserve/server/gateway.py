@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.pd.sensitivity import DEFAULT as DEFAULT_LABEL
 from pdserve.server.conductor_driver import Conductor, Flight
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingDefaults, SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError, PdserveError, check_ttl
 from pdserve.server.metrics import Metrics
@@ -65,6 +65,7 @@ class Gateway:
         self.pins: dict[str, Pin] = {}  # live prewarms
         self.auto_tier: str | None = None  # the API key's default service tier (`--api-key-tier`)
         self.kv_sensitivity = DEFAULT_LABEL  # the deployment's KV label (`--kv-sensitivity`)
+        self.sampling_defaults = SamplingDefaults()  # a request's unset sampling fields (`--generation-config`)
         self.supervisor = None  # the workers' states, for /health (`pdserve.server.supervisor`)
         self.cluster = None  # --cluster ray: where workers are placed, added and removed (`RayWorkers`)
         self.grammars = Grammars(tokenizer)  # structured output (`pdserve.server.structured`)

@@ -248,6 +248,15 @@ def _key_line(columns: list[str], number: int, tier: str | None) -> KeyDefaults:
     return KeyDefaults(tiers[0] if tiers else tier, labels[0] if labels else None)
 
 
+def gateway_sampling_defaults(cfg: ServeConfig, engine: dict, model_dir: str | Path):
+    """What the sampling fields a request leaves unset take (`--generation-config`, an engine field the workers
+    ignore: the gateway fills requests in); a bad path or file: a one-line error."""
+    from pdserve.core.settings import GenerationSettings, default_of
+    from pdserve.model.generation_config import sampling_defaults
+    choice = engine.get("generation_config") or default_of(GenerationSettings, "generation_config")
+    return sampling_defaults(choice, cfg.model, model_dir)
+
+
 def worker_specs(cfg: ServeConfig, model_dir: str, engine: dict, run_dir: str) -> list[WorkerSpec]:
     roles = (["prefill"] * cfg.prefill + ["decode"] * cfg.decode) if cfg.mode == "pd" else ["colocated"] * cfg.instances
     if engine.get("num_threads") is None:  # share the cores out; each worker is its own process

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.core.sampling_params import MAX_LOGPROBS, SamplingDefaults, SamplingParams
 from pdserve.errors import InvalidRequestError
 
 
@@ -208,12 +208,14 @@ def logprobs_asked(req: _Common) -> int | None:
     return k
 
 
-def sampling_params(req: _Common, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+def sampling_params(req: _Common, max_tokens: int, grammar: str | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """The request's sampling params: a sampling field it leaves unset (absent or null) takes the model's default
+    (`defaults`, `--generation-config`), else OpenAI's (`SamplingParams`' own)."""
     k = logprobs_asked(req)
     echo = isinstance(req, CompletionRequest) and req.echo
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, max_tokens=max_tokens,
+        **defaults.fill(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k), max_tokens=max_tokens,
         stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), seed=req.seed, ignore_eos=req.ignore_eos,
         logprobs=k, prompt_logprobs=k if echo else None, grammar=grammar)
 

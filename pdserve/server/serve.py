@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from pdserve.errors import InvalidRequestError
-from pdserve.server.launch import ServeConfig, WorkerProcesses, api_keys, sigterm_as_interrupt, worker_specs
+from pdserve.server.launch import (ServeConfig, WorkerProcesses, api_keys, gateway_sampling_defaults,
+                                   sigterm_as_interrupt, worker_specs)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -30,6 +31,7 @@ def serve(cfg: ServeConfig, engine: dict) -> int:
     check_port_free(cfg.host, cfg.port)
     api_keys(cfg)  # a bad keys file fails now, before any worker starts
     model_dir = resolve_model_dir(cfg.model, convert_in_child=True)  # a GGUF once, before any worker starts
+    print(gateway_sampling_defaults(cfg, engine, model_dir).line(), flush=True)  # (a bad --generation-config: now)
     if cfg.cluster is not None:  # the gateway and its workers as Ray actors
         from pdserve.server.launch_ray import serve_on_ray
         return serve_on_ray(cfg, engine, str(model_dir))
