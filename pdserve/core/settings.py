@@ -52,6 +52,27 @@ def _require(ok: bool, message: str, param: str) -> None:
         raise InvalidRequestError(message, param=param)
 
 
+def _require_one_of(param: str, value, choices: tuple[str, ...]) -> None:
+    """A setting's check that `value` is one of `choices`: else a one-line error listing them."""
+    _require(value in choices, f"--{param.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}", param)
+
+
+WEIGHT_FORMATS = ("auto", "fp32", "q8_0", "q4")
+
+
+@dataclass(frozen=True)
+class WeightSettings:
+    """How a worker keeps the model's linear-layer weights (`pdserve.model.quant`, CPU only)."""
+    weights: str = setting("fp32", "Linear-layer weights: fp32 (exact: token for token with transformers), q8_0 "
+                           "(int8 blocks of 32, one scale each), q4 (4-bit blocks of 32: a GGUF file's own Q4_0/Q4_1 "
+                           "blocks, else requantized at load to Q4_1) or auto (the format measured fastest for "
+                           "this CPU's instruction set, logged at start). Quantized formats run compiled CPU "
+                           "kernels on the blocks (fp32 CPU models only).")
+
+    def __post_init__(self) -> None:
+        _require_one_of("weights", self.weights, WEIGHT_FORMATS)
+
+
 @dataclass(frozen=True)
 class RoutingSettings:
     """Where the conductor sends requests and how it keeps its workers' roles in balance
@@ -193,8 +214,7 @@ class CalibrationSettings:
                                "and admits everything, until a worker has run 8 steps).")
 
     def __post_init__(self) -> None:
-        _require(self.calibration in CALIBRATION_MODES, f"--calibration must be one of "
-                 f"{', '.join(CALIBRATION_MODES)}, got {self.calibration!r}", "calibration")
+        _require_one_of("calibration", self.calibration, CALIBRATION_MODES)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from pdserve.core.sched.schedule import SchedulerConfig
 from pdserve.model import attention_registry
-from pdserve.core.settings import (CodecSettings, GenerationSettings, KvBlockSettings, KvTierSettings, default_of,
-                                   pick, shared)
+from pdserve.core.settings import (CodecSettings, GenerationSettings, KvBlockSettings, KvTierSettings, WeightSettings,
+                                   default_of, pick, shared)
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class EngineConfig:
     """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    weights: str = shared(WeightSettings, "weights")
     attention_backend: str = attention_registry.AUTO
     """Which attention backend runs the model: auto (the compiled CPU kernels on CPU; the torch reference on a
     device no other backend serves), cpu_kernels or torch (the reference). A backend named here that cannot run
@@ -93,6 +94,7 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be positive, got {value!r}", param=name)
         pick(KvBlockSettings, self)
         pick(GenerationSettings, self)
+        pick(WeightSettings, self)
         attention_registry.check(self.attention_backend)
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                         queue_policy=self.queue_policy, tier_weights=self.tier_weights)  # the scheduler's own check

@@ -146,6 +146,24 @@ def _hf_tensors(reader: GGUFReader, arch: str, config: dict) -> dict[str, np.nda
     return tensors
 
 
+def raw_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """The file's tensors as stored (HF name -> (GGUF type name, uint8 rows [n, bytes per row])), q/k rows in
+    the HF order as `convert_gguf` writes them (quantized weights keep the file's blocks: `pdserve.model.quant`)."""
+    reader = GGUFReader(str(path))
+    meta = _Metadata(reader)
+    arch = meta.get("general.architecture")
+    heads = meta.get(f"{arch}.attention.head_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    out = {}
+    for t in reader.tensors:
+        name, data = _hf_name(t.name), t.data
+        if data.dtype == np.uint8 and data.ndim == 2:
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                data = _unpermute(data, heads if "q_proj" in name else kv_heads)
+            out[name] = (t.tensor_type.name, data)
+    return out
+
+
 def _hf_name(gguf_name: str) -> str:
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
     if base in _GLOBAL_NAMES:

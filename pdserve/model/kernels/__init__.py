@@ -1,9 +1,9 @@
 """Compiled CPU kernels for the fp32 decode path, with a counted fallback to torch.
 
 What is here: a skinny GEMM for decode-sized row counts on weights packed in column panels (AVX-512 or
-AVX2 + FMA register tiles, `gemm.c`), paged decode attention that reads K/V blocks in place through the
-block rows (online softmax, query heads grouped by KV head), rotary + KV-cache write, residual add +
-RMSNorm, SiLU·up (`kernels.c`). The C sources are compiled for this CPU at first use (`build.py`, a few
+AVX2 + FMA register tiles, `gemm.c`; on quantized weight blocks, `qgemm.c`), paged decode attention that reads
+K/V blocks in place through the block rows (online softmax, query heads grouped by KV head), rotary + KV-cache
+write, residual add + RMSNorm, SiLU·up (`kernels.c`). The C sources are compiled for this CPU at first use (`build.py`, a few
 seconds, cached).
 
 Two different things are kept apart:
@@ -281,3 +281,25 @@ def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     y = x.new_empty(m, w.n)
     _lib.pd_gemm(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), m, w.n, w.k)
     return y
+
+
+def qgemm_isa() -> str:
+    """The instruction set of the quantized-weight GEMM (qgemm.c) on this host: "avx512", "avx2" (AVX2 + FMA +
+    F16C) or "none"."""
+    lib = None if _disabled else _library()
+    return {512: "avx512", 2: "avx2"}.get(lib.pd_qgemm_isa(), "none") if lib is not None else "none"
+
+
+def qgemm(x: torch.Tensor, panels: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
+    """x: [M, K] fp32 CPU, unit column stride -> x @ W^T: [M, N], W the quantized `panels` (pdserve.model.quant).
+    Callers check `usable(x)` first."""
+    y = x.new_empty(x.shape[0], n)
+    _lib.pd_qgemm(fmt, x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+    return y
+
+
+def qdequant(panels: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
+    """The fp32 weight [N, K] that quantized `panels` hold."""
+    w = torch.empty(n, k)
+    _lib.pd_qdequant(fmt, panels.data_ptr(), w.data_ptr(), n, k)
+    return w

@@ -1,4 +1,4 @@
-"""Compile kernels.c, gemm.c and kv_codec.c with the host's C compiler at first use and load them with ctypes.
+"""Compile kernels.c, gemm.c, qgemm.c and kv_codec.c with the host's C compiler at first use and load them with ctypes.
 
 The shared library is built for this very CPU (`-march=native`); `pdserve.cbuild` caches it per source,
 flags, compiler and CPU (and reads `$PDSERVE_KERNEL_CACHE` / `$PDSERVE_KERNEL_CFLAGS`).
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pdserve import cbuild
 
-SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "gemm.c", "kv_codec.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "gemm.c", "qgemm.c", "kv_codec.c")]
 HEADERS = [Path(__file__).with_name("attend.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11"]
@@ -33,6 +33,8 @@ SIGNATURES = {
     "pd_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "pd_gemm_pack": [_P, _P, _I, _I],
     "pd_gemm": [_P, _I64, _P, _P, _I, _I, _I],
+    "pd_qgemm": [_I, _P, _I64, _P, _P, _I, _I, _I],
+    "pd_qdequant": [_I, _P, _P, _I, _I],
     "pd_kv_encode": [_I, _P, _I64, _I, _P, _P, _I, _P],
     "pd_decode_attention_coded": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I64],
 }
@@ -44,7 +46,8 @@ def load() -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("pd_gemm_panel_width", "pd_gemm_isa"):
+    for name in ("pd_gemm_panel_width", "pd_gemm_isa", "pd_qgemm_isa"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [], ctypes.c_int
+    lib.pd_qblock_bytes.argtypes, lib.pd_qblock_bytes.restype = [_I], ctypes.c_int
     return lib

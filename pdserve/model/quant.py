@@ -1,0 +1,235 @@
+"""Quantized linear-layer weights (`--weights q8_0 | q4 | auto`): blocks of 32 weights along the input dimension,
+each with an fp16 scale (and for Q4_1 an fp16 minimum), multiplied by the compiled kernels of `kernels/qgemm.c`.
+
+- `QBlocks`: one weight's blocks, unpacked ([n, k / 32, 32] values, [n, k / 32] scales) and `dequantize()`,
+  the torch reference the kernels are tested against.
+- Where the blocks come from (`QuantLoader`): a GGUF file's own blocks where it has the kind asked for (q4:
+  Q4_0 / Q4_1, kept exactly as the file has them; a Q8_0 tensor, such as the default model's tied embedding /
+  lm_head, is kept as Q8_0 too rather than lose bits; q8_0: Q8_0), else requantized at load from the fp32
+  weights (ggml's reference rounding: Q8_0 d = max|w| / 127; Q4_1 d = (max - min) / 15, m = min).
+- `QuantLinear`: `Linear`'s interface on the packed blocks. Few rows (decode) run the kernel, which reads the
+  blocks (1.06 bytes per weight for Q8_0, 0.625 for Q4, against 4 in fp32); more rows (prefill) dequantize
+  the weight into fp32 for the call and run torch's `F.linear` (MKL), counted per path in
+  `kernels.paths_used()["gemm"]`.
+The embedding table stays fp32 (a lookup reads a few rows). CPU and fp32 activations only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pdserve.errors import UnsupportedModelError
+from pdserve.model import kernels
+
+log = logging.getLogger(__name__)
+
+QK, QW = 32, 16  # weights per block (along k); output columns per packed panel
+KINDS = {"q8_0": 1, "q4_1": 2}  # block kinds -> the kernel's format ids
+# Row counts the kernel serves, per instruction set; more rows dequantize and run F.linear (measured: see
+# BENCHMARKS.md "Quantized weights").
+KERNEL_ROWS = {"avx512": 32, "avx2": 32}
+# What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
+# (BENCHMARKS.md "Quantized weights").
+AUTO = {"avx512": "q8_0", "avx2": "q8_0", "none": "fp32"}
+
+
+@dataclass
+class QBlocks:
+    """A [n, k] weight as blocks of QK along k: q [n, k / QK, QK] (int8 for q8_0, uint8 0..15 for q4_1), d and
+    m [n, k / QK] fp16 (m: q4_1 only). w = d * q (+ m)."""
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1] * QK
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.d.float().unsqueeze(-1) * self.q.float()
+        if self.m is not None:
+            w = w + self.m.float().unsqueeze(-1)
+        return w.reshape(self.n, self.k)
+
+
+def quantize(w: torch.Tensor, kind: str) -> QBlocks:
+    """fp32 [n, k] (k a multiple of QK) -> blocks, rounded as ggml's reference quantizers do."""
+    x = w.detach().float().reshape(w.shape[0], -1, QK)
+    if kind == "q8_0":
+        d = x.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        v = x * inv.unsqueeze(-1)
+        return QBlocks(kind, (v.sign() * (v.abs() + 0.5).floor()).to(torch.int8), d.half())  # C's roundf
+    lo, hi = x.amin(-1), x.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((x - lo.unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5).to(torch.int8).clamp_(0, 15).to(torch.uint8)
+    return QBlocks("q4_1", q, d.half(), lo.half())
+
+
+def from_gguf(raw: np.ndarray, type_name: str) -> QBlocks | None:
+    """A GGUF tensor's own blocks (raw: uint8 [n, bytes per row]) for Q8_0, Q4_0 and Q4_1 (as Q4_1, m = -8 d);
+    None for other types."""
+    sizes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+    if type_name not in sizes:
+        return None
+    n = raw.shape[0]
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(n, -1, sizes[type_name])  # (a copy: the file is read-only)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if type_name == "Q8_0":
+        return QBlocks("q8_0", b[..., 2:].contiguous().view(torch.int8), d)
+    m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if type_name == "Q4_1" else d * -8
+    qs = b[..., -16:]  # byte j: value j in the low nibble, value j + 16 in the high one
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)
+    return QBlocks("q4_1", q.contiguous(), d, m.contiguous())
+
+
+def concat(parts: list[QBlocks]) -> QBlocks:
+    """Blocks of weights stacked along n (the fused q|k|v and gate|up projections); one kind."""
+    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+    return QBlocks(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+
+
+def pack(b: QBlocks) -> torch.Tensor:
+    """The kernel's layout (qgemm.c): uint8 [ceil(n / QW), k / QK, block bytes], columns padded with zeros."""
+    pad = -b.n % QW
+    q, d = F.pad(b.q, (0, 0, 0, 0, 0, pad)), F.pad(b.d, (0, 0, 0, pad))
+    panels, blocks = (b.n + pad) // QW, b.k // QK
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [n, blocks] fp16 -> [panels, blocks, QW * 2] bytes
+        return t.reshape(panels, QW, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+
+    q = q.view(torch.uint8).reshape(panels, QW, blocks, QK).permute(0, 2, 3, 1)  # [panels, blocks, QK, QW]
+    if b.kind == "q8_0":
+        return torch.cat([per_block(d), q.reshape(panels, blocks, QK * QW)], dim=-1).contiguous()
+    pairs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(panels, blocks, QK * QW // 2)
+    return torch.cat([per_block(d), per_block(F.pad(b.m, (0, 0, 0, pad))), pairs], dim=-1).contiguous()
+
+
+def unpack(panels: torch.Tensor, kind: str, n: int, k: int) -> torch.Tensor:
+    """fp32 [n, k] of packed panels, in torch (the path when the kernels are turned off)."""
+    p, blocks = panels.shape[0], k // QK
+    d = panels[..., :QW * 2].contiguous().view(torch.float16).float()  # [p, blocks, QW]
+    if kind == "q8_0":
+        w = panels[..., QW * 2:].contiguous().view(torch.int8).reshape(p, blocks, QK, QW).float() * d.unsqueeze(2)
+    else:
+        m = panels[..., QW * 2:QW * 4].contiguous().view(torch.float16).float()
+        pairs = panels[..., QW * 4:].reshape(p, blocks, QK // 2, 1, QW)
+        q = torch.cat([pairs & 15, pairs >> 4], dim=3).reshape(p, blocks, QK, QW).float()
+        w = q * d.unsqueeze(2) + m.unsqueeze(2)
+    return w.permute(0, 3, 1, 2).reshape(p * QW, k)[:n]
+
+
+class QuantLinear:
+    """y = x @ W^T (+ bias) on W's blocks: the kernel for up to `KERNEL_ROWS[isa]` rows, else F.linear on the
+    weight dequantized for the call."""
+
+    def __init__(self, blocks: QBlocks, bias: torch.Tensor | None = None) -> None:
+        self.kind, self.n, self.k = blocks.kind, blocks.n, blocks.k
+        self.panels = pack(blocks)
+        self.bias = bias
+        self.isa = kernels.qgemm_isa()
+        self.max_rows = KERNEL_ROWS.get(self.isa, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= self.max_rows and kernels.usable(x):
+            kernels.used("gemm", f"{self.kind}_{self.isa}")
+            y = kernels.qgemm(x, self.panels, KINDS[self.kind], self.n, self.k)
+            return y if self.bias is None else y.add_(self.bias)
+        kernels.used("gemm", f"{self.kind}_dequant")
+        return F.linear(x, self.weight(), self.bias)
+
+    def weight(self) -> torch.Tensor:
+        """The fp32 weight [n, k] these blocks hold (the kernel's dequantization, or torch's when it is off)."""
+        if kernels.available():
+            return kernels.qdequant(self.panels, KINDS[self.kind], self.n, self.k)
+        kernels.count_fallback("quantized weights dequantized in torch (kernels turned off or not built)")
+        return unpack(self.panels, self.kind, self.n, self.k)
+
+
+def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The weight format to load: `auto` -> the measured pick for this CPU (logged); fp32, q8_0, q4 as named. A
+    quantized format named where it cannot run (not CPU fp32, no compiled kernels) is a one-line error."""
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if name == "auto":
+        isa = kernels.qgemm_isa() if cpu_fp32 else "none"
+        chosen = AUTO.get(isa, "fp32")
+        log.warning("pdserve: --weights auto -> %s (the format measured fastest within the quality bounds for "
+                    "%s; BENCHMARKS.md 'Quantized weights')", chosen, "this device" if isa == "none" else isa)
+        return chosen
+    if name != "fp32":
+        why = "the model must run on CPU in float32" if not cpu_fp32 else kernels.unavailable()
+        if why is None and kernels.qgemm_isa() == "none":
+            why = "this CPU has no AVX2 + FMA + F16C"
+        if why is not None:
+            raise UnsupportedModelError(f"--weights {name} cannot run here: {why}; use --weights fp32")
+    return name
+
+
+class QuantLoader:
+    """Makes each linear layer's `QuantLinear` for format `fmt` (q8_0 or q4) from a GGUF file's own blocks
+    (`gguf`: HF name -> (GGUF type, raw rows), `gguf_convert.raw_tensors`) where it has them, else from the fp32
+    weight, requantized. `sources` counts the tensors by where their blocks came from."""
+
+    def __init__(self, fmt: str, gguf: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
+        self.fmt, self.gguf = fmt, gguf or {}
+        self.sources: dict[str, int] = {}
+        self.nbytes = 0
+
+    def linear(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
+        """`weight` (fp32 [n, k]) is the stack of the tensors `names`; None where k is no multiple of QK (the
+        caller keeps fp32)."""
+        blocks = self._file_blocks(names)
+        if blocks is None:
+            if weight.shape[1] % QK:
+                self._count(f"fp32 (k={weight.shape[1]} is no multiple of {QK})", len(names))
+                return None
+            blocks = quantize(weight, "q8_0" if self.fmt == "q8_0" else "q4_1")
+            self._count(f"{blocks.kind} requantized", len(names))
+        linear = QuantLinear(blocks, bias)
+        self.nbytes += linear.nbytes
+        return linear
+
+    def _file_blocks(self, names: list[str]) -> QBlocks | None:
+        allowed = ("q8_0",) if self.fmt == "q8_0" else ("q4_1", "q8_0")
+        parts = [from_gguf(self.gguf[n][1], self.gguf[n][0]) if n in self.gguf else None for n in names]
+        if any(p is None or p.kind not in allowed for p in parts) or len({p.kind for p in parts}) != 1:
+            return None
+        self._count(f"{parts[0].kind} from the file", len(names))
+        return concat(parts)
+
+    def _count(self, source: str, tensors: int) -> None:
+        self.sources[source] = self.sources.get(source, 0) + tensors
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{n} {source}" for source, n in sorted(self.sources.items()))
+        return f"weights {self.fmt}: {parts}; {self.nbytes / 1e6:.1f} MB of blocks"
+
+
+def quant_loader(name: str, model: str | None, device: torch.device, dtype: torch.dtype) -> QuantLoader | None:
+    """The loader for `--weights name` (None: fp32) of `model` (a GGUF file gives its own blocks)."""
+    fmt = resolve_weights(name, device, dtype)
+    if fmt == "fp32":
+        return None
+    from pdserve.model.loader import default_model_path
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from pdserve.model.gguf_convert import raw_tensors
+        return QuantLoader(fmt, raw_tensors(path))
+    return QuantLoader(fmt)
