@@ -45,11 +45,11 @@ fidelity: setup
 # the documentation site (mkdocs-material) into site/: the reference pages regenerated from the code first
 docs: setup
 	$(PY) -m pdserve.docs_ref
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 docs-serve: setup
 	$(PY) -m pdserve.docs_ref
-	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001  # 8000 is pdserve serve's
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001  # 8000 is pdserve serve's
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site

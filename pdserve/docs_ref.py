@@ -133,7 +133,8 @@ def metrics_page() -> str:
              f"The {len(families)} metric families the gateway exports on `GET /metrics` (Prometheus text format; "
              "the gateway gathers the workers' reports, so one scrape covers the deployment). Times are in "
              "seconds. A counter is exported as `NAME_total`, a histogram as `NAME_bucket` (label `le`), "
-             "`NAME_sum` and `NAME_count`. Labels named `worker` carry the worker's name (`prefill-0`, "
+             "`NAME_sum` and `NAME_count`; each counter and histogram also has `NAME_created`, when it started counting "
+             "(prometheus_client's timestamp; a labelled one's once its first label set is seen). Labels named `worker` carry the worker's name (`prefill-0`, "
              "`decode-1`, or a joined worker's `--name`); `link` is `PREFILL->DECODE`.", "",
              "Dashboards and alerts that read these: [Operations](../guides/operations.md).", ""]
     return "\n".join(lines + table(["metric", "type", "labels", "meaning"], rows)) + "\n"
