@@ -53,6 +53,7 @@ def test_profile_from_a_running_server(tmp_path):
                                       max_tokens=6, extra_body={"ignore_eos": True})
         counts = wait_for(lambda: _served(server), lambda c: min(c.values()) >= 6, timeout_s=30)
         assert min(counts.values()) >= 6, counts
+        _check_steps_cover_the_tokens(server, client)
         records = _steps(server).json()["data"]
         assert {(r["worker"], r["role"]) for r in records} == {("prefill-0", "prefill"), ("decode-0", "decode")}
         proc = run_cli("profile", "--from-server", f"{server.url}/v1", "--api-key", KEY, "--output", str(out),
@@ -71,3 +72,33 @@ def test_profile_from_a_running_server(tmp_path):
                                                                                       prefill_sq=64 * 64)) > 0
     spec = get_model(str(resolve_model_dir(None) / "config.json"))
     assert make_time_model(f"fitted:{out}", spec, get_gpu("l40s"), 1).decode == model.decode
+
+
+def _decode_rows(server: Server) -> list[dict]:
+    return [r for r in _steps(server).json()["data"] if r["source"] == "served" and r["worker"] == "decode-0"
+            and r["decode_seqs"] > 0]
+
+
+def _check_steps_cover_the_tokens(server: Server, client: openai.OpenAI, n: int = 48, prompt: int = 200) -> None:
+    """A request alone on the decode worker: the steps the worker reported for it add up to the time between its
+    tokens (`pdserve.worker.step_times`: a step runs on to the next one's start through the loop work between
+    them -- outputs out, commands in, KV polled: ~1% of a step on a quiet host, more on a loaded one; the logic
+    itself is checked in tests/test_step_times.py)."""
+    import time
+    times = []
+    stream = client.completions.create(model=MODEL, prompt=[300 + i for i in range(prompt)], max_tokens=n,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            times.append(time.perf_counter())
+    assert len(times) == n, len(times)
+
+    def mine() -> list[dict]:  # its steps: decode step i reads a context of prompt + i (the others' are shorter)
+        rows = [r for r in _decode_rows(server) if r["decode_seqs"] == 1 and r["decode_context"] > prompt]
+        return sorted(rows, key=lambda r: r["decode_context"])
+    rows = wait_for(mine, lambda r: len(r) >= n - 1, timeout_s=30)
+    assert [r["decode_context"] for r in rows] == list(range(prompt + 1, prompt + n)), rows
+    # steps 1 .. n-2 (start to next start) against tokens 2 .. n out (the first comes from the prefill worker;
+    # step i gives token i + 1; the last step has no next one to run on to)
+    reported, span = sum(r["seconds"] for r in rows[:-1]), times[-1] - times[1]
+    assert abs(reported / span - 1) < 0.03, (reported, span)

@@ -170,3 +170,18 @@ def test_fitted_wake_up_table_interpolates_and_round_trips(tmp_path):
     path.write_text(json.dumps({**json.loads(tm.to_json()), "wake": [[2.0, -0.1]]}))
     with pytest.raises(InvalidRequestError, match="wake"):
         make_time_model(f"fitted:{path}", get_model("llama-3-8b"), get_gpu("h100"), 1)
+
+
+def test_a_woken_decode_step_consumes_its_kv_when_it_begins(tmp_path):
+    """A real decode worker times a step that woke it from the step's start (the wake-up is its slow first
+    layers), and reports the KV it reads as consumed then: the simulator does the same, so however long the
+    wake-up, the consumption predictions stay on time (they were off by each wake-up before)."""
+    fit = tmp_path / "fit.json"
+    fit.write_text(FittedTimeModel(Coefficients(0.01, 2e-5, 0), Coefficients(0.008, 3e-7, 1e-4),
+                                   wake=[(1.0, 0.0)], wake_decode=[(1.0, 0.0), (3.0, 0.06)]).to_json())
+    out = tmp_path / "sim"
+    assert main(["simulate", "--workload", "fixed:64,4", "--num-requests", "40", "--rates", "0.5", "--model",
+                 "llama-3-8b", "--gpu", "h100", "--time-model", f"fitted:{fit}", "--prefill", "1", "--decode", "1",
+                 "--output", str(out), "--no-progress"]) == 0
+    life = json.loads((out / "result.json").read_text())["runs"][0]["sim"]["lifecycle"]
+    assert life["transfers"] == 40 and life["schedule_predictability"] >= 0.95, life

@@ -182,7 +182,9 @@ class SimEngine:
         self.num_steps += 1
         self.busy_s += end - now
         self.step_end_s = self.last_end_s = end
-        self.hooks.on_step_start(self, scheduled, now + wake, duration)  # computing starts once awake
+        # a real worker times a step that woke it from its start: the wake-up is part of that step (its first
+        # layers run slow), so it begins now and lasts wake + duration (consumption checks, step reports)
+        self.hooks.on_step_start(self, scheduled, now, wake + duration)
         self.loop.at(end, self._step_end, scheduled, outputs)
 
     def _step_end(self, scheduled, outputs) -> None:
@@ -295,7 +297,7 @@ class SimEngine:
         self.num_steps += j
         self.num_ff_steps += j
         self.busy_s += window.ends[j - 1] - self._window_open_s
-        self.hooks.on_decode_run(self, window.requests, window.ends[:j], window.start_s)
+        self.hooks.on_decode_run(self, window.requests, window.ends[:j], self._window_open_s)  # (as a step)
 
 
 def _paced_end(cadence: DecodeCadence, start: float, end: float, decode_only: bool, slo: float | None) -> float:

@@ -31,9 +31,9 @@ from pdserve.conductor.wire import (Beat, Checkpointed, Error, KvCache, Leave, R
 from pdserve.worker.wire_codec import pack, unpack
 from pdserve.worker.worker_commands import WorkerCommands
 from pdserve.worker.worker_reports import WorkerReports
+from pdserve.worker.step_times import StepTimes
 from pdserve.worker.worker_stats import worker_stats
 from pdserve.core.sched.decode_cadence import DecodeCadence, plain_decode
-from pdserve.core.sched.online_fit import StepRow
 from pdserve.core.pd.delivery import LANDING_RECHECK_S
 from pdserve.core.kvstore.cache_events import CacheEvents, pool_written, tier_slots
 from pdserve.core.kvstore.kv_tiers import capacity_blocks
@@ -119,8 +119,8 @@ class Worker:
         self._last_stats = 0.0
         self._held_since: float | None = None
         self._idle_step = False
-        # the steps run since the last stats (`StepRow.reported`); the first stats carry the profile's
-        self.step_log: list[list] = [row.reported() for row in self.calibration.steps]
+        # the steps run since the last stats; the first stats carry the profile's
+        self.step_times = StepTimes([row.reported() for row in self.calibration.steps])
         self.cadence = DecodeCadence() if spec.role == "decode" and spec.decode_cadence == "steady" else None
         self.reports = WorkerReports(self.emit, spec.name, self.engine, self.prefill, self.decode)
         self.commands = WorkerCommands(self.engine, self.prefill, self.decode, self.reports)
@@ -145,6 +145,8 @@ class Worker:
             sched = self.engine.scheduler
             busy = self._has_work(sched) and not self._held()
             # a prefill step that found nothing runnable (its links' headroom is spent): no busy spinning
+            if not busy or self._idle_step:  # the loop waits: a step's time does not run on through the wait
+                self.step_times.waited()
             self.poller.poll(0 if busy and not self._idle_step else IDLE_STEP_MS if busy else self._idle_ms())
             self._drain_commands()
             self.engine.poll_kv()
@@ -172,11 +174,13 @@ class Worker:
 
     def _step(self) -> None:
         start, began = time.perf_counter(), time.monotonic()
+        self.step_times.started(start)
         outputs = self.engine.step()
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         scheduled = self.engine.last_scheduled
         self._idle_step = self.prefill is not None and scheduled.is_empty
-        self._log_step(seconds)
+        self.step_times.ended(scheduled, seconds, end)
         if self.cadence is not None and scheduled.chunks:  # its tokens go out at the cadence's period
             self._hold(scheduled, start, seconds)
         if self.decode is not None:
@@ -189,6 +193,8 @@ class Worker:
         sched = self.engine.scheduler
         until = start + self.cadence.pace(start, seconds, plain_decode(scheduled),
                                           sched.step_budget.tightest_tpot_s(sched.running))
+        if until > time.perf_counter():
+            self.step_times.waited()  # (a hold is not the step's cost)
         while self.running and (left := until - time.perf_counter()) > 0:
             self.poller.poll(max(1, int(left * 1000)) if left >= 0.001 else 0)
             self._drain_commands()
@@ -264,12 +270,6 @@ class Worker:
             print(f"pdserve: the gateway refused this worker: {cmd.message}", file=sys.stderr, flush=True)
             self.running, self.exit_code = False, 2
 
-    def _log_step(self, seconds: float) -> None:
-        """The step's shape and time, for the conductor's admission model (sent with the next stats)."""
-        scheduled = self.engine.last_scheduled
-        if scheduled is not None and len(self.step_log) < 64:
-            self.step_log.append(StepRow.of(scheduled, seconds).reported())
-
     def _calibrate(self):
         """Profile steps at load (`pdserve.engine.calibration`): its step budget learns them now, the conductor's
         admission model with its first stats, as every step it runs."""
@@ -289,7 +289,6 @@ class Worker:
             return
         self._last_stats = now
         self.emit(self.stats())
-        self.step_log = []
         stored, evicted = self.cache_events.take(tier_slots(self.engine.block_manager, self.engine.tiers),
                                                  pool_written(self.engine.tiers))
         if stored or evicted:

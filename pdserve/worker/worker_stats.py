@@ -19,7 +19,7 @@ def worker_stats(w) -> dict:
            "prefix_hit_tokens": sched.stats.num_prefix_hit_tokens,
            "prompt_tokens_computed": sched.stats.num_prompt_tokens_computed, "preemptions": sched.stats.num_preemptions,
            "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
-           "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": w.step_log,
+           "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": w.step_times.take(),
            "kernel_fallbacks": kernels.fallback_count(), "native_fallbacks": native.fallback_count(),
            "grammar_errors": getattr(getattr(w.executor, "grammar", None), "errors", 0),
            "kv_pool_prefault_fallbacks": int(getattr(w.executor.kv_pool, "prefault_failed", False)),
