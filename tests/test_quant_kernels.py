@@ -132,3 +132,16 @@ def test_the_avx2_build_passes_this_module(tmp_path):
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed, 1 skipped in" in out.stdout and " failed" not in out.stdout  # (skipped: this test, nested)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_qgemm_is_bit_identical_to_the_fp32_kernel_on_the_dequantized_weight(kind, rows):
+    """The weights are dequantized as torch rounds them and summed in the fp32 kernel's order: a GGUF's own
+    blocks run exactly the arithmetic of the fp32 model converted from the file, wherever both use a kernel."""
+    if kernels.isa() == "none":
+        pytest.skip("no fp32 GEMM kernel on this host")
+    b = random_blocks(kind, 200, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3))
+    fp32 = kernels.gemm(x, kernels.PackedWeight(b.dequantize()))
+    assert torch.equal(kernels.qgemm(x, quant.pack(b), quant.KINDS[kind], 200, 576), fp32)

@@ -9,8 +9,9 @@
  *
  * (GGUF's Q4_0, w = d * (q - 8), is Q4_1 with m = -8 d.) So a panel streams as consecutive bytes: 1.0625 bytes
  * per weight for Q8_0 and 0.625 for Q4_1, as in the GGUF file, against 4 in fp32. The kernel dequantizes each
- * k's 16 weights into fp32 registers (one convert and one multiply or FMA per 16 weights, shared by all the
- * rows of a tile) and accumulates in fp32 with FMAs, as gemm.c does:
+ * k's 16 weights into fp32 registers (a convert, a multiply and for Q4_1 an add per 16 weights, shared by all
+ * the rows of a tile; rounded as gguf's and torch's dequantization round, so the weights multiplied are bit for
+ * bit the fp32 model's of the same blocks) and accumulates in fp32 with FMAs in k order, as gemm.c does:
  * - AVX-512: tiles of up to 16 rows x one 16-float register, each tile walks the whole panel.
  * - AVX2 + FMA (+ F16C): tiles of up to 4 rows x two 8-float registers.
  * pd_qdequant writes the fp32 weight back out ([n, k] row-major): prefill's many rows use it (pdserve.model.quant).
@@ -111,8 +112,8 @@ static inline __attribute__((always_inline)) void qtile(int fmt, const float *x,
             for (int j = 0; j < QK / 2; j++) {
                 if ((j & 3) == 0) __builtin_prefetch(q + j * QW + 4096);
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * QW)));
-                __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, mn);
-                __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, mn);
+                __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d), mn);
+                __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d), mn);
                 for (int r = 0; r < m; r++) {
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 2 * j]), w0, acc[r]);
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 2 * j + 1]), w1, acc[r]);
@@ -185,11 +186,11 @@ static inline __attribute__((always_inline)) void qtile(int fmt, const float *x,
                 if ((j & 3) == 0) __builtin_prefetch(q + j * QW + 4096);
                 __m128i v = _mm_loadu_si128((const __m128i *)(q + j * QW));
                 __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-                __m256 w0 = _mm256_fmadd_ps(cvt8(lo, 0), d0, m0);
-                __m256 w1 = _mm256_fmadd_ps(cvt8(_mm_srli_si128(lo, 8), 0), d1, m1);
+                __m256 w0 = _mm256_add_ps(_mm256_mul_ps(cvt8(lo, 0), d0), m0);
+                __m256 w1 = _mm256_add_ps(_mm256_mul_ps(cvt8(_mm_srli_si128(lo, 8), 0), d1), m1);
                 ACC_ALL(2 * j, w0, w1)
-                w0 = _mm256_fmadd_ps(cvt8(hi, 0), d0, m0);
-                w1 = _mm256_fmadd_ps(cvt8(_mm_srli_si128(hi, 8), 0), d1, m1);
+                w0 = _mm256_add_ps(_mm256_mul_ps(cvt8(hi, 0), d0), m0);
+                w1 = _mm256_add_ps(_mm256_mul_ps(cvt8(_mm_srli_si128(hi, 8), 0), d1), m1);
                 ACC_ALL(2 * j + 1, w0, w1)
             }
         }
