@@ -42,6 +42,7 @@ from pdserve.sim.conductor import Lifecycle, SimConductor
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import MESSAGE, EventLoop
 from pdserve.sim.hardware import GB, GPUSpec, ModelSpec, kv_pool_blocks
+from pdserve.sim.jitter import jittered
 from pdserve.sim.kv_pool import SimKVPool
 from pdserve.sim.kv_push import SimWire
 from pdserve.sim.link import LinkModel
@@ -215,12 +216,14 @@ def build(spec: ClusterSpec, model: ModelSpec, gpu: GPUSpec, time_model: TimeMod
                              service_tiers, Admission(spec.admission_margin, predict=predict),
                              WaterLevel(spec.delivery_backlog_s), spec.idle_prewarm)
     conductor.kv.wire = sim_wire(spec, model)
+    steps = jittered(time_model)  # the engines' steps scatter as measured (a fitted model's spread)
+
     def make_engine(name: str, role: str) -> SimEngine:
         budget = spec.prefill_budget if role == "prefill" else spec.decode_budget
         cfg = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=budget,
                               max_model_len=model.max_model_len, service_tiers=tuple(spec.service_tiers),
                               tier_weights=spec.tier_weights)
-        return SimEngine(name, role, loop, time_model, cfg, blocks, spec.block_size, block_bytes, tiers, conductor,
+        return SimEngine(name, role, loop, steps, cfg, blocks, spec.block_size, block_bytes, tiers, conductor,
                          spec.fast_forward, vocab_size=max(model.vocab, 1024),
                          kv_eviction_policy=spec.kv_eviction_policy, kv_placement=spec.kv_placement,
                          kv_max_age_s=spec.kv_max_age_s, kv_format=model.kv_format,

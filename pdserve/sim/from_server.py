@@ -11,7 +11,8 @@ served pure prefill and pure decode steps: the mean step of each shape (a reques
 steps), short steps counting as much as long ones; then once more without the stalls, steps over
 `STALL_FACTOR` times their shape's first fit (the first step after the engine idled for seconds runs up to
 hundreds of ms slower on a shared VM: the wake-up tables model those, `FittedTimeModel.wake`). The result's meta
-counts the steps of each kind fitted (`steps_fitted`) and left out as stalls (`steps_stalled`).
+counts the steps of each kind fitted (`steps_fitted`) and left out as stalls (`steps_stalled`); its `spread`
+keeps how the fitted steps scatter around the fit, which the simulated engines draw (`pdserve.sim.jitter`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from pdserve.core.sched.online_fit import REPORTED
 from pdserve.errors import InvalidRequestError
+from pdserve.sim.jitter import spread_of
 from pdserve.sim.timemodel import FittedTimeModel, StepShape, fit_time_model
 
 STALL_FACTOR = 3.0  # a step over this many times its shape's fitted time is a stall (wake-up), not fitted
@@ -73,7 +75,9 @@ def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeM
         raise InvalidRequestError(f"most steps took over {STALL_FACTOR:g}x the fitted time of their shape: "
                                   f"{fitted['prefill']} prefill and {fitted['decode']} decode steps left to fit")
     stalls = {k: counts[k] - fitted[k] for k in counts}
-    return fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_stalled": stalls}, relative=True)
+    model = fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_stalled": stalls}, relative=True)
+    model.spread = {k: spread_of([t / model.step_time(s) for s, t in kept if kind(s) == k]) for k in fitted}
+    return model
 
 
 def _counts(samples: list[tuple[StepShape, float]]) -> dict[str, int]:

@@ -140,11 +140,25 @@ def _wake_table(entries) -> list[tuple[float, float]]:
     return table
 
 
+def _spread(spread) -> dict[str, list[float]] | None:
+    if not spread:
+        return None
+    if not isinstance(spread, dict):
+        raise InvalidRequestError("a time model's spread is {prefill: [ratios], decode: [ratios]}")
+    out = {k: [float(x) for x in v] for k, v in spread.items() if k in ("prefill", "decode") and v}
+    if any(x <= 0 for v in out.values() for x in v):
+        raise InvalidRequestError("a time model's spread holds ratios of measured to fitted step time: all > 0")
+    return out or None
+
+
 class FittedTimeModel:
     def __init__(self, prefill: Coefficients, decode: Coefficients, meta: dict | None = None,
                  wake: list[tuple[float, float]] | None = None,
-                 wake_decode: list[tuple[float, float]] | None = None) -> None:
+                 wake_decode: list[tuple[float, float]] | None = None,
+                 spread: dict[str, list[float]] | None = None) -> None:
         self.prefill, self.decode, self.meta = prefill, decode, meta or {}
+        # per step kind, measured / fitted time of served steps at evenly spaced quantiles (`pdserve.sim.jitter`)
+        self.spread = _spread(spread)
         self.wake, self.wake_decode = _wake_table(wake), None if wake_decode is None else _wake_table(wake_decode)
         self._wake_points = {decode: ([0.0] + [g for g, _ in table], [0.0] + [x for _, x in table])
                              for decode, table in ((False, self.wake), (True, self.wake_decode or []))}
@@ -176,17 +190,20 @@ class FittedTimeModel:
         return json.dumps({"kind": "fitted", "form": "distserve", **self.meta, "prefill": asdict(self.prefill),
                            "decode": asdict(self.decode), "wake": [list(w) for w in self.wake],
                            **({} if self.wake_decode is None else
-                              {"wake_decode": [list(w) for w in self.wake_decode]})}, indent=1)
+                              {"wake_decode": [list(w) for w in self.wake_decode]}),
+                           **({"spread": self.spread} if self.spread else {})}, indent=1)
 
     @staticmethod
     def from_json(text: str) -> FittedTimeModel:
         d = json.loads(text)
         try:
             meta = {k: v for k, v in d.items()
-                    if k not in ("prefill", "decode", "kind", "form", "wake", "wake_decode", "samples", "steps")}
+                    if k not in ("prefill", "decode", "kind", "form", "wake", "wake_decode", "spread", "samples",
+                                 "steps")}
             return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta,
                                    [(g, x) for g, x in d.get("wake") or []],
-                                   None if d.get("wake_decode") is None else [(g, x) for g, x in d["wake_decode"]])
+                                   None if d.get("wake_decode") is None else [(g, x) for g, x in d["wake_decode"]],
+                                   d.get("spread"))
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"fitted time model JSON needs prefill/decode {{a, b, c}} and an "
                                       f"optional wake [[gap_s, extra_s], ...]: {e}") from None
@@ -242,7 +259,7 @@ def fitted_for_codec(fitted: FittedTimeModel, model: ModelSpec) -> FittedTimeMod
     meta = {**fitted.meta, "kv_codec_scaling": {"measured": measured, "simulated": model.kv_cache_dtype,
                                                 "decode_context_scale": scale, "prefill": "unscaled"}}
     return FittedTimeModel(fitted.prefill, replace(fitted.decode, b=fitted.decode.b * scale), meta,
-                           fitted.wake, fitted.wake_decode)
+                           fitted.wake, fitted.wake_decode, fitted.spread)
 
 
 def make_time_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> TimeModel:
