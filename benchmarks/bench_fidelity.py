@@ -2,7 +2,7 @@
 time model fitted to this machine; relative error of median and P90 TTFT and TPOT (target <= 10%).
 
     .venv/bin/python benchmarks/bench_fidelity.py [--workload SPEC ...] [--rate 0.5] [--max-requests 40]
-                                                 [--repeats 3] [--quick]
+                                                 [--repeats 3] [--num-kv-blocks N] [--kv-host-gb G] [--quick]
     make fidelity    # = --quick: one run of 16 requests, one idle probe per wake gap (~3 min on 2 cores)
 
 This shared 2-core VM changes speed by tens of percent within minutes, so a profile taken once, minutes
@@ -25,6 +25,10 @@ before a run, can describe another machine than the one the run met. Hence, thro
      its first token; and once more with the time model fitted to the steps the real server itself reported
      over the run (`pdserve profile --from-server`, before it stops: timed while both workers ran), with the
      same wake-up tables -> sim<k>_server/ (the "server fit" columns);
+  3b. (not with --quick) before the first profile, a calibration replay of other requests of the workload
+     (`--seed 1`) -> real0/, its server's step fit with its probe's tables -> server_fit0.json; every run is
+     simulated with it too -> sim<k>_heldout/ (the "held out" columns: a fit that never saw the requests it
+     predicts, as a user calibrates the twin from yesterday's traffic);
   4. the relative errors of each run and their median over runs -> bench_results/fidelity/fidelity.json,
      with the four KV lifecycle metrics side by side, real (`bench serve`'s scrape of /metrics) and
      simulated (`sim.lifecycle`): schedule predictability (final and at dispatch), effective link
@@ -138,10 +142,16 @@ def _delivery_flags(args) -> list[str]:
     return ["--delivery", args.delivery, *(["--link-gbps", str(args.link_gbps)] if args.link_gbps else [])]
 
 
+def _tier_flags(args) -> list[str]:
+    """The KV tiers of both sides (the simulator takes the real server's device pool size in blocks)."""
+    return ["--kv-host-gb", str(args.kv_host_gb)] if args.kv_host_gb else []
+
+
 def real_run(k: int, workload: list[str], args) -> tuple[int, tuple]:
     """Serve and replay the workload once; the KV pool size and the idle probe's latencies. The time model of
     the steps the server reported -> server_fit<k>.json."""
-    server = Server("--num-threads", "1", *_delivery_flags(args))
+    pool = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    server = Server("--num-threads", "1", *_delivery_flags(args), *pool, *_tier_flags(args))
     repeats = 1 if args.quick else WAKE_REPEATS
     try:
         blocks = int(server.metric("pdserve_kv_blocks_total", worker="decode-0"))
@@ -162,7 +172,7 @@ def simulate(name: str, workload: list[str], fit: Path, blocks: int, control_ms:
     run("simulate", *workload, "--model", str(config), "--gpu", "l40s", "--time-model", f"fitted:{fit}",
         "--mode", "pd", "--prefill", "1", "--decode", "1", "--block-size", "16", "--num-kv-blocks", str(blocks),
         "--prefill-budget", "2048", "--decode-budget", "2048", "--control-latency-ms", f"{control_ms:.3f}",
-        *_delivery_flags(args), "--output", str(OUT / name), "--no-progress")
+        *_delivery_flags(args), *_tier_flags(args), "--output", str(OUT / name), "--no-progress")
 
 
 def errors(k: int, sim_name: str) -> dict:
@@ -201,6 +211,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="real runs, each between two profiles")
     ap.add_argument("--delivery", default="scheduled", choices=["scheduled", "fifo"])
     ap.add_argument("--link-gbps", type=float, default=None, help="throttle the KV link (real and simulated)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="the real server's device KV pool (blocks)")
+    ap.add_argument("--kv-host-gb", type=float, default=None, help="a host KV tier (real and simulated)")
     ap.add_argument("--quick", action="store_true",
                     help="a short regression check (make fidelity): one run of 16 requests, one probe per wake gap")
     args = ap.parse_args()
@@ -211,6 +223,7 @@ def main() -> int:
     workload = ["--workload", args.workload, "--length-scale", args.length_scale, "--rate", args.rate,
                 "--max-requests", args.max_requests, "--seed", "0"]
     profiles = [OUT / f"profile{k}.json" for k in range(args.repeats + 1)]
+    held = None if args.quick else held_out_fit(workload, args)
     run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[0]))
     runs = []
     for k in range(1, args.repeats + 1):
@@ -228,16 +241,23 @@ def main() -> int:
         server_fit = OUT / f"server_fit{k}.json"
         server_fit.write_text(json.dumps({**json.loads(server_fit.read_text()), **wake}, indent=1))
         simulate(f"sim{k}_server", workload, server_fit, blocks, control_latency_ms(warm, server_fit), args)
+        if held is not None:  # out of sample: the fit of another replay's steps, its probe's tables
+            simulate(f"sim{k}_heldout", workload, held[0], blocks, held[1], args)
         runs.append({"control_latency_ms": control_ms, "probe_s": warm, "wake_probe_s": woken, "wake": wake,
                      "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k, f"sim{k}"),
                      "rows_without_wake": errors(k, f"sim{k}_nowake"),
                      "rows_server_fit": errors(k, f"sim{k}_server"), "lifecycle": lifecycle(k, f"sim{k}"),
-                     "lifecycle_server_fit": lifecycle(k, f"sim{k}_server")})
+                     "lifecycle_server_fit": lifecycle(k, f"sim{k}_server"),
+                     **({} if held is None else {"rows_server_heldout": errors(k, f"sim{k}_heldout"),
+                                                 "lifecycle_server_heldout": lifecycle(k, f"sim{k}_heldout")})})
         print_run(k, runs[-1])
     median = {rows: {key: statistics.median(r[rows][key]["rel_error"] for r in runs) for key in runs[0][rows]}
-              for rows in ROW_SETS}
+              for rows in ROW_SETS if rows in runs[0]}
     for rows, label in zip(ROW_SETS, ("with the wake-up tables", "without them",
-                                      "fitted to the server's own steps (with the wake-up tables)")):
+                                      "fitted to the server's own steps (with the wake-up tables)",
+                                      "fitted to another replay's steps (held out: seed 1, before the runs)")):
+        if rows not in median:
+            continue
         print(f"\nmedian relative error over runs, {label}: "
               + ", ".join(f"{key} {e:.1%}" for key, e in median[rows].items()))
     spread = real_spread(runs) if len(runs) > 1 else None
@@ -247,11 +267,24 @@ def main() -> int:
                                                    "median_rel_error": median["rows"],
                                                    "median_rel_error_without_wake": median["rows_without_wake"],
                                                    "median_rel_error_server_fit": median["rows_server_fit"],
+                                                   "median_rel_error_server_heldout": median.get("rows_server_heldout"),
                                                    "real_run_spread": spread}, indent=1))
     return 0
 
 
-ROW_SETS = ("rows", "rows_without_wake", "rows_server_fit")
+ROW_SETS = ("rows", "rows_without_wake", "rows_server_fit", "rows_server_heldout")
+
+
+def held_out_fit(workload: list[str], args) -> tuple[Path, float]:
+    """A calibration replay of other requests of the same workload (seed 1) before the measured runs: the time
+    model of the steps its server reported with its probe's wake-up tables -> server_fit0.json, and its
+    control-plane latency. Each run is simulated with it too: a fit that never saw the requests it predicts,
+    as a user calibrates the twin from yesterday's traffic."""
+    seeded = workload[:-1] + ["1"]  # (the workload list ends with --seed 0)
+    _, (warm, woken) = real_run(0, seeded, args)
+    fit = OUT / "server_fit0.json"
+    fit.write_text(json.dumps({**json.loads(fit.read_text()), **wake_tables(warm, woken)}, indent=1))
+    return fit, control_latency_ms(warm, fit)
 
 
 def real_spread(runs: list[dict]) -> dict:
@@ -266,14 +299,17 @@ def print_run(k: int, r: dict) -> None:
                      for key, table in r["wake"].items())
     print(f"\nrun {k}: control-plane latency {r['control_latency_ms']:.2f} ms/message; {wake}; machine "
           f"drift over the run: prefill {d['prefill']:+.0%}, decode {d['decode']:+.0%}")
+    held = r.get("rows_server_heldout")
     print(f"{'metric':<12}{'real ms':>10}{'sim ms':>10}{'rel. error':>12}{'no wake: sim':>14}{'error':>8}"
-          f"{'server fit: sim':>17}{'error':>8}")
+          f"{'server fit: sim':>17}{'error':>8}" + (f"{'held out: sim':>15}{'error':>8}" if held else ""))
     for key, row in r["rows"].items():
         name, alt, srv = key.replace("_ms", "").replace(".", " "), r["rows_without_wake"][key], r["rows_server_fit"][key]
         print(f"{name:<12}{row['real']:>10.1f}{row['sim']:>10.1f}{row['rel_error']:>12.1%}{alt['sim']:>14.1f}"
-              f"{alt['rel_error']:>8.1%}{srv['sim']:>17.1f}{srv['rel_error']:>8.1%}", flush=True)
-    print("lifecycle metric (real / simulated / server fit): " + "; ".join(
-        f"{key} {_fmt(v['real'])} / {_fmt(v['sim'])} / {_fmt(r['lifecycle_server_fit'][key]['sim'])}"
+              f"{alt['rel_error']:>8.1%}{srv['sim']:>17.1f}{srv['rel_error']:>8.1%}"
+              + (f"{held[key]['sim']:>15.1f}{held[key]['rel_error']:>8.1%}" if held else ""), flush=True)
+    fits = [r["lifecycle_server_fit"]] + ([r["lifecycle_server_heldout"]] if held else [])
+    print("lifecycle metric (real / simulated / server fit" + (" / held out" if held else "") + "): " + "; ".join(
+        f"{key} {_fmt(v['real'])} / {_fmt(v['sim'])} / " + " / ".join(_fmt(f[key]['sim']) for f in fits)
         for key, v in r["lifecycle"].items()), flush=True)
 
 
