@@ -247,7 +247,7 @@ def main() -> int:
                      "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k, f"sim{k}"),
                      "rows_without_wake": errors(k, f"sim{k}_nowake"),
                      "rows_server_fit": errors(k, f"sim{k}_server"), "lifecycle": lifecycle(k, f"sim{k}"),
-                     "lifecycle_server_fit": lifecycle(k, f"sim{k}_server"),
+                     "lifecycle_server_fit": lifecycle(k, f"sim{k}_server"), "token_time": token_time(k),
                      **({} if held is None else {"rows_server_heldout": errors(k, f"sim{k}_heldout"),
                                                  "lifecycle_server_heldout": lifecycle(k, f"sim{k}_heldout")})})
         print_run(k, runs[-1])
@@ -273,6 +273,23 @@ def main() -> int:
 
 
 ROW_SETS = ("rows", "rows_without_wake", "rows_server_fit", "rows_server_heldout")
+
+
+def token_time(k: int) -> dict:
+    """Where run k's per-token time goes (issue 42 item 1), ms: the decode steps the real decode worker ran
+    (`served_step`: start to next start, `pdserve.worker.step_times`), the same steps as the offline profile of
+    one engine alone predicts them (`alone`: what the other worker on the cores and the loop add is the
+    difference), and the real TPOT the client saw (`tpot`: mean over requests, so longer requests count more
+    in the steps than here; the output path and held tokens are the rest)."""
+    from pdserve.sim.from_server import kind, served_samples
+    from pdserve.sim.timemodel import FittedTimeModel
+    steps = json.loads((OUT / f"server_fit{k}.json").read_text())["steps"]
+    decode = [(s, t) for s, t in served_samples([r for r in steps if r["role"] == "decode"]) if kind(s) == "decode"]
+    alone = FittedTimeModel.from_json((OUT / f"fit{k}_nowake.json").read_text())
+    real = json.loads((OUT / f"real{k}" / "result.json").read_text())["runs"][0]["summary"]["tpot_ms"]
+    mean = (lambda xs: 1000 * sum(xs) / max(len(xs), 1))
+    return {"decode_steps": len(decode), "alone_ms": mean([alone.step_time(s) for s, _ in decode]),
+            "served_step_ms": mean([t for _, t in decode]), "tpot_mean_ms": real["mean"]}
 
 
 def held_out_fit(workload: list[str], args) -> tuple[Path, float]:
@@ -307,6 +324,9 @@ def print_run(k: int, r: dict) -> None:
         print(f"{name:<12}{row['real']:>10.1f}{row['sim']:>10.1f}{row['rel_error']:>12.1%}{alt['sim']:>14.1f}"
               f"{alt['rel_error']:>8.1%}{srv['sim']:>17.1f}{srv['rel_error']:>8.1%}"
               + (f"{held[key]['sim']:>15.1f}{held[key]['rel_error']:>8.1%}" if held else ""), flush=True)
+    t = r["token_time"]
+    print(f"where a token's time goes: the {t['decode_steps']} decode steps served {t['served_step_ms']:.1f} ms each "
+          f"(an engine alone, the offline profile: {t['alone_ms']:.1f}); client TPOT mean {t['tpot_mean_ms']:.1f} ms")
     fits = [r["lifecycle_server_fit"]] + ([r["lifecycle_server_heldout"]] if held else [])
     print("lifecycle metric (real / simulated / server fit" + (" / held out" if held else "") + "): " + "; ".join(
         f"{key} {_fmt(v['real'])} / {_fmt(v['sim'])} / " + " / ".join(_fmt(f[key]['sim']) for f in fits)
