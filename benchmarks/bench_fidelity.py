@@ -213,12 +213,14 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=None, help="throttle the KV link (real and simulated)")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="the real server's device KV pool (blocks)")
     ap.add_argument("--kv-host-gb", type=float, default=None, help="a host KV tier (real and simulated)")
+    ap.add_argument("--output", type=Path, default=None, help="results folder (default bench_results/fidelity)")
     ap.add_argument("--quick", action="store_true",
                     help="a short regression check (make fidelity): one run of 16 requests, one probe per wake gap")
     args = ap.parse_args()
+    global OUT
     if args.quick:
-        global OUT
         args.repeats, args.max_requests, OUT = 1, "16", OUT.parent / "fidelity_quick"
+    OUT = args.output or OUT
     OUT.mkdir(parents=True, exist_ok=True)
     workload = ["--workload", args.workload, "--length-scale", args.length_scale, "--rate", args.rate,
                 "--max-requests", args.max_requests, "--seed", "0"]
@@ -268,7 +270,7 @@ def main() -> int:
                                                    "median_rel_error_without_wake": median["rows_without_wake"],
                                                    "median_rel_error_server_fit": median["rows_server_fit"],
                                                    "median_rel_error_server_heldout": median.get("rows_server_heldout"),
-                                                   "real_run_spread": spread}, indent=1))
+                                                   "real_run_spread": spread}, indent=1, default=str))
     return 0
 
 
