@@ -13,7 +13,7 @@ Measured on the first `TOKENS` tokens of the text, in one prefill (prompt logpro
   answer differ (docs/benchmarks.md "KV codecs": fp8 keeps 96.8% teacher-forced but 20.9% free-running), so it says
   little about a codec on its own and is not a threshold.
 
-Thresholds (`Thresholds`, documented in README "KV codec gate"): from the shipped codecs' numbers on the default
+Thresholds (`Thresholds`, documented in docs/guides/kv-codecs.md): from the shipped codecs' numbers on the default
 model (docs/benchmarks.md "KV codecs", the gate columns: 512 tokens of gpl-3.0.txt) with margin. The worst shipped
 codec, int4, costs +2.1% perplexity and keeps 92.6% top-1 agreement; fp8_e4m3 +1.0% and 92.4%; int8 +0.1% and 98.2%.
 So a codec passes within +4% perplexity (about twice int4's loss) and at >= 85% top-1 agreement (7 points under the

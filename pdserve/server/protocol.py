@@ -171,8 +171,9 @@ def check_supported(req: _Common) -> None:
             raise InvalidRequestError(f"Unrecognized request argument supplied: {name}", param=name,
                                       code="unrecognized_argument")
         if not NEUTRAL[name](value):
-            raise InvalidRequestError(f"{name} is not supported by this server (yet); see the README's list of "
-                                      f"unsupported parameters", param=name, code="unsupported_parameter")
+            raise InvalidRequestError(f"{name} is not supported by this server (yet); the unsupported parameters "
+                                      f"are listed in docs/reference/http-api.md", param=name,
+                                      code="unsupported_parameter")
     if isinstance(req.n, bool) or not 1 <= req.n <= MAX_N:
         raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {req.n!r}", param="n")
     best_of = getattr(req, "best_of", None)
