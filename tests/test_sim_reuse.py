@@ -193,3 +193,26 @@ def test_the_event_loop_quiets_the_collector_only_while_it_runs():
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_the_event_loop_does_not_keep_dead_cycles_through_its_run():
+    """Dead cycles from before a run (an earlier candidate's simulation) are collected, not frozen with the
+    set-up and left in the oldest generation (`pdserve plan` grew by each candidate's garbage)."""
+    import gc
+    import weakref
+
+    from pdserve.sim.events import EventLoop
+
+    class Node:
+        pass
+
+    def dead_cycle() -> weakref.ref:
+        node = Node()
+        node.self = node
+        return weakref.ref(node)
+
+    ref = dead_cycle()
+    EventLoop().run()
+    gc.collect(0)
+    gc.collect(1)
+    assert ref() is None
