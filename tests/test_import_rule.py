@@ -102,6 +102,7 @@ LAYERS = [  # bottom to top: a module imports its own package and packages of lo
     {"worker"},  # the worker process: its loop, commands, reports (an engine under the conductor's commands)
     {"server", "sim"},  # the gateway, its conductor driver, launchers; the simulator (same conductor, engine)
     {"cli", "__init__"},  # the command line; the package's facade (`pdserve.LLM`, loaded lazily)
+    {"docs_ref"},  # the reference pages generated from the command line, the metrics and the app (docs/reference)
 ]
 WALL_CLOCK = {"time", "datetime"}
 IO_AND_TORCH = {"asyncio", "zmq", "msgpack", "torch"}
