@@ -179,8 +179,8 @@ def summary_lines(f: Feasibility) -> list[str]:
         lines.append(f"{_share(f.tpot_floor, n)} need a TPOT under {f.slo_tpot_ms:g} ms, below their own decode "
                      f"steps at batch 1 on the fastest TP tried ({tps}): floors up to {f.tpot_floor_ms:.1f} ms")
     if f.cut_short:
-        lines.append(f"{f.cut_short:,} more fit their prompt but not prompt + output: served, the output stops at "
-                     "the context")
+        lines.append(f"{f.cut_short:,} fit their prompt but not prompt + output: served, their output stops at the "
+                     "context")
     what = "best SLO attainment possible" if f.slo_ttft_ms or f.slo_tpot_ms else "share any deployment can serve"
     head = (f"{what}: {f.best_attainment:.1%}" + (
         f" ({f.unservable:,} requests no deployment can serve)" if f.unservable else
