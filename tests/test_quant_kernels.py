@@ -145,3 +145,13 @@ def test_qgemm_is_bit_identical_to_the_fp32_kernel_on_the_dequantized_weight(kin
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3))
     fp32 = kernels.gemm(x, kernels.PackedWeight(b.dequantize()))
     assert torch.equal(kernels.qgemm(x, quant.pack(b), quant.KINDS[kind], 200, 576), fp32)
+
+
+def test_blocks_kept_in_a_huge_page_arena_compute_the_same():
+    from pdserve.model.hugepages import Arena
+    b, x = random_blocks("q8_0", 100, 192), torch.randn(4, 192)
+    arena = Arena()
+    arena.take(3)  # (not at the chunk's start)
+    lin, held = quant.QuantLinear(b), quant.QuantLinear(b, arena=arena)
+    assert held.panels.data_ptr() != lin.panels.data_ptr() and torch.equal(held.panels, lin.panels)
+    assert torch.equal(held(x), lin(x))

@@ -313,7 +313,7 @@ def cache_key(engine, role: str, model_dir: str) -> dict:
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     return {"version": VERSION, "machine": platform.machine(),
             "cpu": hashlib.sha256(cpu_signature().encode()).hexdigest()[:16], "gpu": gpu,
-            "model": model_fingerprint(model_dir), "dtype": info.dtype, "device": device,
+            "model": model_fingerprint(model_dir), "dtype": info.dtype, "weights": info.weights, "device": device,
             "kv_cache_dtype": info.kv_cache_dtype, "block_size": info.block_size,
             "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
             "threads": torch.get_num_threads(), "role": role, "torch": torch.__version__, "pdserve": __version__}

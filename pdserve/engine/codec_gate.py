@@ -171,7 +171,8 @@ def _run(engine_config, codec: str, text: str) -> tuple[dict, int]:
     bs, threads = engine_config.block_size, torch.get_num_threads()
     try:
         llm = LLM(model=engine_config.model, dtype=engine_config.dtype, device=engine_config.device,
-                  attention_backend=engine_config.attention_backend, num_threads=THREADS, block_size=bs,
+                  weights=engine_config.weights, attention_backend=engine_config.attention_backend,
+                  num_threads=THREADS, block_size=bs,
                   kv_cache_dtype=codec, kv_host_gb=0, enable_prefix_caching=False,
                   num_kv_blocks=2 * -(-(TOKENS + GREEDY_PROMPT + GREEDY_TOKENS) // bs) + 8)
         ids = llm.tokenizer.encode(text, add_special_tokens=False)[:TOKENS]
@@ -205,7 +206,8 @@ def _cache_key(engine_config, codec: str, text: str) -> dict:
     return {"version": VERSION, "machine": platform.machine(),
             "cpu": hashlib.sha256(cpu_signature().encode()).hexdigest()[:16], "gpu": gpu,
             "model": model_fingerprint(resolve_model_dir(engine_config.model)), "dtype": engine_config.dtype,
-            "device": engine_config.device, "attention_backend": engine_config.attention_backend,
+            "device": engine_config.device, "weights": engine_config.weights,
+            "attention_backend": engine_config.attention_backend,
             "kv_cache_dtype": codec, "text": hashlib.sha256(text.encode()).hexdigest()[:16], "tokens": TOKENS,
             "threads": THREADS,
             "torch": torch.__version__, "pdserve": __version__}

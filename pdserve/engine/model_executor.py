@@ -3,6 +3,7 @@ sampler, on one device."""
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Callable
@@ -23,8 +24,11 @@ from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chun
 from pdserve.model import logprobs
 from pdserve.model.grammar import GrammarMasks
 from pdserve.model.loader import load_safetensors_dir, resolve_dtype
+from pdserve.model.quant import quant_loader
 from pdserve.model.registry import model_class
 from pdserve.model.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class ExecutorInfo:
     dtype: str
     device: str
     kv_cache_dtype: str = "auto"
+    weights: str = "fp32"  # the linear layers' format (`--weights`, auto resolved)
 
 
 def pick_device(name: str) -> torch.device:
@@ -57,8 +62,11 @@ class ModelExecutor:
         self.vocab_size = model_config.vocab_size
         max_len = config.max_model_len or model_config.max_position_embeddings
         model = model_class(model_config.architecture)  # `pdserve.model.registry`: LlamaModel for every family today
+        quant = quant_loader(config.weights, config.model, self.device, self.dtype)
         self.model = model(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
-                           max_positions=max_len, attention=config.attention_backend)
+                           max_positions=max_len, attention=config.attention_backend, quant=quant)
+        if quant is not None:
+            log.info("pdserve: %s", quant.summary())
         self.codec = KVCodec(config.kv_cache_dtype, model_config.head_dim, self.dtype)
         # a codec's residual window (int4: each running sequence's last block in fp16) comes out of the budget
         self.residual = ResidualWindow(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
@@ -81,7 +89,7 @@ class ModelExecutor:
         # (a prefill worker delivers it from there while the next layers compute).
         self.layer_observer: Callable[[SchedulerOutput, int], None] | None = None
         self.info = ExecutorInfo(num_blocks, config.block_size, max_len, str(self.dtype).removeprefix("torch."),
-                                 str(self.device), self.codec.name)
+                                 str(self.device), self.codec.name, "fp32" if quant is None else quant.fmt)
 
     def execute(self, scheduled: SchedulerOutput) -> ExecutorOutput:
         for request_id in scheduled.finished_request_ids:

@@ -17,6 +17,7 @@ from pdserve.model.attention import AttentionMetadata, paged_attention, rope_wri
 from pdserve.model.config import ModelConfig
 from pdserve.model.hugepages import Arena
 from pdserve.model.linear import Linear, mkl_packing_available
+from pdserve.model.quant import QuantLoader
 from pdserve.model.rope import RotaryEmbedding
 
 
@@ -40,36 +41,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int, attention: str = "auto") -> None:
+                 device: torch.device, max_positions: int, attention: str = "auto",
+                 quant: QuantLoader | None = None) -> None:
+        """`quant`: the linear layers on quantized blocks (`pdserve.model.quant`); None: in `dtype`."""
         self.config = config
+        self.quant = quant
         self.dtype = dtype
         self.device = device
         self.attention = select_backend(attention, device, dtype)  # `pdserve.model.attention`: chosen once, here
         self.scale = config.head_dim ** -0.5
         self.pack = mkl_packing_available(device, dtype)
-        self.arena = Arena() if self.pack else None  # the GEMM kernel's panels, on huge pages, in read order
+        self.arena = Arena() if self.pack else None  # the GEMM kernels' panels, on huge pages, in read order
         get = _WeightGetter(weights, dtype, device)
         self.embed = get("model.embed_tokens.weight")  # [V, H]
         self.layers = [self._load_layer(get, i) for i in range(config.num_layers)]
         self.norm = get("model.norm.weight")
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else get("lm_head.weight"), pack=self.pack,
-                              arena=self.arena)
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = self._linear([head], self.embed if config.tie_word_embeddings else get(head))
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling_dict, dtype, device)
         get.check_all_used()
 
     def _load_layer(self, get: _WeightGetter, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = torch.cat([get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+        qkv_names = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
         bqkv = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]) if self.config.qkv_bias else None
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        gate_up_names = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         bo = get(p + "self_attn.o_proj.bias") if self.config.o_bias else None
         return LayerWeights(
-            attn_norm=get(p + "input_layernorm.weight"), qkv=Linear(qkv, bqkv, self.pack, self.arena),
-            o=Linear(get(p + "self_attn.o_proj.weight"), bo, self.pack, self.arena),
+            attn_norm=get(p + "input_layernorm.weight"), qkv=self._linear(qkv_names, get.cat(qkv_names), bqkv),
+            o=self._linear([p + "self_attn.o_proj.weight"], get(p + "self_attn.o_proj.weight"), bo),
             mlp_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(gate_up, pack=self.pack, arena=self.arena),
-            down=Linear(get(p + "mlp.down_proj.weight"), pack=self.pack, arena=self.arena))
+            gate_up=self._linear(gate_up_names, get.cat(gate_up_names)),
+            down=self._linear([p + "mlp.down_proj.weight"], get(p + "mlp.down_proj.weight")))
+
+    def _linear(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """The linear layer of the checkpoint's tensors `names` (stacked in `weight`): quantized blocks under
+        `quant` (where it can: else, as without it,) or `Linear` in the model's dtype."""
+        quantized = None if self.quant is None else self.quant.linear(names, weight, bias, self.arena)
+        return quantized if quantized is not None else Linear(weight, bias, self.pack, self.arena)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -113,6 +123,9 @@ class _WeightGetter:
             raise UnsupportedModelError(f"weight {name!r} missing from the checkpoint")
         self.used.add(name)
         return self.weights[name].to(device=self.device, dtype=self.dtype)
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        return torch.cat([self(n) for n in names])
 
     def check_all_used(self) -> None:
         extra = [n for n in self.weights if n not in self.used and not n.endswith(self._IGNORED_SUFFIXES)]

@@ -135,9 +135,15 @@ class QuantLinear:
     """y = x @ W^T (+ bias) on W's blocks: the kernel for up to `KERNEL_ROWS[isa]` rows, else F.linear on the
     weight dequantized for the call."""
 
-    def __init__(self, blocks: QBlocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: QBlocks, bias: torch.Tensor | None = None, arena=None) -> None:
+        """`arena`: a `hugepages.Arena` to keep the packed blocks in (huge pages, in the order the model reads
+        them), else a tensor of their own."""
         self.kind, self.n, self.k = blocks.kind, blocks.n, blocks.k
         self.panels = pack(blocks)
+        if arena is not None:
+            nbytes = self.panels.numel()
+            held = arena.take(-(-nbytes // 4)).view(torch.uint8)[:nbytes].view(self.panels.shape)
+            self.panels = held.copy_(self.panels)
         self.bias = bias
         self.isa = kernels.qgemm_isa()
         self.max_rows = KERNEL_ROWS.get(self.isa, 0)
@@ -153,14 +159,26 @@ class QuantLinear:
             y = kernels.qgemm(x, self.panels, KINDS[self.kind], self.n, self.k)
             return y if self.bias is None else y.add_(self.bias)
         kernels.used("gemm", f"{self.kind}_dequant")
-        return F.linear(x, self.weight(), self.bias)
+        return F.linear(x, self.weight(_scratch(self.n * self.k)), self.bias)
 
-    def weight(self) -> torch.Tensor:
-        """The fp32 weight [n, k] these blocks hold (the kernel's dequantization, or torch's when it is off)."""
+    def weight(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 weight [n, k] these blocks hold (the kernel's dequantization, or torch's when it is off), in
+        `out` (numel >= n * k) when given."""
         if kernels.available():
-            return kernels.qdequant(self.panels, KINDS[self.kind], self.n, self.k)
+            return kernels.qdequant(self.panels, KINDS[self.kind], self.n, self.k, out)
         kernels.count_fallback("quantized weights dequantized in torch (kernels turned off or not built)")
         return unpack(self.panels, self.kind, self.n, self.k)
+
+
+_SCRATCH = [torch.empty(0)]
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """One fp32 buffer reused by every prefill-sized call (the model runs one layer at a time): a fresh tensor of
+    megabytes per call would be mapped and page-faulted each time."""
+    if _SCRATCH[0].numel() < numel:
+        _SCRATCH[0] = torch.empty(numel)
+    return _SCRATCH[0]
 
 
 def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -192,9 +210,10 @@ class QuantLoader:
         self.sources: dict[str, int] = {}
         self.nbytes = 0
 
-    def linear(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
+    def linear(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None = None,
+               arena=None) -> QuantLinear | None:
         """`weight` (fp32 [n, k]) is the stack of the tensors `names`; None where k is no multiple of QK (the
-        caller keeps fp32)."""
+        caller keeps fp32). `arena`: where the blocks are kept (`QuantLinear`)."""
         blocks = self._file_blocks(names)
         if blocks is None:
             if weight.shape[1] % QK:
@@ -202,7 +221,7 @@ class QuantLoader:
                 return None
             blocks = quantize(weight, "q8_0" if self.fmt == "q8_0" else "q4_1")
             self._count(f"{blocks.kind} requantized", len(names))
-        linear = QuantLinear(blocks, bias)
+        linear = QuantLinear(blocks, bias, arena)
         self.nbytes += linear.nbytes
         return linear
 

@@ -298,8 +298,8 @@ def qgemm(x: torch.Tensor, panels: torch.Tensor, fmt: int, n: int, k: int) -> to
     return y
 
 
-def qdequant(panels: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
-    """The fp32 weight [N, K] that quantized `panels` hold."""
-    w = torch.empty(n, k)
+def qdequant(panels: torch.Tensor, fmt: int, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight [N, K] that quantized `panels` hold (in `out`'s first N * K floats when given)."""
+    w = torch.empty(n, k) if out is None else out[:n * k].view(n, k)
     _lib.pd_qdequant(fmt, panels.data_ptr(), w.data_ptr(), n, k)
     return w

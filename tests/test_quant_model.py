@@ -1,0 +1,105 @@
+"""Models on quantized weights (`--weights q8_0 | q4 | auto`): greedy output on held-constant prompts equals a
+torch dequantize-then-matmul reference model (the same quantized weights, dequantized to fp32 at load and run
+on the torch path), for the embedded GGUF (its own Q4_1 / Q8_0 blocks) and for Hugging Face checkpoints
+(requantized at load); and the flag's errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import model_executor
+from pdserve.errors import PdserveError
+from pdserve.model import kernels, quant
+from pdserve.model.linear import Linear
+
+pytestmark = pytest.mark.skipif(kernels.qgemm_isa() == "none", reason="no quantized kernels on this host")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    return [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def reference_tokens(monkeypatch, model: str | None, kind: str | None, head_kind: str | None) -> list[list[int]]:
+    """Greedy tokens of the fp32 model whose layers' linear weights are quantized to `kind` and its lm_head to
+    `head_kind` (the embedding lookup stays as it is), dequantized at load, all on the torch path. None: as they
+    are (the embedded GGUF's fp32 weights are its blocks dequantized: Q4_1 layers, a Q8_0 tied lm_head)."""
+    load = model_executor.load_safetensors_dir
+
+    def dequantized(path):
+        weights = load(path)
+        return {n: quant.quantize(w, kind).dequantize() if kind and n.endswith(LINEAR_SUFFIXES) else w
+                for n, w in weights.items()}
+
+    with monkeypatch.context() as m:
+        m.setattr(model_executor, "load_safetensors_dir", dequantized)
+        with kernels.disabled():
+            llm = LLM(model, weights="fp32", num_threads=2)
+            if head_kind is not None:  # (a tied lm_head is the embedding's weight until here)
+                head = llm.engine.executor.model.lm_head
+                llm.engine.executor.model.lm_head = Linear(quant.quantize(head.weight, head_kind).dequantize())
+            return generate(llm)
+
+
+@pytest.mark.parametrize("weights,kind", [("q4", None), ("q8_0", "q8_0")])
+def test_default_model_matches_the_dequantized_reference(monkeypatch, weights, kind):
+    """The embedded Q4_1 GGUF: q4 runs its own blocks (Q4_1 layers, the Q8_0 tied embedding as lm_head), whose
+    dequantized values are the fp32 model's weights; q8_0 requantizes the Q4_1 layers and keeps the Q8_0 head."""
+    llm = LLM(weights=weights, num_threads=2)
+    before = dict(kernels.paths_used().get("gemm", {}))
+    tokens = generate(llm)
+    used = {p: n - before.get(p, 0) for p, n in kernels.paths_used()["gemm"].items() if n > before.get(p, 0)}
+    isa = kernels.qgemm_isa()
+    assert llm.engine.executor.info.weights == weights
+    if weights == "q4":
+        assert used.get(f"q4_1_{isa}", 0) > 0 and used.get(f"q8_0_{isa}", 0) > 0
+    assert set(used) <= {f"q4_1_{isa}", f"q8_0_{isa}", "q4_1_dequant", "q8_0_dequant"}, used  # no fp32 path
+    assert tokens == reference_tokens(monkeypatch, None, kind, None)
+
+
+@pytest.mark.parametrize("weights,kind", [("q4", "q4_1"), ("q8_0", "q8_0")])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_checkpoint_requantized_matches_the_reference(monkeypatch, tmp_path, default_model_dir, weights, kind,
+                                                         arch):
+    """A Hugging Face fp32 checkpoint, requantized at load (qwen2: with q/k/v biases)."""
+    from conftest import make_tiny_model
+    model = str(make_tiny_model(tmp_path / arch, default_model_dir, arch=arch))
+    llm = LLM(model, weights=weights, num_threads=2)
+    assert llm.engine.executor.model.quant.sources == {f"{kind} requantized": 7 * 2 + 1}
+    assert generate(llm) == reference_tokens(monkeypatch, model, kind, kind)
+
+
+def test_auto_picks_the_measured_format_and_says_so(caplog):
+    llm = LLM(weights="auto", num_threads=2)
+    chosen = quant.AUTO[kernels.qgemm_isa()]
+    assert llm.engine.executor.info.weights == chosen
+    said = [r for r in caplog.records if "--weights auto" in r.getMessage()]
+    assert len(said) == 1 and f"-> {chosen} " in said[0].getMessage()
+    assert said[0].levelname == "WARNING"  # (on stderr without a logging setup, as the CLI runs)
+
+
+def test_a_quantized_format_where_it_cannot_run_is_an_error():
+    cpu = torch.device("cpu")
+    with pytest.raises(PdserveError, match="--weights q8_0 cannot run here: the model must run on CPU in float32"):
+        quant.resolve_weights("q8_0", cpu, torch.bfloat16)
+    with kernels.disabled():
+        with pytest.raises(PdserveError, match="--weights q4 cannot run here: they are turned off"):
+            quant.resolve_weights("q4", cpu, torch.float32)
+        assert quant.resolve_weights("auto", cpu, torch.float32) == "fp32"
+    assert quant.resolve_weights("fp32", cpu, torch.bfloat16) == "fp32"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["profile", "--output", "x.json"]])
+def test_a_bad_weights_value_is_a_one_line_error(command):
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", *command, "--weights", "q3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == "error: --weights must be one of auto, fp32, q8_0, q4, got 'q3'\n"
