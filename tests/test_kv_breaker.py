@@ -149,10 +149,13 @@ def test_a_failed_delivery_keeps_its_computed_kv_pinned_for_a_reroute(tiny_llama
         side.sender.breakers.of(dest, "tcp").failed(time.monotonic(), seconds=60.0)  # open
         prompt = [(31 * j) % 4000 + 10 for j in range(64)]
         side.add("r0", prompt, GREEDY, dest, "r0#0", 0)
-        deadline = time.monotonic() + 30
-        while not side.failed_requests() and time.monotonic() < deadline:
+        deadline, steps = time.monotonic() + 30, 0
+        # (the link's thread may refuse the chunk before the first step: step at least once, so a chunk of
+        # 32 tokens = 8 blocks is computed whichever thread is first, as a worker's step would be)
+        while (not side.failed_requests() or steps == 0) and time.monotonic() < deadline:
             if engine.has_unfinished():
                 engine.step()
+                steps += 1
             side.pump()
         assert side.failed_requests() == ["r0"]
         pinned = side.keep("r0") if keep else 0  # as `WorkerReports.cancel_failed_deliveries` does
