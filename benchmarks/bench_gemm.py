@@ -7,7 +7,8 @@ weights of the same shapes, 425 MB, so every pass streams them from memory as a 
 each row count on three paths: the compiled GEMM kernel (`kernels.gemm`, when this host has one), MKL's
 packed sgemm (`torch.ops.mkl._mkl_linear`) and `F.linear`. The paths alternate within each repeat, so a
 noisy neighbour slows all three alike; medians are printed, with the fastest path per row count and the
-range of row counts where the kernel wins.
+range of row counts where the kernel wins. `--quant`: also the quantized-weight paths (`pdserve.model.quant`: the
+q8_0 and q4_1 kernels, and dequantize + F.linear as prefill runs them), the evidence for `quant.KERNEL_ROWS`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,22 @@ def make_paths(weights: list[torch.Tensor]) -> dict[str, list]:
     return paths
 
 
+def quant_paths(weights: list[torch.Tensor]) -> dict[str, list]:
+    from pdserve.model import quant
+    q8 = [quant.QuantLinear(quant.quantize(w, "q8_0")) for w in weights]
+    q4 = [quant.QuantLinear(quant.quantize(w, "q4_1")) for w in weights]
+    return {"q8_0": q8, "q4_1": q4, "q8_0_deq": q8, "q4_1_deq": q4}
+
+
 def one_pass(path: str, packed: list, xs: dict[int, torch.Tensor]) -> float:
+    from pdserve.model import quant
     t0 = time.perf_counter()
     for p in packed:
-        if path == "kernel":
+        if path in ("q8_0", "q4_1"):
+            kernels.qgemm(xs[p.k], p.panels, quant.KINDS[p.kind], p.n, p.k)
+        elif path.endswith("_deq"):
+            F.linear(xs[p.k], p.weight())
+        elif path == "kernel":
             kernels.gemm(xs[p.k], p)
         elif path == "mkl_packed":
             x = xs[p[1].shape[1]]
@@ -54,12 +67,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64, 96, 128])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--quant", action="store_true", help="also the quantized-weight paths")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
     paths = make_paths(weights)
+    if args.quant:
+        paths.update(quant_paths(weights))
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"kernel ISA: {kernels.isa()}, threads {torch.get_num_threads()}, "
           f"current rule: kernel for rows {KERNEL_ROWS.get(kernels.isa())}")

@@ -31,11 +31,15 @@ log = logging.getLogger(__name__)
 
 QK, QW = 32, 16  # weights per block (along k); output columns per packed panel
 KINDS = {"q8_0": 1, "q4_1": 2}  # block kinds -> the kernel's format ids
-# Row counts the kernel serves, per instruction set; more rows dequantize and run F.linear (measured: see
-# BENCHMARKS.md "Quantized weights").
-KERNEL_ROWS = {"avx512": 32, "avx2": 32}
+# Row counts the kernel serves, per instruction set; more rows dequantize and run F.linear. Measured with
+# bench_gemm.py --quant (the default model's 120 per-layer products, 2 threads, Intel Xeon AVX-512, 2026-12-07):
+# the AVX-512 kernel beats dequantize + F.linear up to 128 rows (q8_0 127 vs 144 ms), ties at 256, loses at 512
+# (524 vs 421 ms); the AVX2 build (-mno-avx512f, same host) was measured clean only up to 16 rows (q8_0 30 vs
+# 66 ms), so it keeps the fp32 kernel's safe 32.
+KERNEL_ROWS = {"avx512": 128, "avx2": 32}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
-# (BENCHMARKS.md "Quantized weights").
+# (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
+# q4 and 18.4 for fp32; perplexity -0.2% against fp32 on the default model).
 AUTO = {"avx512": "q8_0", "avx2": "q8_0", "none": "fp32"}
 
 
