@@ -222,10 +222,9 @@ def main() -> int:
         args.repeats, args.max_requests, OUT = 1, "16", OUT.parent / "fidelity_quick"
     OUT = args.output or OUT
     OUT.mkdir(parents=True, exist_ok=True)
-    workload = ["--workload", args.workload, "--length-scale", args.length_scale, "--rate", args.rate,
-                "--max-requests", args.max_requests, "--seed", "0"]
+    workload = workload_args(args, seed=0)
     profiles = [OUT / f"profile{k}.json" for k in range(args.repeats + 1)]
-    held = None if args.quick else held_out_fit(workload, args)
+    held = None if args.quick else held_out_fit(workload_args(args, seed=1), args)
     run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[0]))
     runs = []
     for k in range(1, args.repeats + 1):
@@ -294,13 +293,18 @@ def token_time(k: int) -> dict:
             "served_step_ms": mean([t for _, t in decode]), "tpot_mean_ms": real["mean"]}
 
 
+def workload_args(args, seed: int) -> list[str]:
+    """The workload flags `bench serve` and `simulate` share."""
+    return ["--workload", args.workload, "--length-scale", args.length_scale, "--rate", args.rate,
+            "--max-requests", args.max_requests, "--seed", str(seed)]
+
+
 def held_out_fit(workload: list[str], args) -> tuple[Path, float]:
     """A calibration replay of other requests of the same workload (seed 1) before the measured runs: the time
     model of the steps its server reported with its probe's wake-up tables -> server_fit0.json, and its
     control-plane latency. Each run is simulated with it too: a fit that never saw the requests it predicts,
     as a user calibrates the twin from yesterday's traffic."""
-    seeded = workload[:-1] + ["1"]  # (the workload list ends with --seed 0)
-    _, (warm, woken) = real_run(0, seeded, args)
+    _, (warm, woken) = real_run(0, workload, args)
     fit = OUT / "server_fit0.json"
     fit.write_text(json.dumps({**json.loads(fit.read_text()), **wake_tables(warm, woken)}, indent=1))
     return fit, control_latency_ms(warm, fit)
