@@ -39,6 +39,7 @@ def test_profile_of_a_real_engine(tiny_llama_dir):
     result = run_profile(EngineConfig(model=str(tiny_llama_dir), num_threads=1, max_num_batched_tokens=256),
                          prefill_tokens=(16, 32, 64, 128, 256), decode_batches=(1, 4, 16, 32),
                          decode_contexts=(16, 128))
+    assert result["weights"] == "fp32"  # the format its steps were measured with (`--weights`, auto resolved)
     model = FittedTimeModel.from_json(json.dumps(result))
     samples = {kind: [s for s in result["samples"] if s["kind"] == kind] for kind in ("prefill", "decode")}
     shapes = {"prefill": [StepShape(prefill_tokens=t, prefill_sq=t * t, sampled=1)
@@ -59,8 +60,8 @@ def test_profile_of_a_real_engine(tiny_llama_dir):
     assert model.step_time(StepShape.decode(32, 32 * 20)) > 1.5 * model.step_time(StepShape.decode(1, 20))
 
 
-def _profile_file(path, samples, model="m", threads=1):
-    path.write_text(json.dumps({"model": model, "threads": threads, "block_size": 16, **fit(samples),
+def _profile_file(path, samples, model="m", threads=1, **meta):
+    path.write_text(json.dumps({"model": model, "threads": threads, "block_size": 16, **meta, **fit(samples),
                                 "samples": samples}))
     return str(path)
 
@@ -89,6 +90,8 @@ def test_profile_cli_rejects_bad_shapes_and_mismatched_merges(tmp_path):
     b = _profile_file(tmp_path / "b.json", sample, threads=2)
     out = str(tmp_path / "fit.json")
     assert_one_line_error(run_cli("profile", "--merge", a, b, "--output", out), "one model, thread count")
+    q8 = _profile_file(tmp_path / "q8.json", sample, threads=1, weights="q8_0")  # other step times: not one fit
+    assert_one_line_error(run_cli("profile", "--merge", a, q8, "--output", out), "weight format")
     assert_one_line_error(run_cli("profile", "--merge", a, str(tmp_path / "none.json"), "--output", out),
                           "cannot read profile")
     assert_one_line_error(run_cli("profile", "--decode-batches", "1,0", "--output", out), "--decode-batches")

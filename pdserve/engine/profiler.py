@@ -112,7 +112,8 @@ def run_profile(config: EngineConfig, prefill_tokens=PREFILL_TOKENS, decode_batc
                            "choose smaller --prefill-tokens / --decode-batches / --decode-contexts")
     return {"model": config.model or "SmolLM2-135M-Instruct (embedded)", "threads": config.num_threads or os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
-            "block_size": config.block_size, "units": "seconds; tokens; context tokens; requests",
+            "block_size": config.block_size, "weights": engine.executor.info.weights,  # `--weights`, auto resolved
+            "units": "seconds; tokens; context tokens; requests",
             **fit(samples), "samples": samples}
 
 
@@ -128,9 +129,10 @@ def merge_profiles(paths: list[str]) -> dict:
             profiles.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise PdserveError(f"cannot read profile {path}: {getattr(e, 'strerror', None) or e}") from None
-    keys = {(p.get("model"), p.get("threads"), p.get("block_size")) for p in profiles}
+    keys = {(p.get("model"), p.get("threads"), p.get("block_size"), p.get("weights", "fp32")) for p in profiles}
     if len(keys) != 1 or any("samples" not in p for p in profiles):
-        raise PdserveError("profiles to merge must carry samples of one model, thread count and block size")
+        raise PdserveError("profiles to merge must carry samples of one model, thread count, block size and "
+                           "weight format")
     samples = [s for p in profiles for s in p["samples"]]
     try:
         coefficients = fit(samples)
