@@ -21,7 +21,7 @@ def test_a_step_runs_on_to_the_next_start_through_the_loop_work():
     assert t.rows == []  # pending until the loop goes on or waits
     t.started(10.043)  # 3 ms of loop work
     t.ended(_decode(66), 0.041, 10.084)
-    assert t.rows == [[0, 0, 1, 65, approx(0.043)]]
+    assert t.rows == [[0, 0, 1, 65, approx(0.043), 0]]
     t.waited()  # nothing more to step: the last one alone
     assert [r[4] for r in t.take()] == approx([0.043, 0.041])
     assert t.take() == []
@@ -45,3 +45,15 @@ def test_rows_between_two_stats_are_bounded():
         t.ended(_decode(5), 0.5, i + 0.5)
     t.waited()
     assert len(t.take()) == MAX_ROWS
+
+
+def test_a_prefill_chunk_reports_its_prefix_term():
+    """A chunk of 16 tokens after 32 cached (a reused prefix): its row carries 16 x 32 as `prefill_prefix`, the
+    sixth number (`online_fit.REPORTED`), beside 16 tokens and 16^2; a chunk from position 0 has none."""
+    t = StepTimes()
+    for start in (32, 0):
+        t.started(float(start))
+        t.ended(SimpleNamespace(chunks=[SimpleNamespace(token_ids=list(range(16)), start_pos=start)]), 0.1,
+                start + 0.1)
+    t.waited()
+    assert [r[:4] + r[5:] for r in t.take()] == [[16, 256, 0, 0, 512], [16, 256, 0, 0, 0]]

@@ -152,10 +152,11 @@ class Admission:
         return self.models[worker]
 
     def observe_steps(self, worker: str, steps) -> None:
-        """`steps`: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)]."""
+        """`steps`: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds[, prefill_prefix])]
+        (`online_fit.REPORTED`; this model's form has no prefix term: a sixth number is not used)."""
         model = self.model(worker)
         for step in steps:
-            model.observe(*step)
+            model.observe(*step[:5])
 
     def observe_delivery(self, worker: str, seconds: float) -> None:
         model = self.model(worker)

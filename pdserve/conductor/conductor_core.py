@@ -130,7 +130,8 @@ class ConductorCore:
         return moved + (self.recovery.adopt_orphans() if self.recovery.orphans else [])
 
     def worker_steps(self, name: str, steps, prefill_cap: int | None = None) -> list:
-        """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds)];
+        """Recent steps of a worker: [(prefill_tokens, prefill_sq, decode_seqs, decode_context, seconds[,
+        prefill_prefix])] (`online_fit.REPORTED`);
         `prefill_cap`: the prefill tokens its next step may carry (`pdserve.core.sched.step_budget`), the chunk size
         admission predicts prefill in."""
         self.workers[name].stalled = False  # it reports again

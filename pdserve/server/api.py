@@ -249,7 +249,8 @@ def create_app(gateway: Gateway, keys: dict | None = None) -> FastAPI:
     async def steps():
         """Each worker's recent engine steps as its stats reported them (read-only): {worker, role, source
         (calibration: its profile steps at load; served), prefill_tokens, prefill_sq, decode_seqs, decode_context,
-        seconds}; `pdserve profile --from-server URL` fits the simulator's time model to the served ones."""
+        seconds, prefill_prefix (sum of prefill chunks' tokens x their cached prefix)}; `pdserve profile
+        --from-server URL` fits the simulator's time model to the served ones."""
         return {"object": "list", "data": gateway.conductor.step_records()}
 
     @app.get("/version")

@@ -15,8 +15,21 @@ import numpy as np
 MIN_SAMPLES = 8
 WINDOW = 256  # recent steps kept
 REFIT_EVERY = 16  # new samples between two least-squares fits
-# the names of a reported step's numbers (`StepRow.reported`), as GET /v1/admin/steps gives each step
-REPORTED = ("prefill_tokens", "prefill_sq", "decode_seqs", "decode_context", "seconds")
+# the names of a reported step's numbers (`StepRow.reported`), as GET /v1/admin/steps gives each step; the
+# prefix term last (rows of workers that predate it have the first five: a missing prefix is 0)
+REPORTED = ("prefill_tokens", "prefill_sq", "decode_seqs", "decode_context", "seconds", "prefill_prefix")
+
+
+def prefill_terms(tokens: float, sq: float, prefix: float) -> tuple[float, ...]:
+    """The step form's prefill terms, one place for every fit of it (the step budget's, the simulator's
+    `FittedTimeModel`): 1, the chunks' tokens, the sum of their squares (attention within a chunk) and of each
+    chunk's tokens x its prefix (attention over the cached KV before it)."""
+    return (1.0, tokens, sq, prefix)
+
+
+def decode_terms(context: float, seqs: float) -> tuple[float, ...]:
+    """The step form's decode terms: 1, the one-token chunks' context (keys attended), their number."""
+    return (1.0, context, seqs)
 
 
 @dataclass(frozen=True)
@@ -44,10 +57,17 @@ class StepRow:
                 pt, sq, pre = pt + n, sq + n * n, pre + n * c.start_pos
         return StepRow(pt, sq, pre, ds, ctx, seconds)
 
+    def terms(self) -> tuple[float, ...]:
+        """The step form of a whole step, pure or mixed (one intercept): `prefill_terms` + `decode_terms`."""
+        return (*prefill_terms(self.prefill_tokens, self.prefill_sq, self.prefill_prefix),
+                *decode_terms(self.decode_context, self.decode_seqs)[1:])
+
     def reported(self) -> list:
-        """What a worker's `stats` event carries for it (`steps`: the conductor's admission model fits these):
-        [prefill tokens, sum of their squares, decode sequences, decode context, seconds]."""
-        return [self.prefill_tokens, self.prefill_sq, self.decode_seqs, self.decode_context, self.seconds]
+        """What a worker's `stats` event carries for it (`steps`: the conductor's admission model fits the
+        first five): [prefill tokens, sum of their squares, decode sequences, decode context, seconds, sum of
+        prefill tokens x prefix] (`REPORTED`)."""
+        return [self.prefill_tokens, self.prefill_sq, self.decode_seqs, self.decode_context, self.seconds,
+                self.prefill_prefix]
 
 
 class OnlineFit:

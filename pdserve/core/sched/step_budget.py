@@ -88,8 +88,7 @@ class StepBudget:
         """A step's shape and time for the fit: one the worker ran (`observe`), or one its profile at load
         timed (`pdserve.engine.calibration`), so the fit is ready before the first request."""
         if self.active and row.prefill_tokens:
-            self.fit.add((1.0, row.prefill_tokens, row.prefill_sq, row.prefill_prefix, row.decode_context,
-                          row.decode_seqs), row.seconds)
+            self.fit.add(row.terms(), row.seconds)
             self._per_token.append(row.seconds / row.prefill_tokens)
 
     def begin(self, running: Iterable[Request]) -> None:
