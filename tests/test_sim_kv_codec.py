@@ -100,12 +100,13 @@ def test_roofline_adds_dequant_to_kv_reads_only():
         tm["int8"].step_time(StepShape.decode(64, 64 * 4000 + 64 * i)) for i in range(1, 51)]
 
 
-def test_fitted_model_scales_its_decode_context_term_only(tmp_path):
-    fit = FittedTimeModel(Coefficients(0.01, 2e-5, 1e-9), Coefficients(0.008, 3e-7, 1e-4), {"model": "x"})
+def test_fitted_model_scales_its_cached_kv_terms_only(tmp_path):
+    fit = FittedTimeModel(Coefficients(0.01, 2e-5, 1e-9, 4e-9), Coefficients(0.008, 3e-7, 1e-4), {"model": "x"})
     int8 = get_model("llama-3-8b", "int8")
     scaled = fitted_for_codec(fit, int8)
     scale = (1 + CODECS["int8"].dequant_overhead) / ratio("int8")
-    assert scaled.decode.b == pytest.approx(3e-7 * scale) and scaled.prefill == fit.prefill
+    assert scaled.decode.b == pytest.approx(3e-7 * scale) and scaled.prefill.d == pytest.approx(4e-9 * scale)
+    assert scaled.prefill.a == fit.prefill.a and (scaled.prefill.b, scaled.prefill.c) == (fit.prefill.b, fit.prefill.c)
     assert (scaled.decode.a, scaled.decode.c) == (fit.decode.a, fit.decode.c)
     assert scaled.meta["kv_codec_scaling"]["decode_context_scale"] == pytest.approx(scale)
     assert fitted_for_codec(fit, get_model("llama-3-8b")) is fit  # auto on auto: as measured
@@ -116,7 +117,7 @@ def test_fitted_model_scales_its_decode_context_term_only(tmp_path):
     out = sim_cli(tmp_path / "sim", "--kv-cache-dtype", "int8", "--time-model", f"fitted:{path}")
     assert out["cluster"]["time_model_kv_scaling"] == {"measured": "auto", "simulated": "int8",
                                                        "decode_context_scale": pytest.approx(scale),
-                                                       "prefill": "unscaled"}
+                                                       "prefill_prefix_scale": pytest.approx(scale)}
 
 
 def kv_bound_run(codec: str):

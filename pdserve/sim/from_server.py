@@ -1,7 +1,8 @@
 """The simulator's time model fitted to the steps a running server reports, under serving conditions.
 
 `GET /v1/admin/steps` on a `pdserve serve` gateway gives each worker's recent engine steps as the worker timed
-them (around `LLMEngine.step()`, while every other worker on the host runs too). `pdserve profile --from-server
+them (around `LLMEngine.step()`, while every other worker on the host runs too), with each step's prefix term
+(`prefill_prefix`: its chunks' tokens x the tokens cached before them, a reused prefix's attention). `pdserve profile --from-server
 URL` fits the DistServe form (`pdserve.sim.timemodel.FittedTimeModel`) to the `served` ones -- not the
 `calibration` steps a worker timed alone at load -- so the twin sees the interference an offline profile of one
 engine misses, on the user's own deployment.
@@ -34,14 +35,16 @@ def served_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
         try:
             if rec.get("source", "served") != "served":
                 continue
-            pt, sq, ds, ctx, seconds = (rec[k] for k in REPORTED)
+            pt, sq, ds, ctx, seconds = (rec[k] for k in REPORTED[:5])
             pt, sq, ds, ctx, seconds = int(pt), int(sq), int(ds), int(ctx), float(seconds)
+            pre = int(rec.get(REPORTED[5], 0))  # (a worker that predates the prefix term: none)
         except (AttributeError, KeyError, TypeError, ValueError):
-            raise InvalidRequestError(f"step record {i} needs numbers {', '.join(REPORTED)}: {rec!r:.200}") from None
-        if min(pt, sq, ds, ctx) < 0 or not seconds > 0:
+            raise InvalidRequestError(f"step record {i} needs numbers {', '.join(REPORTED[:5])} (and optionally "
+                                      f"{REPORTED[5]}): {rec!r:.200}") from None
+        if min(pt, sq, ds, ctx, pre) < 0 or not seconds > 0:
             raise InvalidRequestError(f"step record {i} has a negative count or seconds <= 0: {rec!r:.200}")
         out.append((StepShape(prefill_tokens=pt, prefill_sq=sq, decode_seqs=ds, decode_context=ctx,
-                              sampled=ds), seconds))
+                              sampled=ds, prefill_prefix=pre), seconds))
     return out
 
 

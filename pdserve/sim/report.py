@@ -207,8 +207,8 @@ def kv_cache_line(cluster: dict) -> str | None:
             "of KV reads")
     scaling = cluster.get("time_model_kv_scaling")
     if scaling:
-        line += (f"; fitted time model measured with {scaling['measured']}: decode context term x"
-                 f"{scaling['decode_context_scale']:.3f}, prefill terms unscaled")
+        line += (f"; fitted time model measured with {scaling['measured']}: its cached-KV terms (decode context, "
+                 f"prefill prefix) x{scaling['decode_context_scale']:.3f}")
     return line
 
 

@@ -11,7 +11,10 @@ over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
   decoding the codes costs the codec's `dequant_overhead` share of the KV-read term (read bytes x (1 + it)),
   the weights and the KV writes none.
 * `FittedTimeModel`: DistServe's form, fitted to measurements of the real engine:
-  prefill `a + b * sum(tokens) + c * sum(tokens^2)`, decode `a + b * sum(context) + c * batch`.
+  prefill `a + b * sum(tokens) + c * sum(tokens^2) + d * sum(tokens x prefix)`, decode
+  `a + b * sum(context) + c * batch` (the terms: `pdserve.core.sched.online_fit.prefill_terms` / `decode_terms`,
+  the form the workers' step budget fits too). `d` is the attention of a chunk over the KV cached before it (a
+  reused prefix, earlier chunks of its prompt); a model without it (older JSON) has `d` = 0.
   A mixed batch (colocated chunked prefill) costs the prefill part plus the decode part without its `a`.
   Optionally a wake-up table: the first step after the engine idled g seconds takes `wake_time(g)` longer
   (interpolated between measured gaps; on the shared VM this project is measured on, an engine whose
@@ -21,8 +24,9 @@ over `start_pos + 1` tokens of context); a longer chunk is a prefill chunk.
   Coefficients live in JSON (see `FittedTimeModel.to_json`); `fit_time_model` fits them with least squares.
   KV codecs (`fitted_for_codec`): the fit was measured with one KV dtype (its JSON's `kv_cache_dtype`, else
   `auto`); simulating another scales the one term that reads cached KV, the decode context term `b`, by the
-  ratio of the codecs' bytes per token and of their (1 + dequant_overhead). The prefill terms stay as
-  measured: their form has no cached-KV term (the quadratic term is attention compute over the chunk).
+  ratio of the codecs' bytes per token and of their (1 + dequant_overhead), and so the one prefill term that
+  reads it, the prefix term `d`; the other prefill terms stay as measured (the quadratic term is attention
+  compute within the chunk).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pdserve.core.sched.online_fit import decode_terms, prefill_terms
 from pdserve.core.sched.schedule import SchedulerOutput
 from pdserve.core.kvstore import kv_codecs
 from pdserve.errors import InvalidRequestError
@@ -51,6 +56,7 @@ class StepShape:
     decode_seqs: int = 0  # one-token chunks
     decode_context: int = 0  # sum of their context lengths (keys attended)
     sampled: int = 0  # rows that go through the lm head
+    prefill_prefix: int = 0  # sum over prefill chunks of tokens x prefix (keys cached before the chunk)
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +64,7 @@ class StepShape:
 
     @staticmethod
     def of(scheduled: SchedulerOutput) -> StepShape:
-        pt = sq = pairs = pctx = ds = ctx = sampled = 0
+        pt = sq = pairs = pctx = ds = ctx = sampled = pre = 0
         for c in scheduled.chunks:
             n = c.num_tokens
             sampled += c.sample
@@ -70,7 +76,8 @@ class StepShape:
                 sq += n * n
                 pairs += n * c.start_pos + n * (n + 1) // 2
                 pctx += c.start_pos + n
-        return StepShape(pt, sq, pairs, pctx, ds, ctx, sampled)
+                pre += n * c.start_pos
+        return StepShape(pt, sq, pairs, pctx, ds, ctx, sampled, pre)
 
     @staticmethod
     def decode(num_seqs: int, context: int) -> StepShape:
@@ -131,6 +138,7 @@ class Coefficients:
     a: float
     b: float
     c: float
+    d: float = 0.0  # prefill: per token x prefix token (none in a model fitted before it; decode: unused)
 
 
 def _wake_table(entries) -> list[tuple[float, float]]:
@@ -174,7 +182,7 @@ class FittedTimeModel:
         t = 0.0
         if shape.prefill_tokens:
             p = self.prefill
-            t += p.a + p.b * shape.prefill_tokens + p.c * shape.prefill_sq
+            t += p.a + p.b * shape.prefill_tokens + p.c * shape.prefill_sq + p.d * shape.prefill_prefix
         if shape.decode_seqs:
             d = self.decode
             t += (0.0 if shape.prefill_tokens else d.a) + d.b * shape.decode_context + d.c * shape.decode_seqs
@@ -188,7 +196,7 @@ class FittedTimeModel:
 
     def to_json(self) -> str:
         return json.dumps({"kind": "fitted", "form": "distserve", **self.meta, "prefill": asdict(self.prefill),
-                           "decode": asdict(self.decode), "wake": [list(w) for w in self.wake],
+                           "decode": _abc(self.decode), "wake": [list(w) for w in self.wake],
                            **({} if self.wake_decode is None else
                               {"wake_decode": [list(w) for w in self.wake_decode]}),
                            **({"spread": self.spread} if self.spread else {})}, indent=1)
@@ -200,27 +208,38 @@ class FittedTimeModel:
             meta = {k: v for k, v in d.items()
                     if k not in ("prefill", "decode", "kind", "form", "wake", "wake_decode", "spread", "samples",
                                  "steps")}
-            return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**d["decode"]), meta,
+            return FittedTimeModel(Coefficients(**d["prefill"]), Coefficients(**_abc(d["decode"])), meta,
                                    [(g, x) for g, x in d.get("wake") or []],
                                    None if d.get("wake_decode") is None else [(g, x) for g, x in d["wake_decode"]],
                                    d.get("spread"))
         except (KeyError, TypeError, ValueError) as e:
-            raise InvalidRequestError(f"fitted time model JSON needs prefill/decode {{a, b, c}} and an "
-                                      f"optional wake [[gap_s, extra_s], ...]: {e}") from None
+            raise InvalidRequestError(f"fitted time model JSON needs prefill {{a, b, c[, d]}}, decode {{a, b, c}} "
+                                      f"and an optional wake [[gap_s, extra_s], ...]: {e}") from None
+
+
+def _abc(decode) -> dict:
+    """A decode side's coefficients, a dict or `Coefficients`, without `d` (its form has no fourth term)."""
+    d = decode if isinstance(decode, dict) else asdict(decode)
+    if d.get("d"):
+        raise ValueError("decode has no fourth term d")
+    return {k: v for k, v in d.items() if k != "d"}
 
 
 def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = None,
                    relative: bool = False) -> FittedTimeModel:
     """Fit of the DistServe form to (shape, measured seconds) pairs of pure prefill and pure decode steps (mixed
     steps are ignored); each side needs at least three samples. Least squares on seconds, or with `relative` on
-    errors relative to the predicted time (`_relative_fit`): short steps count as much as long ones."""
+    errors relative to the predicted time (`_relative_fit`): short steps count as much as long ones. The
+    prefix term is fitted from the steps' `prefill_prefix`; with none among them it is 0 (minimum-norm
+    least squares of an all-zero column), the other terms as a fit without it."""
     pre = [(s, t) for s, t in samples if s.prefill_tokens and not s.decode_seqs]
     dec = [(s, t) for s, t in samples if s.decode_seqs and not s.prefill_tokens]
     if len(pre) < 3 or len(dec) < 3:
         raise InvalidRequestError("need at least 3 pure prefill and 3 pure decode steps to fit")
     solve = _relative_fit if relative else (lambda x, t: np.linalg.lstsq(x, t, rcond=None)[0])
-    cp = solve(np.array([[1.0, s.prefill_tokens, s.prefill_sq] for s, _ in pre]), np.array([t for _, t in pre]))
-    cd = solve(np.array([[1.0, s.decode_context, s.decode_seqs] for s, _ in dec]), np.array([t for _, t in dec]))
+    cp = solve(np.array([prefill_terms(s.prefill_tokens, s.prefill_sq, s.prefill_prefix) for s, _ in pre]),
+               np.array([t for _, t in pre]))
+    cd = solve(np.array([decode_terms(s.decode_context, s.decode_seqs) for s, _ in dec]), np.array([t for _, t in dec]))
     return FittedTimeModel(Coefficients(*map(float, cp)), Coefficients(*map(float, cd)), meta)
 
 
@@ -257,8 +276,9 @@ def fitted_for_codec(fitted: FittedTimeModel, model: ModelSpec) -> FittedTimeMod
     if scale == 1.0:
         return fitted
     meta = {**fitted.meta, "kv_codec_scaling": {"measured": measured, "simulated": model.kv_cache_dtype,
-                                                "decode_context_scale": scale, "prefill": "unscaled"}}
-    return FittedTimeModel(fitted.prefill, replace(fitted.decode, b=fitted.decode.b * scale), meta,
+                                                "decode_context_scale": scale, "prefill_prefix_scale": scale}}
+    return FittedTimeModel(replace(fitted.prefill, d=fitted.prefill.d * scale),
+                           replace(fitted.decode, b=fitted.decode.b * scale), meta,
                            fitted.wake, fitted.wake_decode, fitted.spread)
 
 
