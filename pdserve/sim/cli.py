@@ -69,7 +69,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="token budget per decode/colocated step")
     p.add_argument("--link-latency-us", type=float, default=spec_default("link_latency_s") * 1e6)
     p.add_argument("--control-latency-ms", type=float, default=spec_default("control_latency_s") * 1e3,
-                   help="each gateway <-> worker message (command, reply, token event); measure it on the real "
+                   help="each gateway <-> worker message (command, reply, token event), and the spacing of a "
+                        "burst's messages through a serial loop (the gateway's intake of requests of one instant, a "
+                        "decode worker's take-in of the transfers one prefill step closes); measure it on the real "
                         "system, e.g. as benchmarks/bench_fidelity.py does")
     add_config_args(p, SIM_KV_TIERS, deprecated=DEPRECATED_FLAGS)
     p.add_argument("--host-link-gb-s", type=float, default=None,

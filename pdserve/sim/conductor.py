@@ -11,6 +11,13 @@ where the decision is the workers':
 * a prefill engine's pushes (`pdserve.core.pd.push_range`, as `PrefillSide.on_layer`), its pacing, the flows over
   the link model and their landings: the KV path (`pdserve.sim.kv_push.SimKVPath`);
 * stage passes and warm passes: `pdserve.sim.staging` (as the real prefill worker's `StagePasses`).
+Serial loops: the real gateway takes requests in one at a time, and a decode worker takes in delivered
+transfers one at a time, each a loop pass; an idle worker starts a step at the first message it sees, so of a
+burst (requests of the same instant, the transfers one prefill step closes) only the first may make that step
+(measured on this project's 2-vCPU Xeon, the conversation trace: a burst's requests reach the conductor 6-19 ms
+apart, and of 4 prefill steps whose transfers landed on an idle decode worker 3 were consumed by two decode steps,
+the first alone). Here the k-th message of a burst reaches the gateway's intake, and a decode engine's take-in of
+landings, `control_latency_s` after the one before it (`_serial`; 0: a burst arrives together, as before).
 The prefill step that samples the first token ends the prefill; once every flow has landed the decode engine
 settles the transfer (delivered with that token, the request's first output; or recomputed there for an
 injected failure) and its next step consumes the KV, reported to the core, which checks its prediction
@@ -37,6 +44,7 @@ from pdserve.core.pd.delivery import WaterLevel
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.sim.engine import EngineHooks, SimEngine
+from pdserve.sim.events import MESSAGE
 from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.kv_push import SimKVPath
 from pdserve.sim.link import LinkModel
@@ -71,6 +79,7 @@ class SimConductor(EngineHooks):
         self.num_finished = 0
         self.cache_events: dict[str, CacheEvents] = {}  # per engine, as a real worker's (its `kv_cache` events)
         self._reported_s: dict[str, float] = {}  # when each engine last reported (`REPORT_EVERY_S`)
+        self._free_s: dict = {}  # serial loop -> when it takes its next message (`_serial`)
         self.staging = SimStaging(self.life)
         self.kv = SimKVPath(links, water or WaterLevel(), self.life, block_size, block_bytes, control_latency_s,
                             self._report, self._landed)
@@ -111,6 +120,23 @@ class SimConductor(EngineHooks):
     # ---- intake -----------------------------------------------------------------------------------------
     def submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int = 0,
                tier: str | None = None) -> None:
+        """A request arrives (its record's start); the gateway's intake takes it now, or after the requests
+        before it of a burst (`_serial`)."""
+        at = self._serial("intake", self.loop.now)
+        if at > self.loop.now:
+            self.loop.at(at, self._submit, rid, prompt, output_len, record, priority, tier, prio=MESSAGE)
+        else:
+            self._submit(rid, prompt, output_len, record, priority, tier)
+
+    def _serial(self, loop: str, at_s: float) -> float:
+        """When a serial loop (the gateway's `intake`, a decode engine's take-in of landed KV) takes a message
+        that reaches it at `at_s`: then, or `control_s` after the message it took before."""
+        at = max(at_s, self._free_s.get(loop, at_s))
+        self._free_s[loop] = at + self.control_s
+        return at
+
+    def _submit(self, rid: str, prompt, output_len: int, record: RequestRecord, priority: int,
+                tier: str | None) -> None:
         f = Flight(rid, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), record,
                    priority, tier or "default")
         record.service_tier = tier
@@ -124,7 +150,7 @@ class SimConductor(EngineHooks):
         f.decode, f.prefill = self.by_name[state.decode], self.by_name.get(state.prefill)
         self.flights[rid] = f
         if self.ttft_timeout_s is not None:
-            self.loop.at(self.loop.now + self.ttft_timeout_s, self._timeout, f)
+            self.loop.at(max(record.start_s + self.ttft_timeout_s, self.loop.now), self._timeout, f)
         self._act(actions)
 
     # ---- the core's actions -------------------------------------------------------------------------------
@@ -175,9 +201,11 @@ class SimConductor(EngineHooks):
         self._act(self._core(event, *args))
 
     def _landed(self, f: Flight, delay_s: float) -> None:
-        """`f`'s transfer is complete: its decode engine settles it at its next boundary."""
-        d = f.decode
-        d.post(lambda: self.ready[d.name].append(f), delay_s)
+        """`f`'s transfer is complete: its decode engine settles it at its next boundary (the transfers of a burst
+        one after another, `_serial`)."""
+        d, now = f.decode, self.loop.now
+        at = self._serial(f"landings:{d.name}", now + delay_s)
+        d.post(lambda: self.ready[d.name].append(f), at - now)
 
     def before_step(self, engine: SimEngine) -> None:
         if engine.role != "decode":
