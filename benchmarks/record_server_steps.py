@@ -6,12 +6,20 @@ every prefill step and an even sample of the decode steps, at most --max-rows in
     .venv/bin/python benchmarks/record_server_steps.py [--max-requests 24] [--rate 1] [--max-rows 300]
     .venv/bin/python benchmarks/record_server_steps.py --from-fit bench_results/fidelity_quick/server_fit1.json
         # the steps a fidelity run's server reported (`make fidelity` keeps them), no server of its own
+    .venv/bin/python benchmarks/record_server_steps.py --from-fit bench_results/fidelity_mc/server_fit0.json \
+        bench_results/fidelity_mc/server_fit1.json --output tests/data/server_steps_prefix.json
+        # the conversation workload's (prefix reuse: steps with a prefix term), two servers' steps
+    .venv/bin/python benchmarks/record_server_steps.py --prefix --output tests/data/server_steps_prefix.json
+        # prefill steps over a cached prefix (tests/test_from_server.py's prefix term): one request at a time,
+        # each of PREFIXES sent alone (no prefix) and then with each of SUFFIXES after it (a chunk of the
+        # suffix's tokens at the prefix's position), in a server of one thread per worker
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -47,16 +55,21 @@ def main() -> int:
     ap.add_argument("--max-requests", default="24")
     ap.add_argument("--rate", default="1")
     ap.add_argument("--max-rows", type=int, default=300)
-    ap.add_argument("--from-fit", default=None, help="a `pdserve profile --from-server` JSON: its steps")
+    ap.add_argument("--from-fit", nargs="+", default=None,
+                    help="`pdserve profile --from-server` JSON files: their steps")
+    ap.add_argument("--output", type=Path, default=OUT)
+    ap.add_argument("--prefix", action="store_true", help="prefill steps over cached prefixes (see above)")
     args = ap.parse_args()
-    records = json.loads(Path(args.from_fit).read_text())["steps"] if args.from_fit else served_steps(args)
+    records = ([r for path in args.from_fit for r in json.loads(Path(path).read_text())["steps"]] if args.from_fit
+               else prefix_steps() if args.prefix else served_steps(args))
     rows = keep(records, args.max_rows)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"recorded": {"command": " ".join(["benchmarks/record_server_steps.py", *sys.argv[1:]]),
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"recorded": {"command": " ".join(["benchmarks/record_server_steps.py", *sys.argv[1:]]),
                                             "cpu": cpu_model(), "date": date.today().isoformat(),
+                                            "load_average_1m": round(os.getloadavg()[0], 2),
                                             "steps_reported": len(records)},
                                "data": rows}, indent=None).replace("}, {", "},\n{"))
-    print(f"kept {len(rows)} of {len(records)} step records -> {OUT}")
+    print(f"kept {len(rows)} of {len(records)} step records -> {args.output}")
     return 0
 
 
@@ -69,6 +82,39 @@ def served_steps(args) -> list[dict]:
                             "--workload", f"azure:{TRACES / 'AzureLLMInferenceTrace_conv_2023.csv'}",
                             "--length-scale", "0.1", "--rate", args.rate, "--max-requests", args.max_requests,
                             "--seed", "0", "--output", out, "--no-progress"], check=True)
+        with urllib.request.urlopen(f"{server.url}/v1/admin/steps", timeout=30) as resp:
+            records = json.loads(resp.read())["data"]
+    finally:
+        server.stop()
+    return records
+
+
+PREFIXES, SUFFIXES = (128, 256, 512, 768), (16, 48, 96, 160)
+
+
+def prefix_steps() -> list[dict]:
+    """Serve; send each prefix alone, then each prefix + suffix (its prefix's blocks cached), one request at a
+    time; read back the step reports."""
+    import asyncio
+    import random
+
+    import httpx
+
+    from pdserve.bench.client import send_request
+    rng = random.Random(0)
+
+    async def send_all(url: str) -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for length in PREFIXES:
+                prefix = [rng.randrange(100, 30000) for _ in range(length)]
+                for suffix in (0, *SUFFIXES):
+                    rec = await send_request(client, url, "SmolLM2-135M-Instruct",
+                                             prefix + [rng.randrange(100, 30000) for _ in range(suffix)], 2)
+                    if rec.error:
+                        raise SystemExit(f"request failed: {rec.error}")
+    server = Server("--num-threads", "1")
+    try:
+        asyncio.run(send_all(server.url))
         with urllib.request.urlopen(f"{server.url}/v1/admin/steps", timeout=30) as resp:
             records = json.loads(resp.read())["data"]
     finally:
