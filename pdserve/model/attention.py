@@ -83,8 +83,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         backend.decode(q, k_cache, v_cache, meta, scale, layer, out)
-    for chunk in meta.prefills:
-        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        own = None if exact is None else (exact[0][rows], exact[1][rows])
-        out[rows] = backend.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, meta, chunk, scale, layer, own)
+    if meta.prefills:
+        backend.prefills(q, k, v, k_cache, v_cache, meta, scale, layer, exact, out)
     return out

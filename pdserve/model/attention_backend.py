@@ -91,3 +91,11 @@ class AttentionBackend(Protocol):
         """One prefill chunk: q [q_len, H, D], its own k, v [q_len, Hkv, D] (already in the cache), causal over
         the chunk's earlier context -> [q_len, H * D]. `exact`: its k and v as a residual window holds them."""
         ...
+
+    def prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: int,
+                 exact: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Every prefill chunk of the step (`meta.prefills`), q, k, v the whole step's ([T, H(kv), D]) -> written
+        into their rows of out ([T, H * D]). The torch reference runs `prefill` chunk by chunk; a backend may
+        run several chunks in one call."""
+        ...

@@ -56,6 +56,14 @@ class TorchAttention:
         own = None if exact is None else (*exact, meta.residual, layer)
         return prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, cold, meta.codec, own)
 
+    def prefills(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, layer: int, exact,
+                 out, chunks: tuple[PrefillChunk, ...] | None = None) -> None:
+        """`prefill`, one chunk at a time, for `chunks` (default: all of the step's)."""
+        for chunk in meta.prefills if chunks is None else chunks:
+            rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+            own = None if exact is None else (exact[0][rows], exact[1][rows])
+            out[rows] = self.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, meta, chunk, scale, layer, own)
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_rows: torch.Tensor) -> None:
