@@ -5,7 +5,7 @@ extend: `bench_kv_tiers.select_trace`).
 
     .venv/bin/python benchmarks/fidelity_conversations.py [--window 300] [--output bench_results/conversations.jsonl]
     .venv/bin/python benchmarks/bench_fidelity.py --workload mooncake:bench_results/conversations.jsonl \\
-        --length-scale 0.0625 --max-requests 41 --num-kv-blocks 256 --kv-host-gb 0.5 --output bench_results/fidelity_mc
+        --length-scale 0.03125 --max-requests 41 --num-kv-blocks 256 --kv-host-gb 0.5 --output bench_results/fidelity_mc
 """
 
 from __future__ import annotations
