@@ -130,7 +130,10 @@ class SimConductor(EngineHooks):
 
     def _serial(self, loop: str, at_s: float) -> float:
         """When a serial loop (the gateway's `intake`, a decode engine's take-in of landed KV) takes a message
-        that reaches it at `at_s`: then, or `control_s` after the message it took before."""
+        that reaches it at `at_s`: then, or `control_s` after the message it took before (no control latency:
+        then, whatever came before)."""
+        if not self.control_s:
+            return at_s
         at = max(at_s, self._free_s.get(loop, at_s))
         self._free_s[loop] = at + self.control_s
         return at
