@@ -158,3 +158,16 @@ def test_a_model_written_before_the_prefix_term_loads_with_none():
     assert shape.prefill_prefix == 512 and model.step_time(shape) == pytest.approx(0.01 + 0.032 + 256e-7)
     with pytest.raises(InvalidRequestError, match="decode"):
         FittedTimeModel.from_json(json.dumps({**old, "decode": {**old["decode"], "d": 1e-6}}))
+
+
+def test_a_negative_prefix_term_is_refitted_as_none():
+    """Two noisy steps over a prefix that ran faster than tokens alone predict: the term is 0, not negative (a
+    simulated chunk over a cached prefix never gets faster), and the rest is the fit without it."""
+    rows = [{"prefill_tokens": n, "prefill_sq": n * n, "decode_seqs": 0, "decode_context": 0,
+             "seconds": 0.01 + 0.001 * n} for n in (16, 32, 64, 128, 256)]
+    rows += [{**rows[2], "prefill_prefix": 64 * 512, "seconds": 0.05}, {**rows[3], "prefill_prefix": 128 * 256,
+                                                                        "seconds": 0.1}]
+    rows += [{"prefill_tokens": 0, "prefill_sq": 0, "decode_seqs": b, "decode_context": 100 * b,
+              "seconds": 0.02 + 0.001 * b} for b in (1, 2, 4, 8)]
+    model = fit_from_steps(rows)
+    assert model.prefill.d == 0.0 and model.prefill.a > 0 and model.prefill.b > 0

@@ -231,14 +231,18 @@ def fit_time_model(samples: list[tuple[StepShape, float]], meta: dict | None = N
     steps are ignored); each side needs at least three samples. Least squares on seconds, or with `relative` on
     errors relative to the predicted time (`_relative_fit`): short steps count as much as long ones. The
     prefix term is fitted from the steps' `prefill_prefix`; with none among them it is 0 (minimum-norm
-    least squares of an all-zero column), the other terms as a fit without it."""
+    least squares of an all-zero column), the other terms as a fit without it; fitted below 0 (a few noisy
+    steps) it is refitted as 0."""
     pre = [(s, t) for s, t in samples if s.prefill_tokens and not s.decode_seqs]
     dec = [(s, t) for s, t in samples if s.decode_seqs and not s.prefill_tokens]
     if len(pre) < 3 or len(dec) < 3:
         raise InvalidRequestError("need at least 3 pure prefill and 3 pure decode steps to fit")
     solve = _relative_fit if relative else (lambda x, t: np.linalg.lstsq(x, t, rcond=None)[0])
-    cp = solve(np.array([prefill_terms(s.prefill_tokens, s.prefill_sq, s.prefill_prefix) for s, _ in pre]),
-               np.array([t for _, t in pre]))
+    x, t = np.array([prefill_terms(s.prefill_tokens, s.prefill_sq, s.prefill_prefix) for s, _ in pre]), \
+        np.array([t for _, t in pre])
+    cp = solve(x, t)
+    if cp[3] < 0:  # attention over cached KV takes time: a negative share (a few noisy steps) is refitted as none
+        cp = np.append(solve(x[:, :3], t), 0.0)
     cd = solve(np.array([decode_terms(s.decode_context, s.decode_seqs) for s, _ in dec]), np.array([t for _, t in dec]))
     return FittedTimeModel(Coefficients(*map(float, cp)), Coefficients(*map(float, cd)), meta)
 
