@@ -73,7 +73,8 @@ class ClusterSpec:
     decode_budget: int = 2048  # of decode and colocated engines
     routing: str = shared(RoutingSettings, "routing")
     link_latency_s: float = 20e-6
-    control_latency_s: float = 0.0  # each gateway <-> worker message (command, reply, token event)
+    control_latency_s: float = 0.0  # each gateway <-> worker message (command, reply, token event); a burst's
+    # requests (gateway intake) and landings (a decode engine's take-in) this far apart (`pdserve.sim.conductor`)
     host_kv_gb: float = SIM_KV_TIERS.kv_host_gb  # --kv-host-gb: host KV tier per engine, GiB (0: none)
     disk_kv_gb: float = SIM_KV_TIERS.kv_disk_gb  # --kv-disk-gb: disk KV tier per engine (0: none; needs a host tier)
     kv_eviction_policy: str = shared(KvTierSettings, "kv_eviction_policy")  # in every tier
