@@ -262,7 +262,7 @@ class SimConductor(EngineHooks):
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
             shape = StepShape.of(scheduled)
             self._core("worker_steps", engine.name, [(shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,
-                                                      shape.decode_context, duration_s)],
+                                                      shape.decode_context, duration_s, shape.prefill_prefix)],
                        engine.scheduler.step_budget.last_cap)
         if engine.role == "prefill":
             for chunk in scheduled.chunks:
