@@ -53,6 +53,7 @@ def test_profile_from_a_running_server(tmp_path):
                                       max_tokens=6, extra_body={"ignore_eos": True})
         counts = wait_for(lambda: _served(server), lambda c: min(c.values()) >= 6, timeout_s=30)
         assert min(counts.values()) >= 6, counts
+        _check_a_reused_prefix_is_reported(server, client)
         _check_steps_cover_the_tokens(server, client)
         records = _steps(server).json()["data"]
         assert {(r["worker"], r["role"]) for r in records} == {("prefill-0", "prefill"), ("decode-0", "decode")}
@@ -77,6 +78,21 @@ def test_profile_from_a_running_server(tmp_path):
 def _decode_rows(server: Server) -> list[dict]:
     return [r for r in _steps(server).json()["data"] if r["source"] == "served" and r["worker"] == "decode-0"
             and r["decode_seqs"] > 0]
+
+
+def _check_a_reused_prefix_is_reported(server: Server, client: openai.OpenAI) -> None:
+    """A prompt that extends one served before (64 tokens, 4 blocks): its prefill step computes the new tokens
+    after the cached ones, and reports them times that prefix (`prefill_prefix`: the fit's cached-KV term)."""
+    head = [5000 + i for i in range(64)]
+    for prompt in (head, head + [6000 + i for i in range(32)]):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+
+    def over_a_prefix() -> list[dict]:
+        return [r for r in _steps(server).json()["data"] if r["source"] == "served" and r["worker"] == "prefill-0"
+                and r.get("prefill_prefix")]
+    rows = wait_for(over_a_prefix, lambda r: len(r) >= 1, timeout_s=30)
+    assert len(rows) == 1 and 32 <= rows[0]["prefill_tokens"] <= 48, rows  # (the last cached block may be redone)
+    assert rows[0]["prefill_prefix"] == rows[0]["prefill_tokens"] * (96 - rows[0]["prefill_tokens"]), rows
 
 
 def _check_steps_cover_the_tokens(server: Server, client: openai.OpenAI, n: int = 48, prompt: int = 200) -> None:
