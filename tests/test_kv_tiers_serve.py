@@ -42,12 +42,20 @@ def _hits(server: Server, tier: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[str]:
-    server = Server("--kv-host-gb", "0", "--num-kv-blocks", "512")
-    try:
-        return [_complete(server, p)[0] for p in PROMPTS + AGAIN]
-    finally:
-        server.stop()
+def plain_llm():
+    """One engine in this process whose device pool holds every prompt here, no tiers: the reference (a server's
+    greedy answers equal the engine's: tests/test_serve.py; one model load, not a server started for it)."""
+    from pdserve import LLM
+    llm = LLM(num_kv_blocks=600, kv_host_gb=0)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def reference(plain_llm) -> list[str]:
+    from pdserve import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=6)  # as `_complete` asks, one prompt at a time
+    return [plain_llm.generate(p, params)[0].text for p in PROMPTS + AGAIN]
 
 
 def test_host_then_disk_after_restart_then_corrupt_file(tmp_path: Path, reference):
@@ -162,9 +170,9 @@ LONG = "Ledger of the mill. " + " ".join(f"Line {i}: the river carried stone num
 
 
 @pytest.fixture(scope="module")
-def long_reference():
-    from pdserve import LLM, SamplingParams
-    return LLM(num_kv_blocks=600, kv_host_gb=0).generate(LONG, SamplingParams(temperature=0, max_tokens=8))[0]
+def long_reference(plain_llm):
+    from pdserve import SamplingParams
+    return plain_llm.generate(LONG, SamplingParams(temperature=0, max_tokens=8))[0]
 
 
 @pytest.mark.parametrize("mode", [pytest.param("colocated", marks=pytest.mark.extended), "pd"])
@@ -187,14 +195,14 @@ def test_a_context_four_times_the_device_pool_matches_the_reference(long_referen
         server.stop()
 
 
-def test_a_long_decode_slides_its_own_blocks_out_of_the_hot_window_before_their_write_through_unit():
+def test_a_long_decode_slides_its_own_blocks_out_of_the_hot_window_before_their_write_through_unit(plain_llm):
     """In process: a 64-token hot window (4 blocks) and a decode of 100 tokens. Decode blocks go to host in
     256-token units, so the window passes blocks not yet handed over: they are handed over and waited for,
     then leave the device (no overflow past the window), and the tokens match a pool that holds it all."""
     from pdserve import LLM, SamplingParams
     prompt, params = "The history of the city is long and full of surprises. " * 3, \
         SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    ref = LLM(num_kv_blocks=600, kv_host_gb=0).generate(prompt, params)[0]
+    ref = plain_llm.generate(prompt, params)[0]
     llm = LLM(num_kv_blocks=600, kv_host_gb=0.05, kv_hot_window_tokens=64)
     assert llm.engine.block_manager.offload_unit > llm.engine.scheduler.window.window
     out = llm.generate(prompt, params)[0]
