@@ -8,7 +8,8 @@ each row count on three paths: the compiled GEMM kernel (`kernels.gemm`, when th
 packed sgemm (`torch.ops.mkl._mkl_linear`) and `F.linear`. The paths alternate within each repeat, so a
 noisy neighbour slows all three alike; medians are printed, with the fastest path per row count and the
 range of row counts where the kernel wins. `--quant`: also the quantized-weight paths (`pdserve.model.quant`: the
-q8_0 and q4_1 kernels, and dequantize + F.linear as prefill runs them), the evidence for `quant.KERNEL_ROWS`.
+q8_0 and q4_1 kernels, dequantize + F.linear as prefill runs them, and where the CPU has VNNI q8_0 on int8 rows),
+the evidence for `quant.KERNEL_ROWS` and `quant.I8_ROWS`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def quant_paths(weights: list[torch.Tensor]) -> dict[str, list]:
     from pdserve.model import quant
     q8 = [quant.QuantLinear(quant.quantize(w, "q8_0")) for w in weights]
     q4 = [quant.QuantLinear(quant.quantize(w, "q4_1")) for w in weights]
-    return {"q8_0": q8, "q4_1": q4, "q8_0_deq": q8, "q4_1_deq": q4}
+    paths = {"q8_0": q8, "q4_1": q4, "q8_0_deq": q8, "q4_1_deq": q4}
+    if kernels.qgemm_i8_isa() != "none":
+        paths["q8_0_i8"] = q8  # int8 rows (VNNI): the evidence for quant.I8_ROWS
+    return paths
 
 
 def one_pass(path: str, packed: list, xs: dict[int, torch.Tensor]) -> float:
@@ -50,6 +54,8 @@ def one_pass(path: str, packed: list, xs: dict[int, torch.Tensor]) -> float:
     for p in packed:
         if path in ("q8_0", "q4_1"):
             kernels.qgemm(xs[p.k], p.panels, quant.KINDS[p.kind], p.n, p.k)
+        elif path == "q8_0_i8":
+            kernels.qgemm(xs[p.k], p.panels, kernels.FMT_Q8_0_I8, p.n, p.k)
         elif path.endswith("_deq"):
             F.linear(xs[p.k], p.weight())
         elif path == "kernel":

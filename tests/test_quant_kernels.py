@@ -155,3 +155,105 @@ def test_blocks_kept_in_a_huge_page_arena_compute_the_same():
     lin, held = quant.QuantLinear(b), quant.QuantLinear(b, arena=arena)
     assert held.panels.data_ptr() != lin.panels.data_ptr() and torch.equal(held.panels, lin.panels)
     assert torch.equal(held(x), lin(x))
+
+
+def int8_rows_reference(x: torch.Tensor, b: quant.QBlocks) -> torch.Tensor:
+    """Q8_0 blocks times rows quantized to int8 per block of 32 as ggml's quantize_row_q8_0 rounds them (fp32
+    scale d = max|x| / 127, x / d rounded half away from zero): exact integer sums per block (in float64), scaled
+    by both blocks' scales, summed over the blocks."""
+    xb = x.reshape(x.shape[0], -1, quant.QK)
+    d = xb.abs().amax(-1) / 127
+    v = xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)).unsqueeze(-1)
+    q = v.sign() * (v.abs() + 0.5).floor()
+    sums = torch.einsum("mbk,nbk->mnb", q.double(), b.q.double())  # |sum| <= 32 * 127 * 128: exact
+    return (sums * d.double().unsqueeze(1) * b.d.double().unsqueeze(0)).sum(-1)
+
+
+needs_i8 = pytest.mark.skipif(kernels.qgemm_i8_isa() == "none", reason="no VNNI int8-row kernel on this host")
+
+
+def test_the_int8_row_kernel_is_the_hosts():
+    """AVX-512 VNNI + VBMI, else AVX-VNNI, else none (the fp32-row kernel serves every row count: a decision)."""
+    flags, cflags = cpu_flags(), os.environ.get("PDSERVE_KERNEL_CFLAGS", "")
+    avx512 = kernels.qgemm_isa() == "avx512"
+    expected = ("avx512" if avx512 and {"avx512_vnni", "avx512vbmi"} <= flags else
+                "avx2" if kernels.qgemm_isa() != "none" and "avx_vnni" in flags and "-mno-avxvnni" not in cflags
+                else "none")
+    assert kernels.qgemm_i8_isa() == expected
+
+
+@needs_i8
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 15, 16, 17, 33, 64])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 64), (200, 576), (96, 1536)])
+def test_int8_row_kernel_matches_the_int8_reference(rows, n, k):
+    b = random_blocks("q8_0", n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)) * 3
+    x[0, :32] = 0.0  # an all-zero block of a row (d = 0)
+    x[-1, 32 % k:32 % k + 5] = torch.tensor([500.0, -499.0, 1.0, -1.0, 0.01])  # an outlier in a block
+    ref = int8_rows_reference(x, b)
+    scale = (x.abs() @ b.dequantize().abs().T).double()  # the size of the terms: fp32 summation error bound
+    got = kernels.qgemm(x, quant.pack(b), kernels.FMT_Q8_0_I8, n, k).double()
+    assert ((got - ref).abs() <= 1e-6 * scale + 1e-6).all(), (got - ref).abs().max()
+    wide = torch.randn(rows, 2 * k)[:, :k]  # a row stride wider than k
+    got = kernels.qgemm(wide, quant.pack(b), kernels.FMT_Q8_0_I8, n, k).double()
+    assert ((got - int8_rows_reference(wide, b)).abs() <= 1e-6 * (wide.abs() @ b.dequantize().abs().T) + 1e-6).all()
+
+
+@needs_i8
+def test_quant_linear_runs_int8_rows_where_the_rule_says():
+    """Q8_0 linears take the int8-row kernel for the row counts of quant.I8_ROWS (counted as *_i8), the fp32-row
+    kernel elsewhere; q4_1 never."""
+    lo, hi = quant.I8_ROWS[kernels.qgemm_i8_isa()]
+    b = random_blocks("q8_0", 70, 128)
+    lin, q4 = quant.QuantLinear(b), quant.QuantLinear(random_blocks("q4_1", 70, 128))
+    assert q4.kernel_format(lo) == quant.KINDS["q4_1"]
+    for rows in (lo - 1, lo, hi, hi + 1):
+        x = torch.randn(rows, 128)
+        i8 = lo <= rows <= hi and rows <= lin.max_rows
+        path = f"q8_0_{lin.isa}_i8" if i8 else f"q8_0_{lin.isa}" if rows <= lin.max_rows else "q8_0_dequant"
+        before = kernels.paths_used().get("gemm", {}).get(path, 0)
+        ref = int8_rows_reference(x, b).float() if i8 else x @ b.dequantize().T
+        torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
+        assert kernels.paths_used()["gemm"][path] == before + 1
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory, default_model_dir):
+    from conftest import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), default_model_dir, arch="qwen2")
+
+
+@pytest.mark.parametrize("weights,arch,batch", [("q8_0", "llama", 3), ("q4", "llama", 3), ("q8_0", "qwen2", 3),
+                                                ("q8_0", "llama", 17), ("q8_0", "qwen2", 17)])
+def test_the_fused_decode_step_is_the_layer_by_layer_step(request, weights, arch, batch):
+    """A decode step in one compiled call (pdserve.model.fused_decode) gives the logits of the same step run layer
+    by layer, bit for bit (17 rows: Q8_0 on int8 rows where this host has them; qwen2: q/k/v biases), and counts
+    its parts as that would."""
+    from pdserve import LLM, SamplingParams
+    model_dir = request.getfixturevalue("tiny_llama_dir" if arch == "llama" else "tiny_qwen2_dir")
+    llm = LLM(str(model_dir), weights=weights, num_threads=2, enable_prefix_caching=False)
+    model = llm.engine.executor.model
+    assert model.fused is not None
+    logits, head = [], model.logits
+    model.logits = lambda h: logits.append(head(h)) or logits[-1]
+    prompts = [f"{i} is a number, and so" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    fused = model.fused
+    runs = []
+    for on in (True, False):
+        model.fused = fused if on else None
+        logits.clear()
+        before = kernels.paths_used()
+        tokens = [list(o.token_ids) for o in llm.generate(prompts, params)]
+        after = kernels.paths_used()
+        runs.append((tokens, list(logits), {p: n - before.get(part, {}).get(p, 0)
+                                            for part in after for p, n in after[part].items() if part == "gemm"},
+                     after.get("decode_step", {}).get("fused", 0) - before.get("decode_step", {}).get("fused", 0)))
+    (tokens, fused_logits, fused_gemm, steps), (ref_tokens, ref_logits, ref_gemm, ref_steps) = runs
+    assert steps == 5 and ref_steps == 0  # (the first token comes from the prefill step)
+    assert tokens == ref_tokens
+    assert len(fused_logits) == len(ref_logits) == 6
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, ref_logits))
+    assert fused_gemm == ref_gemm
+    if batch >= 16 and kernels.qgemm_i8_isa() != "none" and weights == "q8_0":
+        assert fused_gemm.get(f"q8_0_{kernels.qgemm_isa()}_i8", 0) >= 5 * 4 * 2

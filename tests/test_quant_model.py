@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from test_quant_kernels import int8_rows_reference
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import model_executor
@@ -49,8 +51,15 @@ def reference_tokens(monkeypatch, model: str | None, kind: str | None, head_kind
             return generate(llm)
 
 
+@pytest.fixture
+def fp32_rows(monkeypatch):
+    """Q8_0 weights on fp32 rows at every row count (no int8-row kernel: quant.I8_ROWS empty), the arithmetic of
+    the dequantized fp32 model; int8 rows have their own reference (test_int8_rows_match_...)."""
+    monkeypatch.setattr(quant, "I8_ROWS", {})
+
+
 @pytest.mark.parametrize("weights,kind", [("q4", None), ("q8_0", "q8_0")])
-def test_default_model_matches_the_dequantized_reference(monkeypatch, weights, kind):
+def test_default_model_matches_the_dequantized_reference(monkeypatch, fp32_rows, weights, kind):
     """The embedded Q4_1 GGUF: q4 runs its own blocks (Q4_1 layers, the Q8_0 tied embedding as lm_head), whose
     dequantized values are the fp32 model's weights; q8_0 requantizes the Q4_1 layers and keeps the Q8_0 head."""
     llm = LLM(weights=weights, num_threads=2)
@@ -67,14 +76,57 @@ def test_default_model_matches_the_dequantized_reference(monkeypatch, weights, k
 
 @pytest.mark.parametrize("weights,kind", [("q4", "q4_1"), ("q8_0", "q8_0")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_hf_checkpoint_requantized_matches_the_reference(monkeypatch, tmp_path, default_model_dir, weights, kind,
-                                                         arch):
+def test_hf_checkpoint_requantized_matches_the_reference(monkeypatch, fp32_rows, tmp_path, default_model_dir, weights,
+                                                         kind, arch):
     """A Hugging Face fp32 checkpoint, requantized at load (qwen2: with q/k/v biases)."""
     from conftest import make_tiny_model
     model = str(make_tiny_model(tmp_path / arch, default_model_dir, arch=arch))
     llm = LLM(model, weights=weights, num_threads=2)
     assert llm.engine.executor.model.quant.sources == {f"{kind} requantized": 7 * 2 + 1}
     assert generate(llm) == reference_tokens(monkeypatch, model, kind, kind)
+
+
+def torch_quant_linear(self: quant.QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """QuantLinear in torch: int8 rows (the exact integer sums, scaled) where quant.I8_ROWS says, else fp32 rows
+    times the dequantized weight."""
+    lo, hi = self.i8_rows
+    if not lo <= x.shape[0] <= hi:
+        return F.linear(x, quant.unpack(self.panels, self.kind, self.n, self.k), self.bias)
+    p, blocks = self.panels.shape[0], self.k // quant.QK
+    d = self.panels[..., :quant.QW * 2].contiguous().view(torch.float16)  # [panels, blocks, QW]
+    q = self.panels[..., quant.QW * 2:].contiguous().view(torch.int8).reshape(p, blocks, quant.QK, quant.QW)
+    b = quant.QBlocks("q8_0", q.permute(0, 3, 1, 2).reshape(-1, blocks, quant.QK)[:self.n],
+                      d.permute(0, 2, 1).reshape(-1, blocks)[:self.n])
+    y = int8_rows_reference(x, b).float()
+    return y if self.bias is None else y + self.bias
+
+
+@pytest.mark.skipif(kernels.qgemm_i8_isa() == "none", reason="no VNNI int8-row kernel on this host")
+@pytest.mark.parametrize("arch", ["default", "qwen2"])
+def test_int8_rows_match_a_torch_reference_that_quantizes_rows_alike(monkeypatch, tmp_path, default_model_dir, arch):
+    """Q8_0 on int8 rows (the prefill of the three prompts, 16-128 rows: quant.I8_ROWS): each linear layer's output
+    in the model's own forward equals, within fp32 summation, a torch reference on the same input that quantizes the
+    rows alike (exact integer sums, scaled). (Not greedy tokens against a torch model: rounding to int8 is
+    discontinuous, so fp32-level differences elsewhere in a torch model change some rows' int8 values and, over 30
+    layers, a near-tie token; quality is measured instead: bench_weights_quality.py.)"""
+    from conftest import make_tiny_model
+    model = None if arch == "default" else str(make_tiny_model(tmp_path / arch, default_model_dir, arch=arch))
+    llm = LLM(model, weights="q8_0", num_threads=2, enable_prefix_caching=False)
+    kernel, checked = quant.QuantLinear.__call__, []
+
+    def compared(self, x):
+        y = kernel(self, x)
+        if self.kernel_format(x.shape[0]) == kernels.FMT_Q8_0_I8:
+            with kernels.disabled():
+                ref = torch_quant_linear(self, x)
+            bound = 1e-6 * (x.abs() @ quant.unpack(self.panels, self.kind, self.n, self.k).abs().T) + 1e-5
+            checked.append(bool(((y - ref).abs() <= bound).all()))
+        return y
+
+    monkeypatch.setattr(quant.QuantLinear, "__call__", compared)
+    generate(llm)
+    layers = llm.engine.executor.model.config.num_layers
+    assert len(checked) >= 4 * layers and all(checked)
 
 
 def test_auto_picks_the_measured_format_and_says_so(caplog):

@@ -15,6 +15,7 @@ from pdserve.errors import UnsupportedModelError
 from pdserve.model import kernels
 from pdserve.model.attention import AttentionMetadata, paged_attention, rope_write, select_backend
 from pdserve.model.config import ModelConfig
+from pdserve.model.fused_decode import FusedDecode
 from pdserve.model.hugepages import Arena
 from pdserve.model.linear import Linear, mkl_packing_available
 from pdserve.model.quant import QuantLoader
@@ -61,6 +62,7 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling_dict, dtype, device)
         get.check_all_used()
+        self.fused = None if quant is None else FusedDecode.build(self)  # decode steps in one compiled call
 
     def _load_layer(self, get: _WeightGetter, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -91,6 +93,9 @@ class LlamaModel:
         cfg = self.config
         x = self.embed[input_ids]
         cos, sin = self.rope.lookup(positions)
+        if self.fused is not None and self.fused.serves(meta, x.shape[0], layer_done):
+            self.fused.run(x, cos, sin, kv_caches, meta)
+            return rms_norm(x, self.norm, cfg.rms_norm_eps)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             # CPU fp32: compiled kernels for everything but the four matmuls (counted torch fallback else)
             h = kernels.add_rms_norm(x, None, layer.attn_norm, cfg.rms_norm_eps)

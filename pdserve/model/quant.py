@@ -37,6 +37,11 @@ KINDS = {"q8_0": 1, "q4_1": 2}  # block kinds -> the kernel's format ids
 # (524 vs 421 ms); the AVX2 build (-mno-avx512f, same host) was measured clean only up to 16 rows (q8_0 30 vs
 # 66 ms), so it keeps the fp32 kernel's safe 32.
 KERNEL_ROWS = {"avx512": 128, "avx2": 32}
+# Row counts (inclusive) at which Q8_0 weights multiply rows quantized to int8 per block of 32 (qgemm.c's
+# FMT_Q8_0_I8: VNNI integer dot products, as llama.cpp's Q8_0 x Q8_0; not bit-identical to fp32, measured within
+# the quality bound), per instruction set of that kernel (`kernels.qgemm_i8_isa()`); other row counts, and hosts
+# without VNNI (a decision), run the fp32-row kernel. PROVISIONAL: to be measured (bench_gemm.py --quant).
+I8_ROWS = {"avx512": (16, 128), "avx2": (16, 32)}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
 # (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
 # q4 and 18.4 for fp32; perplexity -0.2% against fp32 on the default model).
@@ -151,6 +156,12 @@ class QuantLinear:
         self.bias = bias
         self.isa = kernels.qgemm_isa()
         self.max_rows = KERNEL_ROWS.get(self.isa, 0)
+        self.i8_rows = i8_rows(self.kind)
+
+    def kernel_format(self, rows: int) -> int:
+        """The kernel format (qgemm.c) for a call of `rows` rows."""
+        lo, hi = self.i8_rows
+        return kernels.FMT_Q8_0_I8 if lo <= rows <= hi else KINDS[self.kind]
 
     @property
     def nbytes(self) -> int:
@@ -159,8 +170,9 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= self.max_rows and kernels.usable(x):
-            kernels.used("gemm", f"{self.kind}_{self.isa}")
-            y = kernels.qgemm(x, self.panels, KINDS[self.kind], self.n, self.k)
+            fmt = self.kernel_format(rows)
+            kernels.used("gemm", f"{self.kind}_{self.isa}{'_i8' if fmt == kernels.FMT_Q8_0_I8 else ''}")
+            y = kernels.qgemm(x, self.panels, fmt, self.n, self.k)
             return y if self.bias is None else y.add_(self.bias)
         kernels.used("gemm", f"{self.kind}_dequant")
         return F.linear(x, self.weight(_scratch(self.n * self.k)), self.bias)
@@ -172,6 +184,16 @@ class QuantLinear:
             return kernels.qdequant(self.panels, KINDS[self.kind], self.n, self.k, out)
         kernels.count_fallback("quantized weights dequantized in torch (kernels turned off or not built)")
         return unpack(self.panels, self.kind, self.n, self.k)
+
+
+def i8_rows(kind: str) -> tuple[int, int]:
+    """The row counts (inclusive) at which `kind` blocks run the int8-row kernel on this host ((1, 0): none)."""
+    isa = kernels.qgemm_i8_isa() if kind == "q8_0" else "none"
+    rows = I8_ROWS.get(isa, (1, 0))
+    if kind == "q8_0":
+        kernels.decide(f"Q8_0 weights: int8 rows ({isa} VNNI) for {rows[0]}-{rows[1]} rows, fp32 rows else"
+                       if isa != "none" else "Q8_0 weights: no VNNI on this CPU, fp32 rows at every row count")
+    return rows
 
 
 _SCRATCH = [torch.empty(0)]

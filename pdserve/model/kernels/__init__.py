@@ -120,9 +120,9 @@ def decide(what: str) -> None:
         log.info("pdserve kernels: %s", what)
 
 
-def used(part: str, path: str) -> None:
-    """Counts one call of `part` (gemm, attention, ...) on `path` (kernel name, mkl, torch)."""
-    _paths[part, path] += 1
+def used(part: str, path: str, calls: int = 1) -> None:
+    """Counts `calls` calls of `part` (gemm, attention, ...) on `path` (kernel name, mkl, torch)."""
+    _paths[part, path] += calls
 
 
 def paths_used() -> dict[str, dict[str, int]]:
@@ -290,12 +290,35 @@ def qgemm_isa() -> str:
     return {512: "avx512", 2: "avx2"}.get(lib.pd_qgemm_isa(), "none") if lib is not None else "none"
 
 
+def qgemm_i8_isa() -> str:
+    """The instruction set of qgemm.c's int8-row kernel for Q8_0 weights (FMT_Q8_0_I8) on this host: "avx512"
+    (AVX-512 VNNI + VBMI), "avx2" (AVX-VNNI) or "none" (no VNNI: the fp32-row kernel serves every row count)."""
+    lib = None if _disabled else _library()
+    return {512: "avx512", 2: "avx2"}.get(lib.pd_qgemm_i8_isa(), "none") if lib is not None else "none"
+
+
+FMT_Q8_0_I8 = 3  # qgemm.c: Q8_0 weights times rows quantized to int8 per block of 32
+
+
+def qscratch(rows: int, k: int) -> torch.Tensor:
+    """Scratch bytes for FMT_Q8_0_I8 on `rows` rows of `k` (the rows' int8 values and scales)."""
+    return torch.empty(_lib.pd_qscratch_bytes(rows, k), dtype=torch.uint8)
+
+
 def qgemm(x: torch.Tensor, panels: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
-    """x: [M, K] fp32 CPU, unit column stride -> x @ W^T: [M, N], W the quantized `panels` (pdserve.model.quant).
-    Callers check `usable(x)` first."""
+    """x: [M, K] fp32 CPU, unit column stride -> x @ W^T: [M, N], W the quantized `panels` (pdserve.model.quant);
+    fmt FMT_Q8_0_I8 quantizes x's rows to int8 first (callers check `qgemm_i8_isa()`). Callers check `usable(x)`
+    first."""
     y = x.new_empty(x.shape[0], n)
-    _lib.pd_qgemm(fmt, x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+    scratch = qscratch(x.shape[0], k) if fmt == FMT_Q8_0_I8 else None
+    _lib.pd_qgemm(fmt, x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
+                  _ptr(scratch))
     return y
+
+
+def qdecode_forward(layers, num_layers: int, step) -> None:
+    """Kernel only: pd_qdecode_forward (kernels.c) on ctypes structures built by `pdserve.model.fused_decode`."""
+    _lib.pd_qdecode_forward(ctypes.byref(layers), num_layers, ctypes.byref(step))
 
 
 def qdequant(panels: torch.Tensor, fmt: int, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,7 +33,8 @@ SIGNATURES = {
     "pd_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "pd_gemm_pack": [_P, _P, _I, _I],
     "pd_gemm": [_P, _I64, _P, _P, _I, _I, _I],
-    "pd_qgemm": [_I, _P, _I64, _P, _P, _I, _I, _I],
+    "pd_qgemm": [_I, _P, _I64, _P, _P, _I, _I, _I, _P],
+    "pd_qdecode_forward": [_P, _I, _P],
     "pd_qdequant": [_I, _P, _P, _I, _I],
     "pd_kv_encode": [_I, _P, _I64, _I, _P, _P, _I, _P],
     "pd_decode_attention_coded": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I64],
@@ -46,8 +47,9 @@ def load() -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("pd_gemm_panel_width", "pd_gemm_isa", "pd_qgemm_isa"):
+    for name in ("pd_gemm_panel_width", "pd_gemm_isa", "pd_qgemm_isa", "pd_qgemm_i8_isa"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [], ctypes.c_int
     lib.pd_qblock_bytes.argtypes, lib.pd_qblock_bytes.restype = [_I], ctypes.c_int
+    lib.pd_qscratch_bytes.argtypes, lib.pd_qscratch_bytes.restype = [_I, _I], ctypes.c_int64
     return lib

@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define QK 32
@@ -208,21 +209,206 @@ static void qtile_any(int fmt, const float *x, int64_t ldx, const uint8_t *panel
 }
 #endif
 
-/* x: [m, k] (row stride ldx, k a multiple of QK), wp: packed panels of format fmt, y: [m, n] contiguous. Each
+/* ---- Q8_0 weights x int8 rows (FMT_Q8_0_I8): the integer dot products of llama.cpp's Q8_0 x Q8_0 ----------
+ * Each row of x is quantized per block of QK as ggml's quantize_row_q8_0 does (d = max|x| / 127, q = x / d
+ * rounded half away from zero) but with an fp32 scale; then per block and column the exact int32 sum of
+ * q_x * q_w (vpdpbusd: the weights made unsigned by + 128, so the row's 128 * sum(q_x) is taken back off), and
+ * y += (d_w * d_x) * sum in fp32, block by block. Not the fp32 model's arithmetic: tested against a torch
+ * reference that quantizes the rows the same way. The weight blocks are the same as FMT_Q8_0's: the 4 k x 16
+ * columns of bytes that one vpdpbusd takes are transposed into column-major order in registers. */
+#define FMT_Q8_0_I8 3
+#if QGEMM_ISA == 512 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define QGEMM_I8 512
+#elif QGEMM_ISA && defined(__AVXVNNI__)
+#define QGEMM_I8 2
+#else
+#define QGEMM_I8 0
+#endif
+
+/* Which int8-row kernel this build has: 512 (AVX-512 VNNI + VBMI), 2 (AVX-VNNI) or 0 (none: FMT_Q8_0 only). */
+int pd_qgemm_i8_isa(void) { return QGEMM_I8; }
+
+/* Bytes of scratch the int8-row kernel needs for m rows of k: the rows' int8 values, then per row and block
+ * an fp32 scale and an int32 128 * sum. */
+int64_t pd_qscratch_bytes(int m, int k) { return (int64_t)m * k + (int64_t)m * (k / QK) * 8 + 64; }
+
+/* Rows of x -> int8 q [m, k], d [m, k / QK] fp32, off [m, k / QK] = 128 * sum of the block's q. */
+static void quantize_rows_for(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, int32_t *off) {
+    int blocks = k / QK;
+#pragma omp for schedule(static)
+    for (int r = 0; r < m; r++)
+        for (int b = 0; b < blocks; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            int8_t *qb = q + (int64_t)r * k + b * QK;
+            float amax = 0.f;
+            for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+            int32_t sum = 0;
+            for (int i = 0; i < QK; i++) {
+                float v = xb[i] * id;
+                int iv = (int)floorf(fabsf(v) + 0.5f);
+                qb[i] = (int8_t)(v < 0.f ? -iv : iv);
+                sum += qb[i];
+            }
+            d[(int64_t)r * blocks + b] = db;
+            off[(int64_t)r * blocks + b] = 128 * sum;
+        }
+}
+
+#if QGEMM_I8 == 512
+#define MR8 16
+static inline __attribute__((always_inline)) void qtile_i8(const int8_t *q, const float *xd, const int32_t *off,
+                                                           int k, const uint8_t *panel, int blocks, int m, float *y,
+                                                           int64_t ldy, int cols) {
+    __m512 acc[MR8];
+    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    /* byte 4 c + j of a group <- byte 16 j + c: column c's 4 k together */
+    const __m512i perm = _mm512_set_epi8(
+        63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26, 10,
+        57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
+        51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + (int64_t)b * (QW * 2 + QK * QW);
+        __builtin_prefetch(blk + 4096), __builtin_prefetch(blk + 4096 + 64), __builtin_prefetch(blk + 4096 + 128);
+        __builtin_prefetch(blk + 4096 + 192), __builtin_prefetch(blk + 4096 + 256);
+        __builtin_prefetch(blk + 4096 + 320), __builtin_prefetch(blk + 4096 + 384);
+        __builtin_prefetch(blk + 4096 + 448), __builtin_prefetch(blk + 4096 + 512);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512i w[QK / 4];
+        for (int g = 0; g < QK / 4; g++)
+            w[g] = _mm512_xor_si512(_mm512_permutexvar_epi8(
+                perm, _mm512_loadu_si512((const void *)(blk + QW * 2 + g * 64))), flip);
+        for (int r = 0; r < m; r++) {
+            const int32_t *xq = (const int32_t *)(q + (int64_t)r * k + b * QK);
+            __m512i s = _mm512_setzero_si512();
+            for (int g = 0; g < QK / 4; g++) s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(xq[g]));
+            s = _mm512_sub_epi32(s, _mm512_set1_epi32(off[(int64_t)r * blocks + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xd[(int64_t)r * blocks + b])),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        float tmp[QW];
+        _mm512_storeu_ps(tmp, acc[r]);
+        memcpy(y + r * ldy, tmp, cols * sizeof(float));
+    }
+}
+#define QTILE_I8_CASE(M) case M: qtile_i8(q, xd, off, k, panel, blocks, M, y, ldy, cols); break;
+static void qtile_i8_any(const int8_t *q, const float *xd, const int32_t *off, int k, const uint8_t *panel,
+                         int blocks, int m, float *y, int64_t ldy, int cols) {
+    switch (m) {
+        QTILE_I8_CASE(1) QTILE_I8_CASE(2) QTILE_I8_CASE(3) QTILE_I8_CASE(4) QTILE_I8_CASE(5) QTILE_I8_CASE(6)
+        QTILE_I8_CASE(7) QTILE_I8_CASE(8) QTILE_I8_CASE(9) QTILE_I8_CASE(10) QTILE_I8_CASE(11) QTILE_I8_CASE(12)
+        QTILE_I8_CASE(13) QTILE_I8_CASE(14) QTILE_I8_CASE(15) QTILE_I8_CASE(16)
+    }
+}
+#elif QGEMM_I8 == 2
+#define MR8 4
+/* 4 k x 16 columns (bytes 16 j + c) -> two registers of 8 columns x 4 k, made unsigned (+ 128). */
+static inline __attribute__((always_inline)) void transpose_group(const uint8_t *g, __m256i *lo, __m256i *hi) {
+    __m128i r0 = _mm_loadu_si128((const __m128i *)g), r1 = _mm_loadu_si128((const __m128i *)(g + 16));
+    __m128i r2 = _mm_loadu_si128((const __m128i *)(g + 32)), r3 = _mm_loadu_si128((const __m128i *)(g + 48));
+    __m128i a = _mm_unpacklo_epi8(r0, r1), b = _mm_unpackhi_epi8(r0, r1);
+    __m128i c = _mm_unpacklo_epi8(r2, r3), e = _mm_unpackhi_epi8(r2, r3);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    *lo = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)), flip);
+    *hi = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi16(b, e), _mm_unpacklo_epi16(b, e)), flip);
+}
+
+#define I8_ACC_DECL(r) __m256 f##r##0 = _mm256_setzero_ps(), f##r##1 = _mm256_setzero_ps();
+#define I8_ROW(r) \
+    if (m > r) { \
+        const int32_t *xq = (const int32_t *)(q + (int64_t)r * k + b * QK); \
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); \
+        for (int g = 0; g < QK / 4; g++) { \
+            __m256i bc = _mm256_set1_epi32(xq[g]); \
+            s0 = _mm256_dpbusd_avx_epi32(s0, w[2 * g], bc); \
+            s1 = _mm256_dpbusd_avx_epi32(s1, w[2 * g + 1], bc); \
+        } \
+        __m256i o = _mm256_set1_epi32(off[(int64_t)r * blocks + b]); \
+        __m256 sx = _mm256_set1_ps(xd[(int64_t)r * blocks + b]); \
+        f##r##0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s0, o)), _mm256_mul_ps(d0, sx), f##r##0); \
+        f##r##1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1, o)), _mm256_mul_ps(d1, sx), f##r##1); \
+    }
+#define I8_STORE(r) \
+    if (m > r) { _mm256_storeu_ps(out + r * QW, f##r##0); _mm256_storeu_ps(out + r * QW + 8, f##r##1); }
+
+static inline __attribute__((always_inline)) void qtile_i8(const int8_t *q, const float *xd, const int32_t *off,
+                                                           int k, const uint8_t *panel, int blocks, int m, float *y,
+                                                           int64_t ldy, int cols) {
+    I8_ACC_DECL(0) I8_ACC_DECL(1) I8_ACC_DECL(2) I8_ACC_DECL(3)
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + (int64_t)b * (QW * 2 + QK * QW);
+        for (int i = 0; i < 9; i++) __builtin_prefetch(blk + 4096 + 64 * i);
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        __m256i w[QK / 2]; /* (the compiler keeps these in L1 when registers run out) */
+        for (int g = 0; g < QK / 4; g++) transpose_group(blk + QW * 2 + g * 64, &w[2 * g], &w[2 * g + 1]);
+        I8_ROW(0) I8_ROW(1) I8_ROW(2) I8_ROW(3)
+    }
+    float out[MR8 * QW];
+    I8_STORE(0) I8_STORE(1) I8_STORE(2) I8_STORE(3)
+    for (int r = 0; r < m; r++) memcpy(y + r * ldy, out + r * QW, cols * sizeof(float));
+}
+#define QTILE_I8_CASE(M) case M: qtile_i8(q, xd, off, k, panel, blocks, M, y, ldy, cols); break;
+static void qtile_i8_any(const int8_t *q, const float *xd, const int32_t *off, int k, const uint8_t *panel,
+                         int blocks, int m, float *y, int64_t ldy, int cols) {
+    switch (m) { QTILE_I8_CASE(1) QTILE_I8_CASE(2) QTILE_I8_CASE(3) QTILE_I8_CASE(4) }
+}
+#endif
+
+/* pd_qgemm's work for the threads of an enclosing parallel region (orphaned `omp for` loops, each ending in a
+ * barrier; serial outside one), y += bias when given. `scratch`: pd_qscratch_bytes(m, k) for FMT_Q8_0_I8. Each
  * thread streams a contiguous range of panels once; all row tiles use a panel while it is in cache. */
-void pd_qgemm(int fmt, const float *x, int64_t ldx, const uint8_t *wp, float *y, int m, int n, int k) {
+void pd_qgemm_for(int fmt, const float *x, int64_t ldx, const uint8_t *wp, float *y, int m, int n, int k,
+                  const float *bias, void *scratch) {
 #if QGEMM_ISA
     int64_t panels = (n + QW - 1) / QW;
-    int blocks = k / QK, bb = pd_qblock_bytes(fmt);
-#pragma omp parallel for schedule(static)
+    int blocks = k / QK, bb = pd_qblock_bytes(fmt == FMT_Q8_0_I8 ? FMT_Q8_0 : fmt);
+#if QGEMM_I8
+    int8_t *q = NULL;
+    float *xd = NULL;
+    int32_t *off = NULL;
+    if (fmt == FMT_Q8_0_I8) {
+        q = scratch;
+        xd = (float *)(((uintptr_t)(q + (int64_t)m * k) + 63) & ~(uintptr_t)63);
+        off = (int32_t *)(xd + (int64_t)m * blocks);
+        quantize_rows_for(x, ldx, m, k, q, xd, off);
+    }
+#else
+    (void)scratch;
+#endif
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         int cols = n - p * QW < QW ? (int)(n - p * QW) : QW;
         const uint8_t *panel = wp + p * blocks * bb;
-        for (int r0 = 0; r0 < m; r0 += MR)
-            qtile_any(fmt, x + r0 * ldx, ldx, panel, blocks, bb, m - r0 < MR ? m - r0 : MR,
-                      y + (int64_t)r0 * n + p * QW, n, cols);
+        for (int r0 = 0; r0 < m;) {
+#if QGEMM_I8
+            if (fmt == FMT_Q8_0_I8) {
+                int mr = m - r0 < MR8 ? m - r0 : MR8;
+                qtile_i8_any(q + (int64_t)r0 * k, xd + (int64_t)r0 * blocks, off + (int64_t)r0 * blocks, k, panel,
+                             blocks, mr, y + (int64_t)r0 * n + p * QW, n, cols);
+                r0 += mr;
+                continue;
+            }
+#endif
+            int mr = m - r0 < MR ? m - r0 : MR;
+            qtile_any(fmt, x + r0 * ldx, ldx, panel, blocks, bb, mr, y + (int64_t)r0 * n + p * QW, n, cols);
+            r0 += mr;
+        }
+        if (bias)
+            for (int r = 0; r < m; r++)
+                for (int c = 0; c < cols; c++) y[(int64_t)r * n + p * QW + c] += bias[p * QW + c];
     }
 #else
-    (void)fmt, (void)x, (void)ldx, (void)wp, (void)y, (void)m, (void)n, (void)k;
+    (void)fmt, (void)x, (void)ldx, (void)wp, (void)y, (void)m, (void)n, (void)k, (void)bias, (void)scratch;
 #endif
+}
+
+/* x: [m, k] (row stride ldx, k a multiple of QK), wp: packed panels of format fmt, y: [m, n] contiguous;
+ * scratch: pd_qscratch_bytes(m, k) for FMT_Q8_0_I8 (else unused). */
+void pd_qgemm(int fmt, const float *x, int64_t ldx, const uint8_t *wp, float *y, int m, int n, int k, void *scratch) {
+#pragma omp parallel
+    pd_qgemm_for(fmt, x, ldx, wp, y, m, n, k, NULL, scratch);
 }
