@@ -21,7 +21,10 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
+# PD in `make test`: its path is the longer one (prompt logprobs and the first token's computed on the prefill worker
+# and sent with the KV, the rest on the decode worker), through the same gateway formatting and the same engine
+# code a colocated worker runs; colocated (one server more, every test again) only in `make test-all`
+@pytest.fixture(scope="module", params=["pd", pytest.param("colocated", marks=pytest.mark.extended)])
 def server(request):
     server = Server("--mode", request.param)
     yield server
