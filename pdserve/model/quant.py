@@ -38,10 +38,13 @@ KINDS = {"q8_0": 1, "q4_1": 2}  # block kinds -> the kernel's format ids
 # 66 ms), so it keeps the fp32 kernel's safe 32.
 KERNEL_ROWS = {"avx512": 128, "avx2": 32}
 # Row counts (inclusive) at which Q8_0 weights multiply rows quantized to int8 per block of 32 (qgemm.c's
-# FMT_Q8_0_I8: VNNI integer dot products, as llama.cpp's Q8_0 x Q8_0; not bit-identical to fp32, measured within
-# the quality bound), per instruction set of that kernel (`kernels.qgemm_i8_isa()`); other row counts, and hosts
-# without VNNI (a decision), run the fp32-row kernel. PROVISIONAL: to be measured (bench_gemm.py --quant).
-I8_ROWS = {"avx512": (16, 128), "avx2": (16, 32)}
+# FMT_Q8_0_I8: VNNI integer dot products, as llama.cpp's Q8_0 x Q8_0; not bit-identical to fp32 rows, quality
+# measured: issue 43 in docs/benchmarks.md), per instruction set of that kernel (`kernels.qgemm_i8_isa()`); other
+# row counts, and hosts without VNNI (a decision), run the fp32-row kernel. Measured on the default model's 120
+# per-layer products (Intel Xeon, 1 thread, host load ~7, medians of 10, 2026-12-07; scratch script in the issue-43
+# helper report, rows 1-128): AVX-512 int8 rows vs fp32 rows 1.13x faster at 16 rows, 1.25x at 32-64, 1.29x at 128,
+# even or noise at 1-12; AVX2 build (-mno-avx512f, AVX-VNNI) 1.37x at 8, 1.40x at 16, 1.47x at 32, 0.92x at 1.
+I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32)}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
 # (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
 # q4 and 18.4 for fp32; perplexity -0.2% against fp32 on the default model).
