@@ -13,7 +13,10 @@ did. Then:
   token windows from its own Q4_1 computation, and its top-1 agreement with pdserve fp32.
 Targets: q8_0 within +0.5% of fp32's perplexity; q4 within llama.cpp's own figure.
 
-    .venv/bin/python benchmarks/bench_weights_quality.py [--formats fp32 q8_0 q4] [--windows 7]
+    .venv/bin/python benchmarks/bench_weights_quality.py [--formats fp32 q8_0 q4] [--windows 7] [--chunk 64]
+
+`--chunk N`: prefill in chunks of at most N tokens (server and engine: `--max-num-batched-tokens N`); with N within
+`quant.I8_ROWS` (16-128 on AVX-512 VNNI) q8_0 scores the text on int8 rows, the path of batch-16 decode steps.
 
 Writes bench_results/weights_quality.json and prints a table.
 """
@@ -37,8 +40,9 @@ from serve_proc import Server
 HERE = Path(__file__).resolve().parent
 
 
-def served(fmt: str, parts: list[list[int]], mode: str) -> list[list[float]]:
-    server = Server(["--mode", mode, "--weights", fmt], Path(f"bench_results/weights_quality_{fmt}_server.log"))
+def served(fmt: str, parts: list[list[int]], mode: str, chunk: int | None) -> list[list[float]]:
+    extra = [] if chunk is None else ["--max-num-batched-tokens", str(chunk)]
+    server = Server(["--mode", mode, "--weights", fmt, *extra], Path(f"bench_results/weights_quality_{fmt}_server.log"))
     try:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         return [served_logprobs(server.url, model, w) for w in parts]
@@ -46,10 +50,10 @@ def served(fmt: str, parts: list[list[int]], mode: str) -> list[list[float]]:
         server.stop()
 
 
-def engine(fmt: str, parts: list[list[int]]) -> tuple[list[list[float]], list[list[int]]]:
+def engine(fmt: str, parts: list[list[int]], chunk: int | None) -> tuple[list[list[float]], list[list[int]]]:
     """Each window's next-token logprobs and top-1 tokens under `fmt`, in this process."""
     from pdserve import LLM, SamplingParams
-    llm = LLM(weights=fmt)
+    llm = LLM(weights=fmt, **({} if chunk is None else {"max_num_batched_tokens": chunk}))
     outs = llm.generate(parts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     entries = [out.prompt_logprobs[1:] for out in outs]
     return [[e[0] for e in row] for row in entries], [[e[2][0][0] for e in row] for row in entries]
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--mode", default="colocated", choices=["pd", "colocated"])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=7)
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunks of at most this many tokens")
     ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
     ap.add_argument("--out", type=Path, default=Path("bench_results/weights_quality.json"))
     args = ap.parse_args()
@@ -93,8 +98,8 @@ def main() -> None:
     rows, top1 = {}, {}
     for fmt in args.formats:
         start = time.perf_counter()
-        lps_served = served(fmt, parts, args.mode)
-        lps_engine, top1[fmt] = engine(fmt, parts)
+        lps_served = served(fmt, parts, args.mode, args.chunk)
+        lps_engine, top1[fmt] = engine(fmt, parts, args.chunk)
         diff = max(abs(a - b) for s, r in zip(lps_served, lps_engine) for a, b in zip(s, r))
         rows[fmt] = {"perplexity": perplexity(lps_served), "perplexity_engine": perplexity(lps_engine),
                      "max_abs_logprob_diff_served_vs_engine": diff, "seconds": time.perf_counter() - start}
@@ -108,7 +113,7 @@ def main() -> None:
             row["perplexity_change"] = row["perplexity"] / base["perplexity"] - 1
             row["top1_agreement_vs_fp32"] = agreement(top1[name], top1["fp32"])
     result = {"text": TEXT.name, "window": args.window, "windows": len(parts),
-              "tokens_scored": sum(len(p) - 1 for p in parts), "mode": args.mode, "cpu": host_cpu(),
+              "tokens_scored": sum(len(p) - 1 for p in parts), "mode": args.mode, "chunk": args.chunk, "cpu": host_cpu(),
               "date": time.strftime("%Y-%m-%d"), "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
