@@ -257,3 +257,32 @@ def test_the_fused_decode_step_is_the_layer_by_layer_step(request, weights, arch
     assert fused_gemm == ref_gemm
     if batch >= 16 and kernels.qgemm_i8_isa() != "none" and weights == "q8_0":
         assert fused_gemm.get(f"q8_0_{kernels.qgemm_isa()}_i8", 0) >= 5 * 4 * 2
+
+
+def test_the_fused_step_keeps_one_scratch_for_every_batch_size(tiny_llama_dir):
+    """Batches that grow and shrink (3, 17, then a batch that finishes one sequence a step: 5 down to 1) give the
+    layer-by-layer logits bit for bit, and the fused step's scratch is one set sized to the most rows seen (a set
+    per batch size would grow by megabytes with every new size a server meets)."""
+    from pdserve import LLM, SamplingParams
+    llm = LLM(str(tiny_llama_dir), weights="q8_0", num_threads=2, enable_prefix_caching=False)
+    model = llm.engine.executor.model
+    fused, head, logits = model.fused, model.logits, []
+    model.logits = lambda h: logits.append(head(h)) or logits[-1]
+    batches = [[SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 3,
+               [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 17,
+               [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True) for i in range(5)]]
+    for params in batches:
+        prompts = [f"{i} is a number, and so" for i in range(len(params))]
+        runs = []
+        for on in (True, False):
+            model.fused = fused if on else None
+            logits.clear()
+            tokens = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            runs.append((tokens, list(logits)))
+        assert runs[0][0] == runs[1][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), len(params)
+    assert fused.capacity == 17 and all(h.shape[0] == 17 for h in fused.held[:-1])
+    # every step structure made since the buffers last grew points into them (none into freed ones)
+    assert set(fused.steps) == {17, 1, 2, 3, 4, 5}
+    assert all(step.h == fused.held[0].data_ptr() and step.qscratch == fused.held[-1].data_ptr()
+               for step in fused.steps.values())

@@ -61,7 +61,9 @@ class FusedDecode:
         self.num_layers = len(model.layers)
         self.layers_key: tuple | None = None
         self.layers = None
-        self.steps: dict[int, tuple[_QStep, list[torch.Tensor]]] = {}
+        self.steps: dict[int, _QStep] = {}
+        self.held: list[torch.Tensor] = []  # the scratch rows, for `capacity` rows
+        self.capacity = 0
 
     @staticmethod
     def build(model) -> FusedDecode | None:
@@ -112,20 +114,21 @@ class FusedDecode:
         return self.layers
 
     def _step(self, t: int) -> tuple[_QStep, list[torch.Tensor]]:
-        """The step structure for `t` rows with its scratch rows (made once per row count)."""
-        if t not in self.steps:
+        """The step structure for `t` rows (made once per row count) over one set of scratch rows shared by every
+        row count, grown to the most rows seen (the kernel lays out its first `t` rows: a bigger buffer serves)."""
+        if t > self.capacity:
             dm = self.dims
-            qkv_n = (dm["hq"] + 2 * dm["hkv"]) * dm["d"]
-            widths = dict(h=dm["hidden"], qkv=qkv_n, q=dm["hq"] * dm["d"], k=dm["hkv"] * dm["d"],
-                          attn=dm["hq"] * dm["d"], o=dm["hidden"], gu=2 * dm["inter"], act=dm["inter"],
-                          dn=dm["hidden"])
-            held = [torch.empty(t, widths[name]) for name in _SCRATCH]
-            held.append(kernels.qscratch(t, max(dm["hidden"], dm["inter"], dm["hq"] * dm["d"])))
-            cfg = self.model.config
-            step = _QStep(*([None] * 6), *(h.data_ptr() for h in held), t, dm["hidden"], dm["hq"], dm["hkv"],
-                          dm["d"], dm["inter"], 0, 0, 0, cfg.rms_norm_eps, self.model.scale)
-            self.steps[t] = (step, held)
-        return self.steps[t]
+            widths = dict(h=dm["hidden"], qkv=(dm["hq"] + 2 * dm["hkv"]) * dm["d"], q=dm["hq"] * dm["d"],
+                          k=dm["hkv"] * dm["d"], attn=dm["hq"] * dm["d"], o=dm["hidden"], gu=2 * dm["inter"],
+                          act=dm["inter"], dn=dm["hidden"])
+            self.held = [torch.empty(t, widths[name]) for name in _SCRATCH]
+            self.held.append(kernels.qscratch(t, max(dm["hidden"], dm["inter"], dm["hq"] * dm["d"])))
+            self.capacity, self.steps = t, {}  # structures of smaller row counts pointed into the old buffers
+        if t not in self.steps:
+            dm, cfg = self.dims, self.model.config
+            self.steps[t] = _QStep(*([None] * 6), *(h.data_ptr() for h in self.held), t, dm["hidden"], dm["hq"],
+                                   dm["hkv"], dm["d"], dm["inter"], 0, 0, 0, cfg.rms_norm_eps, self.model.scale)
+        return self.steps[t], self.held
 
 
 def _paths(linears: list[quant.QuantLinear], i8: bool) -> dict[tuple[str, str], int]:
