@@ -41,6 +41,7 @@ from pdserve.conductor.wire import Ready
 from pdserve.core.kvstore.cache_events import REPORT_EVERY_S, CacheEvents, pool_written, tier_slots
 from pdserve.core.pd.decode_books import DecodeBooks
 from pdserve.core.pd.delivery import WaterLevel
+from pdserve.core.sched.online_fit import StepRow
 from pdserve.core.sampling_params import SamplingParams, params_dict
 from pdserve.core.service_tiers import ServiceTiers
 from pdserve.sim.engine import EngineHooks, SimEngine
@@ -49,7 +50,6 @@ from pdserve.sim.flight import Flight, Lifecycle
 from pdserve.sim.kv_push import SimKVPath
 from pdserve.sim.link import LinkModel
 from pdserve.sim.staging import SimStaging, engine_capacity
-from pdserve.sim.timemodel import StepShape
 from pdserve.sim.worker_commands import SimCommands
 
 __all__ = ["CONSUME_TOLERANCE_S", "Flight", "Lifecycle", "SimConductor"]
@@ -260,9 +260,7 @@ class SimConductor(EngineHooks):
     def on_step_start(self, engine: SimEngine, scheduled, start_s: float, duration_s: float) -> None:
         self._periodic_reports(engine, start_s)
         if self.observe_steps:  # the live step times admission's model learns from, as a real worker reports
-            shape = StepShape.of(scheduled)
-            self._core("worker_steps", engine.name, [(shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,
-                                                      shape.decode_context, duration_s, shape.prefill_prefix)],
+            self._core("worker_steps", engine.name, [StepRow.of(scheduled, duration_s).reported()],
                        engine.scheduler.step_budget.last_cap)
         if engine.role == "prefill":
             for chunk in scheduled.chunks:
