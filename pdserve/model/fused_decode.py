@@ -139,6 +139,6 @@ def _paths(linears: list[quant.QuantLinear], i8: bool) -> dict[tuple[str, str], 
              ("rope_write_kv", "kernel"): layers, ("decode_attention", "kernel"): layers,
              ("silu_mul", "kernel"): layers}
     for lin in linears:
-        key = ("gemm", f"{lin.kind}_{lin.isa}{'_i8' if i8 and lin.kind == 'q8_0' else ''}")
+        key = ("gemm", lin.path(kernels.FMT_Q8_0_I8 if i8 and lin.kind == "q8_0" else quant.KINDS[lin.kind]))
         paths[key] = paths.get(key, 0) + 1
     return paths

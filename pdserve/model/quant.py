@@ -166,6 +166,10 @@ class QuantLinear:
         lo, hi = self.i8_rows
         return kernels.FMT_Q8_0_I8 if lo <= rows <= hi else KINDS[self.kind]
 
+    def path(self, fmt: int) -> str:
+        """The name a call in kernel format `fmt` is counted under (`kernels.paths_used()["gemm"]`)."""
+        return f"{self.kind}_{self.isa}{'_i8' if fmt == kernels.FMT_Q8_0_I8 else ''}"
+
     @property
     def nbytes(self) -> int:
         return self.panels.numel()
@@ -174,7 +178,7 @@ class QuantLinear:
         rows = x.shape[0]
         if rows <= self.max_rows and kernels.usable(x):
             fmt = self.kernel_format(rows)
-            kernels.used("gemm", f"{self.kind}_{self.isa}{'_i8' if fmt == kernels.FMT_Q8_0_I8 else ''}")
+            kernels.used("gemm", self.path(fmt))
             y = kernels.qgemm(x, self.panels, fmt, self.n, self.k)
             return y if self.bias is None else y.add_(self.bias)
         kernels.used("gemm", f"{self.kind}_dequant")
