@@ -150,8 +150,20 @@ class QuantLinear:
     def __init__(self, blocks: QBlocks, bias: torch.Tensor | None = None, arena=None) -> None:
         """`arena`: a `hugepages.Arena` to keep the packed blocks in (huge pages, in the order the model reads
         them), else a tensor of their own."""
-        self.kind, self.n, self.k = blocks.kind, blocks.n, blocks.k
-        self.panels = pack(blocks)
+        self._hold(blocks.kind, blocks.n, blocks.k, pack(blocks), bias, arena)
+
+    @classmethod
+    def of_panels(cls, kind: str, n: int, k: int, panels: torch.Tensor, bias: torch.Tensor | None = None,
+                  arena=None) -> QuantLinear:
+        """The layer on blocks already packed (`pack`; read from the prepared-weights cache,
+        `pdserve.model.weight_cache`)."""
+        linear = cls.__new__(cls)
+        linear._hold(kind, n, k, panels, bias, arena)
+        return linear
+
+    def _hold(self, kind: str, n: int, k: int, panels: torch.Tensor, bias: torch.Tensor | None, arena) -> None:
+        self.kind, self.n, self.k = kind, n, k
+        self.panels = panels
         if arena is not None:
             nbytes = self.panels.numel()
             held = arena.take(-(-nbytes // 4)).view(torch.uint8)[:nbytes].view(self.panels.shape)
