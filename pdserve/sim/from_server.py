@@ -14,6 +14,16 @@ steps), short steps counting as much as long ones; then once more without the st
 hundreds of ms slower on a shared VM: the wake-up tables model those, `FittedTimeModel.wake`). The result's meta
 counts the steps of each kind fitted (`steps_fitted`) and left out as stalls (`steps_stalled`); its `spread`
 keeps how the fitted steps scatter around the fit, which the simulated engines draw (`pdserve.sim.jitter`).
+
+Woken decode steps are not fitted either (`woken`): a request's first decode step alone on its worker -- one
+sequence, not the one the worker's previous decode step ran -- follows the worker's wait for the request's KV,
+and the simulator adds a step's wake-up after an idle engine (the wake-up tables) on top of the fitted time.
+Fitted in, they were counted twice: on the Mooncake conversation workload (median 11 output tokens, ~15% of the
+decode steps) such a step ran 1.2-1.9x the others (Xeon, bench_results/fidelity_mc34), lifting the fitted
+one-sequence step 6-9% over a running request's (a fit of one run against the next run's steps). Their mean
+extra over the fit is the model's `wake_decode` ([[0, extra]]: after any idle), which a measured table
+(`bench_fidelity.py`'s idle probe) replaces. With fewer than `MIN_UNWOKEN` other decode steps (every request's
+only decode step) they are fitted as before.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from pdserve.sim.jitter import spread_of
 from pdserve.sim.timemodel import FittedTimeModel, StepShape, fit_time_model
 
 STALL_FACTOR = 3.0  # a step over this many times its shape's fitted time is a stall (wake-up), not fitted
+MIN_UNWOKEN = 8  # fewer decode steps that are not woken: the woken ones are fitted too (`steps_woken_fitted`)
 
 
 def served_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
@@ -62,11 +73,40 @@ def relative_errors(model: FittedTimeModel, samples: list[tuple[StepShape, float
     return np.array([model.step_time(s) / t - 1.0 for s, t in samples])
 
 
+def woken(records: list[dict]) -> list[bool]:
+    """For each record, whether it is a woken decode step: a served pure decode step of one sequence after its
+    worker's previous pure decode step was one of another sequence (its context not the previous one + 1), or
+    after none: a request's first step on a worker that had nothing else to run. (One sequence after a batch of
+    several is the one left running.) The records are each worker's steps oldest first, as GET /v1/admin/steps
+    gives them."""
+    out, last = [], {}
+    for rec, sample in zip(records, _all_samples(records)):
+        shape = sample and sample[0]
+        decode = shape is not None and kind(shape) == "decode"
+        prev = last.get(rec.get("worker"))
+        out.append(decode and shape.decode_seqs == 1 and (prev is None or (
+            prev.decode_seqs == 1 and shape.decode_context != prev.decode_context + 1)))
+        if decode:
+            last[rec.get("worker")] = shape
+    return out
+
+
+def _all_samples(records: list[dict]) -> list[tuple[StepShape, float] | None]:
+    """`served_samples` per record, None for a record of another source."""
+    return [(served_samples([rec]) or [None])[0] for rec in records]
+
+
 def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeModel:
     """The time model of the served step records (see the module doc); its meta says how many steps of each
-    kind it was fitted to and how many it left out as stalls. Too few pure prefill or decode steps: a one-line
-    error."""
-    samples = [(s, t) for s, t in served_samples(records) if kind(s)]
+    kind it was fitted to and how many it left out as stalls and as woken decode steps (`steps_woken`, their
+    mean extra over the fit in `wake_decode`). Too few pure prefill or decode steps: a one-line error."""
+    served_samples(records)  # (a malformed record: its one-line error names its index)
+    every = list(zip(_all_samples(records), woken(records)))
+    if sum(1 for sample, w in every if sample and kind(sample[0]) == "decode" and not w) < MIN_UNWOKEN:
+        # (every request's only decode step, e.g. 2-token answers: fitted as they are, counted in the meta)
+        meta, every = {**(meta or {}), "steps_woken_fitted": sum(w for _, w in every)}, [(x, False) for x, _ in every]
+    wakes = [sample for sample, w in every if w]
+    samples = [sample for sample, w in every if sample and kind(sample[0]) and not w]
     counts = _counts(samples)
     if min(counts.values()) < 3:
         raise InvalidRequestError(f"need at least 3 served pure prefill and 3 pure decode steps to fit, got "
@@ -78,9 +118,11 @@ def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeM
         raise InvalidRequestError(f"most steps took over {STALL_FACTOR:g}x the fitted time of their shape: "
                                   f"{fitted['prefill']} prefill and {fitted['decode']} decode steps left to fit")
     stalls = {k: counts[k] - fitted[k] for k in counts}
-    model = fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_stalled": stalls}, relative=True)
-    model.spread = {k: spread_of([t / model.step_time(s) for s, t in kept if kind(s) == k]) for k in fitted}
-    return model
+    model = fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_stalled": stalls,
+                                  "steps_woken": len(wakes)}, relative=True)
+    spread = {k: spread_of([t / model.step_time(s) for s, t in kept if kind(s) == k]) for k in fitted}
+    extra = [(0.0, max(float(np.mean([t - model.step_time(s) for s, t in wakes])), 0.0))] if wakes else None
+    return FittedTimeModel(model.prefill, model.decode, model.meta, wake_decode=extra, spread=spread)
 
 
 def _counts(samples: list[tuple[StepShape, float]]) -> dict[str, int]:
