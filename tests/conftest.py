@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+_WEIGHTS_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    """One prepared-weights cache (`pdserve.model.weight_cache`) for the session's every load, in-process and in
+    the servers it starts (they inherit the environment): the first load of a model and format prepares and
+    writes it, the suite's other ~75 starts map it. Its own folder, not the user's cache, removed at the end; a
+    cache the runner set (`$PDSERVE_WEIGHTS_CACHE`) is used as it is."""
+    if not os.environ.get("PDSERVE_WEIGHTS_CACHE"):
+        _WEIGHTS_CACHE.append(tempfile.mkdtemp(prefix="pdserve-weights-"))
+        os.environ["PDSERVE_WEIGHTS_CACHE"] = _WEIGHTS_CACHE[0]
+
+
+def pytest_unconfigure(config):
+    for path in _WEIGHTS_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop("PDSERVE_WEIGHTS_CACHE", None)
 
 
 def assert_no_blocks_held(engine) -> None:

@@ -68,6 +68,10 @@ class WeightSettings:
                            "blocks, else requantized at load to Q4_1) or auto (the format measured fastest for "
                            "this CPU's instruction set, logged at start). Quantized formats run compiled CPU "
                            "kernels on the blocks (fp32 CPU models only).")
+    weights_cache: str = setting("auto", "Where a CPU load keeps the weights it prepares (packed kernel panels, "
+                                 "quantized blocks, fused projections) for the next load of the same model and "
+                                 "format (`pdserve.model.weight_cache`): a directory; auto: $PDSERVE_WEIGHTS_CACHE, "
+                                 "else ~/.cache/pdserve/weights; off: prepare them at every load, write nothing.")
 
     def __post_init__(self) -> None:
         _require_one_of("weights", self.weights, WEIGHT_FORMATS)

@@ -21,6 +21,7 @@ class EngineConfig:
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     weights: str = shared(WeightSettings, "weights")
+    weights_cache: str = shared(WeightSettings, "weights_cache")
     attention_backend: str = attention_registry.AUTO
     """Which attention backend runs the model: auto (the compiled CPU kernels on CPU; the torch reference on a
     device no other backend serves), cpu_kernels or torch (the reference). A backend named here that cannot run

@@ -23,8 +23,9 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.input_batch import CacheLayout, build_input_batch, order_chunks
 from pdserve.model import logprobs
 from pdserve.model.grammar import GrammarMasks
-from pdserve.model.loader import load_safetensors_dir, resolve_dtype
-from pdserve.model.quant import quant_loader
+from pdserve.model.loader import gguf_source, load_safetensors_dir, resolve_dtype
+from pdserve.model.quant import QuantLoader, quant_loader, resolve_weights
+from pdserve.model.weight_cache import open_cache
 from pdserve.model.registry import model_class
 from pdserve.model.sampler import Sampler
 
@@ -62,9 +63,15 @@ class ModelExecutor:
         self.vocab_size = model_config.vocab_size
         max_len = config.max_model_len or model_config.max_position_embeddings
         model = model_class(model_config.architecture)  # `pdserve.model.registry`: LlamaModel for every family today
-        quant = quant_loader(config.weights, config.model, self.device, self.dtype)
+        fmt = resolve_weights(config.weights, self.device, self.dtype)
+        cache = open_cache(config.weights_cache, model_dir, gguf_source(config.model), fmt, self.device, self.dtype)
+        # a hit has the quantized blocks already: the GGUF file's blocks are not read (seconds of parsing)
+        quant = None if fmt == "fp32" else QuantLoader(fmt) if cache.hit else \
+            quant_loader(fmt, config.model, self.device, self.dtype)
         self.model = model(model_config, load_safetensors_dir(model_dir), self.dtype, self.device,
-                           max_positions=max_len, attention=config.attention_backend, quant=quant)
+                           max_positions=max_len, attention=config.attention_backend, quant=quant, cache=cache)
+        self.weights_cache = {"state": cache.state, "rebuilds": cache.rebuilds, "write_failures": cache.write_failures}
+        log.info("pdserve: prepared weights: %s%s", cache.state, "" if cache.path is None else f" ({cache.path})")
         if quant is not None:
             log.info("pdserve: %s", quant.summary())
         self.codec = KVCodec(config.kv_cache_dtype, model_config.head_dim, self.dtype)

@@ -39,12 +39,17 @@ def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
-                 arena=None) -> None:
+                 arena=None, panels: torch.Tensor | None = None) -> None:
         """pack: prepare the CPU fp32 paths (MKL's packed weight, the GEMM kernel's panels, in `arena`
-        when given: a `hugepages.Arena`)."""
+        when given: a `hugepages.Arena`). `panels`: the kernel's panels of `weight` already packed (read from the
+        prepared-weights cache, `pdserve.model.weight_cache`): copied into `arena` instead of packed."""
         self.weight = weight.contiguous()  # [out, in]
         self.bias = bias
-        self.panels = kernels.pack_weight(self.weight, arena) if pack else None
+        if not pack:
+            self.panels = None
+        else:
+            self.panels = kernels.pack_weight(self.weight, arena) if panels is None else \
+                _packed(panels, self.weight.shape, arena)
         self.isa = kernels.isa() if self.panels is not None else "none"
         self.kernel_rows = KERNEL_ROWS.get(self.isa, (1, 0))
         if self.panels is not None:
@@ -68,3 +73,13 @@ class Linear:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
         kernels.used("gemm", "torch_linear")
         return F.linear(x, self.weight, self.bias)
+
+
+def _packed(panels: torch.Tensor, shape: torch.Size, arena) -> kernels.PackedWeight:
+    """The `kernels.PackedWeight` of a [N, K] weight whose panels were packed before (its fields, without
+    packing again), in `arena` where given, as packing places them."""
+    packed = kernels.PackedWeight.__new__(kernels.PackedWeight)
+    packed.n, packed.k = shape
+    held = arena.take(panels.numel()) if arena is not None else torch.empty(panels.numel())
+    packed.panels = held.copy_(panels)
+    return packed

@@ -18,8 +18,9 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.fused_decode import FusedDecode
 from pdserve.model.hugepages import Arena
 from pdserve.model.linear import Linear, mkl_packing_available
-from pdserve.model.quant import QuantLoader
+from pdserve.model.quant import QuantLinear, QuantLoader
 from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.weight_cache import WeightCache
 
 
 @dataclass
@@ -43,10 +44,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, attention: str = "auto",
-                 quant: QuantLoader | None = None) -> None:
-        """`quant`: the linear layers on quantized blocks (`pdserve.model.quant`); None: in `dtype`."""
+                 quant: QuantLoader | None = None, cache: WeightCache | None = None) -> None:
+        """`quant`: the linear layers on quantized blocks (`pdserve.model.quant`); None: in `dtype`. `cache`: the
+        prepared-weights cache (`pdserve.model.weight_cache`): its tensors on a hit, else filled and saved."""
         self.config = config
         self.quant = quant
+        self.cache = cache or WeightCache(None)
+        self.prepared: dict[str, dict] = {}  # each linear layer's entry in the cache's metadata
         self.dtype = dtype
         self.device = device
         self.attention = select_backend(attention, device, dtype)  # `pdserve.model.attention`: chosen once, here
@@ -58,10 +62,11 @@ class LlamaModel:
         self.layers = [self._load_layer(get, i) for i in range(config.num_layers)]
         self.norm = get("model.norm.weight")
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = self._linear([head], self.embed if config.tie_word_embeddings else get(head))
+        self.lm_head = self._linear(get, [head])
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling_dict, dtype, device)
         get.check_all_used()
+        self._settle_cache()
         self.fused = None if quant is None else FusedDecode.build(self)  # decode steps in one compiled call
 
     def _load_layer(self, get: _WeightGetter, i: int) -> LayerWeights:
@@ -71,17 +76,52 @@ class LlamaModel:
         gate_up_names = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         bo = get(p + "self_attn.o_proj.bias") if self.config.o_bias else None
         return LayerWeights(
-            attn_norm=get(p + "input_layernorm.weight"), qkv=self._linear(qkv_names, get.cat(qkv_names), bqkv),
-            o=self._linear([p + "self_attn.o_proj.weight"], get(p + "self_attn.o_proj.weight"), bo),
+            attn_norm=get(p + "input_layernorm.weight"), qkv=self._linear(get, qkv_names, bqkv),
+            o=self._linear(get, [p + "self_attn.o_proj.weight"], bo),
             mlp_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=self._linear(gate_up_names, get.cat(gate_up_names)),
-            down=self._linear([p + "mlp.down_proj.weight"], get(p + "mlp.down_proj.weight")))
+            gate_up=self._linear(get, gate_up_names),
+            down=self._linear(get, [p + "mlp.down_proj.weight"]))
 
-    def _linear(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """The linear layer of the checkpoint's tensors `names` (stacked in `weight`): quantized blocks under
-        `quant` (where it can: else, as without it,) or `Linear` in the model's dtype."""
+    def _linear(self, get: _WeightGetter, names: list[str], bias: torch.Tensor | None = None):
+        """The linear layer of the checkpoint's tensors `names` (stacked): quantized blocks under `quant` (where
+        it can: else, as without it,) or `Linear` in the model's dtype; prepared from the checkpoint and put in
+        the cache, or read from it on a hit."""
+        key, cache = names[0], self.cache
+        if cache.hit:
+            return self._cached_linear(get, names, bias)
+        weight = get.cat(names) if len(names) > 1 else get(key)
         quantized = None if self.quant is None else self.quant.linear(names, weight, bias, self.arena)
-        return quantized if quantized is not None else Linear(weight, bias, self.pack, self.arena)
+        if quantized is not None:
+            self.prepared[key] = {"kind": quantized.kind, "n": quantized.n, "k": quantized.k}
+            cache.put(key + ".qpanels", quantized.panels)
+            return quantized
+        linear = Linear(weight, bias, self.pack, self.arena)
+        self.prepared[key] = {"kind": "fp32"}
+        if len(names) > 1:  # a stack of checkpoint tensors (one tensor: read from the checkpoint again)
+            cache.put(key + ".weight", linear.weight)
+        if linear.panels is not None:
+            cache.put(key + ".panels", linear.panels.panels)
+        return linear
+
+    def _cached_linear(self, get: _WeightGetter, names: list[str], bias: torch.Tensor | None):
+        key, cache = names[0], self.cache
+        entry = cache.meta["linears"][key]
+        get.mark(names)
+        if entry["kind"] != "fp32":
+            return QuantLinear.of_panels(entry["kind"], entry["n"], entry["k"], cache.get(key + ".qpanels"), bias,
+                                         self.arena)
+        weight = cache.get(key + ".weight") if len(names) > 1 else get(key)
+        return Linear(weight, bias, self.pack, self.arena, cache.found.get(key + ".panels"))
+
+    def _settle_cache(self) -> None:
+        """A hit: the quantized loader's counts as the load that prepared the tensors had them; a miss: saves."""
+        quant = self.quant
+        if self.cache.hit:
+            if quant is not None:
+                quant.sources, quant.nbytes = dict(self.cache.meta["sources"]), self.cache.meta["nbytes"]
+            return
+        self.cache.save({"linears": self.prepared, "sources": {} if quant is None else quant.sources,
+                         "nbytes": 0 if quant is None else quant.nbytes})
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -131,6 +171,13 @@ class _WeightGetter:
 
     def cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self(n) for n in names])
+
+    def mark(self, names: list[str]) -> None:
+        """Counts `names` as used (their prepared form came from the weights cache), checking they exist."""
+        for name in names:
+            if name not in self.weights:
+                raise UnsupportedModelError(f"weight {name!r} missing from the checkpoint")
+            self.used.add(name)
 
     def check_all_used(self) -> None:
         extra = [n for n in self.weights if n not in self.used and not n.endswith(self._IGNORED_SUFFIXES)]

@@ -34,6 +34,12 @@ def default_model_path() -> Path:
     return path
 
 
+def gguf_source(model: str | Path | None) -> Path | None:
+    """The GGUF file `model` (None: the embedded default) names, or None for a Hugging Face directory."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model_dir(model: str | Path | None, convert_in_child: bool = False) -> Path:
     """Return a Hugging Face style directory for `model` (None = the embedded default), converting GGUF (in a
     child process with `convert_in_child`)."""

@@ -376,6 +376,12 @@ class Metrics:
             self._inc_total(self.kv_auth_failures, (w, f"auth:{path}"), n, path=path)
         # model calls that ran the torch path instead of a compiled kernel (summed over workers)
         self._inc_total(self.fallbacks, (w, "kernel"), s.get("kernel_fallbacks", 0), kind="kernel_torch_path")
+        # a prepared-weights cache file found unusable (truncated, corrupt: rebuilt) or not writable at load
+        cache = s.get("weights_cache", {})
+        self._inc_total(self.fallbacks, (w, "weights_cache_rebuilt"), cache.get("rebuilds", 0),
+                        kind="weights_cache_rebuilt")
+        self._inc_total(self.fallbacks, (w, "weights_cache_unwritable"), cache.get("write_failures", 0),
+                        kind="weights_cache_unwritable")
         # KV bookkeeping structures made in Python: the compiled module could not be built or loaded
         self._inc_total(self.fallbacks, (w, "native"), s.get("native_fallbacks", 0), kind="native_kv_core")
         # a shared KV pool whose pages could not be populated up front (Linux < 5.14): they fault in on use

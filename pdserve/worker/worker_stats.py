@@ -21,6 +21,7 @@ def worker_stats(w) -> dict:
            "preemptions_by_tier": dict(sched.stats.preemptions_by_tier),
            "prefill_yields_by_tier": dict(sched.stats.prefill_yields_by_tier), "steps": w.step_times.take(),
            "kernel_fallbacks": kernels.fallback_count(), "native_fallbacks": native.fallback_count(),
+           "weights_cache": getattr(w.executor, "weights_cache", {}),
            "grammar_errors": getattr(getattr(w.executor, "grammar", None), "errors", 0),
            "kv_pool_prefault_fallbacks": int(getattr(w.executor.kv_pool, "prefault_failed", False)),
            "kv_residual_evictions": getattr(getattr(w.executor, "residual", None), "evictions", 0),
