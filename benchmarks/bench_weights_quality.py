@@ -17,6 +17,8 @@ Targets: q8_0 within +0.5% of fp32's perplexity; q4 within llama.cpp's own figur
 
 `--chunk N`: prefill in chunks of at most N tokens (server and engine: `--max-num-batched-tokens N`); with N within
 `quant.I8_ROWS` (16-128 on AVX-512 VNNI) q8_0 scores the text on int8 rows, the path of batch-16 decode steps.
+Without it, a window's prefill is 1,024 rows: q8_0 and q4 score on the bf16 path where the CPU multiplies bf16
+(`quant.BF16_ROWS`); the table names each format's matmul paths (`gemm_paths`).
 
 Writes bench_results/weights_quality.json and prints a table.
 """
@@ -53,10 +55,17 @@ def served(fmt: str, parts: list[list[int]], mode: str, chunk: int | None) -> li
 def engine(fmt: str, parts: list[list[int]], chunk: int | None) -> tuple[list[list[float]], list[list[int]]]:
     """Each window's next-token logprobs and top-1 tokens under `fmt`, in this process."""
     from pdserve import LLM, SamplingParams
+    from pdserve.model import kernels
     llm = LLM(weights=fmt, **({} if chunk is None else {"max_num_batched_tokens": chunk}))
+    before = kernels.paths_used().get("gemm", {})
     outs = llm.generate(parts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    GEMM_PATHS[fmt] = {p: n - before.get(p, 0) for p, n in kernels.paths_used().get("gemm", {}).items()
+                       if n > before.get(p, 0)}
     entries = [out.prompt_logprobs[1:] for out in outs]
     return [[e[0] for e in row] for row in entries], [[e[2][0][0] for e in row] for row in entries]
+
+
+GEMM_PATHS: dict[str, dict[str, int]] = {}  # format -> the engine's matmul calls by path (kernels.paths_used)
 
 
 def llamacpp(python: str, parts: list[list[int]]) -> dict | None:
@@ -102,7 +111,8 @@ def main() -> None:
         lps_engine, top1[fmt] = engine(fmt, parts, args.chunk)
         diff = max(abs(a - b) for s, r in zip(lps_served, lps_engine) for a, b in zip(s, r))
         rows[fmt] = {"perplexity": perplexity(lps_served), "perplexity_engine": perplexity(lps_engine),
-                     "max_abs_logprob_diff_served_vs_engine": diff, "seconds": time.perf_counter() - start}
+                     "max_abs_logprob_diff_served_vs_engine": diff, "seconds": time.perf_counter() - start,
+                     "gemm_paths": GEMM_PATHS.get(fmt, {})}
     peer = llamacpp(args.llamacpp_python, parts)
     if peer is not None:
         top1["llama.cpp"] = peer["top1"]
@@ -120,10 +130,10 @@ def main() -> None:
     print(f"host: {result['cpu']['model']} ({', '.join(result['cpu']['isa'])}), {result['date']}")
     print(f"{result['tokens_scored']} tokens of {TEXT.name} in {len(parts)} windows of {args.window}, served "
           f"({args.mode}, echo)")
-    print(f"{'weights':<11}{'perplexity':>11}{'vs fp32':>9}{'top-1 agree':>13}")
+    print(f"{'weights':<11}{'perplexity':>11}{'vs fp32':>9}{'top-1 agree':>13}  matmul calls by path")
     for name, row in rows.items():
         print(f"{name:<11}{row['perplexity']:>11.4f}{row.get('perplexity_change', 0) * 100:>+8.2f}%"
-              f"{row.get('top1_agreement_vs_fp32', 1) * 100:>12.1f}%")
+              f"{row.get('top1_agreement_vs_fp32', 1) * 100:>12.1f}%  {row.get('gemm_paths', '')}")
 
 
 if __name__ == "__main__":

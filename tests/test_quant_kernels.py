@@ -104,17 +104,38 @@ def test_qgemm_matches_dequantize_then_matmul(kind, rows, n, k):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 32, 33, 128])
+def assert_bf16_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`got` is the bf16 path's x @ w^T (+ bias): the rows and the dequantized weight `w` rounded to bf16 and summed
+    exactly (float64), within bf16's rounding of the product (2^-8 of it: oneDNN returns bf16, the bias is added
+    after) plus fp32 summation error."""
+    xb, wb = x.bfloat16().double(), w.bfloat16().double()
+    product = xb @ wb.T
+    ref = product if bias is None else product + bias.double()
+    bound = 2.0 ** -8 * product.abs() + 1e-5 * (xb.abs() @ wb.abs().T) + 1e-6
+    assert ((got.double() - ref).abs() <= bound).all(), ((got.double() - ref).abs() - bound).max()
+
+
+def expected_path(lin: quant.QuantLinear, rows: int) -> str:
+    """What the rule says a call of `rows` rows takes (KERNEL_ROWS, BF16_ROWS), as `paths_used()` names it."""
+    return (lin.path(lin.kernel_format(rows)) if rows <= lin.max_rows else
+            f"{lin.kind}_bf16" if rows >= lin.bf16_from else f"{lin.kind}_dequant")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32, 33, 128, 300])
 def test_quant_linear_paths_match_the_reference(rows):
-    """Each path QuantLinear takes (the kernel for few rows, dequantize + F.linear for many) against the torch
-    reference, counted as taken; with the kernels turned off, torch's dequantization, counted as a fallback."""
+    """Each path QuantLinear takes (the kernel for few rows, dequantize + F.linear for many, in bf16 where the CPU
+    multiplies it natively) against its torch reference, counted as taken; with the kernels turned off, torch's
+    dequantization in fp32, counted as a fallback."""
     b = random_blocks("q4_1", 70, 128)
     bias = torch.randn(70)
     x = torch.randn(rows, 128)
     lin = quant.QuantLinear(b, bias)
-    path = f"q4_1_{lin.isa}" if rows <= lin.max_rows else "q4_1_dequant"
+    path = expected_path(lin, rows)
     before = kernels.paths_used().get("gemm", {}).get(path, 0)
-    torch.testing.assert_close(lin(x), F.linear(x, b.dequantize(), bias), rtol=1e-4, atol=1e-4)
+    if path == "q4_1_bf16":
+        assert_bf16_close(lin(x), x, b.dequantize(), bias)
+    else:
+        torch.testing.assert_close(lin(x), F.linear(x, b.dequantize(), bias), rtol=1e-4, atol=1e-4)
     assert kernels.paths_used()["gemm"][path] == before + 1
     fallbacks = kernels.fallback_count()
     with kernels.disabled():
@@ -207,14 +228,80 @@ def test_quant_linear_runs_int8_rows_where_the_rule_says():
     b = random_blocks("q8_0", 70, 128)
     lin, q4 = quant.QuantLinear(b), quant.QuantLinear(random_blocks("q4_1", 70, 128))
     assert q4.kernel_format(lo) == quant.KINDS["q4_1"]
-    for rows in (lo - 1, lo, hi, hi + 1):
+    for rows in (lo - 1, lo, min(hi, lin.max_rows), hi, hi + 1):
         x = torch.randn(rows, 128)
         i8 = lo <= rows <= hi and rows <= lin.max_rows
-        path = f"q8_0_{lin.isa}_i8" if i8 else f"q8_0_{lin.isa}" if rows <= lin.max_rows else "q8_0_dequant"
+        path = expected_path(lin, rows)
+        assert path.endswith("_i8") == i8
         before = kernels.paths_used().get("gemm", {}).get(path, 0)
-        ref = int8_rows_reference(x, b).float() if i8 else x @ b.dequantize().T
-        torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
+        if path == "q8_0_bf16":
+            assert_bf16_close(lin(x), x, b.dequantize(), None)
+        else:
+            ref = int8_rows_reference(x, b).float() if i8 else x @ b.dequantize().T
+            torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
         assert kernels.paths_used()["gemm"][path] == before + 1
+
+
+def test_bf16_isa_is_the_hosts(monkeypatch):
+    """AMX-BF16, else AVX512-BF16, else none, as the CPU says; oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA) is
+    the AVX512-BF16 path of the same CPU."""
+    flags = cpu_flags()
+    bf16 = "avx512_bf16" if "avx512_bf16" in flags else "none"
+    assert kernels.bf16_isa() == ("amx" if {"amx_bf16", "amx_tile"} <= flags else bf16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert kernels.bf16_isa() == bf16
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 64), (200, 576), (96, 1536)])
+def test_bf16_dequantize_is_torchs_rounding(kind, n, k):
+    """pd_qdequant_bf16t: the fp32 weight rounded to nearest even, bit for bit torch's .bfloat16(), transposed in
+    the scratch it is given (and nothing past n * k values of it written)."""
+    b = random_blocks(kind, n, k, seed=n)
+    out = torch.full((n * k + 40,), 7.0, dtype=torch.bfloat16)
+    w = kernels.qdequant_bf16t(quant.pack(b), quant.KINDS[kind], n, k, out)
+    assert w.shape == (n, k) and w.dtype == torch.bfloat16 and w.stride() == (1, n)
+    assert torch.equal(w, b.dequantize().bfloat16())
+    assert (out[n * k:] == 7.0).all()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("rows", [96, 128, 517])
+def test_bf16_rows_match_a_bf16_reference(monkeypatch, kind, rows):
+    """Where the CPU multiplies bf16 (AMX here; injected elsewhere so the path runs on any host with the
+    kernels), rows from BF16_ROWS take the bf16 path: the bf16 dequantize-then-matmul reference (with a bias),
+    counted as *_bf16."""
+    monkeypatch.setattr(kernels, "bf16_isa", lambda: "amx")
+    b, bias = random_blocks(kind, 200, 576, seed=rows), torch.randn(200)
+    lin = quant.QuantLinear(b, bias)
+    assert lin.bf16_from == quant.BF16_ROWS["amx"] and expected_path(lin, rows) == f"{kind}_bf16"
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(5))
+    before = kernels.paths_used().get("gemm", {}).get(f"{kind}_bf16", 0)
+    assert_bf16_close(lin(x), x, b.dequantize(), bias)
+    assert kernels.paths_used()["gemm"][f"{kind}_bf16"] == before + 1
+
+
+@pytest.mark.parametrize("bf16", ["amx", "avx512_bf16", "none"])
+def test_the_prefill_rule_with_the_cpu_injected(monkeypatch, bf16):
+    """Which path for which rows, per CPU: the kernels up to KERNEL_ROWS[isa] or BF16_ROWS[bf16] - 1 rows, bf16
+    from BF16_ROWS[bf16] where it is measured, fp32 dequantize + F.linear past the kernels on a CPU without
+    (native bf16 not measured, or none: a decision)."""
+    monkeypatch.setattr(kernels, "bf16_isa", lambda: bf16)
+    lin = quant.QuantLinear(random_blocks("q4_1", 70, 128))
+    kernel_rows = quant.KERNEL_ROWS[lin.isa]
+    if bf16 in quant.BF16_ROWS:
+        start = quant.BF16_ROWS[bf16]
+        assert lin.max_rows == min(kernel_rows, start - 1) and lin.bf16_from == start
+        paths = [expected_path(lin, r) for r in (start - 1, start, 4096)]
+        assert paths == [f"q4_1_{lin.isa}", "q4_1_bf16", "q4_1_bf16"]
+    else:
+        assert lin.max_rows == kernel_rows and lin.bf16_from > 1 << 40
+        assert [expected_path(lin, r) for r in (kernel_rows, kernel_rows + 1)] == [f"q4_1_{lin.isa}", "q4_1_dequant"]
+    for rows in (lin.max_rows, lin.max_rows + 1):  # what the rule says is what a call takes
+        before = dict(kernels.paths_used().get("gemm", {}))
+        lin(torch.randn(rows, 128))
+        after = kernels.paths_used()["gemm"]
+        assert {p for p in after if after[p] != before.get(p, 0)} == {expected_path(lin, rows)}
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ each with an fp16 scale (and for Q4_1 an fp16 minimum), multiplied by the compil
   weights (ggml's reference rounding: Q8_0 d = max|w| / 127; Q4_1 d = (max - min) / 15, m = min).
 - `QuantLinear`: `Linear`'s interface on the packed blocks. Few rows (decode) run the kernel, which reads the
   blocks (1.06 bytes per weight for Q8_0, 0.625 for Q4, against 4 in fp32); more rows (prefill) dequantize
-  the weight into fp32 for the call and run torch's `F.linear` (MKL), counted per path in
-  `kernels.paths_used()["gemm"]`.
+  the weight for the call and run torch's `F.linear`: in bf16 where the CPU multiplies bf16 natively (AMX,
+  `BF16_ROWS`), else in fp32 (MKL); counted per path in `kernels.paths_used()["gemm"]`.
 The embedding table stays fp32 (a lookup reads a few rows). CPU and fp32 activations only.
 """
 
@@ -45,6 +45,17 @@ KERNEL_ROWS = {"avx512": 128, "avx2": 32}
 # helper report, rows 1-128): AVX-512 int8 rows vs fp32 rows 1.13x faster at 16 rows, 1.25x at 32-64, 1.29x at 128,
 # even or noise at 1-12; AVX2 build (-mno-avx512f, AVX-VNNI) 1.37x at 8, 1.40x at 16, 1.47x at 32, 0.92x at 1.
 I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32)}
+# Row counts from which quantized weights multiply in bf16, per how the CPU multiplies bf16 (`kernels.bf16_isa()`):
+# the weight dequantized per call into a reused bf16 scratch (qgemm.c pd_qdequant_bf16t: the fp32 weight rounded
+# to nearest even, ~0.5 ms for a layer's 3.5 M weights on 2 threads), the rows rounded to bf16, torch's bf16
+# F.linear (oneDNN, on AMX tiles here), the output back in fp32. Fewer rows run the kernels (KERNEL_ROWS); a CPU
+# without native bf16 keeps fp32 F.linear past KERNEL_ROWS (a decision). fp32 weights never take it. Measured on
+# one layer's four products of the default model (960x576, 576x576, 3072x576, 576x1536), 2 threads, Intel Xeon
+# AMX, load 0.4-1.5, medians of 11, 2026-12-07 (ms per layer, q8_0 int8-row kernel / q4 kernel / bf16 / fp32
+# dequantize + F.linear): 64 rows 1.8 / 2.2 / 2.2 / 4.6, 96 rows 2.6-2.9 / 3.3-3.4 / 2.3-2.6 / 4.7,
+# 128 rows 3.6-3.8 / 4.4 / 2.6-2.7 / 6.0, 256 rows 7.6-8.1 / 9.0-9.5 / 3.2-4.1 / 9.5, 512 rows 16.3 / - / 5.4-6.1 /
+# 16.8; bf16's floor is ~1.8 ms (dequantize + oneDNN's call) up to 48 rows, where the kernels take 0.6-1.5.
+BF16_ROWS = {"amx": 96}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
 # (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
 # q4 and 18.4 for fp32; perplexity -0.2% against fp32 on the default model).
@@ -144,8 +155,8 @@ def unpack(panels: torch.Tensor, kind: str, n: int, k: int) -> torch.Tensor:
 
 
 class QuantLinear:
-    """y = x @ W^T (+ bias) on W's blocks: the kernel for up to `KERNEL_ROWS[isa]` rows, else F.linear on the
-    weight dequantized for the call."""
+    """y = x @ W^T (+ bias) on W's blocks: the kernel for up to `KERNEL_ROWS[isa]` rows (fewer where bf16 takes
+    over: `BF16_ROWS`), else F.linear on the weight dequantized for the call, in bf16 or fp32."""
 
     def __init__(self, blocks: QBlocks, bias: torch.Tensor | None = None, arena=None) -> None:
         """`arena`: a `hugepages.Arena` to keep the packed blocks in (huge pages, in the order the model reads
@@ -170,7 +181,8 @@ class QuantLinear:
             self.panels = held.copy_(self.panels)
         self.bias = bias
         self.isa = kernels.qgemm_isa()
-        self.max_rows = KERNEL_ROWS.get(self.isa, 0)
+        self.bf16_from = bf16_rows(kernels.bf16_isa())
+        self.max_rows = min(KERNEL_ROWS.get(self.isa, 0), self.bf16_from - 1)
         self.i8_rows = i8_rows(self.kind)
 
     def kernel_format(self, rows: int) -> int:
@@ -192,6 +204,12 @@ class QuantLinear:
             fmt = self.kernel_format(rows)
             kernels.used("gemm", self.path(fmt))
             y = kernels.qgemm(x, self.panels, fmt, self.n, self.k)
+            return y if self.bias is None else y.add_(self.bias)
+        if rows >= self.bf16_from and kernels.usable(x):
+            kernels.used("gemm", f"{self.kind}_bf16")
+            w = kernels.qdequant_bf16t(self.panels, KINDS[self.kind], self.n, self.k,
+                                       _scratch(self.n * self.k, torch.bfloat16))
+            y = F.linear(x.to(torch.bfloat16), w).float()
             return y if self.bias is None else y.add_(self.bias)
         kernels.used("gemm", f"{self.kind}_dequant")
         return F.linear(x, self.weight(_scratch(self.n * self.k)), self.bias)
@@ -215,15 +233,25 @@ def i8_rows(kind: str) -> tuple[int, int]:
     return rows
 
 
-_SCRATCH = [torch.empty(0)]
+def bf16_rows(bf16_isa: str) -> int:
+    """The row count from which quantized weights multiply in bf16 on a CPU that multiplies bf16 as `bf16_isa`
+    says (`kernels.bf16_isa()`; a huge number: never, fp32 past the kernels' rows)."""
+    rows = BF16_ROWS.get(bf16_isa, 1 << 62)
+    kernels.decide(f"quantized weights: bf16 F.linear ({bf16_isa}) from {rows} rows" if bf16_isa in BF16_ROWS else
+                   f"quantized weights: no measured bf16 rule for this CPU's bf16 ({bf16_isa}): fp32 F.linear past "
+                   f"the kernels' rows")
+    return rows
 
 
-def _scratch(numel: int) -> torch.Tensor:
-    """One fp32 buffer reused by every prefill-sized call (the model runs one layer at a time): a fresh tensor of
-    megabytes per call would be mapped and page-faulted each time."""
-    if _SCRATCH[0].numel() < numel:
-        _SCRATCH[0] = torch.empty(numel)
-    return _SCRATCH[0]
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One buffer per dtype reused by every prefill-sized call (the model runs one layer at a time): a fresh
+    tensor of megabytes per call would be mapped and page-faulted each time."""
+    if dtype not in _SCRATCH or _SCRATCH[dtype].numel() < numel:
+        _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return _SCRATCH[dtype]
 
 
 def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -326,3 +326,24 @@ def qdequant(panels: torch.Tensor, fmt: int, n: int, k: int, out: torch.Tensor |
     w = torch.empty(n, k) if out is None else out[:n * k].view(n, k)
     _lib.pd_qdequant(fmt, panels.data_ptr(), w.data_ptr(), n, k)
     return w
+
+
+def qdequant_bf16t(panels: torch.Tensor, fmt: int, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] that quantized `panels` hold, in bf16 (each value the fp32 weight `qdequant` gives,
+    rounded to nearest even): a transposed view of `out`'s first N * K bf16 values, laid out [K, N]."""
+    wt = out[:n * k].view(k, n)
+    _lib.pd_qdequant_bf16t(fmt, panels.data_ptr(), wt.data_ptr(), n, k)
+    return wt.t()
+
+
+def bf16_isa() -> str:
+    """How this CPU multiplies bf16 matrices natively (what oneDNN, under torch's bf16 `F.linear`, runs on):
+    "amx" (AMX tiles; every AMX CPU so far has AMX-BF16), "avx512_bf16" (vdpbf16ps) or "none" (no native bf16).
+    Read from the CPU through torch's cpuinfo; `ONEDNN_MAX_CPU_ISA` below AMX (oneDNN's own cap,
+    used to time the AVX512-BF16 path on an AMX host) gives "avx512_bf16"."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    if torch.cpu._is_amx_tile_supported() and (cap == "ALL" or "AMX" in cap):
+        return "amx"
+    if torch.cpu._is_avx512_bf16_supported() and (cap == "ALL" or "BF16" in cap or "AMX" in cap):
+        return "avx512_bf16"
+    return "none"

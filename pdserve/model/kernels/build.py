@@ -36,6 +36,7 @@ SIGNATURES = {
     "pd_qgemm": [_I, _P, _I64, _P, _P, _I, _I, _I, _P],
     "pd_qdecode_forward": [_P, _I, _P],
     "pd_qdequant": [_I, _P, _P, _I, _I],
+    "pd_qdequant_bf16t": [_I, _P, _P, _I, _I],
     "pd_kv_encode": [_I, _P, _I64, _I, _P, _P, _I, _P],
     "pd_decode_attention_coded": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I64],
 }

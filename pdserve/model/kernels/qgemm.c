@@ -14,7 +14,8 @@
  * bit the fp32 model's of the same blocks) and accumulates in fp32 with FMAs in k order, as gemm.c does:
  * - AVX-512: tiles of up to 16 rows x one 16-float register, each tile walks the whole panel.
  * - AVX2 + FMA (+ F16C): tiles of up to 4 rows x two 8-float registers.
- * pd_qdequant writes the fp32 weight back out ([n, k] row-major): prefill's many rows use it (pdserve.model.quant).
+ * pd_qdequant writes the fp32 weight back out ([n, k] row-major), pd_qdequant_bf16t the bf16 one transposed ([k, n]):
+ * prefill's many rows multiply by them (pdserve.model.quant).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -84,6 +85,69 @@ void pd_qdequant(int fmt, const uint8_t *wp, float *w, int n, int k) {
                 }
             }
         }
+}
+
+static inline uint16_t fp32_to_bf16(float f) { /* round to nearest even, as torch's .bfloat16() (finite f) */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* The weight of packed panels wp in bf16, transposed: wt [k, n] row-major, wt[kk][c] = bf16(w[c][kk]), each
+ * value the fp32 weight pd_qdequant writes, rounded to nearest even (so bit for bit torch's
+ * dequantize().bfloat16()). A panel's 16 columns at one k are 16 consecutive outputs: one vector each. Prefill's
+ * many rows multiply by it in bf16 (pdserve.model.quant, where the CPU multiplies bf16 natively). */
+void pd_qdequant_bf16t(int fmt, const uint8_t *wp, uint16_t *wt, int n, int k) {
+    int64_t panels = (n + QW - 1) / QW, blocks = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < blocks * panels; i++) { /* in output order: a thread writes whole rows of wt */
+        int64_t b = i / panels, p = i % panels;
+        const uint8_t *blk = wp + (p * blocks + b) * pd_qblock_bytes(fmt);
+        const uint16_t *dh = (const uint16_t *)blk;
+        int cols = n - p * QW < QW ? (int)(n - p * QW) : QW;
+#if defined(__AVX512F__)
+        if (cols == QW) { /* 16 columns: one vector per k, rounded as fp32_to_bf16 does */
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+            __m512 mv = fmt == FMT_Q8_0 ? _mm512_setzero_ps()
+                                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dh + QW)));
+            for (int kk = 0; kk < QK; kk++) {
+                __m512 v;
+                if (fmt == FMT_Q8_0) {
+                    __m128i q = _mm_loadu_si128((const __m128i *)(blk + QW * 2 + kk * QW));
+                    v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+                } else {
+                    const __m128i *pairs = (const __m128i *)(blk + QW * 4 + (kk / 2) * QW);
+                    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(pairs));
+                    q = _mm512_and_si512(_mm512_srli_epi32(q, (kk & 1) * 4), _mm512_set1_epi32(15));
+                    v = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(q)), mv);
+                }
+                __m512i bits = _mm512_castps_si512(v);
+                __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+                bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+                _mm256_storeu_si256((__m256i *)(wt + (b * QK + kk) * (int64_t)n + p * QW),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+            }
+            continue;
+        }
+#endif
+        float d[QW], m[QW], v[QW];
+        for (int c = 0; c < QW; c++) {
+            d[c] = fp16_to_fp32(dh[c]);
+            m[c] = fmt == FMT_Q8_0 ? 0.f : fp16_to_fp32(dh[QW + c]);
+        }
+        for (int kk = 0; kk < QK; kk++) {
+            uint16_t *out = wt + (b * QK + kk) * (int64_t)n + p * QW;
+            if (fmt == FMT_Q8_0) {
+                const int8_t *q = (const int8_t *)blk + QW * 2 + kk * QW;
+                for (int c = 0; c < QW; c++) v[c] = d[c] * (float)q[c];
+            } else {
+                const uint8_t *q = blk + QW * 4 + (kk / 2) * QW;
+                int shift = (kk & 1) * 4;
+                for (int c = 0; c < QW; c++) v[c] = d[c] * (float)((q[c] >> shift) & 15) + m[c];
+            }
+            for (int c = 0; c < cols; c++) out[c] = fp32_to_bf16(v[c]);
+        }
+    }
 }
 
 #if QGEMM_ISA == 512
