@@ -3,7 +3,8 @@ time model fitted to this machine; relative error of median and P90 TTFT and TPO
 
     .venv/bin/python benchmarks/bench_fidelity.py [--workload SPEC ...] [--rate 0.5] [--max-requests 40]
                                                  [--repeats 3] [--num-kv-blocks N] [--kv-host-gb G] [--quick]
-    make fidelity    # = --quick: one run of 16 requests, one idle probe per wake gap (~3 min on 2 cores)
+    make fidelity    # = --quick: a calibration replay and one run of 16 requests, one idle probe per wake gap
+                     # (~4.5 min on 2 cores: the calibration replay for the held-out column adds ~1.5)
 
 This shared 2-core VM changes speed by tens of percent within minutes, so a profile taken once, minutes
 before a run, can describe another machine than the one the run met. Hence, through the real command line:
@@ -24,9 +25,10 @@ before a run, can describe another machine than the one the run met. Hence, thro
      the fitted prefill time of 16 tokens, over the 4 gateway <-> worker messages on a PD request's way to
      its first token; and once more with the time model fitted to the steps the real server itself reported
      over the run (`pdserve profile --from-server`, before it stops: timed while both workers ran), with the
-     same wake-up tables -> sim<k>_server/ (the "server fit" columns);
-  3b. (not with --quick) before the first profile, a calibration replay of other requests of the workload
-     (`--seed 1`) -> real0/, its server's step fit with its probe's tables -> server_fit0.json; every run is
+     same wake-up tables -> sim<k>_server/ (the "server fit" columns), C there from the back-to-back probe's
+     prefill steps as the server reported them (`served_control_latency_ms`);
+  3b. before the first profile, a calibration replay of other requests of the workload (`--seed 1`; a trace
+     replayed at its own timestamps, as `mooncake:`, gives the same requests: another run of them) -> real0/, its server's step fit with its probe's tables -> server_fit0.json; every run is
      simulated with it too -> sim<k>_heldout/ (the "held out" columns: a fit that never saw the requests it
      predicts, as a user calibrates the twin from yesterday's traffic);
   4. the relative errors of each run and their median over runs -> bench_results/fidelity/fidelity.json,
@@ -48,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from serve_util import Server  # noqa: E402
+from serve_util import Server, wait_for  # noqa: E402
 
 OUT = ROOT / "bench_results" / "fidelity"
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -85,19 +87,33 @@ def _probe_request(url: str, rng) -> tuple[float, float]:
     return rec.first_token_s - rec.start_s, rec.token_times[1] - rec.token_times[0]
 
 
-def probe(url: str, repeats: int = WAKE_REPEATS) -> tuple[list, list]:
+def probe(url: str, repeats: int = WAKE_REPEATS) -> tuple[list, list, list]:
     """The idle real server: (TTFT, first gap) of PROBE_REQUESTS back-to-back probe requests; then, for each
-    wake gap, [gap, TTFT, first gap] of one after the server sat idle that long (`repeats` times)."""
+    wake gap, [gap, TTFT, first gap] of one after the server sat idle that long (`repeats` times); and the
+    back-to-back requests' prefill steps as the prefill worker reported them (seconds)."""
     import random
     import time
     rng = random.Random(0)
+    seen = len(_probe_prefill_steps(url))
     warm = [_probe_request(url, rng) for _ in range(PROBE_REQUESTS)]
+    steps = wait_for(lambda: _probe_prefill_steps(url), lambda xs: len(xs) >= seen + PROBE_REQUESTS, 10.0)
+    if len(steps) < seen + PROBE_REQUESTS:
+        raise SystemExit(f"the probe's {PROBE_REQUESTS} prefill steps were not reported (GET /v1/admin/steps)")
     woken = []
     for gap in WAKE_GAPS:
         for _ in range(repeats):
             time.sleep(gap)
             woken.append([gap, *_probe_request(url, rng)])
-    return warm, woken
+    return warm, woken, steps[seen:seen + PROBE_REQUESTS]
+
+
+def _probe_prefill_steps(url: str) -> list[float]:
+    """The seconds of every served pure prefill step of PROBE_TOKENS tokens the server reported so far, oldest
+    first."""
+    import httpx
+    return [r["seconds"] for r in httpx.get(url + "/v1/admin/steps", timeout=10).json()["data"]
+            if r["source"] == "served" and r["role"] == "prefill" and r["prefill_tokens"] == PROBE_TOKENS
+            and not r["decode_seqs"]]
 
 
 def control_latency_ms(warm: list, fit: Path) -> float:
@@ -106,6 +122,16 @@ def control_latency_ms(warm: list, fit: Path) -> float:
     pre = json.loads(fit.read_text())["prefill"]
     compute = pre["a"] + pre["b"] * PROBE_TOKENS + pre["c"] * PROBE_TOKENS ** 2
     return max(statistics.median(t for t, _ in warm) - compute, 0.0) / PD_HOPS * 1000
+
+
+def served_control_latency_ms(warm: list, steps: list[float]) -> float:
+    """The same from the probe's prefill steps as the server reported them (the served-step fits' sims): a
+    served-step fit's prefill of PROBE_TOKENS tokens is no measure of a back-to-back probe's, as nearly every
+    prefill step it fits followed an idle wait (on the conversation workload it came out above the probe's TTFT:
+    C = 0, no burst spacing, predictability 0.93 simulated vs 0.81 real; from the reported steps C = 3.5-4.9 ms
+    and 0.74-0.79)."""
+    import statistics
+    return max(statistics.median(t for t, _ in warm) - statistics.median(steps), 0.0) / PD_HOPS * 1000
 
 
 def wake_tables(warm: list, woken: list) -> dict:
@@ -159,7 +185,7 @@ def real_run(k: int, workload: list[str], args) -> tuple[int, tuple]:
         run("bench", "serve", "--endpoint", server.url, *workload, "--output", str(OUT / f"real{k}"),
             "--no-progress")
         after = probe(server.url, repeats)  # the machine drifts: probe around the run, as the profiles do
-        probed = (before[0] + after[0], before[1] + after[1])
+        probed = tuple(b + a for b, a in zip(before, after))
         run("profile", "--from-server", server.url, "--output", str(OUT / f"server_fit{k}.json"))
     finally:
         server.stop()
@@ -215,7 +241,8 @@ def main() -> int:
     ap.add_argument("--kv-host-gb", type=float, default=None, help="a host KV tier (real and simulated)")
     ap.add_argument("--output", type=Path, default=None, help="results folder (default bench_results/fidelity)")
     ap.add_argument("--quick", action="store_true",
-                    help="a short regression check (make fidelity): one run of 16 requests, one probe per wake gap")
+                    help="a short regression check (make fidelity): a calibration replay and one run of 16 requests, "
+                         "one probe per wake gap")
     args = ap.parse_args()
     global OUT
     if args.quick:
@@ -224,11 +251,11 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     workload = workload_args(args, seed=0)
     profiles = [OUT / f"profile{k}.json" for k in range(args.repeats + 1)]
-    held = None if args.quick else held_out_fit(workload_args(args, seed=1), args)
+    held = held_out_fit(workload_args(args, seed=1), args)
     run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[0]))
     runs = []
     for k in range(1, args.repeats + 1):
-        blocks, (warm, woken) = real_run(k, workload, args)
+        blocks, (warm, woken, probe_steps) = real_run(k, workload, args)
         run("profile", "--num-threads", "1", *PROFILE_SHAPES, "--output", str(profiles[k]))
         fit = OUT / f"fit{k}.json"
         run("profile", "--merge", str(profiles[k - 1]), str(profiles[k]), "--output", str(fit))
@@ -241,10 +268,12 @@ def main() -> int:
         simulate(f"sim{k}_nowake", workload, OUT / f"fit{k}_nowake.json", blocks, control_ms, args)
         server_fit = OUT / f"server_fit{k}.json"
         server_fit.write_text(json.dumps({**json.loads(server_fit.read_text()), **wake}, indent=1))
-        simulate(f"sim{k}_server", workload, server_fit, blocks, control_latency_ms(warm, server_fit), args)
+        served_ms = served_control_latency_ms(warm, probe_steps)
+        simulate(f"sim{k}_server", workload, server_fit, blocks, served_ms, args)
         if held is not None:  # out of sample: the fit of another replay's steps, its probe's tables
             simulate(f"sim{k}_heldout", workload, held[0], blocks, held[1], args)
-        runs.append({"control_latency_ms": control_ms, "probe_s": warm, "wake_probe_s": woken, "wake": wake,
+        runs.append({"control_latency_ms": control_ms, "control_latency_served_ms": served_ms, "probe_s": warm,
+                     "probe_prefill_s": probe_steps, "wake_probe_s": woken, "wake": wake,
                      "drift": drift(profiles[k - 1], profiles[k]), "rows": errors(k, f"sim{k}"),
                      "rows_without_wake": errors(k, f"sim{k}_nowake"),
                      "rows_server_fit": errors(k, f"sim{k}_server"), "lifecycle": lifecycle(k, f"sim{k}"),
@@ -304,10 +333,10 @@ def held_out_fit(workload: list[str], args) -> tuple[Path, float]:
     model of the steps its server reported with its probe's wake-up tables -> server_fit0.json, and its
     control-plane latency. Each run is simulated with it too: a fit that never saw the requests it predicts,
     as a user calibrates the twin from yesterday's traffic."""
-    _, (warm, woken) = real_run(0, workload, args)
+    _, (warm, woken, steps) = real_run(0, workload, args)
     fit = OUT / "server_fit0.json"
     fit.write_text(json.dumps({**json.loads(fit.read_text()), **wake_tables(warm, woken)}, indent=1))
-    return fit, control_latency_ms(warm, fit)
+    return fit, served_control_latency_ms(warm, steps)
 
 
 def real_spread(runs: list[dict]) -> dict:
@@ -320,7 +349,8 @@ def print_run(k: int, r: dict) -> None:
     d = r["drift"]
     wake = "; ".join(f"{key}: " + ", ".join(f"+{x * 1000:.0f} ms after {g:g} s" for g, x in table)
                      for key, table in r["wake"].items())
-    print(f"\nrun {k}: control-plane latency {r['control_latency_ms']:.2f} ms/message; {wake}; machine "
+    print(f"\nrun {k}: control-plane latency {r['control_latency_ms']:.2f} ms/message (from the probe's reported "
+          f"prefill steps {r['control_latency_served_ms']:.2f}); {wake}; machine "
           f"drift over the run: prefill {d['prefill']:+.0%}, decode {d['decode']:+.0%}")
     held = r.get("rows_server_heldout")
     print(f"{'metric':<12}{'real ms':>10}{'sim ms':>10}{'rel. error':>12}{'no wake: sim':>14}{'error':>8}"
