@@ -82,7 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for result in gate_serve(config, cfg):  # refuses (one line) a KV codec that fails this model
         print(result.line(), file=sys.stderr)
     engine = dataclasses.asdict(config)
-    engine.pop("model")
+    # the workers load the model directory they are given; a quantized load also reads a GGUF's own blocks, and
+    # the prepared-weights cache keys on that file: the model as served (without it, the embedded GGUF's)
+    engine["model"] = cfg.model
     return serve(cfg, engine)
 
 

@@ -55,7 +55,7 @@ def cache_key(model_dir: Path, source: Path | None, fmt: str) -> str:
     from pdserve.model.kernels import build
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json"))
     parts = {"files": [_stat(p) for p in files], "source": _stat(source) if source is not None else None,
-             "weights": fmt, "kernels": build.build().name, "torch": torch.__version__, "layout": LAYOUT_VERSION,
+             "weights": fmt, "kernels": str(build.build()), "torch": torch.__version__, "layout": LAYOUT_VERSION,
              "code": xxhash.xxh3_64_hexdigest(b"".join(p.read_bytes() for p in _CODE))}
     return xxhash.xxh3_64_hexdigest(json.dumps(parts, sort_keys=True).encode())
 
