@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant_kernels import int8_rows_reference
+from test_quant_kernels import assert_bf16_close, int8_rows_reference
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import model_executor
@@ -127,6 +127,37 @@ def test_int8_rows_match_a_torch_reference_that_quantizes_rows_alike(monkeypatch
     generate(llm)
     layers = llm.engine.executor.model.config.num_layers
     assert len(checked) >= 4 * layers and all(checked)
+
+
+@pytest.mark.parametrize("weights", ["q4", "q8_0"])
+def test_bf16_rows_in_the_models_forward_match_a_bf16_reference(monkeypatch, weights):
+    """A prompt of more than quant.BF16_ROWS tokens prefills on the bf16 path (where the CPU multiplies bf16
+    natively: AMX here, injected elsewhere): each linear layer's output in the model's own forward, the lm_head's
+    too, against the bf16 dequantize-then-matmul reference on the same input. (Not greedy tokens against a torch
+    model: the bf16 product is rounded, so fp32-level differences elsewhere move some roundings and, over 30
+    layers, a near-tie token; the quality is measured: bench_weights_quality.py.)"""
+    monkeypatch.setattr(kernels, "bf16_isa", lambda: "amx")
+    llm = LLM(weights=weights, num_threads=2, enable_prefix_caching=False)
+    kernel, checked = quant.QuantLinear.__call__, []
+
+    def compared(self, x):
+        y = kernel(self, x)
+        if x.shape[0] >= self.bf16_from:
+            with kernels.disabled():
+                assert_bf16_close(y, x, quant.unpack(self.panels, self.kind, self.n, self.k), self.bias)
+            checked.append(self.n)
+        return y
+
+    monkeypatch.setattr(quant.QuantLinear, "__call__", compared)
+    before = dict(kernels.paths_used().get("gemm", {}))
+    prompt = " ".join(PROMPTS * 12)  # ~130 tokens: one prefill chunk past BF16_ROWS
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    layers = llm.engine.executor.model.config.num_layers
+    assert len(out[0].prompt_token_ids) >= quant.BF16_ROWS["amx"]
+    assert len(checked) >= 4 * layers + 1, len(checked)  # the layers' products and the prompt's logits
+    assert llm.engine.executor.model.lm_head.n in checked
+    bf16 = sum(n - before.get(p, 0) for p, n in kernels.paths_used()["gemm"].items() if p.endswith("_bf16"))
+    assert bf16 == len(checked)
 
 
 def test_auto_picks_the_measured_format_and_says_so(caplog):
