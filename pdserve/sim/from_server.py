@@ -22,7 +22,8 @@ Fitted in, they were counted twice: on the Mooncake conversation workload (media
 decode steps) such a step ran 1.2-1.9x the others (Xeon, bench_results/fidelity_mc34), lifting the fitted
 one-sequence step 6-9% over a running request's (a fit of one run against the next run's steps). Their mean
 extra over the fit is the model's `wake_decode` ([[0, extra]]: after any idle), which a measured table
-(`bench_fidelity.py`'s idle probe) replaces. With fewer than `MIN_UNWOKEN` other decode steps (every request's
+(`bench_fidelity.py`'s idle probe) replaces; they stay in the spread (a slow first step is jitter a request's
+tokens see: without them the simulated P99 jitter there fell to 25-50 ms vs 65-79 real). With fewer than `MIN_UNWOKEN` other decode steps (every request's
 only decode step) they are fitted as before.
 """
 
@@ -120,7 +121,8 @@ def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeM
     stalls = {k: counts[k] - fitted[k] for k in counts}
     model = fit_time_model(kept, {**(meta or {}), "steps_fitted": fitted, "steps_stalled": stalls,
                                   "steps_woken": len(wakes)}, relative=True)
-    spread = {k: spread_of([t / model.step_time(s) for s, t in kept if kind(s) == k]) for k in fitted}
+    # (the woken steps scatter in it: a real request's slow first step is part of the jitter its tokens see)
+    spread = {k: spread_of([t / model.step_time(s) for s, t in kept + wakes if kind(s) == k]) for k in fitted}
     extra = [(0.0, max(float(np.mean([t - model.step_time(s) for s, t in wakes])), 0.0))] if wakes else None
     return FittedTimeModel(model.prefill, model.decode, model.meta, wake_decode=extra, spread=spread)
 
