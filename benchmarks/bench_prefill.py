@@ -107,9 +107,10 @@ def run_format(fmt: str, args, prompts) -> None:
     llm.generate([[11, 12, 13]], None)  # warmup
     linears = quant_linears(llm)
     set_bf16(linears, True)
+    bf16 = f"bf16 matmuls ({kernels.bf16_isa()}) from {linears[0].bf16_from} rows" \
+        if linears and linears[0].bf16_from < 1 << 62 else "no bf16 matmuls"
     print(f"--weights {fmt}: {args.num_requests} x {args.input_len}-token prompts at once; load "
-          f"{os.getloadavg()[0]:.1f}; bf16 matmuls: {kernels.bf16_isa()}"
-          f"{f' from {linears[0].bf16_from} rows' if linears and linears[0].bf16_from < 1 << 62 else ''}")
+          f"{os.getloadavg()[0]:.1f}; {bf16}")
     spent = breakdown(llm.engine, prompts())
     total = sum(spent.values())
     print(f"first step on one thread, CPU seconds: {total:.2f}")

@@ -292,8 +292,10 @@ def test_the_prefill_rule_with_the_cpu_injected(monkeypatch, bf16):
     if bf16 in quant.BF16_ROWS:
         start = quant.BF16_ROWS[bf16]
         assert lin.max_rows == min(kernel_rows, start - 1) and lin.bf16_from == start
-        paths = [expected_path(lin, r) for r in (start - 1, start, 4096)]
+        paths = [expected_path(lin, r) for r in (min(kernel_rows, start - 1), start, 4096)]
         assert paths == [f"q4_1_{lin.isa}", "q4_1_bf16", "q4_1_bf16"]
+        if kernel_rows + 1 < start:  # (the AVX2 build's kernels stop at 32: fp32 in between)
+            assert expected_path(lin, kernel_rows + 1) == "q4_1_dequant"
     else:
         assert lin.max_rows == kernel_rows and lin.bf16_from > 1 << 40
         assert [expected_path(lin, r) for r in (kernel_rows, kernel_rows + 1)] == [f"q4_1_{lin.isa}", "q4_1_dequant"]
