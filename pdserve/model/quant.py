@@ -54,7 +54,12 @@ I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32)}
 # AMX, load 0.4-1.5, medians of 11, 2026-12-07 (ms per layer, q8_0 int8-row kernel / q4 kernel / bf16 / fp32
 # dequantize + F.linear): 64 rows 1.8 / 2.2 / 2.2 / 4.6, 96 rows 2.6-2.9 / 3.3-3.4 / 2.3-2.6 / 4.7,
 # 128 rows 3.6-3.8 / 4.4 / 2.6-2.7 / 6.0, 256 rows 7.6-8.1 / 9.0-9.5 / 3.2-4.1 / 9.5, 512 rows 16.3 / - / 5.4-6.1 /
-# 16.8; bf16's floor is ~1.8 ms (dequantize + oneDNN's call) up to 48 rows, where the kernels take 0.6-1.5.
+# 16.8; bf16's floor is ~1.8 ms (dequantize + oneDNN's call) up to 48 rows, where the kernels take 0.6-1.5. On one
+# thread (CPU ms per layer, thread_time, medians of 5, load ~4, 17:02): q8_0 int8 rows / bf16 48 rows 2.5 / 2.9,
+# 64 rows 3.4 / 3.2, 96 rows 5.3 / 3.8, 128 rows 7.5 / 4.2, 2048 rows (fp32 rows) 175 / 27 (fp32 F.linear 102); so
+# 96, the first count where bf16 wins on one and two threads. The same host with oneDNN capped at AVX512-BF16
+# (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: vdpbf16ps, no AMX), one thread, q4: bf16 slower than fp32 F.linear at every
+# count (64 rows 7.3 vs 6.9, 256 rows 24 vs 17, 2048 rows 163 vs 103): no entry, fp32 there.
 BF16_ROWS = {"amx": 96}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
 # (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
