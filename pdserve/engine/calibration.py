@@ -302,7 +302,9 @@ def _decode_rows(probe, deadline: float, limit: float) -> list[StepRow]:
 
 # ---- the cache --------------------------------------------------------------------------------------------
 def cache_key(engine, role: str, model_dir: str) -> dict:
-    """What the profile's times depend on: the host's processor, the model, the engine's config, the role."""
+    """What the profile's times depend on: the host's processor, the model, the engine's config, the role, and the
+    code that runs the forward (the compiled kernels' build and `pdserve/model`'s sources: a change to a kernel or
+    a kernel rule re-profiles, else a profile timed before it would be read as this code's times)."""
     import torch
 
     from pdserve.version import __version__
@@ -316,7 +318,21 @@ def cache_key(engine, role: str, model_dir: str) -> dict:
             "model": model_fingerprint(model_dir), "dtype": info.dtype, "weights": info.weights, "device": device,
             "kv_cache_dtype": info.kv_cache_dtype, "block_size": info.block_size,
             "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
-            "threads": torch.get_num_threads(), "role": role, "torch": torch.__version__, "pdserve": __version__}
+            "threads": torch.get_num_threads(), "role": role, "torch": torch.__version__, "pdserve": __version__,
+            "code": _forward_code()}
+
+
+def _forward_code() -> str:
+    """A digest of what the step times come from besides the config: the kernels library's build (its path names
+    its sources, flags, compiler and CPU) and the model package's Python sources."""
+    import xxhash
+
+    from pdserve.model import kernels
+    from pdserve.model.kernels import build
+    h = xxhash.xxh3_64(str(build.build()).encode() if kernels.available() else b"no kernels")
+    for source in sorted((Path(__file__).parents[1] / "model").glob("*.py")):
+        h.update(source.read_bytes())
+    return h.hexdigest()
 
 
 def cache_path(key: dict) -> Path:
