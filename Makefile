@@ -38,7 +38,7 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/bench_engine.py
 
-# the simulator against the real server, short (a calibration replay and one run of 16 requests; ~4.5 min on 2 cores):
+# the simulator against the real server, short (a calibration replay and one run of 16 requests; ~5 min on 2 cores):
 # the fidelity table with the held-out column
 fidelity: setup
 	$(PY) benchmarks/bench_fidelity.py --quick

@@ -4,7 +4,7 @@ time model fitted to this machine; relative error of median and P90 TTFT and TPO
     .venv/bin/python benchmarks/bench_fidelity.py [--workload SPEC ...] [--rate 0.5] [--max-requests 40]
                                                  [--repeats 3] [--num-kv-blocks N] [--kv-host-gb G] [--quick]
     make fidelity    # = --quick: a calibration replay and one run of 16 requests, one idle probe per wake gap
-                     # (~4.5 min on 2 cores: the calibration replay for the held-out column adds ~1.5)
+                     # (~5 min on 2 cores: the calibration replay for the held-out column adds ~1.6)
 
 This shared 2-core VM changes speed by tens of percent within minutes, so a profile taken once, minutes
 before a run, can describe another machine than the one the run met. Hence, through the real command line:
