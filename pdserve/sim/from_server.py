@@ -74,14 +74,14 @@ def relative_errors(model: FittedTimeModel, samples: list[tuple[StepShape, float
     return np.array([model.step_time(s) / t - 1.0 for s, t in samples])
 
 
-def woken(records: list[dict]) -> list[bool]:
+def woken(records: list[dict], samples: list[tuple[StepShape, float] | None] | None = None) -> list[bool]:
     """For each record, whether it is a woken decode step: a served pure decode step of one sequence after its
     worker's previous pure decode step was one of another sequence (its context not the previous one + 1), or
     after none: a request's first step on a worker that had nothing else to run. (One sequence after a batch of
     several is the one left running.) The records are each worker's steps oldest first, as GET /v1/admin/steps
-    gives them."""
+    gives them. `samples`: `_all_samples(records)` where the caller has them."""
     out, last = [], {}
-    for rec, sample in zip(records, _all_samples(records)):
+    for rec, sample in zip(records, _all_samples(records) if samples is None else samples):
         shape = sample and sample[0]
         decode = shape is not None and kind(shape) == "decode"
         prev = last.get(rec.get("worker"))
@@ -102,7 +102,8 @@ def fit_from_steps(records: list[dict], meta: dict | None = None) -> FittedTimeM
     kind it was fitted to and how many it left out as stalls and as woken decode steps (`steps_woken`, their
     mean extra over the fit in `wake_decode`). Too few pure prefill or decode steps: a one-line error."""
     served_samples(records)  # (a malformed record: its one-line error names its index)
-    every = list(zip(_all_samples(records), woken(records)))
+    per_record = _all_samples(records)
+    every = list(zip(per_record, woken(records, per_record)))
     if sum(1 for sample, w in every if sample and kind(sample[0]) == "decode" and not w) < MIN_UNWOKEN:
         # (every request's only decode step, e.g. 2-token answers: fitted as they are, counted in the meta)
         meta, every = {**(meta or {}), "steps_woken_fitted": sum(w for _, w in every)}, [(x, False) for x, _ in every]
