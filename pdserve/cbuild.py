@@ -10,6 +10,7 @@ flags (part of the key), e.g. `-mno-avx512f` to run here what an AVX2-only host 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -42,6 +43,15 @@ def cpu_signature() -> str:
         return platform.processor()
     keep = [ln for ln in lines if ln.split(":")[0].strip() in ("vendor_id", "model name", "flags")]
     return "\n".join(sorted(set(keep)))
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """"amd", "intel" or "" (another vendor, or no /proc/cpuinfo): some libraries pick their code by vendor
+    (MKL runs its AVX-512 code only on Intel CPUs), so rules measured on one vendor's CPUs name it."""
+    vendor = next((ln.split(":", 1)[1].strip() for ln in cpu_signature().splitlines() if ln.startswith("vendor_id")),
+                  "")
+    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, "")
 
 
 def compiler() -> str:

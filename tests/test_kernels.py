@@ -162,11 +162,15 @@ def test_gemm_matches_linear(rows, n, k):
     torch.testing.assert_close(kernels.gemm(wide, lin.panels), wide @ w.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["host", "avx512_amd"])
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 256, 257, 600])
-def test_linear_paths_match_f_linear(rows):
-    """Every path Linear can take (compiled GEMM, MKL's packed sgemm, F.linear) against F.linear, each
-    one counted as taken."""
-    from pdserve.model.linear import KERNEL_ROWS, PACKED_MAX_ROWS, Linear
+def test_linear_paths_match_f_linear(monkeypatch, rows, kind):
+    """Every path Linear can take (compiled GEMM, MKL's packed sgemm, oneDNN, F.linear) against F.linear, each
+    one counted as taken: on this host's rule, and on an AMD AVX-512 host's (injected: oneDNN past the kernel)."""
+    from pdserve.model.linear import KERNEL_ROWS, ONEDNN_FROM, PACKED_MAX_ROWS, Linear
+    if kind != "host":
+        monkeypatch.setattr(kernels, "host_kind", lambda: kind)
+    kind = kernels.host_kind()
     g = torch.Generator().manual_seed(7)
     w, b, x = torch.randn(200, 96, generator=g), torch.randn(200, generator=g), torch.randn(rows, 96, generator=g)
 
@@ -176,13 +180,15 @@ def test_linear_paths_match_f_linear(rows):
         assert kernels.paths_used()["gemm"][path] == before + 1
 
     lin = Linear(w, b, pack=True)
-    lo, hi = KERNEL_ROWS.get(lin.isa, (1, 0))
+    lo, hi = KERNEL_ROWS.get(kind, (1, 0)) if lin.panels is not None else (1, 0)
     check(lin, lin.isa if lo <= rows <= hi else
-          "mkl_packed" if lin.packed is not None and rows <= PACKED_MAX_ROWS else "torch_linear")
+          "mkl_packed" if lin.packed is not None and rows <= PACKED_MAX_ROWS else
+          "onednn" if rows >= ONEDNN_FROM.get(kind, 1 << 62) else "torch_linear")
     with kernels.disabled():  # as where the kernels failed to build: MKL's packed sgemm for every row count
         lin = Linear(w, b, pack=True)
         assert lin.panels is None and lin.packed is not None
-        check(lin, "mkl_packed" if rows <= PACKED_MAX_ROWS else "torch_linear")
+        check(lin, "mkl_packed" if rows <= PACKED_MAX_ROWS else
+              "onednn" if rows >= ONEDNN_FROM.get(kernels.host_kind(), 1 << 62) else "torch_linear")
 
 
 def test_a_failed_build_is_a_counted_fallback(tmp_path):

@@ -10,10 +10,14 @@ kind of CPU (docs/benchmarks.md, "Engine throughput"; `benchmarks/bench_gemm.py`
   at every row count from 1 to 512 (16 rows: 36-54 vs 100-173 ms; 256: 523 vs 644 ms; even at 512),
   slower at 2048 (95 vs 109 GFLOP/s for `F.linear`), so it serves 1-256 rows and MKL's packed copy of
   the weights is not kept.
-Outside that range, up to `PACKED_MAX_ROWS` rows, torch's MKL build with the weight pre-packed for its
+- AVX-512 on AMD (EPYC Zen 4, 2 threads, same products, 2026-12-07): MKL runs its AVX2 code on AMD CPUs,
+  and the kernel beats it at every row count from 1 to 512 (1 row 18 vs 56 ms, 48 rows 221 vs 688 ms);
+  oneDNN's fp32 matmul (what vLLM-CPU runs) beats MKL from 16 rows (2048 rows 4.6-4.8 vs 6.5-6.7 s) and the
+  kernel from 512 rows: so the kernel for 1-256 rows, oneDNN beyond (`ONEDNN_FROM`).
+Outside the kernel's range, up to `PACKED_MAX_ROWS` rows, torch's MKL build with the weight pre-packed for its
 packed sgemm runs these products ~1.4x faster than `F.linear`; for many rows (prefill) plain `F.linear`
-is faster. Elsewhere (CUDA, no MKL) this is plain `F.linear`. Which path each call took is counted in
-`kernels.paths_used()["gemm"]`.
+is faster, or oneDNN where `ONEDNN_FROM` says so. Elsewhere (CUDA, no MKL) this is plain `F.linear`. Which
+path each call took is counted in `kernels.paths_used()["gemm"]`. The rules are keyed by `kernels.host_kind()`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import torch.nn.functional as F
 from pdserve.model import kernels
 
 # Row counts the compiled GEMM serves, per instruction set (inclusive); other counts go to MKL.
-KERNEL_ROWS = {"avx512": (2, 32), "avx2": (1, 256)}
+KERNEL_ROWS = {"avx512": (2, 32), "avx2": (1, 256), "avx512_amd": (1, 256)}
+# Row counts from which fp32 products past the kernel's range run oneDNN's fp32 matmul on the plain weight
+# (`torch.ops.mkldnn._linear_pointwise`; no packed copy: 2-6% slower than oneDNN's reordered weight, 538 MB less)
+# instead of `F.linear` (MKL), per host kind; measured in the module docstring (`bench_gemm.py`).
+ONEDNN_FROM = {"avx512_amd": 257}
 PACKED_MAX_ROWS = 256
 # MKL packs differently for different batch hints (the buffer size does not change, the speed does).
 # Measured with the default model's weights on 2 Zen-3 cores, hint 64 is as fast as or faster than
@@ -51,10 +59,11 @@ class Linear:
             self.panels = kernels.pack_weight(self.weight, arena) if panels is None else \
                 _packed(panels, self.weight.shape, arena)
         self.isa = kernels.isa() if self.panels is not None else "none"
-        self.kernel_rows = KERNEL_ROWS.get(self.isa, (1, 0))
+        kind = kernels.host_kind() if self.panels is not None else "none"
+        self.kernel_rows = KERNEL_ROWS.get(kind, (1, 0))
         if self.panels is not None:
             kernels.decide(f"GEMM: the {self.isa} kernel for {self.kernel_rows[0]}-{self.kernel_rows[1]} rows, "
-                           f"MKL beyond (the rule measured for this instruction set)")
+                           f"{'oneDNN' if kind in ONEDNN_FROM else 'MKL'} beyond (the rule measured for {kind})")
         # MKL's packed copy only where the kernel leaves row counts to it
         mkl_rows = pack and not (self.kernel_rows[0] <= 1 and self.kernel_rows[1] >= PACKED_MAX_ROWS)
         self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACK_HINT_ROWS) if mkl_rows
@@ -71,8 +80,23 @@ class Linear:
             kernels.used("gemm", "mkl_packed")
             # The last argument must equal the row count, or MKL falls back to the unpacked weight.
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
-        kernels.used("gemm", "torch_linear")
-        return F.linear(x, self.weight, self.bias)
+        return large(x, self.weight, self.bias)
+
+
+def large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: str = "") -> torch.Tensor:
+    """x @ weight^T (+ bias) in fp32 for row counts past the kernels' (prefill): oneDNN where `ONEDNN_FROM` says
+    it is faster on this kind of CPU, else `F.linear`. Counted as "onednn" / "torch_linear", or as `path` when
+    given (quantized weights' fp32 path, `quant.QuantLinear`, counts its own name)."""
+    onednn = x.shape[0] >= ONEDNN_FROM.get(_host_kind(x), 1 << 62) and x.dim() == 2 and weight.dtype == x.dtype
+    kernels.used("gemm", path or ("onednn" if onednn else "torch_linear"))
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _host_kind(x: torch.Tensor) -> str:
+    return kernels.host_kind() if x.is_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available() \
+        else "none"
 
 
 def _packed(panels: torch.Tensor, shape: torch.Size, arena) -> kernels.PackedWeight:

@@ -28,6 +28,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from pdserve import cbuild
+
 log = logging.getLogger(__name__)
 
 _lib: ctypes.CDLL | None = None
@@ -138,6 +140,13 @@ def isa() -> str:
     no AVX2 + FMA, or no library)."""
     lib = None if _disabled else _library()
     return {512: "avx512", 2: "avx2"}.get(lib.pd_gemm_isa(), "none") if lib is not None else "none"
+
+
+def host_kind() -> str:
+    """The kind of CPU the matmul rules (`linear.KERNEL_ROWS`, `linear.ONEDNN_FROM`) were measured on: `isa()`,
+    with "_amd" added for AVX-512 AMD CPUs (Zen 4/5), where torch's MKL runs its AVX2 code, not its AVX-512 one."""
+    kind = isa()
+    return f"{kind}_amd" if kind == "avx512" and cbuild.cpu_vendor() == "amd" else kind
 
 
 @contextlib.contextmanager
