@@ -14,6 +14,7 @@ import torch
 
 from pdserve.core.sched.schedule import ExecutorOutput, SchedulerOutput
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.heap import keep_freed_memory
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.codec import KVCodec
 from pdserve.kv.device_pool import DeviceKVPool, blocks_for_budget
@@ -58,6 +59,8 @@ class ModelExecutor:
                  shared_kv: bool = False, worker: str = "llm") -> None:
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = pick_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # `pdserve.engine.heap`: prefill activations reused, not faulted in again
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.block_size = config.block_size
         self.vocab_size = model_config.vocab_size

@@ -1,0 +1,47 @@
+"""Keep freed activation memory in the process's heap instead of handing it back to the OS (glibc malloc).
+
+A CPU prefill step allocates and frees megabytes per layer (a 2048-token step's gate|up output is 25 MB, its
+SiLU x up 12.6 MB). glibc serves such sizes with mmap (from 128 KiB; raised after frees, up to 32 MiB) and
+returns them with munmap, and trims the heap's top past twice that threshold: the next layer's tensors then
+fault every page in again, each zeroed by the kernel. Fixing the mmap threshold at its 64-bit maximum and the
+trim threshold at `TRIM_THRESHOLD` lets freed blocks be reused as they are; the process keeps up to its peak
+working set of activations (what a caching allocator, or vLLM-CPU's recommended tcmalloc, does too).
+Measured (AMD EPYC Zen 4 VM, 2 threads, fp32, bursts of 16 x 128-token prompts in one prefill step, 5 bursts per
+process, 3 processes each way alternating, load < 1, 2026-12-07): page faults per 5 bursts 430-534 k without,
+241-245 k with; burst median 2,571 vs 2,503 ms (a page fault costs ~8 us on this VM). The faults left are mostly
+the KV pool's first touch (`hugepages.lazy_zeros`: once per block, until the pool has been used once).
+Applied once per process by the CPU model executor; a C library without `mallopt` (not glibc) leaves malloc as
+it is: a decision, logged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit: bigger blocks (KV pools) keep their own mmap
+TRIM_THRESHOLD = 1 << 30  # free memory above this at the heap's top goes back to the OS
+
+_applied: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Sets malloc's thresholds (once per process); True where they are set."""
+    global _applied
+    if _applied is None:
+        _applied = _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        log.info("pdserve: malloc %s", f"keeps freed blocks (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim "
+                 f"threshold {TRIM_THRESHOLD >> 20} MiB)" if _applied else "left as it is (no glibc mallopt)")
+    return _applied
+
+
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+    except (OSError, AttributeError):
+        return False
