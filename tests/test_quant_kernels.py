@@ -229,7 +229,7 @@ def test_int8_row_kernel_matches_the_int8_reference(rows, n, k):
 def test_quant_linear_runs_int8_rows_where_the_rule_says():
     """Q8_0 linears take the int8-row kernel for the row counts of quant.I8_ROWS (counted as *_i8), the fp32-row
     kernel elsewhere; q4_1 never."""
-    lo, hi = quant.I8_ROWS[kernels.qgemm_i8_isa()]
+    lo, hi = quant.I8_ROWS[kernels.host_kind(kernels.qgemm_i8_isa())]
     b = random_blocks("q8_0", 70, 128)
     lin, q4 = quant.QuantLinear(b), quant.QuantLinear(random_blocks("q4_1", 70, 128))
     assert q4.kernel_format(lo) == quant.KINDS["q4_1"]

@@ -44,7 +44,10 @@ KERNEL_ROWS = {"avx512": 128, "avx2": 32}
 # per-layer products (Intel Xeon, 1 thread, host load ~7, medians of 10, 2026-12-07; scratch script in the issue-43
 # helper report, rows 1-128): AVX-512 int8 rows vs fp32 rows 1.13x faster at 16 rows, 1.25x at 32-64, 1.29x at 128,
 # even or noise at 1-12; AVX2 build (-mno-avx512f, AVX-VNNI) 1.37x at 8, 1.40x at 16, 1.47x at 32, 0.92x at 1.
-I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32)}
+# AMD EPYC Zen 4 (AVX512-VNNI, no AVX-VNNI; `bench_gemm.py --quant`, 2 threads, medians of 7-9, load < 1,
+# 2026-12-07; ms for the 120 products, int8 rows vs fp32 rows): 1-3 rows even (4.7-5.6 vs 5.0-5.4), 4 rows 5.3 vs
+# 6.1, 8 rows 6.2 vs 10.2, 16 rows 8.9 vs 19.8, 64 rows 40 vs 77. Keyed by `kernels.host_kind`.
+I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32), "avx512_amd": (4, 128)}
 # Row counts from which quantized weights multiply in bf16, per how the CPU multiplies bf16 (`kernels.bf16_isa()`):
 # the weight dequantized per call into a reused bf16 scratch (qgemm.c pd_qdequant_bf16t: the fp32 weight rounded
 # to nearest even, ~0.5 ms for a layer's 3.5 M weights on 2 threads), the rows rounded to bf16, torch's bf16
@@ -234,7 +237,7 @@ class QuantLinear:
 def i8_rows(kind: str) -> tuple[int, int]:
     """The row counts (inclusive) at which `kind` blocks run the int8-row kernel on this host ((1, 0): none)."""
     isa = kernels.qgemm_i8_isa() if kind == "q8_0" else "none"
-    rows = I8_ROWS.get(isa, (1, 0))
+    rows = I8_ROWS.get(kernels.host_kind(isa), (1, 0))
     if kind == "q8_0":
         kernels.decide(f"Q8_0 weights: int8 rows ({isa} VNNI) for {rows[0]}-{rows[1]} rows, fp32 rows else"
                        if isa != "none" else "Q8_0 weights: no VNNI on this CPU, fp32 rows at every row count")

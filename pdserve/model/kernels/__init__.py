@@ -142,10 +142,11 @@ def isa() -> str:
     return {512: "avx512", 2: "avx2"}.get(lib.pd_gemm_isa(), "none") if lib is not None else "none"
 
 
-def host_kind() -> str:
-    """The kind of CPU the matmul rules (`linear.KERNEL_ROWS`, `linear.ONEDNN_FROM`) were measured on: `isa()`,
-    with "_amd" added for AVX-512 AMD CPUs (Zen 4/5), where torch's MKL runs its AVX2 code, not its AVX-512 one."""
-    kind = isa()
+def host_kind(kernel_isa: str | None = None) -> str:
+    """The kind of CPU a matmul rule was measured on (`linear.KERNEL_ROWS`, `linear.ONEDNN_FROM`,
+    `quant.I8_ROWS`): the kernel's instruction set (`isa()` unless given), with "_amd" added for AVX-512 AMD CPUs
+    (Zen 4/5: torch's MKL runs its AVX2 code there, and VNNI pays from fewer rows than on Intel's)."""
+    kind = isa() if kernel_isa is None else kernel_isa
     return f"{kind}_amd" if kind == "avx512" and cbuild.cpu_vendor() == "amd" else kind
 
 
