@@ -9,8 +9,8 @@ each with an fp16 scale (and for Q4_1 an fp16 minimum), multiplied by the compil
   weights (ggml's reference rounding: Q8_0 d = max|w| / 127; Q4_1 d = (max - min) / 15, m = min).
 - `QuantLinear`: `Linear`'s interface on the packed blocks. Few rows (decode) run the kernel, which reads the
   blocks (1.06 bytes per weight for Q8_0, 0.625 for Q4, against 4 in fp32); more rows (prefill) dequantize
-  the weight for the call and run torch's `F.linear`: in bf16 where the CPU multiplies bf16 natively (AMX or
-  AVX512-BF16, `BF16_ROWS`), else in fp32 (`linear.large`); counted per path in `kernels.paths_used()["gemm"]`.
+  the weight for the call and run torch's `F.linear`: in bf16 where the CPU multiplies bf16 natively and fast (AMX,
+  AVX512-BF16 on AMD: `BF16_ROWS`), else in fp32 (`linear.large`); counted per path in `kernels.paths_used()["gemm"]`.
 The embedding table stays fp32 (a lookup reads a few rows). CPU and fp32 activations only.
 """
 
@@ -66,8 +66,9 @@ I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32), "avx512_amd": (4, 128)}
 # Zen 4, 2 threads, the same four products, medians of 9, load ~2-3, 2026-12-07; ms per layer, q8_0 int8-row /
 # q4 kernel / bf16 / fp32 dequantize + oneDNN / + F.linear): 64 rows 1.8 / 2.6 / 2.6 / 4.4 / 5.1, 96 rows 2.6 / 3.9 /
 # 3.4 / 5.5 / 6.7, 128 rows 3.1 / 5.2 / 3.8 / 6.6 / 7.5, 256 rows (q8_0 fp32 rows) 11.6 / 10.3 / 6.8 / 11.4 / 14.5,
-# 2048 rows 86 / 85 / 42 / 72 / 85: bf16 from 96 rows for q4 and past q8_0's int8-row range (129) for q8_0.
-BF16_ROWS = {"amx": {"q8_0": 96, "q4_1": 96}, "avx512_bf16": {"q8_0": 129, "q4_1": 96}}
+# 2048 rows 86 / 85 / 42 / 72 / 85: bf16 from 96 rows for q4 and past q8_0's int8-row range (129) for q8_0. Keyed
+# by `kernels.host_kind(bf16_isa)`: AVX512-BF16 on AMD only (on Intel's, above, it lost to fp32).
+BF16_ROWS = {"amx": {"q8_0": 96, "q4_1": 96}, "avx512_bf16_amd": {"q8_0": 129, "q4_1": 96}}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
 # (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
 # q4 and 18.4 for fp32; perplexity -0.2% against fp32 on the default model).
@@ -247,8 +248,9 @@ def i8_rows(kind: str) -> tuple[int, int]:
 def bf16_rows(bf16_isa: str, kind: str) -> int:
     """The row count from which `kind` blocks multiply in bf16 on a CPU that multiplies bf16 as `bf16_isa` says
     (`kernels.bf16_isa()`; a huge number: never, fp32 past the kernels' rows)."""
-    rows = BF16_ROWS.get(bf16_isa, {}).get(kind, 1 << 62)
-    kernels.decide(f"{kind} weights: bf16 F.linear ({bf16_isa}) from {rows} rows" if bf16_isa in BF16_ROWS else
+    key = kernels.host_kind(bf16_isa)
+    rows = BF16_ROWS.get(key, {}).get(kind, 1 << 62)
+    kernels.decide(f"{kind} weights: bf16 F.linear ({key}) from {rows} rows" if key in BF16_ROWS else
                    f"quantized weights: no measured bf16 rule for this CPU's bf16 ({bf16_isa}): fp32 F.linear past "
                    f"the kernels' rows")
     return rows

@@ -144,10 +144,11 @@ def isa() -> str:
 
 def host_kind(kernel_isa: str | None = None) -> str:
     """The kind of CPU a matmul rule was measured on (`linear.KERNEL_ROWS`, `linear.ONEDNN_FROM`,
-    `quant.I8_ROWS`): the kernel's instruction set (`isa()` unless given), with "_amd" added for AVX-512 AMD CPUs
-    (Zen 4/5: torch's MKL runs its AVX2 code there, and VNNI pays from fewer rows than on Intel's)."""
+    `quant.I8_ROWS`, `quant.BF16_ROWS`): the instruction set of the path it rules (`isa()` unless given), with
+    "_amd" added for AVX-512 on AMD CPUs (Zen 4/5: torch's MKL runs its AVX2 code there, VNNI pays from fewer rows
+    than on Intel's, and oneDNN's AVX512-BF16 matmul beats fp32 where on Intel's it did not)."""
     kind = isa() if kernel_isa is None else kernel_isa
-    return f"{kind}_amd" if kind == "avx512" and cbuild.cpu_vendor() == "amd" else kind
+    return f"{kind}_amd" if kind in ("avx512", "avx512_bf16") and cbuild.cpu_vendor() == "amd" else kind
 
 
 @contextlib.contextmanager
