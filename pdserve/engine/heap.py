@@ -17,7 +17,6 @@ it is: a decision, logged.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -33,15 +32,12 @@ def keep_freed_memory() -> bool:
     """Sets malloc's thresholds (once per process); True where they are set."""
     global _applied
     if _applied is None:
-        _applied = _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        try:  # the C library the process already runs on (its own symbols): glibc's mallopt, where it has one
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            mallopt = None
+        _applied = mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
+            bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
         log.info("pdserve: malloc %s", f"keeps freed blocks (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim "
                  f"threshold {TRIM_THRESHOLD >> 20} MiB)" if _applied else "left as it is (no glibc mallopt)")
     return _applied
-
-
-def _mallopt(param: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
-    except (OSError, AttributeError):
-        return False
