@@ -4,12 +4,13 @@
 
 Times the default model's 120 per-layer products (30 layers x q|k|v, o, gate|up, down; random fp32
 weights of the same shapes, 425 MB, so every pass streams them from memory as a decode step does) for
-each row count on three paths: the compiled GEMM kernel (`kernels.gemm`, when this host has one), MKL's
-packed sgemm (`torch.ops.mkl._mkl_linear`) and `F.linear`. The paths alternate within each repeat, so a
-noisy neighbour slows all three alike; medians are printed, with the fastest path per row count and the
-range of row counts where the kernel wins. `--quant`: also the quantized-weight paths (`pdserve.model.quant`: the
-q8_0 and q4_1 kernels, dequantize + F.linear as prefill runs them, and where the CPU has VNNI q8_0 on int8 rows),
-the evidence for `quant.KERNEL_ROWS` and `quant.I8_ROWS`.
+each row count on four paths: the compiled GEMM kernel (`kernels.gemm`, when this host has one), MKL's
+packed sgemm (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL) and oneDNN's fp32 matmul on the plain weight
+(the evidence for `linear.ONEDNN_FROM`). The paths alternate within each repeat, so a noisy neighbour slows
+all alike; medians are printed, with the fastest path per row count and the range of row counts where the
+kernel wins. `--quant`: also the quantized-weight paths (`pdserve.model.quant`: the q8_0 and q4_1 kernels,
+dequantize + the fp32 matmul as prefill runs it past the kernels (`linear.large`), and where the CPU has VNNI
+q8_0 on int8 rows), the evidence for `quant.KERNEL_ROWS` and `quant.I8_ROWS`.
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import kernels
-from pdserve.model.linear import KERNEL_ROWS, PACK_HINT_ROWS
+from pdserve.model import linear
+from pdserve.model.linear import KERNEL_ROWS, ONEDNN_FROM, PACK_HINT_ROWS
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] of the default model's layers
 LAYERS = 30
 
 
 def make_paths(weights: list[torch.Tensor]) -> dict[str, list]:
-    paths = {"mkl_packed": [], "f_linear": []}
+    paths = {"mkl_packed": [], "f_linear": [], "onednn": []}
     if kernels.available() and kernels.isa() != "none":
         paths["kernel"] = [kernels.PackedWeight(w) for w in weights]
     for w in weights:
         paths["mkl_packed"].append((torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_HINT_ROWS), w))
         paths["f_linear"].append(w)
+        paths["onednn"].append(w)  # oneDNN's fp32 matmul on the plain weight: the evidence for linear.ONEDNN_FROM
     return paths
 
 
@@ -57,12 +60,14 @@ def one_pass(path: str, packed: list, xs: dict[int, torch.Tensor]) -> float:
         elif path == "q8_0_i8":
             kernels.qgemm(xs[p.k], p.panels, kernels.FMT_Q8_0_I8, p.n, p.k)
         elif path.endswith("_deq"):
-            F.linear(xs[p.k], p.weight())
+            linear.large(xs[p.k], p.weight(), None)  # as QuantLinear's fp32 path runs it
         elif path == "kernel":
             kernels.gemm(xs[p.k], p)
         elif path == "mkl_packed":
             x = xs[p[1].shape[1]]
             torch.ops.mkl._mkl_linear(x, p[0], p[1], None, x.shape[0])
+        elif path == "onednn":
+            torch.ops.mkldnn._linear_pointwise(xs[p.shape[1]], p, None, "none", [], "")
         else:
             F.linear(xs[p.shape[1]], p)
     return time.perf_counter() - t0
@@ -83,8 +88,9 @@ def main() -> None:
     if args.quant:
         paths.update(quant_paths(weights))
     flops_per_row = 2 * sum(w.numel() for w in weights)
-    print(f"kernel ISA: {kernels.isa()}, threads {torch.get_num_threads()}, "
-          f"current rule: kernel for rows {KERNEL_ROWS.get(kernels.isa())}")
+    kind = kernels.host_kind()
+    print(f"kernel ISA: {kernels.isa()} (rules for {kind}), threads {torch.get_num_threads()}, current rule: kernel "
+          f"for rows {KERNEL_ROWS.get(kind)}, oneDNN from {ONEDNN_FROM.get(kind, 'never')}")
     print(f"{'rows':>5}" + "".join(f"{p + ' ms':>16}" for p in paths) + "  fastest")
     wins = []
     for rows in args.rows:

@@ -10,10 +10,11 @@ kind of CPU (docs/benchmarks.md, "Engine throughput"; `benchmarks/bench_gemm.py`
   at every row count from 1 to 512 (16 rows: 36-54 vs 100-173 ms; 256: 523 vs 644 ms; even at 512),
   slower at 2048 (95 vs 109 GFLOP/s for `F.linear`), so it serves 1-256 rows and MKL's packed copy of
   the weights is not kept.
-- AVX-512 on AMD (EPYC Zen 4, 2 threads, same products, 2026-12-07): MKL runs its AVX2 code on AMD CPUs,
-  and the kernel beats it at every row count from 1 to 512 (1 row 18 vs 56 ms, 48 rows 221 vs 688 ms);
-  oneDNN's fp32 matmul (what vLLM-CPU runs) beats MKL from 16 rows (2048 rows 4.6-4.8 vs 6.5-6.7 s) and the
-  kernel from 512 rows: so the kernel for 1-256 rows, oneDNN beyond (`ONEDNN_FROM`).
+- AVX-512 on AMD (EPYC Zen 4, 2 threads, same products, quiet, medians of 5, 2026-12-07): MKL runs its AVX2
+  code on AMD CPUs, and the kernel beats its packed sgemm at every row count (1 row 13.4 vs 29.6 ms, 48 rows
+  56.7 vs 101.6); oneDNN's fp32 matmul (what vLLM-CPU runs) beats MKL at every count too (2048 rows 2,221 vs
+  2,537 ms: 196 vs 171 GFLOP/s), ties the kernel at 256 rows (310 vs 311) and wins from 512 (574 vs 635):
+  so the kernel for 1-256 rows, oneDNN beyond (`ONEDNN_FROM`).
 Outside the kernel's range, up to `PACKED_MAX_ROWS` rows, torch's MKL build with the weight pre-packed for its
 packed sgemm runs these products ~1.4x faster than `F.linear`; for many rows (prefill) plain `F.linear`
 is faster, or oneDNN where `ONEDNN_FROM` says so. Elsewhere (CUDA, no MKL) this is plain `F.linear`. Which
