@@ -1,10 +1,11 @@
 """Where a batch-16 decode step's time goes, and each compiled kernel against its torch path.
 
-    .venv/bin/python benchmarks/bench_decode_parts.py [--steps 10] [--repeats 5]
+    .venv/bin/python benchmarks/bench_decode_parts.py [--steps 10] [--repeats 5] [--weights fp32] [--input-len 128]
 
-1. The engine (default model, fp32, both cores): 16 random 128-token prompts are prefilled, then
-   `--steps` pure batch-16 decode steps run under cProfile; prints the functions with the most own time
-   (the compiled kernels show as their Python wrappers: `gemm`, `decode_attention`, ...) per step.
+1. The engine (default model, `--weights`, both cores): 16 random prompts of `--input-len` tokens are prefilled,
+   then `--steps` pure batch-16 decode steps are timed plain, then again under cProfile; prints the functions
+   with the most own time (the compiled kernels show as their Python wrappers: `gemm`, `decode_attention`, ...)
+   per step.
 2. Cold parts, same shapes as that step, medians of `--repeats`: decode attention over 30 layers of
    KV (context 192, huge-page caches as the engine's) and SiLU·up / add+RMSNorm, kernel vs torch path.
 """
@@ -28,15 +29,20 @@ from pdserve.model.hugepages import lazy_zeros
 from pdserve.model.input_batch import CacheLayout, build_input_batch
 
 
-def profile_steps(steps: int) -> None:
-    llm = LLM(max_num_seqs=16)
+def profile_steps(steps: int, weights: str = "fp32", input_len: int = 128) -> None:
+    llm = LLM(max_num_seqs=16, weights=weights)
     engine = llm.engine
     rng = np.random.RandomState(0)
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
     for _ in range(16):
-        engine.add_request(rng.randint(10, 49000, size=128).tolist(), params)
+        engine.add_request(rng.randint(10, 49000, size=input_len).tolist(), params)
     for _ in range(4):  # the prefill step and a few decode steps as warm-up
         engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    print(f"--weights {weights}, context {input_len}+: batch-16 decode step {step_ms:.1f} ms (plain)")
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -94,8 +100,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--weights", default="fp32", help="the engine's weight format (fp32, q8_0, q4)")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens: the decode steps' context")
     args = ap.parse_args()
-    profile_steps(args.steps)
+    profile_steps(args.steps, args.weights, args.input_len)
     cold_parts(args.repeats)
 
 
