@@ -6,10 +6,11 @@ returns them with munmap, and trims the heap's top past twice that threshold: th
 fault every page in again, each zeroed by the kernel. Fixing the mmap threshold at its 64-bit maximum and the
 trim threshold at `TRIM_THRESHOLD` lets freed blocks be reused as they are; the process keeps up to its peak
 working set of activations (what a caching allocator, or vLLM-CPU's recommended tcmalloc, does too).
-Measured (AMD EPYC Zen 4 VM, 2 threads, fp32, bursts of 16 x 128-token prompts in one prefill step, 5 bursts per
-process, 3 processes each way alternating, load < 1, 2026-12-07): page faults per 5 bursts 430-534 k without,
-241-245 k with; burst median 2,571 vs 2,503 ms (a page fault costs ~8 us on this VM). The faults left are mostly
-the KV pool's first touch (`hugepages.lazy_zeros`: once per block, until the pool has been used once).
+Measured (`benchmarks/bench_heap.py --processes 3 --bursts 5`: AMD EPYC Zen 4 VM, 2 threads, fp32, bursts of
+16 x 128-token prompts in one prefill step, processes alternating, quiet, 2026-12-07 21:13): minor page faults per
+5 bursts 423-466 k without, 245-247 k with; the burst itself 2,544 vs 2,521 ms, within the noise (an earlier
+scratch run of the same A/B: 2,571 vs 2,503). The faults left are mostly the KV pool's first touch
+(`hugepages.lazy_zeros`: once per block, until the pool has been used once).
 Applied once per process by the CPU model executor; a C library without `mallopt` (not glibc) leaves malloc as
 it is: a decision, logged.
 """
