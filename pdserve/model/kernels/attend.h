@@ -77,10 +77,6 @@ static inline float dot(const float *a, const float *b, int d) {
 
 #define CHUNK 64 /* keys scored at once, per query head */
 
-static inline void prefetch_block(const float *p, int64_t nbytes) {
-    for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch((const char *)p + i);
-}
-
 /* Online-softmax update of G query heads with n scored keys: s[g][t] becomes the weight of key t. */
 static void softmax_update(float (*s)[CHUNK + VL], int n, float *m, float *l, float *acc, int g_heads,
                            int d) {
