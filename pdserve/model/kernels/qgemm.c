@@ -296,26 +296,45 @@ int pd_qgemm_i8_isa(void) { return QGEMM_I8; }
  * an fp32 scale and an int32 128 * sum. */
 int64_t pd_qscratch_bytes(int m, int k) { return (int64_t)m * k + (int64_t)m * (k / QK) * 8 + 64; }
 
+/* One block of QK values -> int8 q[QK] = round-half-away(x / d) with d = absmax / 127; returns the sum of q. */
+static inline int32_t quantize_block(const float *xb, int8_t *qb, float *d) {
+    float amax = 0.f;
+    for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+    float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    *d = db;
+#if QGEMM_I8 == 512
+    /* the same operations 16 lanes at a time (a scalar loop was ~2/5 of the int8-row products' time) */
+    const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), zero = _mm512_setzero_ps();
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < QK; h += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xb + h), vid);
+        __m512i iv = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_add_ps(_mm512_abs_ps(v), half),
+                                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+        iv = _mm512_mask_sub_epi32(iv, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), _mm512_setzero_si512(), iv);
+        _mm_storeu_si128((__m128i *)(qb + h), _mm512_cvtepi32_epi8(iv));
+        sum = _mm512_add_epi32(sum, iv);
+    }
+    return _mm512_reduce_add_epi32(sum);
+#else
+    int32_t sum = 0;
+    for (int i = 0; i < QK; i++) {
+        float v = xb[i] * id;
+        int iv = (int)floorf(fabsf(v) + 0.5f);
+        qb[i] = (int8_t)(v < 0.f ? -iv : iv);
+        sum += qb[i];
+    }
+    return sum;
+#endif
+}
+
 /* Rows of x -> int8 q [m, k], d [m, k / QK] fp32, off [m, k / QK] = 128 * sum of the block's q. */
 static void quantize_rows_for(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, int32_t *off) {
     int blocks = k / QK;
 #pragma omp for schedule(static)
     for (int r = 0; r < m; r++)
         for (int b = 0; b < blocks; b++) {
-            const float *xb = x + r * ldx + b * QK;
-            int8_t *qb = q + (int64_t)r * k + b * QK;
-            float amax = 0.f;
-            for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-            float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
-            int32_t sum = 0;
-            for (int i = 0; i < QK; i++) {
-                float v = xb[i] * id;
-                int iv = (int)floorf(fabsf(v) + 0.5f);
-                qb[i] = (int8_t)(v < 0.f ? -iv : iv);
-                sum += qb[i];
-            }
-            d[(int64_t)r * blocks + b] = db;
-            off[(int64_t)r * blocks + b] = 128 * sum;
+            int64_t at = (int64_t)r * blocks + b;
+            off[at] = 128 * quantize_block(x + r * ldx + b * QK, q + (int64_t)r * k + b * QK, d + at);
         }
 }
 
