@@ -35,20 +35,20 @@ static inline __attribute__((always_inline)) void attend_one(
     float m[g_heads], l[g_heads], acc[g_heads * d];
     float s[g_heads][CHUNK + VL];
     const float *kr[CHUNK], *vr[CHUNK];
-    int64_t block_floats = (int64_t)bs * d, blk = 0;
-    int off = 0;
+    int64_t block_floats = (int64_t)bs * d, blk = 0, ablk = KEYS_AHEAD / bs; /* ablk, aoff: key start + t + KEYS_AHEAD */
+    int off = 0, aoff = KEYS_AHEAD % bs;
     for (int g = 0; g < g_heads; g++) m[g] = -INFINITY, l[g] = 0.f;
     memset(acc, 0, sizeof acc);
     for (int64_t start = 0; start < len; start += CHUNK) {
         int n = len - start < CHUNK ? (int)(len - start) : CHUNK;
         for (int t = 0; t < n; t++) {
-            int64_t ahead = start + t + KEYS_AHEAD;
-            if (ahead < len) {
-                int64_t row = rows[ahead / bs] * block_floats + (ahead % bs) * d;
+            if (start + t + KEYS_AHEAD < len) {
+                int64_t row = rows[ablk] * block_floats + (int64_t)aoff * d;
                 for (int i = 0; i < d; i += 16) {
                     __builtin_prefetch(k_cache + row + i, 0, 2);
                     __builtin_prefetch(v_cache + row + i, 0, 2);
                 }
+                if (++aoff == bs) aoff = 0, ablk++;
             }
             kr[t] = k_cache + rows[blk] * block_floats + (int64_t)off * d;
             vr[t] = v_cache + rows[blk] * block_floats + (int64_t)off * d;
