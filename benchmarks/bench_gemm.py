@@ -10,7 +10,8 @@ packed sgemm (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL) and oneDNN's fp32 m
 all alike; medians are printed, with the fastest path per row count and the range of row counts where the
 kernel wins. `--quant`: also the quantized-weight paths (`pdserve.model.quant`: the q8_0 and q4_1 kernels,
 dequantize + the fp32 matmul as prefill runs it past the kernels (`linear.large`), and where the CPU has VNNI
-q8_0 on int8 rows), the evidence for `quant.KERNEL_ROWS` and `quant.I8_ROWS`.
+q8_0 on int8 rows, and where the CPU multiplies bf16 natively bf16 `F.linear` on the blocks dequantized per call),
+the evidence for `quant.KERNEL_ROWS`, `quant.I8_ROWS` and `quant.BF16_ROWS`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def quant_paths(weights: list[torch.Tensor]) -> dict[str, list]:
     paths = {"q8_0": q8, "q4_1": q4, "q8_0_deq": q8, "q4_1_deq": q4}
     if kernels.qgemm_i8_isa() != "none":
         paths["q8_0_i8"] = q8  # int8 rows (VNNI): the evidence for quant.I8_ROWS
+    if kernels.bf16_isa() != "none":  # bf16 F.linear on the blocks dequantized per call: the evidence for BF16_ROWS
+        paths.update({"q8_0_bf16": q8, "q4_1_bf16": q4})
     return paths
 
 
@@ -59,6 +62,8 @@ def one_pass(path: str, packed: list, xs: dict[int, torch.Tensor]) -> float:
             kernels.qgemm(xs[p.k], p.panels, quant.KINDS[p.kind], p.n, p.k)
         elif path == "q8_0_i8":
             kernels.qgemm(xs[p.k], p.panels, kernels.FMT_Q8_0_I8, p.n, p.k)
+        elif path.endswith("_bf16"):
+            p.bf16(xs[p.k])  # as QuantLinear runs it past quant.BF16_ROWS
         elif path.endswith("_deq"):
             linear.large(xs[p.k], p.weight(), None)  # as QuantLinear's fp32 path runs it
         elif path == "kernel":

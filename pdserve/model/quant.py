@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 QK, QW = 32, 16  # weights per block (along k); output columns per packed panel
 KINDS = {"q8_0": 1, "q4_1": 2}  # block kinds -> the kernel's format ids
-# Row counts the kernel serves, per instruction set; more rows dequantize and run F.linear. Measured with
+# Row counts the kernel serves, per instruction set (Q8_0's int8 rows reach further where `I8_ROWS` says); more
+# rows dequantize and run F.linear. Measured with
 # bench_gemm.py --quant (the default model's 120 per-layer products, 2 threads, Intel Xeon AVX-512, 2026-12-07):
 # the AVX-512 kernel beats dequantize + F.linear up to 128 rows (q8_0 127 vs 144 ms), ties at 256, loses at 512
 # (524 vs 421 ms); the AVX2 build (-mno-avx512f, same host) was measured clean only up to 16 rows (q8_0 30 vs
@@ -46,8 +47,13 @@ KERNEL_ROWS = {"avx512": 128, "avx2": 32}
 # even or noise at 1-12; AVX2 build (-mno-avx512f, AVX-VNNI) 1.37x at 8, 1.40x at 16, 1.47x at 32, 0.92x at 1.
 # AMD EPYC Zen 4 (AVX512-VNNI, no AVX-VNNI; `bench_gemm.py --quant`, 2 threads, medians of 7-9, load < 1,
 # 2026-12-07; ms for the 120 products, int8 rows vs fp32 rows): 1-3 rows even (4.7-5.6 vs 5.0-5.4), 4 rows 5.3 vs
-# 6.1, 8 rows 6.2 vs 10.2, 16 rows 8.9 vs 19.8, 64 rows 40 vs 77. Keyed by `kernels.host_kind`.
-I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32), "avx512_amd": (4, 128)}
+# 6.1, 8 rows 6.2 vs 10.2, 16 rows 8.9 vs 19.8, 64 rows 40 vs 77. Since the rows are quantized 16 lanes at a time
+# (`bench_gemm.py --quant --rows 64 96 128 256 --repeats 5` and `--rows 512 2048 --repeats 3`, quiet, 2026-12-08
+# 00:12-00:17; int8 rows vs bf16 vs fp32 rows, ms): 64 rows 32 / 104 / 81, 128 rows 63 / 142 / 160, 256 rows 128 / 228
+# / 324, 512 rows 293 / 393 / 670, 2048 rows 1,119 / 1,267 / 2,904 (oneDNN fp32 2,283): int8 rows at every count
+# from 4, prefill included (`ANY_ROWS`), so no bf16 rule for Q8_0 there. Keyed by `kernels.host_kind`.
+ANY_ROWS = 1 << 20  # a rule's "and up"
+I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32), "avx512_amd": (4, ANY_ROWS)}
 # Row counts from which quantized weights multiply in bf16, per how the CPU multiplies bf16 (`kernels.bf16_isa()`):
 # the weight dequantized per call into a reused bf16 scratch (qgemm.c pd_qdequant_bf16t: the fp32 weight rounded
 # to nearest even, ~0.5 ms for a layer's 3.5 M weights on 2 threads), the rows rounded to bf16, torch's bf16
@@ -66,9 +72,11 @@ I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32), "avx512_amd": (4, 128)}
 # Zen 4, 2 threads, the same four products, medians of 9, load ~2-3, 2026-12-07; ms per layer, q8_0 int8-row /
 # q4 kernel / bf16 / fp32 dequantize + oneDNN / + F.linear): 64 rows 1.8 / 2.6 / 2.6 / 4.4 / 5.1, 96 rows 2.6 / 3.9 /
 # 3.4 / 5.5 / 6.7, 128 rows 3.1 / 5.2 / 3.8 / 6.6 / 7.5, 256 rows (q8_0 fp32 rows) 11.6 / 10.3 / 6.8 / 11.4 / 14.5,
-# 2048 rows 86 / 85 / 42 / 72 / 85: bf16 from 96 rows for q4 and past q8_0's int8-row range (129) for q8_0. Keyed
-# by `kernels.host_kind(bf16_isa)`: AVX512-BF16 on AMD only (on Intel's, above, it lost to fp32).
-BF16_ROWS = {"amx": {"q8_0": 96, "q4_1": 96}, "avx512_bf16_amd": {"q8_0": 129, "q4_1": 96}}
+# 2048 rows 86 / 85 / 42 / 72 / 85: bf16 from 96 rows for q4 (`bench_gemm.py --quant`, 2026-12-08, the 120 products:
+# q4 kernel vs bf16 96 rows 116 vs 117 ms, 128 rows 156 vs 142, 2048 rows 3,041 vs 1,283); q8_0 never (int8 rows win
+# at every count there, `I8_ROWS`). Keyed by `kernels.host_kind(bf16_isa)`: AVX512-BF16 on AMD only (on Intel's,
+# above, it lost to fp32).
+BF16_ROWS = {"amx": {"q8_0": 96, "q4_1": 96}, "avx512_bf16_amd": {"q4_1": 96}}
 # What `--weights auto` picks per instruction set: the format measured fastest within the quality bounds
 # (BENCHMARKS.md "Quantized weights": q8_0's kernel is the fastest at 1 row on both builds, 8.3 vs 10.3 ms for
 # q4 and 18.4 for fp32; perplexity -0.2% against fp32 on the default model).
@@ -195,8 +203,8 @@ class QuantLinear:
         self.bias = bias
         self.isa = kernels.qgemm_isa()
         self.bf16_from = bf16_rows(kernels.bf16_isa(), kind)
-        self.max_rows = min(KERNEL_ROWS.get(self.isa, 0), self.bf16_from - 1)
         self.i8_rows = i8_rows(self.kind)
+        self.max_rows = min(max(KERNEL_ROWS.get(self.isa, 0), self.i8_rows[1]), self.bf16_from - 1)
 
     def kernel_format(self, rows: int) -> int:
         """The kernel format (qgemm.c) for a call of `rows` rows."""
@@ -219,12 +227,17 @@ class QuantLinear:
             y = kernels.qgemm(x, self.panels, fmt, self.n, self.k)
             return y if self.bias is None else y.add_(self.bias)
         if rows >= self.bf16_from and kernels.usable(x):
-            kernels.used("gemm", f"{self.kind}_bf16")
-            w = kernels.qdequant_bf16t(self.panels, KINDS[self.kind], self.n, self.k,
-                                       _scratch(self.n * self.k, torch.bfloat16))
-            y = F.linear(x.to(torch.bfloat16), w).float()
-            return y if self.bias is None else y.add_(self.bias)
+            return self.bf16(x)
         return linear.large(x, self.weight(_scratch(self.n * self.k)), self.bias, f"{self.kind}_dequant")
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The bf16 path of many rows (where `BF16_ROWS` says): the blocks dequantized to bf16 for the call, F.linear
+        in bf16 (AMX, AVX512-BF16), fp32 out. Callers check `kernels.usable(x)`."""
+        kernels.used("gemm", f"{self.kind}_bf16")
+        w = kernels.qdequant_bf16t(self.panels, KINDS[self.kind], self.n, self.k,
+                                   _scratch(self.n * self.k, torch.bfloat16))
+        y = F.linear(x.to(torch.bfloat16), w).float()
+        return y if self.bias is None else y.add_(self.bias)
 
     def weight(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weight [n, k] these blocks hold (the kernel's dequantization, or torch's when it is off), in
