@@ -48,8 +48,8 @@ KERNEL_ROWS = {"avx512": 128, "avx2": 32}
 # AMD EPYC Zen 4 (AVX512-VNNI, no AVX-VNNI; `bench_gemm.py --quant`, 2 threads, medians of 7-9, load < 1,
 # 2026-12-07; ms for the 120 products, int8 rows vs fp32 rows): 1-3 rows even (4.7-5.6 vs 5.0-5.4), 4 rows 5.3 vs
 # 6.1, 8 rows 6.2 vs 10.2, 16 rows 8.9 vs 19.8, 64 rows 40 vs 77. Since the rows are quantized 16 lanes at a time
-# (`bench_gemm.py --quant --rows 64 96 128 256 --repeats 5` and `--rows 512 2048 --repeats 3`, quiet, 2026-12-08
-# 00:12-00:17; int8 rows vs bf16 vs fp32 rows, ms): 64 rows 32 / 104 / 81, 128 rows 63 / 142 / 160, 256 rows 128 / 228
+# (`bench_gemm.py --quant --rows 64 96 128 256 --repeats 5` and `--rows 512 2048 --repeats 3`, quiet, 2026-12-07
+# ~23:58-00:02; int8 rows vs bf16 vs fp32 rows, ms): 64 rows 32 / 104 / 81, 128 rows 63 / 142 / 160, 256 rows 128 / 228
 # / 324, 512 rows 293 / 393 / 670, 2048 rows 1,119 / 1,267 / 2,904 (oneDNN fp32 2,283): int8 rows at every count
 # from 4, prefill included (`ANY_ROWS`), so no bf16 rule for Q8_0 there. Keyed by `kernels.host_kind`.
 ANY_ROWS = 1 << 20  # a rule's "and up"
@@ -72,7 +72,7 @@ I8_ROWS = {"avx512": (16, 128), "avx2": (8, 32), "avx512_amd": (4, ANY_ROWS)}
 # Zen 4, 2 threads, the same four products, medians of 9, load ~2-3, 2026-12-07; ms per layer, q8_0 int8-row /
 # q4 kernel / bf16 / fp32 dequantize + oneDNN / + F.linear): 64 rows 1.8 / 2.6 / 2.6 / 4.4 / 5.1, 96 rows 2.6 / 3.9 /
 # 3.4 / 5.5 / 6.7, 128 rows 3.1 / 5.2 / 3.8 / 6.6 / 7.5, 256 rows (q8_0 fp32 rows) 11.6 / 10.3 / 6.8 / 11.4 / 14.5,
-# 2048 rows 86 / 85 / 42 / 72 / 85: bf16 from 96 rows for q4 (`bench_gemm.py --quant`, 2026-12-08, the 120 products:
+# 2048 rows 86 / 85 / 42 / 72 / 85: bf16 from 96 rows for q4 (`bench_gemm.py --quant`, 2026-12-07 ~23:58, the 120 products:
 # q4 kernel vs bf16 96 rows 116 vs 117 ms, 128 rows 156 vs 142, 2048 rows 3,041 vs 1,283); q8_0 never (int8 rows win
 # at every count there, `I8_ROWS`). Keyed by `kernels.host_kind(bf16_isa)`: AVX512-BF16 on AMD only (on Intel's,
 # above, it lost to fp32).

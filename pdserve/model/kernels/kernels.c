@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void attend_one(
     float m[g_heads], l[g_heads], acc[g_heads * d];
     float s[g_heads][CHUNK + VL];
     const float *kr[CHUNK], *vr[CHUNK];
-    int64_t block_floats = (int64_t)bs * d, blk = 0, ablk = KEYS_AHEAD / bs; /* ablk, aoff: key start + t + KEYS_AHEAD */
+    int64_t block_floats = (int64_t)bs * d, blk = 0, ablk = KEYS_AHEAD / bs; /* ablk, aoff: key KEYS_AHEAD on */
     int off = 0, aoff = KEYS_AHEAD % bs;
     for (int g = 0; g < g_heads; g++) m[g] = -INFINITY, l[g] = 0.f;
     memset(acc, 0, sizeof acc);
