@@ -23,7 +23,8 @@ static void rope_write_kv_for(const float *qkv, int64_t stride, const float *cos
  * key: spread out, they keep misses in flight across the scattered 4 KiB blocks. Measured on Zen 4, quiet
  * (`benchmarks/bench_decode_parts.py --weights q8_0 --input-len 256`, its cold attention over 30 layers of
  * 16 x 192 keys, 142 MB): 8.6-9.1 ms, where a burst prefetch of the whole next block into L1 (prefetcht0)
- * took 10.9-11.8 ms (its 128 prefetches fill the L1 miss buffers); 16 to 96 keys ahead were within noise. */
+ * took 10.9-11.8 ms (its 128 prefetches fill the L1 miss buffers). 16 to 96 keys ahead, prefetcht2, or K also
+ * into L1 4 keys ahead were within noise of this (variants built from a scratch copy, not kept). */
 #define KEYS_AHEAD 24
 
 /* One (sequence, KV head): the G query heads sharing it attend over `len` keys read in place, CHUNK
